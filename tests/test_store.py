@@ -1,0 +1,149 @@
+"""The store on a real DuckDB file: round trips, idempotency, quarantine, merging."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from store import Store, export_run, import_file, run_id_of
+from store.events import InvalidEvent, parse_line
+from tests.conftest import servescope
+
+SEED_LINE = (
+    '{"request_id": "run-20260512-001", "model": "local-coder", "prompt_tokens": 1842, '
+    '"completion_tokens": 419, "ttft_ms": 820, "tpot_ms": 34, "cache_hit": true, '
+    '"finish_reason": "stop"}'
+)
+
+
+def test_seed_line_round_trips_unchanged_through_the_cli(tmp_path: Path) -> None:
+    src = tmp_path / "seed.events.jsonl"
+    src.write_text(SEED_LINE + "\n")
+    db = tmp_path / "s.duckdb"
+    servescope("store", "import", str(src), "--store", str(db), check=True)
+    servescope("store", "import", str(src), "--store", str(db), check=True)
+    out = tmp_path / "out.events.jsonl"
+    servescope("store", "export", "run-20260512", "--out", str(out), "--store", str(db), check=True)
+    assert out.read_text() == src.read_text()
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM events").fetchone() == (1,)
+
+
+def test_unknown_keys_and_order_are_preserved(tmp_path: Path) -> None:
+    doc = {"zeta": [1, {"a": None}], "request_id": "run-x-7", "ttft_ms": 1.5, "custom": "é"}
+    src = tmp_path / "in.events.jsonl"
+    src.write_text(json.dumps(doc) + "\n")
+    store = Store(tmp_path / "s.duckdb")
+    import_file(store, src)
+    out = tmp_path / "out.jsonl"
+    export_run(store, "run-x", out)
+    assert list(json.loads(out.read_text()).items()) == list(doc.items())
+
+
+def test_bad_lines_are_quarantined_with_reasons_and_good_ones_kept(tmp_path: Path) -> None:
+    lines = [
+        SEED_LINE,
+        '{"request_id": "run-20260512-002", "ttft_ms": ',
+        "\x00\x01garbage",
+        '{"request_id": "run-20260512-003", "ttft_ms": "fast"}',
+        '{"model": "no id"}',
+        '{"request_id": "run-20260512-004", "ttft_ms": 5, "brand_new_field": {"x": 1}}',
+    ]
+    src = tmp_path / "mixed.events.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    store = Store(tmp_path / "s.duckdb")
+    result = import_file(store, src)
+    assert (result.events, result.errors) == (2, 4)
+    with store.read() as con:
+        ids = [r[0] for r in con.execute("SELECT request_id FROM events ORDER BY 1").fetchall()]
+        errors = con.execute('SELECT "offset", reason FROM ingest_errors ORDER BY 1').fetchall()
+    assert ids == ["run-20260512-001", "run-20260512-004"]
+    reasons = [reason for _, reason in errors]
+    assert reasons[0].startswith("invalid JSON")
+    assert reasons[1].startswith("invalid JSON")
+    assert reasons[2] == "wrong type for ttft_ms: str"
+    assert reasons[3] == "missing request_id"
+    assert errors[0][0] == len(lines[0]) + 1
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ('{"request_id": "a-1", "cache_hit": 1}', "wrong type for cache_hit: int"),
+        ('{"request_id": "a-1", "prompt_tokens": true}', "wrong type for prompt_tokens: bool"),
+        ('{"request_id": "a-1", "status": "great"}', "unknown status: 'great'"),
+        (
+            '{"request_id": "a-1", "itl_ms": [1, "x"]}',
+            "wrong type for itl_ms: not a list of numbers",
+        ),
+        ("[1, 2]", "not a JSON object: list"),
+    ],
+)
+def test_contract_types_are_enforced(line: str, reason: str) -> None:
+    with pytest.raises(InvalidEvent, match=reason.replace("[", r"\[")):
+        parse_line(line)
+
+
+def test_run_id_defaults_to_request_id_without_sequence() -> None:
+    assert run_id_of({"request_id": "run-20260512-001"}) == "run-20260512"
+    assert run_id_of({"request_id": "run-20260512-demo-000042"}) == "run-20260512-demo"
+    assert run_id_of({"request_id": "x-1", "run_id": "other"}) == "other"
+
+
+def test_pieces_of_one_request_merge_into_one_row(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    store.add_events(
+        [{"request_id": "run-m-1", "source": "client", "ttft_ms": 12.0, "e2e_ms": 50.0}]
+    )
+    store.add_events(
+        [{"request_id": "run-m-1", "source": "vllm-trace", "queue_ms": 3.0, "ttft_ms": None}]
+    )
+    [doc] = store.export_events("run-m")
+    assert doc == {
+        "request_id": "run-m-1",
+        "source": "client",
+        "ttft_ms": 12.0,
+        "e2e_ms": 50.0,
+        "queue_ms": 3.0,
+    }
+    with store.read() as con:
+        assert con.execute("SELECT ttft_ms, queue_ms, status FROM events").fetchall() == [
+            (12.0, 3.0, "ok")
+        ]
+
+
+def test_status_is_derived_when_absent(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    store.add_events(
+        [
+            {"request_id": "r-1", "finish_reason": "stop"},
+            {"request_id": "r-2", "finish_reason": "error"},
+            {"request_id": "r-3", "error": "http_5xx"},
+            {"request_id": "r-4", "status": "rejected", "error": "rejected:queue_full"},
+        ]
+    )
+    with store.read() as con:
+        rows = con.execute("SELECT request_id, status FROM events ORDER BY 1").fetchall()
+    assert rows == [("r-1", "ok"), ("r-2", "error"), ("r-3", "error"), ("r-4", "rejected")]
+
+
+def test_store_runs_lists_event_counts(tmp_path: Path) -> None:
+    db = tmp_path / "s.duckdb"
+    store = Store(db)
+    store.add_events([{"request_id": f"run-a-{i}"} for i in range(3)])
+    store.upsert_run("run-b", model="m", levers={"enable_prefix_caching": False})
+    listed = json.loads(
+        servescope("store", "runs", "--json", "--store", str(db), check=True).stdout
+    )
+    assert {(r["run_id"], r["events"]) for r in listed} == {("run-a", 3), ("run-b", 0)}
+
+
+def test_env_var_selects_the_store(tmp_path: Path) -> None:
+    src = tmp_path / "seed.events.jsonl"
+    src.write_text(SEED_LINE + "\n")
+    db = tmp_path / "env.duckdb"
+    servescope("store", "import", str(src), env={"SERVESCOPE_STORE": str(db)}, check=True)
+    assert Store(db).run_ids() == ["run-20260512"]
