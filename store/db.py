@@ -279,6 +279,25 @@ class Store:
             rows = _rows(con.execute(queries.GET_RUN, [run_id]))
         return rows[0] if rows else None
 
+    def counter_deltas(self, run_id: str, names: Sequence[str]) -> dict[str, float | None]:
+        """How much each counter grew during the run (summed over series; resets handled).
+
+        None for a counter with fewer than two samples in the run: not measured, not zero.
+        """
+        with self.read() as con:
+            rows = con.execute(queries.COUNTER_DELTAS, {"run_id": run_id, "names": list(names)})
+            found = {
+                name: (delta if samples >= 2 else None) for name, delta, samples in rows.fetchall()
+            }
+        return {name: found.get(name) for name in names}
+
+    def gauge_peaks(self, run_id: str, names: Sequence[str]) -> dict[str, float | None]:
+        """The highest value each gauge reached during the run (None when never sampled)."""
+        with self.read() as con:
+            rows = con.execute(queries.GAUGE_PEAKS, {"run_id": run_id, "names": list(names)})
+            found = dict(rows.fetchall())
+        return {name: found.get(name) for name in names}
+
     def export_events(self, run_id: str) -> list[dict[str, Any]]:
         """The run's records exactly as they were ingested (merged per request)."""
         with self.read() as con:

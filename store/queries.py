@@ -150,3 +150,31 @@ ERRORS_BY_CLASS = """
 SELECT COALESCE(error, status) AS class, count(*) AS n
 FROM events WHERE run_id = ? AND status <> 'ok' GROUP BY 1 ORDER BY 2 DESC
 """
+
+# Run-scoped counter deltas, reset-aware: per series (target, labels) the sum of positive steps
+# between successive samples; a drop means the server restarted, and the new value counts whole.
+COUNTER_DELTAS = """
+WITH s AS (
+    SELECT target, labels, name, ts, value,
+           lag(value) OVER (PARTITION BY target, name, labels ORDER BY ts) AS prev
+    FROM metric_samples
+    WHERE run_id = $run_id AND list_contains($names, name)
+)
+SELECT name,
+       sum(CASE WHEN prev IS NULL THEN 0
+                WHEN value >= prev THEN value - prev
+                ELSE value END) AS delta,
+       count(*) AS samples
+FROM s GROUP BY name
+"""
+
+# Peak of gauges over the run, summed across targets sampled at the same instant.
+GAUGE_PEAKS = """
+WITH per_ts AS (
+    SELECT name, ts, sum(value) AS value
+    FROM metric_samples
+    WHERE run_id = $run_id AND list_contains($names, name)
+    GROUP BY name, ts
+)
+SELECT name, max(value) AS peak FROM per_ts GROUP BY name
+"""

@@ -147,3 +147,31 @@ def test_env_var_selects_the_store(tmp_path: Path) -> None:
     db = tmp_path / "env.duckdb"
     servescope("store", "import", str(src), env={"SERVESCOPE_STORE": str(db)}, check=True)
     assert Store(db).run_ids() == ["run-20260512"]
+
+
+def test_counter_deltas_are_run_scoped_and_survive_a_restart(tmp_path: Path) -> None:
+    from datetime import datetime, timedelta
+
+    store = Store(tmp_path / "s.duckdb")
+    t0 = datetime(2026, 5, 12)
+    hits = [(0, 0), (10, 40), (30, 100), (5, 10), (15, 30)]  # server restarted after sample 3
+    rows = []
+    for i, (h, q) in enumerate(hits):
+        ts = t0 + timedelta(seconds=i)
+        labels = {"model_name": "m"}
+        rows.append((ts, "a", "vllm:prefix_cache_hits_total", labels, "r1", h))
+        rows.append((ts, "a", "vllm:prefix_cache_queries_total", labels, "r1", q))
+        rows.append((ts, "a", "vllm:num_requests_waiting", labels, "r1", float(i)))
+        rows.append((ts, "a", "vllm:prefix_cache_hits_total", labels, "other-run", 999.0 * i))
+    store.add_metric_samples(rows)
+    deltas = store.counter_deltas(
+        "r1", ["vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "absent"]
+    )
+    assert deltas == {
+        "vllm:prefix_cache_hits_total": 45.0,
+        "vllm:prefix_cache_queries_total": 130.0,
+        "absent": None,
+    }
+    assert store.gauge_peaks("r1", ["vllm:num_requests_waiting"]) == {
+        "vllm:num_requests_waiting": 4.0
+    }
