@@ -217,11 +217,13 @@ class Store:
         ]
         if not rows:
             return
+        # one columnar statement: executemany costs ~2 ms a row, a /metrics page has ~400
+        columns = [list(column) for column in zip(*rows, strict=True)]
         if con is None:
             with self.write() as tx:
-                tx.executemany(queries.INSERT_METRIC_SAMPLES, rows)
+                tx.execute(queries.INSERT_METRIC_SAMPLES, columns)
         else:
-            con.executemany(queries.INSERT_METRIC_SAMPLES, rows)
+            con.execute(queries.INSERT_METRIC_SAMPLES, columns)
 
     def add_lever_flip(
         self,

@@ -74,7 +74,8 @@ ON CONFLICT (run_id) DO UPDATE SET
 
 INSERT_METRIC_SAMPLES = """
 INSERT OR IGNORE INTO metric_samples (ts, target, name, labels, run_id, value)
-VALUES (?, ?, ?, ?, ?, ?)
+SELECT * FROM (SELECT unnest(?) AS ts, unnest(?) AS target, unnest(?) AS name,
+                      unnest(?) AS labels, unnest(?) AS run_id, unnest(?) AS value)
 """
 
 INSERT_LEVER_FLIP = """
