@@ -52,6 +52,74 @@ def error_class(exc: BaseException) -> str:
     return "disconnect"
 
 
+class StreamTiming:
+    """The timing rules of the module docstring, fed one SSE message at a time.
+
+    Both the bench client and the gateway's pass-through proxy feed it, so a number measured at
+    the gateway and one measured at the client mean the same thing.
+    """
+
+    __slots__ = ("endpoint", "start", "first", "last", "gaps", "usage", "finish_reason", "done")
+
+    def __init__(self, endpoint: Endpoint, start: float) -> None:
+        self.endpoint = endpoint
+        self.start = start
+        self.first: float | None = None
+        self.last: float | None = None
+        self.gaps: list[float] = []
+        self.usage: dict[str, Any] | None = None
+        self.finish_reason: str | None = None
+        self.done = False
+
+    def feed_line(self, line: bytes, now: float) -> dict[str, Any] | None:
+        """Take one line of the stream; returns the parsed chunk (None for `[DONE]`/non-data)."""
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            return None
+        data = line[5:].strip()
+        if data == DONE:
+            self.done = True
+            return None
+        chunk = json.loads(data)
+        for choice in chunk.get("choices") or ():
+            if self.endpoint.text_of(choice):
+                if self.first is None:
+                    self.first = now
+                elif self.last is not None:
+                    self.gaps.append((now - self.last) * 1000.0)
+                self.last = now
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        return chunk
+
+    def finish(self, event: dict[str, Any], end: float) -> dict[str, Any]:
+        """Fill e2e, TTFT, TPOT, ITL, finish reason and usage into `event` (status `ok`)."""
+        e2e = (end - self.start) * 1000.0
+        event["e2e_ms"] = e2e
+        if self.first is not None:
+            event["ttft_ms"] = (self.first - self.start) * 1000.0
+        event["itl_ms"] = self.gaps
+        event["finish_reason"] = self.finish_reason
+        if self.usage:
+            usage_into(event, self.usage)
+        completion = event.get("completion_tokens")
+        if self.first is not None and completion and completion > 1:
+            event["tpot_ms"] = (e2e - event["ttft_ms"]) / (completion - 1)
+        event["status"] = "ok"
+        return event
+
+
+def usage_into(event: dict[str, Any], usage: dict[str, Any]) -> None:
+    """Copy an OpenAI `usage` object into the event's token fields."""
+    event["prompt_tokens"] = usage.get("prompt_tokens")
+    event["completion_tokens"] = usage.get("completion_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is not None:
+        event["cached_tokens"] = cached
+        event["cache_hit"] = cached > 0
+
+
 async def stream_request(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -66,13 +134,8 @@ async def stream_request(
     body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     send_headers = {"X-Request-Id": request_id, **(headers or {})}
     event: dict[str, Any] = {"request_id": request_id, "ts": utc_now_iso()}
-    gaps: list[float] = []
-    usage: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    first: float | None = None
-    last: float | None = None
-    done = False
     start = time.perf_counter()
+    timing = StreamTiming(endpoint, start)
     try:
         async with session.post(
             base_url + endpoint.path,
@@ -86,51 +149,18 @@ async def stream_request(
                 kind = "http_5xx" if resp.status >= 500 else "http_4xx"
                 return _failed(event, start, kind, "error", text)
             async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == DONE:
-                    done = True
+                chunk = timing.feed_line(raw, time.perf_counter())
+                if timing.done:
                     break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                for choice in chunk.get("choices") or ():
-                    if endpoint.text_of(choice):
-                        if first is None:
-                            first = now
-                        elif last is not None:
-                            gaps.append((now - last) * 1000.0)
-                        last = now
-                    finish_reason = choice.get("finish_reason") or finish_reason
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                if "error" in chunk:
+                if chunk is not None and "error" in chunk:
                     return _failed(event, start, "http_5xx", "error", json.dumps(chunk["error"]))
     except (TimeoutError, aiohttp.ClientError) as exc:
         kind = error_class(exc)
         return _failed(event, start, kind, "timeout" if kind == "timeout" else "error", repr(exc))
     end = time.perf_counter()
-    if not done:
+    if not timing.done:
         return _failed(event, start, "disconnect", "error", "stream ended before [DONE]")
-    e2e = (end - start) * 1000.0
-    event["e2e_ms"] = e2e
-    if first is not None:
-        event["ttft_ms"] = (first - start) * 1000.0
-    event["itl_ms"] = gaps
-    event["finish_reason"] = finish_reason
-    if usage:
-        event["prompt_tokens"] = usage.get("prompt_tokens")
-        event["completion_tokens"] = usage.get("completion_tokens")
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        if cached is not None:
-            event["cached_tokens"] = cached
-            event["cache_hit"] = cached > 0
-    completion = event.get("completion_tokens")
-    if first is not None and completion and completion > 1:
-        event["tpot_ms"] = (e2e - event["ttft_ms"]) / (completion - 1)
-    event["status"] = "ok"
-    return event
+    return timing.finish(event, end)
 
 
 def _failed(
