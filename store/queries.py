@@ -179,3 +179,202 @@ WITH per_ts AS (
 )
 SELECT name, max(value) AS peak FROM per_ts GROUP BY name
 """
+
+# -- reports: a slice of a run (the whole run, or the part before/after a lever flip) -----------
+# Every report query takes $run_id, $since and $until (NULL = unbounded; events without a `ts`
+# belong only to an unbounded slice), so one set of queries serves `--vs` and `--split-at-flip`.
+# `_sliced` pastes this constant condition where a query says SLICE; all values stay parameters.
+_IN_SLICE = """run_id = $run_id
+    AND (CAST($since AS TIMESTAMP) IS NULL OR ts >= CAST($since AS TIMESTAMP))
+    AND (CAST($until AS TIMESTAMP) IS NULL OR ts < CAST($until AS TIMESTAMP))"""
+
+
+def _sliced(sql: str) -> str:
+    return sql.replace("SLICE", _IN_SLICE)
+
+
+REPORT_LATENCY_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms")
+
+# Goodput (vLLM's definition): successful requests meeting every SLO given ($slo_* NULL = none).
+_SLICE_SUMMARY_SELECT = _sliced(
+    """
+SELECT
+    count(*) AS requests,
+    count(*) FILTER (WHERE status <> 'ok') AS errors,
+    (count(*) FILTER (WHERE status <> 'ok'))::DOUBLE / NULLIF(count(*), 0) AS error_rate,
+    count(*) FILTER (WHERE status = 'rejected') AS rejected,
+    LATENCY,
+    min(ts) AS first_ts,
+    max(ts + to_microseconds(CAST(COALESCE(e2e_ms, 0) * 1000 AS BIGINT))) AS last_end_ts,
+    sum(prompt_tokens) FILTER (WHERE status = 'ok') AS input_tokens,
+    sum(completion_tokens) FILTER (WHERE status = 'ok') AS output_tokens,
+    avg(CASE WHEN cache_hit THEN 1.0 WHEN NOT cache_hit THEN 0.0 END) AS cache_hit_request_ratio,
+    sum(cached_tokens)::DOUBLE
+        / NULLIF(sum(prompt_tokens) FILTER (WHERE cached_tokens IS NOT NULL), 0)
+        AS cached_token_ratio,
+    avg(prompt_tokens) AS prompt_tokens_mean,
+    count(*) FILTER (
+        WHERE status = 'ok'
+        AND (CAST($slo_ttft_ms AS DOUBLE) IS NULL OR ttft_ms <= $slo_ttft_ms)
+        AND (CAST($slo_tpot_ms AS DOUBLE) IS NULL OR tpot_ms <= $slo_tpot_ms)
+        AND (CAST($slo_e2e_ms AS DOUBLE) IS NULL OR e2e_ms <= $slo_e2e_ms)
+    ) AS good_requests,
+    string_agg(DISTINCT model, ', ' ORDER BY model) AS models
+FROM events
+WHERE SLICE
+"""
+).replace("LATENCY", ",".join(_LATENCY.format(m=m) for m in REPORT_LATENCY_METRICS))
+
+SLICE_SUMMARY = _SLICE_SUMMARY_SELECT
+SLICE_GROUP_SUMMARIES = (
+    _SLICE_SUMMARY_SELECT.replace("SELECT", "SELECT workload, concurrency, target_rate,", 1)
+    + "GROUP BY workload, concurrency, target_rate\n"
+    + "ORDER BY workload NULLS FIRST, concurrency NULLS FIRST, target_rate NULLS FIRST\n"
+)
+
+# ITL as `vllm bench serve` pools it: every gap between content chunks of successful requests.
+SLICE_GROUP_ITL = _sliced(
+    """
+SELECT GROUPING(workload, concurrency, target_rate) > 0 AS overall,
+       workload, concurrency, target_rate,
+       quantile_cont(gap, 0.5) AS p50, quantile_cont(gap, 0.9) AS p90,
+       quantile_cont(gap, 0.95) AS p95, quantile_cont(gap, 0.99) AS p99, avg(gap) AS mean
+FROM (SELECT workload, concurrency, target_rate, unnest(itl_ms) AS gap
+      FROM events WHERE status = 'ok' AND SLICE)
+GROUP BY GROUPING SETS ((), (workload, concurrency, target_rate))
+"""
+)
+
+SLICE_ERRORS_BY_CLASS = _sliced(
+    """
+SELECT workload, concurrency, target_rate, COALESCE(error, status) AS class, count(*) AS n
+FROM events WHERE status <> 'ok' AND SLICE
+GROUP BY ALL ORDER BY n DESC, class
+"""
+)
+
+# Admission rejections: the gateway writes `status = rejected`, `error = rejected:<reason>`.
+SLICE_REJECTIONS = _sliced(
+    """
+SELECT team, COALESCE(NULLIF(regexp_extract(error, '^rejected:(.*)$', 1), ''), error, 'unknown')
+           AS reason,
+       count(*) AS n
+FROM events WHERE status = 'rejected' AND SLICE
+GROUP BY ALL ORDER BY team NULLS LAST, reason
+"""
+)
+
+# Per team: what admission control did to each tenant (isolation evidence).
+SLICE_TEAMS = _sliced(
+    """
+SELECT team, count(*) AS requests,
+       count(*) FILTER (WHERE status = 'ok') AS ok,
+       count(*) FILTER (WHERE status = 'rejected') AS rejected,
+       count(*) FILTER (WHERE status NOT IN ('ok', 'rejected')) AS failed,
+       quantile_cont(queue_ms, 0.95) FILTER (WHERE status = 'ok') AS queue_ms_p95,
+       count(*) FILTER (WHERE status = 'rejected' AND NOT starts_with(COALESCE(error, ''),
+                                                                 'rejected:'))
+           AS rejected_without_reason
+FROM events WHERE team IS NOT NULL AND SLICE
+GROUP BY team ORDER BY team
+"""
+)
+
+# One row per request: what the bootstrap resamples and the charts draw.
+SLICE_SAMPLES = _sliced(
+    """
+SELECT epoch(ts) AS t, status = 'ok' AS ok,
+       ttft_ms, tpot_ms, e2e_ms, queue_ms, prefill_ms, decode_ms,
+       prompt_tokens, completion_tokens,
+       CASE WHEN cache_hit THEN 1.0 WHEN NOT cache_hit THEN 0.0 END AS cache_hit
+FROM events WHERE SLICE
+"""
+)
+
+# The seeds' pass criteria that need the events themselves.
+SLICE_CHECKS = _sliced(
+    """
+SELECT
+    count(*) AS requests,
+    count(*) FILTER (WHERE status = 'timeout' OR error = 'timeout') AS timeouts,
+    count(*) FILTER (
+        WHERE regexp_matches(COALESCE(error, '') || ' ' || COALESCE(doc->>'error_detail', ''),
+                             '(?i)out of memory|\\bOOM\\b|OutOfMemory')
+    ) AS ooms,
+    count(*) FILTER (WHERE status = 'ok') AS ok,
+    count(*) FILTER (
+        WHERE status = 'ok' AND (model IS NULL OR prompt_tokens IS NULL
+              OR completion_tokens IS NULL OR e2e_ms IS NULL)
+    ) AS ok_missing_fields,
+    count(*) FILTER (
+        WHERE doc->>'endpoint' = 'chat' OR list_contains($chat_workloads, workload)
+    ) AS chat_requests,
+    count(*) FILTER (
+        WHERE status = 'ok'
+        AND (doc->>'endpoint' = 'chat' OR list_contains($chat_workloads, workload))
+    ) AS chat_ok
+FROM events WHERE SLICE
+"""
+)
+
+# Server counters and gauges over a slice (same reset-aware rule as COUNTER_DELTAS).
+SLICE_COUNTER_DELTAS = _sliced(
+    """
+WITH s AS (
+    SELECT target, labels, name, ts, value,
+           lag(value) OVER (PARTITION BY target, name, labels ORDER BY ts) AS prev
+    FROM metric_samples
+    WHERE list_contains($names, name) AND SLICE
+)
+SELECT name,
+       sum(CASE WHEN prev IS NULL THEN 0
+                WHEN value >= prev THEN value - prev
+                ELSE value END) AS delta,
+       count(*) AS samples
+FROM s GROUP BY name
+"""
+)
+
+SLICE_GAUGE_PEAKS = _sliced(
+    """
+WITH per_ts AS (
+    SELECT name, ts, sum(value) AS value
+    FROM metric_samples
+    WHERE list_contains($names, name) AND SLICE
+    GROUP BY name, ts
+)
+SELECT name, max(value) AS peak FROM per_ts GROUP BY name
+"""
+)
+
+# Flips a report marks: those recorded for the runs, or unattributed ones inside their span.
+REPORT_LEVER_FLIPS = """
+SELECT ts, epoch(ts) AS t, lever, before, after, note, run_id
+FROM lever_flips
+WHERE list_contains($run_ids, run_id)
+   OR (run_id IS NULL AND ts BETWEEN CAST($start AS TIMESTAMP) AND CAST($end AS TIMESTAMP))
+ORDER BY ts, lever
+"""
+
+RUN_LEVER_FLIPS = """
+SELECT ts, lever, before, after, note FROM lever_flips WHERE run_id = $run_id ORDER BY ts, lever
+"""
+
+# `report list`: runs with their levers and event counts by outcome, and their lever flips.
+REPORT_RUN_LIST = """
+WITH counted AS (
+    SELECT run_id, count(*) AS events,
+           count(*) FILTER (WHERE status = 'ok') AS ok,
+           count(*) FILTER (WHERE status = 'rejected') AS rejected,
+           count(*) FILTER (WHERE status NOT IN ('ok', 'rejected')) AS errors,
+           min(ts) AS first_ts
+    FROM events GROUP BY run_id
+), flips AS (
+    SELECT run_id, count(*) AS flips FROM lever_flips WHERE run_id IS NOT NULL GROUP BY run_id
+)
+SELECT run_id, COALESCE(c.events, 0) AS events, COALESCE(c.ok, 0) AS ok,
+       COALESCE(c.errors, 0) AS errors, COALESCE(c.rejected, 0) AS rejected,
+       COALESCE(f.flips, 0) AS flips, r.started_at, r.model, r.levers, r.status
+FROM runs r FULL OUTER JOIN counted c USING (run_id) LEFT JOIN flips f USING (run_id)
+ORDER BY COALESCE(r.started_at, c.first_ts) NULLS LAST, run_id
+"""
