@@ -129,13 +129,19 @@ async def stream_request(
     *,
     headers: dict[str, str] | None = None,
     timeout_s: float | None = None,
+    keep_text: bool = False,
 ) -> dict[str, Any]:
-    """Send one streaming request and return its event (schema of docs/architecture.md)."""
+    """Send one streaming request and return its event (schema of docs/architecture.md).
+
+    With `keep_text` the generated text comes back too, as `output_text` (an agent's next turn
+    quotes it); callers pop it before storing the event.
+    """
     body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     send_headers = {"X-Request-Id": request_id, **(headers or {})}
     event: dict[str, Any] = {"request_id": request_id, "ts": utc_now_iso()}
     start = time.perf_counter()
     timing = StreamTiming(endpoint, start)
+    pieces: list[str] = []
     try:
         async with session.post(
             base_url + endpoint.path,
@@ -154,12 +160,16 @@ async def stream_request(
                     break
                 if chunk is not None and "error" in chunk:
                     return _failed(event, start, "http_5xx", "error", json.dumps(chunk["error"]))
+                if keep_text and chunk is not None:
+                    pieces.extend(endpoint.text_of(c) for c in chunk.get("choices") or ())
     except (TimeoutError, aiohttp.ClientError) as exc:
         kind = error_class(exc)
         return _failed(event, start, kind, "timeout" if kind == "timeout" else "error", repr(exc))
     end = time.perf_counter()
     if not timing.done:
         return _failed(event, start, "disconnect", "error", "stream ended before [DONE]")
+    if keep_text:
+        event["output_text"] = "".join(pieces)
     return timing.finish(event, end)
 
 
