@@ -1,0 +1,202 @@
+"""compose/: every profile validates with Debian's docker-compose, Prometheus' config with promtool,
+and the files the services mount exist and say what the stack needs (no Docker engine here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+COMPOSE = ROOT / "compose"
+COMPOSE_FILE = COMPOSE / "docker-compose.yaml"
+ALWAYS = {"gateway", "collector", "prometheus", "grafana", "otel-collector"}
+PROFILES = {
+    "gpu": {"vllm-gpu"},
+    "multi-gpu": {"vllm-multi-gpu"},
+    "mig": {"vllm-team-a", "vllm-team-b"},
+    "cpu": {"tiny-model", "vllm-cpu"},
+}
+
+
+def compose_config(profile: str, *extra: str) -> dict[str, Any]:
+    """`docker-compose -f compose/docker-compose.yaml --profile P config`, parsed."""
+    binary = shutil.which("docker-compose")
+    assert binary, "docker-compose (Debian package docker-compose) is not installed"
+    result = subprocess.run(
+        [binary, *extra, "-f", str(COMPOSE_FILE), "--profile", profile, "config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")},
+    )
+    assert result.returncode == 0, f"profile {profile}: {result.stderr}"
+    return yaml.safe_load(result.stdout)
+
+
+def services_of(config: dict[str, Any], profile: str) -> dict[str, dict[str, Any]]:
+    """The services `--profile P up` starts: unprofiled ones and those tagged with P."""
+    return {
+        name: svc
+        for name, svc in config["services"].items()
+        if not svc.get("profiles") or profile in svc["profiles"]
+    }
+
+
+def mounts_of(service: dict[str, Any]) -> dict[str, str]:
+    """target -> source of a service's volumes (docker-compose 1.29 prints the short syntax)."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        mounts[target] = source
+    return mounts
+
+
+def host_ips_of(service: dict[str, Any]) -> list[str]:
+    return [str(port).split(":")[0] for port in service.get("ports", [])]
+
+
+def args_of(service: dict[str, Any]) -> list[str]:
+    command = service.get("command") or []
+    return command if isinstance(command, list) else command.split()
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_every_profile_validates_and_starts_the_whole_stack(profile: str) -> None:
+    config = compose_config(profile)
+    started = services_of(config, profile)
+    assert set(started) == ALWAYS | PROFILES[profile]
+    vllms = [s for n, s in started.items() if n.startswith("vllm")]
+    assert vllms
+    collector_volumes = set(mounts_of(started["collector"]).values())
+    for vllm in vllms:
+        args = args_of(vllm)
+        # traces go to the collector sidecar's receiver; the log to a volume the sidecar reads
+        assert "--otlp-traces-endpoint=http://collector:4318/v1/traces" in args
+        assert vllm["environment"]["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+        assert mounts_of(vllm)["/var/log/vllm"] == "vllm-logs"
+        assert "vllm-logs" in collector_volumes
+        assert "--enable-log-requests" in args
+    for name, svc in started.items():
+        assert set(host_ips_of(svc)) <= {"127.0.0.1"}, f"{name} published on all interfaces"
+    # Prometheus gets servescope's rules from dashboards/rules
+    rules = mounts_of(started["prometheus"])["/etc/prometheus/rules"]
+    assert Path(rules) == ROOT / "dashboards" / "rules"
+
+
+def test_gpu_profiles_reserve_the_gpus_they_need() -> None:
+    def devices(profile: str, service: str) -> list[dict[str, Any]]:
+        svc = compose_config(profile)["services"][service]
+        return svc["deploy"]["resources"]["reservations"]["devices"]
+
+    assert devices("gpu", "vllm-gpu")[0]["count"] == 1
+    assert devices("multi-gpu", "vllm-multi-gpu")[0]["count"] == 2
+    multi = compose_config("multi-gpu")["services"]["vllm-multi-gpu"]
+    assert "--tensor-parallel-size=2" in args_of(multi)
+
+
+def test_mig_profile_is_the_labs_two_team_layout() -> None:
+    config = compose_config("mig", "--env-file", str(COMPOSE / "mig.env"))
+    env = dict(
+        line.split("=", 1)
+        for line in (COMPOSE / "mig.env").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    for team, port, uuid in (("a", 8001, env["MIG_UUID_A"]), ("b", 8002, env["MIG_UUID_B"])):
+        svc = config["services"][f"vllm-team-{team}"]
+        args = args_of(svc)
+        assert f"--served-model-name=team-{team}-coder" in args
+        assert f"--port={port}" in args
+        assert svc["ports"] == [f"127.0.0.1:{port}:{port}/tcp"]
+        assert svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == [uuid]
+    collector = args_of(config["services"]["collector"])
+    assert f"--metrics-url={env['VLLM_METRICS_URLS']}" in collector
+
+
+def test_cpu_profile_serves_the_tiny_model_built_first() -> None:
+    config = compose_config("cpu")
+    vllm = config["services"]["vllm-cpu"]
+    assert vllm["depends_on"]["tiny-model"]["condition"] == "service_completed_successfully"
+    assert "--model=/models/tiny" in args_of(vllm)
+    maker = config["services"]["tiny-model"]
+    assert (Path(mounts_of(maker)["/opt/servescope/bench"]) / "tiny_model.py").exists()
+
+
+def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:
+    """promtool checks the config and every rule file it loads, laid out as in the container."""
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool (Debian package prometheus) is not installed"
+    shutil.copy(COMPOSE / "prometheus" / "prometheus.yml", tmp_path / "prometheus.yml")
+    (tmp_path / "rules").symlink_to(ROOT / "dashboards" / "rules")
+    result = subprocess.run(
+        [promtool, "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
+    targets = {
+        t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    }
+    assert {"vllm:8000", "gateway:8080", "collector:9400"} <= targets
+    assert {"vllm-team-a:8001", "vllm-team-b:8002"} <= targets
+
+
+def test_vllm_logging_config_writes_the_text_format_to_the_shared_log(tmp_path: Path) -> None:
+    """vLLM's own logging set-up, given compose/vllm/logging.json, writes its usual text lines
+    to the file the collector tails."""
+    config = json.loads((COMPOSE / "vllm" / "logging.json").read_text())
+    log = tmp_path / "vllm.log"
+    config["handlers"]["file"]["filename"] = str(log)
+    (tmp_path / "logging.json").write_text(json.dumps(config))
+    code = (
+        "from vllm.logger import init_logger, configure_logging\n"
+        "from vllm.config.logging import LoggingConfig\n"
+        "configure_logging(LoggingConfig())\n"
+        "init_logger('vllm.entrypoints.logger').info('Received request r-1: params: x')\n"
+    )
+    env = {
+        **os.environ,
+        "VLLM_CONFIGURE_LOGGING": "1",
+        "VLLM_LOGGING_CONFIG_PATH": str(tmp_path / "logging.json"),
+    }
+    subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), "-c", code], env=env, check=True, timeout=120
+    )
+    line = log.read_text().splitlines()[0]
+    assert line.startswith("(MainProcess pid=")
+    assert " INFO " in line
+    assert line.endswith("Received request r-1: params: x")
+
+
+def test_otel_collector_pipelines_use_only_defined_components() -> None:
+    config = yaml.safe_load((COMPOSE / "otel-collector" / "config.yaml").read_text())
+    http = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
+    assert http.endswith(":4318")
+    pipelines = config["service"]["pipelines"]
+    assert {"traces", "metrics"} <= set(pipelines)
+    for pipeline in pipelines.values():
+        for kind in ("receivers", "processors", "exporters"):
+            for name in pipeline.get(kind, []):
+                assert name in config[kind], f"{name} is not defined under {kind}"
+        assert {"debug"} <= set(pipeline["exporters"])
+        assert any(e.startswith("file") for e in pipeline["exporters"])
+
+
+def test_dockerfile_copies_every_package_the_project_ships() -> None:
+    dockerfile = (COMPOSE / "Dockerfile").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    include = pyproject.split("include = [", 1)[1].split("]", 1)[0]
+    packages = [p.strip().strip('"').rstrip("*") for p in include.split(",") if p.strip()]
+    for package in packages:
+        assert f"COPY {package} ./{package}" in dockerfile
+        assert f"!{package}/**" in (COMPOSE / "Dockerfile.dockerignore").read_text()
+    assert 'ENTRYPOINT ["servescope"]' in dockerfile
