@@ -1,0 +1,17 @@
+"""The admission-control gateway: an OpenAI-compatible proxy in front of one or more vLLM
+servers, with per-team queues, token budgets, priorities, timeouts and fallback, writing one
+event per request. `gateway.server.Gateway` + `gateway.server.serve` run it; `servescope gateway`
+is the command."""
+
+from gateway.config import ConfigError, GatewayConfig, load_config, parse_config
+from gateway.server import Gateway, build_app, serve
+
+__all__ = [
+    "ConfigError",
+    "Gateway",
+    "GatewayConfig",
+    "build_app",
+    "load_config",
+    "parse_config",
+    "serve",
+]

@@ -1,0 +1,84 @@
+"""The gateway's Prometheus metrics, in a registry of its own (served at `/metrics`).
+
+Label values are team, upstream, outcome and reason names from gateway.yaml — never keys.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0,
+)  # fmt: skip
+QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.5, 1.0, 2.5)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rejected = Counter(
+            "admission_rejected",
+            "Requests the gateway refused (boundary-protection events), by team and reason",
+            ["team", "reason"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "servescope_gateway_requests",
+            "Requests by team and outcome (the event's status)",
+            ["team", "outcome"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "servescope_gateway_queue_depth", "Requests waiting for admission", ["team"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "servescope_gateway_queue_wait_seconds",
+            "Admission wait of admitted requests",
+            ["team"],
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "servescope_gateway_ttft_seconds",
+            "Time to first token measured at the gateway (arrival → first content chunk)",
+            ["team"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "servescope_gateway_tpot_seconds",
+            "Time per output token after the first, measured at the gateway",
+            ["team"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "servescope_gateway_inflight",
+            "Requests admitted and running, per upstream",
+            ["upstream"],
+            registry=r,
+        )
+        self.reloads = Counter(
+            "servescope_gateway_config_reloads",
+            "SIGHUP reloads of gateway.yaml by outcome",
+            ["outcome"],
+            registry=r,
+        )
+
+    def observe(self, event: dict) -> None:
+        """Count one finished request from its event."""
+        team = event.get("team") or "unknown"
+        status = event.get("status", "error")
+        self.requests.labels(team, status).inc()
+        if status == "rejected":
+            self.rejected.labels(team, event["error"].removeprefix("rejected:")).inc()
+            return
+        if (queue_ms := event.get("queue_ms")) is not None:
+            self.queue_wait.labels(team).observe(queue_ms / 1000.0)
+        if (ttft := event.get("ttft_ms")) is not None:
+            self.ttft.labels(team).observe(ttft / 1000.0)
+        if (tpot := event.get("tpot_ms")) is not None:
+            self.tpot.labels(team).observe(tpot / 1000.0)

@@ -1,0 +1,468 @@
+"""The gateway's HTTP surface: OpenAI routes in front of the upstreams, `/health`, `/metrics`.
+
+Every request to `/v1/completions` or `/v1/chat/completions` gets exactly one response and
+writes exactly one event (`source = gateway`), whatever happens: admitted and served, rejected
+(status `rejected`, `error = rejected:<reason>`), failed upstream, or client gone (`disconnect`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from bench.client import CHAT, COMPLETIONS, Endpoint, StreamTiming, utc_now_iso
+from gateway.admission import Rejected, Scheduler, Slot
+from gateway.config import GatewayConfig, Team, Upstream, load_config
+from gateway.events import EventLog
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import Attempt, ClientGone, UpstreamFailed, forward
+from gateway.tokens import TokenCounter
+
+log = logging.getLogger("servescope.gateway")
+
+DOWN_FOR_S = 2.0  # an upstream that refused a connection is skipped this long
+MAX_REQUEST_ID = 200
+PASSED_HEADERS = ("traceparent", "tracestate")
+
+
+@dataclass
+class UpstreamHealth:
+    down_until: float = 0.0
+
+    def usable(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+class Gateway:
+    """State shared by all requests: the config (swapped whole on reload), the scheduler, the
+    upstream connection pool, the event log and the metrics."""
+
+    def __init__(self, config: GatewayConfig, config_path: Path | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.metrics = GatewayMetrics()
+        self.scheduler = Scheduler(config.teams, self._caps(config))
+        self.events = EventLog(config.events_dir)
+        self.upstream_health: dict[str, UpstreamHealth] = {}
+        self.session: aiohttp.ClientSession | None = None
+        self.tokens: TokenCounter | None = None
+        self._boot_run = f"run-{datetime.now(UTC).strftime('%Y%m%d')}-gateway"
+        self._wire_gauges()
+
+    @staticmethod
+    def _caps(config: GatewayConfig) -> dict[str, int]:
+        return {name: u.max_concurrent for name, u in config.upstreams.items()}
+
+    def _wire_gauges(self) -> None:
+        for name in self.config.teams:
+            self.metrics.queue_depth.labels(name).set_function(
+                lambda n=name: self.scheduler.queue_depth(n)
+            )
+        for name in self.config.upstreams:
+            self.metrics.inflight.labels(name).set_function(
+                lambda n=name: self.scheduler.inflight.get(n, 0)
+            )
+
+    # --- life cycle -------------------------------------------------------------------------
+
+    async def start(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.tokens = TokenCounter(self.session)
+
+    async def stop(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+        self.events.close()
+
+    def reload(self) -> bool:
+        """Re-read gateway.yaml (SIGHUP). In-flight requests keep going; new limits apply to the
+        next admission. A bad file changes nothing and is reported."""
+        if self.config_path is None:
+            return False
+        try:
+            config = load_config(self.config_path)
+        except ValueError as exc:
+            self.metrics.reloads.labels("error").inc()
+            log.error("reload refused, keeping the running config: %s", exc)
+            return False
+        if (config.host, config.port) != (self.config.host, self.config.port):
+            log.warning(
+                "listen address changes need a restart; keeping %s:%s",
+                self.config.host,
+                self.config.port,
+            )
+        if config.events_dir != self.config.events_dir:
+            self.events.close()
+            self.events = EventLog(config.events_dir)
+        self.config = config
+        self.scheduler.configure(config.teams, self._caps(config))
+        self._wire_gauges()
+        self.metrics.reloads.labels("ok").inc()
+        log.info(
+            "reloaded %s: %d teams, %d upstreams, %d models",
+            config.source,
+            len(config.teams),
+            len(config.upstreams),
+            len(config.routes),
+        )
+        return True
+
+    # --- routing ----------------------------------------------------------------------------
+
+    def candidates(self, model: str) -> list[Upstream]:
+        """The route's upstream then its fallback, usable ones first."""
+        route = self.config.routes[model]
+        names = [route.upstream] + ([route.fallback] if route.fallback else [])
+        now = time.monotonic()
+        ups = [self.config.upstreams[n] for n in names]
+        return sorted(ups, key=lambda u: not self._health(u.name).usable(now))
+
+    def _health(self, name: str) -> UpstreamHealth:
+        return self.upstream_health.setdefault(name, UpstreamHealth())
+
+    def team_of(self, request: web.Request) -> Team:
+        header = request.headers.get("Authorization", "")
+        key = header[7:].strip() if header[:7].lower() == "bearer " else None
+        team = self.config.team_for_key(key or request.headers.get("X-Api-Key"))
+        if team is None:
+            raise Rejected("unknown_key", "missing or unknown API key")
+        return team
+
+    # --- the OpenAI routes ------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, CHAT)
+
+    async def _serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        start = time.perf_counter()
+        given = request.headers.get("X-Request-Id", "")[:MAX_REQUEST_ID]
+        event: dict[str, Any] = {
+            "request_id": given or f"gw-{uuid.uuid4().hex}",
+            "ts": utc_now_iso(),
+            "source": "gateway",
+        }
+        if not given:
+            event["run_id"] = self._boot_run
+        slot: Slot | None = None
+        response: web.StreamResponse | None = None
+        try:
+            team = self.team_of(request)
+            event["team"] = team.name
+            body = await self._body(request)
+            model = body.get("model")
+            if not isinstance(model, str) or model not in self.config.routes:
+                raise Rejected(
+                    "unknown_model",
+                    f"unknown model {model!r}; served: {sorted(self.config.routes)}",
+                )
+            event["model"] = model
+            if team.models is not None and model not in team.models:
+                raise Rejected("model_not_allowed", f"team {team.name!r} may not use {model!r}")
+            stream = bool(body.get("stream"))
+            event["stream"] = stream
+            upstreams = self.candidates(model)
+            prompt_tokens = await self._prompt_tokens(team, upstreams, body, endpoint)
+            slot = await self.scheduler.admit(
+                team.name, upstreams[0].name, prompt_tokens=prompt_tokens
+            )
+            event["queue_ms"] = slot.queue_ms
+            response = await self._proxy(
+                request, endpoint, team, body, upstreams, slot, event, start
+            )
+        except Rejected as rej:
+            response = self._reject(rej, event, start)
+        except ClientGone as exc:
+            self._gone(event, start, str(exc))
+        except asyncio.CancelledError:
+            self._gone(event, start, "client closed the connection")
+            raise
+        except Exception as exc:  # a bug must still answer and leave its event
+            log.exception("request %s failed inside the gateway", event["request_id"])
+            event.update(
+                status="error",
+                error="http_5xx",
+                finish_reason="error",
+                error_detail=f"gateway: {exc!r}",
+                http_status=500,
+            )
+            response = web.json_response(
+                _error_body("internal gateway error", "internal", 500), status=500
+            )
+        finally:
+            if slot is not None:
+                if event.get("status") == "ok" and slot.team.team.token_budget:
+                    slot.charge(
+                        (event.get("prompt_tokens") or 0) + (event.get("completion_tokens") or 0)
+                    )
+                slot.release()
+            self.events.write(event)
+            self.metrics.observe(event)
+        if response is None:  # the client is gone; nothing left to say to it
+            response = web.Response(status=499)
+        if not response.prepared:
+            response.headers["X-Request-Id"] = event["request_id"]
+        return response
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.read())
+        except ValueError as exc:
+            raise Rejected("bad_request", f"request body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise Rejected("bad_request", "request body must be a JSON object")
+        return body
+
+    async def _prompt_tokens(
+        self, team: Team, upstreams: list[Upstream], body: dict[str, Any], endpoint: Endpoint
+    ) -> int:
+        if team.max_prompt_tokens is None and team.token_budget is None:
+            return 0
+        assert self.tokens is not None
+        count: int | None = None
+        for upstream in upstreams:
+            try:
+                count = await self.tokens.count(
+                    upstream.url, upstream.model or body["model"], body, endpoint.chat
+                )
+                break
+            except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
+                log.warning("tokenize on %s failed: %r", upstream.name, exc)
+        if count is None:
+            raise Rejected(
+                "upstream_unavailable",
+                "no upstream could count the prompt",
+                retry_after_s=DOWN_FOR_S,
+            )
+        if team.max_prompt_tokens is not None and count > team.max_prompt_tokens:
+            raise Rejected(
+                "prompt_too_long",
+                f"prompt has {count} tokens; team {team.name!r} allows {team.max_prompt_tokens}",
+            )
+        return count
+
+    async def _proxy(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        team: Team,
+        body: dict[str, Any],
+        upstreams: list[Upstream],
+        slot: Slot,
+        event: dict[str, Any],
+        start: float,
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        headers = {"Content-Type": "application/json", "X-Request-Id": event["request_id"]}
+        for name in PASSED_HEADERS:
+            if value := request.headers.get(name):
+                headers[name] = value
+        stream = bool(body.get("stream"))
+        if stream:  # the gateway needs usage for TPOT and budgets
+            options = body.get("stream_options")
+            body["stream_options"] = {
+                **(options if isinstance(options, dict) else {}),
+                "include_usage": True,
+            }
+        failure: UpstreamFailed | None = None
+        for i, upstream in enumerate(upstreams):
+            if i > 0:
+                slot.move_to(upstream.name)
+                event["fallback"] = True
+            event["upstream"] = upstream.name
+            payload = {**body, "model": upstream.model or body["model"]}
+            attempt = Attempt(
+                request=request,
+                session=self.session,
+                url=upstream.url,
+                endpoint=endpoint,
+                body=json.dumps(payload).encode(),
+                headers=headers,
+                stream=stream,
+                timing=StreamTiming(endpoint, start),
+                prefill_timeout_s=team.prefill_timeout_s,
+                decode_timeout_s=team.decode_timeout_s,
+            )
+            try:
+                return await forward(attempt, event)
+            except UpstreamFailed as exc:
+                failure = exc
+                if exc.kind == "connect":
+                    self._health(upstream.name).down_until = time.monotonic() + DOWN_FOR_S
+                log.warning(
+                    "upstream %s failed for %s: %s", upstream.name, event["request_id"], exc.detail
+                )
+        assert failure is not None
+        if failure.kind == "connect":
+            raise Rejected(
+                "upstream_unavailable",
+                f"no upstream of {body['model']!r} accepted the connection",
+                retry_after_s=DOWN_FOR_S,
+            )
+        event.update(
+            status="error",
+            error=failure.kind,
+            finish_reason="error",
+            error_detail=failure.detail,
+            http_status=failure.http_status or 502,
+        )
+        event["e2e_ms"] = (time.perf_counter() - start) * 1000.0
+        return web.json_response(
+            _error_body(
+                f"upstream failed: {failure.detail}", "upstream_error", failure.http_status or 502
+            ),
+            status=failure.http_status or 502,
+        )
+
+    def _reject(self, rej: Rejected, event: dict[str, Any], start: float) -> web.Response:
+        event.update(
+            status="rejected",
+            error=f"rejected:{rej.reason}",
+            finish_reason="error",
+            error_detail=rej.message,
+            http_status=rej.http_status,
+        )
+        event["e2e_ms"] = (time.perf_counter() - start) * 1000.0
+        event.setdefault("team", "unknown")
+        headers = {}
+        if rej.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(rej.retry_after_s)))
+        return web.json_response(
+            _error_body(rej.message, "admission_rejected", rej.reason),
+            status=rej.http_status,
+            headers=headers,
+        )
+
+    def _gone(self, event: dict[str, Any], start: float, detail: str) -> None:
+        event.update(
+            status="error",
+            error="disconnect",
+            finish_reason="abort",
+            error_detail=f"client: {detail}",
+        )
+        event["e2e_ms"] = (time.perf_counter() - start) * 1000.0
+        event.setdefault("team", "unknown")
+
+    # --- the other routes -------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [
+            {"id": m, "object": "model", "owned_by": "servescope-gateway"}
+            for m in sorted(self.config.routes)
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def passthrough(self, request: web.Request) -> web.Response:
+        """`/tokenize`, `/detokenize`, `/version`: no generation, no admission; sent to the
+        upstream of the body's model (or the first upstream)."""
+        assert self.session is not None
+        raw = await request.read() if request.can_read_body else b""
+        model = None
+        if raw:
+            try:
+                model = json.loads(raw).get("model")
+            except (ValueError, AttributeError):
+                model = None
+        upstreams = (
+            self.candidates(model)
+            if model in self.config.routes
+            else list(self.config.upstreams.values())
+        )
+        for upstream in upstreams:
+            if model and upstream.model:
+                raw = json.dumps({**json.loads(raw), "model": upstream.model}).encode()
+            try:
+                async with self.session.request(
+                    request.method,
+                    upstream.url + request.path,
+                    data=raw or None,
+                    headers={"Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=30),
+                ) as resp:
+                    return web.Response(
+                        body=await resp.read(), status=resp.status, content_type="application/json"
+                    )
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+        return web.json_response(
+            _error_body("no upstream reachable", "upstream_error", 503),
+            status=503,
+            headers={"Retry-After": str(int(DOWN_FOR_S))},
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        ups = {
+            n: ("down" if not self._health(n).usable(now) else "up") for n in self.config.upstreams
+        }
+        return web.json_response({"status": "ok", "upstreams": ups})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+
+def _error_body(message: str, kind: str, code: str | int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def build_app(gateway: Gateway) -> web.Application:
+    app = web.Application(client_max_size=64 * 2**20)
+    app.on_startup.append(gateway.start)
+    app.on_cleanup.append(gateway.stop)
+    app.router.add_post("/v1/completions", gateway.completions)
+    app.router.add_post("/v1/chat/completions", gateway.chat_completions)
+    app.router.add_get("/v1/models", gateway.models)
+    app.router.add_post("/tokenize", gateway.passthrough)
+    app.router.add_post("/detokenize", gateway.passthrough)
+    app.router.add_get("/version", gateway.passthrough)
+    app.router.add_get("/health", gateway.health)
+    app.router.add_get("/metrics", gateway.prometheus)
+    return app
+
+
+async def serve(gateway: Gateway, host: str, port: int, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGINT/SIGTERM; SIGHUP reloads gateway.yaml. Client disconnects cancel their
+    handler, which closes the upstream request."""
+    runner = web.AppRunner(build_app(gateway), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096)
+    await site.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGHUP, gateway.reload)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log.info(
+        "gateway on http://%s:%d: %d teams, models %s",
+        host,
+        port,
+        len(gateway.config.teams),
+        ", ".join(sorted(gateway.config.routes)),
+    )
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()

@@ -1,0 +1,71 @@
+"""`servescope gateway`: the admission-control proxy (the logic lives in `gateway/`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from gateway import ConfigError, Gateway, load_config, serve
+from servescope.commands.common import console
+
+DESCRIPTION = """\
+An OpenAI-compatible proxy (/v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics) in front of one or more vLLM servers, routed by `model`. Before each request it decides:
+admit, queue (strict priority between classes, weighted fair queueing between teams, FIFO within
+a team) or reject — 429 + Retry-After for the team's own limits (queue_full, token_budget), 413
+for prompt_too_long, 503 + Retry-After for queue_timeout / upstream_unavailable, 401 for an
+unknown key. Streams pass through chunk by chunk. Every request is one event in
+<events_dir>/gateway-<date>.events.jsonl; rejections count in admission_rejected_total{team,reason}.
+SIGHUP reloads the config without dropping streams. See gateway/config.py for the file format.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "gateway",
+        help="run the admission-control gateway in front of vLLM",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", type=Path, required=True, help="gateway.yaml")
+    parser.add_argument(
+        "--port", type=int, default=None, help="listen port (default: config, 8080)"
+    )
+    parser.add_argument("--host", default=None, help="listen address (default: config, 127.0.0.1)")
+    parser.add_argument("--check", action="store_true", help="validate the config and exit")
+    parser.set_defaults(func=run_gateway)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        console.print(f"[red]{exc}")
+        return 2
+    host = args.host or config.host
+    port = config.port if args.port is None else args.port
+    if args.check:
+        console.print(
+            f"{args.config}: ok — {len(config.teams)} teams, {len(config.upstreams)} upstreams, "
+            f"models {', '.join(sorted(config.routes))}"
+        )
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    gateway = Gateway(config, args.config)
+    try:
+        _run(gateway, host, port)
+    except OSError as exc:
+        console.print(f"[red]cannot listen on {host}:{port}: {exc}")
+        return 1
+    return 0
+
+
+def _run(gateway: Gateway, host: str, port: int) -> None:
+    try:
+        import uvloop  # the faster event loop when installed (it comes with vLLM)
+    except ImportError:
+        asyncio.run(serve(gateway, host, port))
+    else:
+        uvloop.run(serve(gateway, host, port))
