@@ -8,12 +8,16 @@ sent as the token ids themselves, which every OpenAI-compatible vLLM endpoint ac
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from typing import Any
 
 import aiohttp
 
 from bench.client import get_json
+from bench.plan import RequestPlan, prefix_size, rng_for
+from bench.workload import Workload
 
 WORDS = [
     "the",
@@ -154,3 +158,53 @@ def payload_for(prompt: Prompt, model: str, output_tokens: int, *, chat: bool) -
     else:
         body["prompt"] = prompt
     return body
+
+
+def prompt_digest(body: dict[str, Any]) -> str:
+    """A short fingerprint of a request's prompt: equal digests mean identical prompts."""
+    prompt = body.get("messages") if "messages" in body else body.get("prompt")
+    return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class PromptBook:
+    """The prompts of one workload: its shared static prefix (made once) and each request's own
+    part. A completions prompt is prefix + part, exactly `prefix + input_tokens` tokens; a chat
+    request carries the prefix as its system message and the part as the user message."""
+
+    def __init__(self, maker: PromptMaker, workload: Workload, scale: float) -> None:
+        self.maker = maker
+        self.workload = workload
+        self.prefix_tokens = prefix_size(workload, scale)
+        self.chat = workload.endpoint == "chat"
+        self._prefix: str | None = None
+
+    async def prefix(self) -> str:
+        if self._prefix is None:
+            self._prefix = ""
+            if self.prefix_tokens:
+                rng = rng_for(self.workload, "prefix", "text")
+                made = await self.maker.exact(self.prefix_tokens, rng)
+                self._prefix = made if isinstance(made, str) else await self.maker.detokenize(made)
+        return self._prefix
+
+    async def part(self, plan: RequestPlan) -> str:
+        """The request's own text (an agent turn's new user message)."""
+        made = await self.maker.exact(plan.input_tokens, random.Random(plan.text_seed))
+        return made if isinstance(made, str) else await self.maker.detokenize(made)
+
+    async def body(self, plan: RequestPlan, model: str) -> dict[str, Any]:
+        prefix = await self.prefix()
+        rng = random.Random(plan.text_seed)
+        if self.chat:
+            messages = [{"role": "system", "content": prefix}] if prefix else []
+            messages.append({"role": "user", "content": await self.part(plan)})
+            body = payload_for("", model, plan.output_tokens, chat=True)
+            body["messages"] = messages
+            return body
+        if prefix:
+            prompt = await self.maker.exact(
+                self.prefix_tokens + plan.input_tokens, rng, prefix=prefix + "\n"
+            )
+        else:
+            prompt = await self.maker.exact(plan.input_tokens, rng)
+        return payload_for(prompt, model, plan.output_tokens, chat=False)

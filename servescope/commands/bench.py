@@ -5,15 +5,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.runner import BenchRun, LevelProgress, RunResult
-from bench.workload import BenchConfig, Workload, WorkloadError, load_config
+from bench.runner import BenchRun, LevelProgress, RunResult, TargetUnreachable, parse_slo
+from bench.workload import BenchConfig, Workload, WorkloadError, load_config, shipped
 from servescope.commands.common import add_store_option, console, open_store
 from store import Store
+
+EXIT_HELP = (
+    "Exit codes: 0 every request succeeded; 1 requests failed, the target was unreachable or "
+    "the run was interrupted (Ctrl-C: in-flight requests are cancelled, what was measured is "
+    "stored and the run is marked partial); 2 a bad workload file or option."
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,15 +26,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     benches = parser.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
     run = benches.add_parser(
         "run",
-        help="run a workload file (Lab 10 benchmark_config.yaml format)",
-        description="Closed loop: for each workload and concurrency level, keep exactly that many "
-        "streaming requests in flight. Every request becomes one event in "
-        "servescope-data/events/RUN.events.jsonl and in the store. Exits 1 when any request "
-        "failed.",
+        help="run a workload file (Lab 10 benchmark_config.yaml format, plus scenario keys)",
+        description="For each workload and load level: closed loop (`concurrency`: keep that "
+        "many streaming requests in flight) or open loop (`rate` with constant/poisson/gamma "
+        "arrivals: intended and actual send times recorded, a client that cannot keep up is "
+        "reported as saturated). The target's /metrics is scraped every second; the run's "
+        "notes hold the server-side prefix-cache hit ratio, preemptions, peak running/waiting "
+        "and KV-cache peak next to the client's numbers. Every request becomes one event in "
+        "servescope-data/events/RUN.events.jsonl and in the store. Shipped scenarios: "
+        + ", ".join(shipped())
+        + ". "
+        + EXIT_HELP,
     )
-    run.add_argument("--config", type=Path, required=True, help="workload YAML file")
+    add_workload_options(run)
     run.add_argument("--target", default="http://127.0.0.1:8000", help="server base URL")
     run.add_argument("--run-id", default=None, help="run id (default run-YYYYMMDD-HHMMSS)")
+    run.add_argument("--label", default=None, help="a label stored with the run")
     run.add_argument(
         "--model", default=None, help="served model name (default: the server's first)"
     )
@@ -38,29 +50,110 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.set_defaults(func=run_bench)
 
 
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="workload YAML file, or the name of a shipped scenario (e.g. ralph-loop)",
+    )
+    parser.add_argument(
+        "--workload",
+        action="append",
+        default=None,
+        help="run only this workload of the file (repeatable)",
+    )
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply every prompt size (0.25 runs a seed's 8K-token prefix as 2K on a CPU)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per level, overriding the file's requests_per_level/duration_s",
+    )
+    parser.add_argument(
+        "--slo",
+        default=None,
+        help="goodput bounds in ms, e.g. ttft_ms=500,tpot_ms=50 (also e2e_ms)",
+    )
+
+
+def config_from(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, float]]:
+    """The workload file as selected and scaled, and the SLO (WorkloadError/ValueError if bad)."""
+    config = load_config(args.config)
+    if args.workload:
+        config = config.select(args.workload)
+    if args.requests is not None:
+        config = config.with_requests(args.requests)
+    return config.scaled(args.scale), parse_slo(args.slo)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config)
-    except WorkloadError as exc:
+        config, slo = config_from(args)
+    except (WorkloadError, ValueError) as exc:
         console.print(f"[red]{exc}")
         return 2
-    result = execute(config, args.target, open_store(args), run_id=args.run_id, model=args.model)
-    if args.json:
-        print(json.dumps({**result.__dict__, "events_path": str(result.events_path)}))
-    else:
-        console.print(
-            f"run {result.run_id}: {result.events} requests, {result.errors} failed; "
-            f"events in {result.events_path}"
+    try:
+        result = execute(
+            config,
+            args.target,
+            open_store(args),
+            run_id=args.run_id,
+            model=args.model,
+            slo=slo,
+            label=args.label,
         )
-    if result.errors:
-        console.print(f"[red]{result.errors} requests failed: {result.error_classes}")
+    except TargetUnreachable as exc:
+        console.print(f"[red]{exc}")
         return 1
-    return 0
+    if args.json:
+        print(json.dumps(result.to_json(), default=str))
+    return report_result(result)
+
+
+def report_result(result: RunResult) -> int:
+    """Tell the user how the run went (stderr); the exit code of the run."""
+    server = result.server
+    ratio = server.get("prefix_cache_hit_ratio")
+    console.print(
+        f"run {result.run_id} ({result.status}): {result.events} requests, {result.errors} "
+        f"failed; server prefix-cache hit ratio "
+        f"{'n/a' if ratio is None else f'{ratio:.1%}'}; events in {result.events_path}"
+    )
+    for level in result.saturated_levels:
+        lag = level["schedule_lag_ms"]["p99"]
+        console.print(
+            f"[yellow]client saturated at {level['workload']} rate {level['target_rate']}/s: "
+            f"achieved {level['achieved_rate'] or 0:.2f}/s, schedule lag p99 {lag:.0f} ms — "
+            "the numbers of that level measure the client, not the server"
+        )
+    if result.failure:
+        console.print(f"[red]{result.failure}")
+    if result.status == "partial":
+        console.print(
+            f"[yellow]interrupted: {result.cancelled_in_flight} in-flight requests cancelled; "
+            f"the {result.events} measured requests are stored, run marked partial"
+        )
+        return 1
+    if result.errors:
+        classes = ", ".join(f"{k}: {v}" for k, v in sorted(result.error_classes.items()))
+        hint = (
+            " — the target stopped accepting connections (did the server die?)"
+            if "connect" in result.error_classes
+            else ""
+        )
+        console.print(f"[red]{result.errors} of {result.events} requests failed ({classes}){hint}")
+        return 1
+    return 0 if result.status == "complete" else 1
 
 
 def execute(config: BenchConfig, target: str, store: Store, **kwargs: Any) -> RunResult:
-    """Run with a progress bar: one task per workload level."""
-    total = sum(w.requests_per_level * len(w.concurrency) for w in config.workloads)
+    """Run with a progress bar: one task for the run, one per workload level."""
+    total = config.requests_total()
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -71,12 +164,11 @@ def execute(config: BenchConfig, target: str, store: Store, **kwargs: Any) -> Ru
         overall = progress.add_task("all requests", total=total)
         level_task: dict[str, Any] = {}
 
-        def on_level(workload: Workload, concurrency: int) -> None:
+        def on_level(workload: Workload, level: float, count: int | None) -> None:
             if "id" in level_task:
                 progress.update(level_task["id"], visible=False)
-            level_task["id"] = progress.add_task(
-                f"{workload.name} @ concurrency {concurrency}", total=workload.requests_per_level
-            )
+            what = f"rate {level}/s" if workload.open_loop else f"concurrency {int(level)}"
+            level_task["id"] = progress.add_task(f"{workload.name} @ {what}", total=count)
 
         def on_request(event: dict[str, Any]) -> None:
             progress.advance(overall)

@@ -1,0 +1,132 @@
+"""Scrape the target's `/metrics` every second while a run goes, into `metric_samples`.
+
+The server's counters are cumulative since it started; stored per run, the store turns them into
+run-scoped deltas (`Store.counter_deltas`) and peaks (`Store.gauge_peaks`). Pages are fetched in
+the event loop (one small GET) but parsed and written in a worker thread, a few at a time, so
+the scrape never sits inside a measured request's timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+
+from store import Store
+from store.metrics import parse_exposition
+
+INTERVAL_S = 1.0
+FLUSH_EVERY = 5
+
+COUNTERS = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+)
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+class MetricsScraper:
+    """Samples `target/metrics` into the store under `run_id` until `stop()`."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        target: str,
+        run_id: str,
+        store: Store,
+        interval_s: float = INTERVAL_S,
+        lock: asyncio.Lock | None = None,
+    ) -> None:
+        self.session = session
+        self.url = f"{target}/metrics"
+        self.target = target
+        self.run_id = run_id
+        self.store = store
+        self.interval_s = interval_s
+        self.lock = lock or asyncio.Lock()  # one store writer at a time in this process
+        self.scrapes = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self._pages: list[tuple[datetime, str]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._flushes: set[asyncio.Task[None]] = set()
+
+    async def scrape(self) -> None:
+        """One page now (failures are counted, never raised: a dead server ends no run)."""
+        try:
+            async with self.session.get(self.url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                resp.raise_for_status()
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.failures += 1
+            self.last_error = repr(exc)
+            return
+        self.scrapes += 1
+        self._pages.append((datetime.now(UTC).replace(tzinfo=None), text))
+        if len(self._pages) >= FLUSH_EVERY:
+            task = asyncio.create_task(self._flush())
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.scrape()
+
+    async def stop(self) -> None:
+        """Take a last page, and write everything scraped."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.scrape()
+        await asyncio.gather(*self._flushes)
+        await self._flush()
+
+    async def _flush(self) -> None:
+        pages, self._pages = self._pages, []
+        if pages:
+            async with self.lock:
+                await asyncio.to_thread(self._write, pages)
+
+    def _write(self, pages: list[tuple[datetime, str]]) -> None:
+        rows = []
+        for ts, text in pages:
+            try:
+                rows.extend(parse_exposition(text, target=self.target, ts=ts, run_id=self.run_id))
+            except ValueError as exc:
+                self.failures += 1
+                self.last_error = f"unparsable /metrics page: {exc}"
+        self.store.add_metric_samples(rows)
+
+    def server_numbers(self) -> dict[str, Any]:
+        """The run-scoped server numbers: counter deltas, gauge peaks, the prefix-cache hit
+        ratio (Δhits / Δqueries, in tokens) — None where the run has too few samples."""
+        deltas = self.store.counter_deltas(self.run_id, COUNTERS)
+        peaks = self.store.gauge_peaks(self.run_id, GAUGES)
+        hits = deltas["vllm:prefix_cache_hits_total"]
+        queries = deltas["vllm:prefix_cache_queries_total"]
+        return {
+            "prefix_cache_hit_ratio": hits / queries if hits is not None and queries else None,
+            "prefix_cache_hits": hits,
+            "prefix_cache_queries": queries,
+            "preemptions": deltas["vllm:num_preemptions_total"],
+            "prompt_tokens": deltas["vllm:prompt_tokens_total"],
+            "generation_tokens": deltas["vllm:generation_tokens_total"],
+            "requests_finished": deltas["vllm:request_success_total"],
+            "peak_running": peaks["vllm:num_requests_running"],
+            "peak_waiting": peaks["vllm:num_requests_waiting"],
+            "kv_cache_usage_peak": peaks["vllm:kv_cache_usage_perc"],
+            "scrapes": self.scrapes,
+            "scrape_failures": self.failures,
+        }
