@@ -1,5 +1,5 @@
 """One module per command group; each has `register(subparsers)`."""
 
-from servescope.commands import bench, demo, gateway, model, report, serve, store
+from servescope.commands import bench, dashboards, demo, gateway, model, report, serve, store
 
-COMMANDS = [model, serve, bench, store, report, demo, gateway]
+COMMANDS = [model, serve, bench, store, report, demo, gateway, dashboards]

@@ -1,0 +1,259 @@
+"""The vLLM serving dashboard: the five core indicators first (TTFT, TPOT/ITL, queue time and
+depth, prefix-cache hit ratio, error rate), then throughput, latency detail, KV cache and
+preemptions, and prompt/generation length heatmaps. Metric names are vLLM's (0.32, V1 engine).
+"""
+
+from __future__ import annotations
+
+from grafanalib.core import Dashboard
+
+from dashboards.panels import (
+    RATE,
+    TOKENS_PER_SECOND,
+    Query,
+    dashboard,
+    heatmap,
+    label_variable,
+    quantile,
+    row,
+    timeseries,
+)
+
+UID = "servescope-vllm"
+MODEL = 'model_name=~"$model_name"'
+ERROR_REASONS = 'finished_reason=~"error|abort"'
+
+
+def _rate(metric: str, by: str = "model_name", selector: str = MODEL) -> str:
+    return f"sum by ({by}) (rate({metric}{{{selector}}}[{RATE}]))"
+
+
+def _percentiles(bucket: str, qs: tuple[float, ...] = (0.5, 0.95, 0.99)) -> list[Query]:
+    return [
+        Query(quantile(q, bucket, "model_name", MODEL), f"p{round(q * 100)} {{{{model_name}}}}")
+        for q in qs
+    ]
+
+
+def core_indicators() -> list:
+    return [
+        row("Five core indicators"),
+        timeseries(
+            "TTFT p50 / p95 / p99 by model",
+            "Time to first token, from vLLM's arrival to the first output token. Bad: a rising "
+            "p95/p99 means long prefills are blocking the queue (try chunked prefill, prefix "
+            "caching or admission limits). Buckets start at 1 ms; a line flat at a bucket edge "
+            "means the rank fell in the next bucket.",
+            "s",
+            _percentiles("vllm:time_to_first_token_seconds_bucket"),
+        ),
+        timeseries(
+            "TPOT and ITL p95 by model",
+            "Time per output token (per request: (e2e - TTFT) / (tokens - 1)) and inter-token "
+            "latency (every gap between tokens). Bad: high values mean slow decode steps - "
+            "too many sequences batched, preemptions, or low decode utilisation.",
+            "s",
+            [
+                Query(
+                    quantile(
+                        0.95,
+                        "vllm:request_time_per_output_token_seconds_bucket",
+                        "model_name",
+                        MODEL,
+                    ),
+                    "TPOT p95 {{model_name}}",
+                ),
+                Query(
+                    quantile(0.95, "vllm:inter_token_latency_seconds_bucket", "model_name", MODEL),
+                    "ITL p95 {{model_name}}",
+                ),
+            ],
+        ),
+        timeseries(
+            "Queue time p95 by model",
+            "Time a request waited in vLLM's scheduler queue before its first schedule. Bad: "
+            "growing queue time means excess concurrency or missing admission control.",
+            "s",
+            [
+                Query(
+                    quantile(0.95, "vllm:request_queue_time_seconds_bucket", "model_name", MODEL),
+                    "queue p95 {{model_name}}",
+                ),
+                Query(
+                    quantile(0.5, "vllm:request_queue_time_seconds_bucket", "model_name", MODEL),
+                    "queue p50 {{model_name}}",
+                ),
+            ],
+        ),
+        timeseries(
+            "Queue depth: running vs waiting",
+            "Requests being processed vs waiting for a slot. Bad: `waiting` above zero for long "
+            "means the server is saturated (max_num_seqs or KV cache is the limit); a growing "
+            "waiting line means admission control is missing.",
+            "short",
+            [
+                Query(
+                    f"sum by (model_name) (vllm:num_requests_running{{{MODEL}}})",
+                    "running {{model_name}}",
+                ),
+                Query(
+                    f"sum by (model_name) (vllm:num_requests_waiting{{{MODEL}}})",
+                    "waiting {{model_name}}",
+                ),
+            ],
+        ),
+        timeseries(
+            "Prefix-cache hit ratio",
+            "Share of prompt tokens served from the prefix cache (hit tokens / queried tokens). "
+            "Bad: a ratio near 0 on a workload with a shared prefix means the prompt assembly "
+            "differs each turn (a timestamp or reordered context at the start) or prefix "
+            "caching is off.",
+            "percentunit",
+            [
+                # The seed's query uses vllm:cache_hit_tokens_total / vllm:prompt_tokens_total;
+                # vLLM exports neither ratio pair under those names. The real counters are
+                # vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total (both tokens).
+                Query(
+                    f"{_rate('vllm:prefix_cache_hits_total')} / "
+                    f"{_rate('vllm:prefix_cache_queries_total')}",
+                    "hit ratio {{model_name}}",
+                ),
+            ],
+            max_value=1,
+        ),
+        timeseries(
+            "Error rate: finished requests by reason, and rejections",
+            "Requests finished per second by vLLM's finished_reason (stop/length are normal; "
+            "error and abort are failures), requests vLLM refused at admission, and requests "
+            "the servescope gateway rejected by reason. Bad: any error/abort (max_model_len, "
+            "OOM, parser failures, client timeouts); rejections are boundary protection, but a "
+            "steady stream means a team is over its limits.",
+            "reqps",
+            [
+                Query(
+                    _rate("vllm:request_success_total", "model_name, finished_reason"),
+                    "{{finished_reason}} {{model_name}}",
+                ),
+                Query(
+                    _rate("vllm:admission_rejections_total", "model_name, reason"),
+                    "vLLM rejected: {{reason}} {{model_name}}",
+                ),
+                Query(
+                    f"sum by (team, reason) (rate(admission_rejected_total[{RATE}]))",
+                    "gateway rejected: {{team}} {{reason}}",
+                ),
+            ],
+            stacked=True,
+        ),
+        timeseries(
+            "Error ratio",
+            "Failed (finished_reason error or abort) over all finished requests. Bad: anything "
+            "above the SLO's error budget; an overloaded server that fails looks faster in the "
+            "latency panels, so read this next to them.",
+            "percentunit",
+            [
+                Query(
+                    f"{_rate('vllm:request_success_total', selector=f'{MODEL}, {ERROR_REASONS}')}"
+                    f" / {_rate('vllm:request_success_total')}",
+                    "error ratio {{model_name}}",
+                ),
+            ],
+            max_value=1,
+        ),
+    ]
+
+
+def throughput_and_latency() -> list:
+    return [
+        row("Throughput and latency detail"),
+        timeseries(
+            "Token throughput: prompt and generation tokens/s",
+            "Prompt tokens prefilled and tokens generated per second. Bad: generation "
+            "throughput flat or falling while requests wait means poor batching or memory "
+            "fragmentation; throughput alone is a trap, read it next to TTFT and queue time.",
+            TOKENS_PER_SECOND,
+            [
+                Query(_rate("vllm:prompt_tokens_total"), "prompt {{model_name}}"),
+                Query(_rate("vllm:generation_tokens_total"), "generation {{model_name}}"),
+            ],
+        ),
+        timeseries(
+            "Requests per second",
+            "Finished requests per second, all reasons. Bad: below the offered load while the "
+            "waiting queue grows: the server cannot keep up.",
+            "reqps",
+            [Query(_rate("vllm:request_success_total"), "{{model_name}}")],
+        ),
+        timeseries(
+            "End-to-end latency p50 / p95 / p99",
+            "Request latency inside vLLM, arrival to last token. Bad: a p99 far above p50 means "
+            "head-of-line blocking or preemptions; the smallest bucket is 0.3 s.",
+            "s",
+            _percentiles("vllm:e2e_request_latency_seconds_bucket"),
+        ),
+        timeseries(
+            "Prefill and decode time p95",
+            "Prefill = scheduled to first token; decode = first to last token. Bad: prefill "
+            "growing with the same prompt sizes means the prefix cache stopped hitting; decode "
+            "growing means larger batches or preemptions.",
+            "s",
+            [
+                Query(
+                    quantile(0.95, "vllm:request_prefill_time_seconds_bucket", "model_name", MODEL),
+                    "prefill p95 {{model_name}}",
+                ),
+                Query(
+                    quantile(0.95, "vllm:request_decode_time_seconds_bucket", "model_name", MODEL),
+                    "decode p95 {{model_name}}",
+                ),
+            ],
+        ),
+    ]
+
+
+def memory_and_lengths() -> list:
+    return [
+        row("KV cache, preemptions, request lengths"),
+        timeseries(
+            "KV-cache usage",
+            "Share of KV-cache blocks in use. Bad: above 90 % new sequences wait and running "
+            "ones get preempted; lower max_num_seqs or max_model_len, or add memory.",
+            "percentunit",
+            [Query(f"max by (model_name) (vllm:kv_cache_usage_perc{{{MODEL}}})", "{{model_name}}")],
+            max_value=1,
+        ),
+        timeseries(
+            "Preemptions per second",
+            "Sequences evicted from the KV cache to make room (recomputed later). Bad: any "
+            "sustained value - the KV cache is too small for the concurrency; TPOT and e2e "
+            "latency suffer.",
+            "ops",
+            [Query(_rate("vllm:num_preemptions_total"), "{{model_name}}")],
+        ),
+        heatmap(
+            "Prompt length heatmap",
+            "Prompt tokens per request, bucketed. Bad: a shift to long prompts explains TTFT "
+            "and KV-cache growth; prompts near max_model_len end in errors.",
+            "short",
+            f"sum by (le) (increase(vllm:request_prompt_tokens_bucket{{{MODEL}}}[{RATE}]))",
+        ),
+        heatmap(
+            "Generation length heatmap",
+            "Generated tokens per request, bucketed. Bad: everything at max_tokens means "
+            "outputs are cut (finished_reason length) or EOS is ignored.",
+            "short",
+            f"sum by (le) (increase(vllm:request_generation_tokens_bucket{{{MODEL}}}[{RATE}]))",
+        ),
+    ]
+
+
+def build() -> Dashboard:
+    return dashboard(
+        UID,
+        "vLLM serving",
+        "The five core indicators of a vLLM server (TTFT, TPOT/ITL, queue time, prefix-cache "
+        "hit ratio, error rate), then throughput, KV cache and request lengths. Lever flips are "
+        "annotated on every time series.",
+        [*core_indicators(), *throughput_and_latency(), *memory_and_lengths()],
+        [label_variable("model_name", "vllm:num_requests_running", "Model")],
+    )

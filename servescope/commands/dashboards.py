@@ -1,0 +1,70 @@
+"""`servescope dashboards build`: the Grafana dashboards as JSON plus provisioning YAML."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dashboards import RULES_DIR, LintFailed, build
+from servescope.commands.common import console
+
+DEFAULT_OUT = Path("servescope-data/dashboards")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("dashboards", help="build the Grafana dashboards (JSON + provisioning)")
+    commands = parser.add_subparsers(dest="dashboards_command", required=True, metavar="SUBCOMMAND")
+    cmd = commands.add_parser(
+        "build",
+        help="write the dashboards' JSON and Grafana provisioning YAML",
+        description="Build the vLLM serving, Admission and Collector health dashboards "
+        "(grafanalib), lint them (every panel titled, described, with a unit; every PromQL "
+        "expression parses; counters only under rate()/increase() over $__rate_interval), and "
+        "write OUT/*.json, OUT/provisioning/datasources/servescope.yaml and "
+        "OUT/provisioning/dashboards/servescope.yaml. Load them by mounting OUT at "
+        "/var/lib/grafana/dashboards/servescope and OUT/provisioning at "
+        "/etc/grafana/provisioning, or import a JSON file in Grafana (Dashboards > New > "
+        "Import). Prometheus rules are in dashboards/rules/. Exits 1 when the lint fails "
+        "(nothing is written then).",
+    )
+    cmd.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"(default: {DEFAULT_OUT})")
+    cmd.add_argument(
+        "--prometheus-url",
+        default="http://prometheus:9090",
+        help="the datasource URL Grafana uses (default: the compose service)",
+    )
+    cmd.add_argument(
+        "--scrape-interval",
+        default="5s",
+        help="Prometheus' scrape interval, the datasource's timeInterval (default 5s)",
+    )
+    cmd.add_argument("--json", action="store_true", help="print the written paths as JSON")
+    cmd.set_defaults(func=run_build)
+
+
+def run_build(args: argparse.Namespace) -> int:
+    try:
+        result = build(
+            args.out, prometheus_url=args.prometheus_url, scrape_interval=args.scrape_interval
+        )
+    except LintFailed as exc:
+        console.print(f"[red]dashboards failed the lint, nothing written:\n{exc}")
+        return 1
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "dashboards": [str(p) for p in result.dashboards],
+                    "provisioning": [str(p) for p in result.provisioning],
+                    "rules": [str(p) for p in result.rules],
+                }
+            )
+        )
+        return 0
+    console.print(
+        f"{len(result.dashboards)} dashboards in {args.out.resolve()}; rules in {RULES_DIR}"
+    )
+    for path in result.paths:
+        print(path.resolve())
+    return 0

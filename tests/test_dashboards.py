@@ -1,0 +1,191 @@
+"""Dashboards as code, checked statically: every PromQL expression parses (promql-parser, Grafana
+macros substituted), the lint holds (and catches what it should), the JSON loads with
+grafana-foundation-sdk, provisioning YAML is what Grafana expects, and the Prometheus rules pass
+`promtool check rules` and `promtool test rules` (the real promtool, Debian `prometheus`)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import promql_parser
+import pytest
+import yaml
+from grafana_foundation_sdk.cog.encoder import JSONEncoder as SdkEncoder
+from grafana_foundation_sdk.models.dashboard import Dashboard as SdkDashboard
+
+from dashboards import DASHBOARDS, DATASOURCE_UID, RULES_DIR, dashboard_json
+from dashboards.lint import annotation_queries, lint, panels, parse, queries, substitute
+from dashboards.panels import LEVER_FLIP_TAG
+from tests.conftest import servescope
+
+BUILT = {uid: dashboard_json(make) for uid, make in DASHBOARDS.items()}
+ALL_QUERIES = [q for dash in BUILT.values() for q in [*queries(dash), *annotation_queries(dash)]]
+RULE_FILES = sorted(RULES_DIR.glob("*.yml"))
+RULE_TESTS = sorted((RULES_DIR / "tests").glob("*.yml"))
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    assert path, "promtool not found: install Debian's `prometheus` package (make system-deps)"
+    return path
+
+
+@pytest.mark.parametrize("query", ALL_QUERIES, ids=lambda q: f"{q.panel}:{q.ref}")
+def test_every_expression_parses_after_macro_substitution(query: Any) -> None:
+    expr = substitute(query.expr)
+    assert "$" not in expr, expr
+    promql_parser.parse(expr)  # raises ValueError naming the position
+
+
+@pytest.mark.parametrize("uid", BUILT)
+def test_lint_is_clean(uid: str) -> None:
+    assert lint(BUILT[uid]) == []
+
+
+def test_lint_catches_each_rule_it_states() -> None:
+    bad = copy.deepcopy(BUILT["servescope-vllm"])
+    first, second, third = list(panels(bad))[:3]
+    first["description"] = ""
+    first["fieldConfig"]["defaults"]["unit"] = "tokens per fortnight"
+    second["targets"][0]["expr"] = "sum(vllm:generation_tokens_total)"
+    third["targets"][0]["expr"] = "sum(rate(vllm:prompt_tokens_total[5m]))"
+    third["targets"][1]["expr"] = "sum(rate(vllm:prompt_tokens_total[$__rate_interval])"
+    third["targets"][1]["datasource"] = {"type": "prometheus", "uid": "some-other-uid"}
+    bad["templating"]["list"].append({"name": "ds2", "type": "datasource"})
+    problems = "\n".join(lint(bad))
+    assert f"{first['title']!r}: no description" in problems
+    assert "unit 'tokens per fortnight' is not a Grafana unit" in problems
+    assert "counter vllm:generation_tokens_total outside rate()/increase()" in problems
+    assert "range [0:05:00] is not [$__rate_interval]" in problems
+    assert f"{third['title']!r} / B: does not parse" in problems
+    assert f"{third['title']!r}: datasource is not the $datasource variable" in problems
+    assert "exactly one datasource variable" in problems
+
+
+def test_every_panel_has_title_description_unit_and_rate_interval() -> None:
+    for dash in BUILT.values():
+        for panel in panels(dash):
+            assert panel["title"] and panel["description"], panel
+            assert panel["fieldConfig"]["defaults"]["unit"], panel["title"]
+        for query in queries(dash):
+            if "rate(" in query.expr or "increase(" in query.expr:
+                assert "[$__rate_interval]" in query.expr, query
+
+
+def test_vllm_dashboard_puts_the_five_core_indicators_first() -> None:
+    titles = [p["title"] for p in panels(BUILT["servescope-vllm"])]
+    core = ["TTFT", "TPOT", "Queue time", "Queue depth", "Prefix-cache hit ratio", "Error rate"]
+    assert [t for t in titles[: len(core)]] == [
+        next(t for t in titles if t.startswith(c)) for c in core
+    ]
+    exprs = " ".join(q.expr for q in queries(BUILT["servescope-vllm"]))
+    for metric in (
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:num_preemptions_total",
+        "vllm:kv_cache_usage_perc",
+        "admission_rejected_total",
+        "vllm:request_prompt_tokens_bucket",
+        "vllm:request_generation_tokens_bucket",
+    ):
+        assert metric in exprs
+    assert "cache_hit_tokens_total" not in exprs  # the seed's name; vLLM does not export it
+
+
+def test_variables_datasource_and_multi_model() -> None:
+    variables = {v["name"]: v for v in BUILT["servescope-vllm"]["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    assert variables["datasource"]["current"]["value"] == DATASOURCE_UID
+    assert variables["model_name"]["multi"] and variables["model_name"]["includeAll"]
+    assert variables["model_name"]["allValue"] == ".*"
+    team = {v["name"]: v for v in BUILT["servescope-admission"]["templating"]["list"]}["team"]
+    assert team["multi"]
+
+
+def test_lever_flip_annotations_on_every_dashboard() -> None:
+    for dash in BUILT.values():
+        annotations = dash["annotations"]["list"]
+        exprs = [a.get("expr", "") for a in annotations]
+        assert any("servescope_lever_flip_info" in e for e in exprs), dash["title"]
+        tagged = [a for a in annotations if a.get("target", {}).get("type") == "tags"]
+        assert tagged and tagged[0]["target"]["tags"] == [LEVER_FLIP_TAG]
+        assert all(a["enable"] and "filter" not in a for a in annotations)  # on every panel
+
+
+@pytest.mark.parametrize("uid", BUILT)
+def test_json_loads_with_grafana_foundation_sdk(uid: str) -> None:
+    dash = BUILT[uid]
+    model = SdkDashboard.from_json(dash)
+    assert model.uid == uid and model.title == dash["title"]
+    assert [p.title for p in model.panels] == [p["title"] for p in dash["panels"]]
+    # a round trip through the SDK's typed model keeps every query, description and unit
+    again = json.loads(json.dumps(model, cls=SdkEncoder))
+    assert [(q.ref, q.expr) for q in queries(again)] == [(q.ref, q.expr) for q in queries(dash)]
+    assert [p.get("description") for p in panels(again)] == [
+        p.get("description") for p in panels(dash)
+    ]
+    assert [p["fieldConfig"]["defaults"]["unit"] for p in panels(again)] == [
+        p["fieldConfig"]["defaults"]["unit"] for p in panels(dash)
+    ]
+
+
+def test_build_command_writes_json_and_provisioning(tmp_path: Path) -> None:
+    out = tmp_path / "dash"
+    result = servescope(
+        "dashboards", "build", "--out", str(out), "--scrape-interval", "15s", "--json", check=True
+    )
+    written = json.loads(result.stdout)
+    assert sorted(Path(p).name for p in written["dashboards"]) == sorted(
+        f"{uid}.json" for uid in DASHBOARDS
+    )
+    for path in written["dashboards"]:
+        assert json.loads(Path(path).read_text()) == BUILT[Path(path).stem]
+    datasources = yaml.safe_load((out / "provisioning/datasources/servescope.yaml").read_text())
+    (source,) = datasources["datasources"]
+    assert source["uid"] == DATASOURCE_UID and source["type"] == "prometheus"
+    assert source["jsonData"]["timeInterval"] == "15s"
+    providers = yaml.safe_load((out / "provisioning/dashboards/servescope.yaml").read_text())
+    (provider,) = providers["providers"]
+    assert provider["type"] == "file"
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards/servescope"
+    assert [Path(p) for p in written["rules"]] == RULE_FILES
+
+
+def test_every_rule_expression_parses() -> None:
+    rules = [
+        r for f in RULE_FILES for g in yaml.safe_load(f.read_text())["groups"] for r in g["rules"]
+    ]
+    assert {r.get("alert") for r in rules} >= {
+        "VllmTtftP95OverSlo",
+        "VllmErrorRateHigh",
+        "VllmPrefixCacheHitRatioCollapse",
+        "VllmWaitingQueueGrowing",
+        "VllmKvCacheAlmostFull",
+        "VllmPreemptions",
+        "AdmissionRejectionRatioHigh",
+    }
+    for rule in rules:
+        parse(rule["expr"])
+
+
+def test_promtool_check_rules() -> None:
+    result = subprocess.run(
+        [promtool(), "check", "rules", *map(str, RULE_FILES)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def test_promtool_test_rules() -> None:
+    assert RULE_TESTS
+    result = subprocess.run(
+        [promtool(), "test", "rules", *map(str, RULE_TESTS)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "FAILED" not in result.stdout
