@@ -122,6 +122,7 @@ async def _relay(
     response: web.StreamResponse | None = None
     timing = a.timing
     pending = b""
+    end = 0.0
     loop = asyncio.get_running_loop()
     sent_at = loop.time()
     try:
@@ -157,6 +158,11 @@ async def _relay(
                         },
                     )
                     await _to_client(response.prepare(a.request))
+                if timing.done:  # last bytes and the end of the chunked body in one send
+                    await _to_client(response.write_eof(data))
+                    end = now
+                    await upstream.read()  # to the end, so the connection is reused
+                    break
                 await _to_client(response.write(data))
     except TimeoutError:
         phase = "decode" if timing.first is not None else "prefill"
@@ -166,7 +172,6 @@ async def _relay(
         return await _fail(a, response, event, "timeout", "timeout", detail, 504)
     except aiohttp.ClientError as exc:  # the upstream broke the stream
         return await _fail(a, response, event, "error", "disconnect", f"upstream: {exc!r}", 502)
-    end = time.perf_counter()
     event["http_status"] = 200
     if response is None:
         raise UpstreamFailed("disconnect", "upstream closed before sending anything", 502)
@@ -174,7 +179,6 @@ async def _relay(
         return await _fail(
             a, response, event, "error", "disconnect", "upstream ended before [DONE]", 502
         )
-    await _to_client(response.write_eof())
     timing.finish(event, end)
     return response
 
