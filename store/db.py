@@ -22,7 +22,7 @@ import duckdb
 from sqlalchemy.schema import CreateTable
 from sqlmodel import SQLModel
 
-from store import queries
+from store import queries, runtime
 from store.events import run_id_of
 from store.schema import TABLES
 
@@ -131,27 +131,36 @@ class Store:
     # -- writes ------------------------------------------------------------------------------
 
     def add_events(
-        self, docs: Iterable[dict[str, Any]], con: duckdb.DuckDBPyConnection | None = None
+        self,
+        docs: Iterable[dict[str, Any]],
+        con: duckdb.DuckDBPyConnection | None = None,
+        *,
+        cursor: runtime.RuntimeCursor | None = None,
     ) -> int:
-        """Insert or merge validated records; returns how many distinct requests they touched.
+        """Insert or merge validated records; returns how many distinct rows they touched.
 
         Records of the same request (same run and request_id) become one row, merged with
-        `merge_docs`, so ingesting the same record twice changes nothing.
+        `merge_docs`, so ingesting the same record twice changes nothing. Agent-runtime lines
+        (`store.events.is_runtime_event`) go to `runtime_events`; pass the same `cursor` for
+        every batch of one file so each keeps its place among the requests.
         """
+        requests, runtime_rows = runtime.split(docs, cursor or runtime.RuntimeCursor())
         batch: dict[tuple[str, str], dict[str, Any]] = {}
-        for doc in docs:
+        for doc in requests:
             key = (run_id_of(doc), doc["request_id"])
             batch[key] = merge_docs(batch[key], doc) if key in batch else doc
-        if not batch:
+        if not batch and not runtime_rows:
             return 0
         if con is None:
             with self.write() as tx:
-                return self._add_events(tx, batch)
-        return self._add_events(con, batch)
+                return self._add_events(tx, batch) + runtime.insert(tx, runtime_rows)
+        return self._add_events(con, batch) + runtime.insert(con, runtime_rows)
 
     def _add_events(
         self, con: duckdb.DuckDBPyConnection, batch: dict[tuple[str, str], dict[str, Any]]
     ) -> int:
+        if not batch:
+            return 0
         keys = list(batch)
         con.execute(queries.STAGE_EVENTS)
         self._fill_stage(con, keys, [json.dumps(batch[k]) for k in keys])
@@ -274,7 +283,7 @@ class Store:
     def has_run(self, run_id: str) -> bool:
         with self.read() as con:
             row = con.execute(queries.RUN_EXISTS, {"run_id": run_id}).fetchone()
-            return bool(row and row[0])
+            return bool(row and row[0]) or runtime.has_run(con, run_id)
 
     def run(self, run_id: str) -> dict[str, Any] | None:
         with self.read() as con:
@@ -299,6 +308,17 @@ class Store:
             rows = con.execute(queries.GAUGE_PEAKS, {"run_id": run_id, "names": list(names)})
             found = dict(rows.fetchall())
         return {name: found.get(name) for name in names}
+
+    def export_lines(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's request records and agent-runtime events, in the order of their file."""
+        with self.read() as con:
+            return runtime.export_lines(con, run_id)
+
+    def runtime_events(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's agent-runtime events joined to their request (by request_id or trace_id):
+        [{"event": doc, "request": doc or None}] in ingestion order."""
+        with self.read() as con:
+            return runtime.joined(con, run_id)
 
     def export_events(self, run_id: str) -> list[dict[str, Any]]:
         """The run's records exactly as they were ingested (merged per request)."""

@@ -41,6 +41,7 @@ CONTRACT_TYPES: dict[str, tuple[type, ...]] = {
     "trace_id": (str,),
 }
 STATUSES = frozenset({"ok", "error", "timeout", "rejected"})
+REQUEST_TYPE = "request"  # the only `type` a request record may carry
 _RUN_SUFFIX = re.compile(r"-\d+$")
 
 
@@ -56,10 +57,33 @@ def run_id_of(doc: dict[str, Any]) -> str:
     return _RUN_SUFFIX.sub("", doc["request_id"])
 
 
+def is_runtime_event(doc: dict[str, Any]) -> bool:
+    """An agent-runtime line (tool call, approval, test result…), not a request record.
+
+    The agent runtime writes `{"type": "tool_call", …}` lines into the same `.events.jsonl`
+    family; a request record has no `type` (or `"type": "request"`).
+    """
+    kind = doc.get("type")
+    return isinstance(kind, str) and bool(kind) and kind != REQUEST_TYPE
+
+
+def check_runtime(doc: dict[str, Any]) -> dict[str, Any]:
+    """Return a runtime event if it can be stored: it needs a run (`run_id` or `request_id`)."""
+    for key in ("run_id", "request_id", "ts", "trace_id"):
+        if doc.get(key) is not None and not isinstance(doc[key], str):
+            raise InvalidEvent(f"wrong type for {key}: {type(doc[key]).__name__}")
+    if not doc.get("run_id") and not doc.get("request_id"):
+        raise InvalidEvent(f"runtime event {doc['type']!r} has neither run_id nor request_id")
+    return doc
+
+
 def check(doc: Any) -> dict[str, Any]:
-    """Return `doc` if it is a storable request record, else raise `InvalidEvent`."""
+    """Return `doc` if it is a storable request record or runtime event, else raise
+    `InvalidEvent`."""
     if not isinstance(doc, dict):
         raise InvalidEvent(f"not a JSON object: {type(doc).__name__}")
+    if is_runtime_event(doc):
+        return check_runtime(doc)
     if not isinstance(doc.get("request_id"), str) or not doc["request_id"]:
         raise InvalidEvent("missing request_id")
     for key, types in CONTRACT_TYPES.items():

@@ -9,14 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from store.db import Store
-from store.events import InvalidEvent, parse_line
+from store.events import InvalidEvent, is_runtime_event, parse_line
+from store.runtime import RuntimeCursor
 
 BATCH = 10_000
 
 
 @dataclass
 class ImportResult:
-    events: int = 0
+    events: int = 0  # request records
+    runtime_events: int = 0  # agent-runtime lines (tool calls, approvals…), stored verbatim
     errors: int = 0
     runs: set[str] = field(default_factory=set)
 
@@ -37,10 +39,11 @@ def import_file(store: Store, path: Path) -> ImportResult:
     result = ImportResult()
     batch: list[dict[str, Any]] = []
     source = str(path)
+    cursor = RuntimeCursor()
 
     def flush() -> None:
         if batch:
-            store.add_events(batch)
+            store.add_events(batch, cursor=cursor)
             batch.clear()
 
     for offset, line in read_lines(path):
@@ -53,7 +56,10 @@ def import_file(store: Store, path: Path) -> ImportResult:
             result.errors += 1
             continue
         batch.append(doc)
-        result.events += 1
+        if is_runtime_event(doc):
+            result.runtime_events += 1
+        else:
+            result.events += 1
         result.runs.add(run_id_of(doc))
         if len(batch) >= BATCH:
             flush()
@@ -62,8 +68,9 @@ def import_file(store: Store, path: Path) -> ImportResult:
 
 
 def export_run(store: Store, run_id: str, out: Path) -> int:
-    """Write the run's records to `out`, one JSON object per line; returns the count."""
-    docs = store.export_events(run_id)
+    """Write the run's records and agent-runtime events to `out`, one JSON object per line, in
+    the order they had in their file; returns the count of lines."""
+    docs = store.export_lines(run_id)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as fh:
         for doc in docs:

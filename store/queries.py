@@ -378,3 +378,58 @@ SELECT run_id, COALESCE(c.events, 0) AS events, COALESCE(c.ok, 0) AS ok,
 FROM runs r FULL OUTER JOIN counted c USING (run_id) LEFT JOIN flips f USING (run_id)
 ORDER BY COALESCE(r.started_at, c.first_ts) NULLS LAST, run_id
 """
+
+# -- agent-runtime events (store/runtime.py) ---------------------------------------------------
+# Columns come as parallel lists (run_id, event_id, doc, after_request_id, seq) plus one
+# ingestion time; a row already stored (same run_id, event_id) is left as it is.
+INSERT_RUNTIME_EVENTS = """
+INSERT OR IGNORE INTO runtime_events
+    (run_id, event_id, type, ts, request_id, trace_id, after_request_id, ingested_at, seq, doc)
+SELECT r, e, d->>'type', timezone('UTC', TRY_CAST(d->>'ts' AS TIMESTAMPTZ)),
+       d->>'request_id', d->>'trace_id', a, $6, s, d
+FROM (SELECT unnest($1) AS r, unnest($2) AS e, unnest($3)::JSON AS d,
+             unnest($4) AS a, unnest($5) AS s)
+"""
+
+RUNTIME_TABLE_EXISTS = (
+    "SELECT count(*) > 0 FROM duckdb_tables() WHERE table_name = 'runtime_events'"
+)
+
+EXPORT_EVENTS_TS = (
+    "SELECT ts, doc FROM events WHERE run_id = ? ORDER BY ts NULLS LAST, request_id"
+)
+
+EXPORT_RUNTIME_EVENTS = """
+SELECT ts, after_request_id, doc FROM runtime_events WHERE run_id = ? ORDER BY ingested_at, seq
+"""
+
+# A runtime event belongs to the request with its request_id or, failing that, its trace_id.
+RUNTIME_EVENTS_JOINED = """
+SELECT r.doc,
+       COALESCE(
+           (SELECT e.doc FROM events e WHERE e.request_id = r.request_id
+            ORDER BY e.run_id = r.run_id DESC LIMIT 1),
+           (SELECT e.doc FROM events e WHERE e.trace_id = r.trace_id
+            ORDER BY e.run_id = r.run_id DESC LIMIT 1)
+       )
+FROM runtime_events r
+WHERE r.run_id = ?
+ORDER BY r.ingested_at, r.seq
+"""
+
+RUNTIME_RUN_EXISTS = """
+SELECT count(*) > 0 FROM runtime_events WHERE run_id = ?
+"""
+
+# -- Parquet export (store/parquet.py): hive partitions run_id=…/date=… ------------------------
+# $1 is a run_id, or NULL for every run; $2 the output folder, replaced as a whole. `doc` is
+# written as text so any reader takes it. COPY answers with the number of rows written.
+_PARQUET_COPY = """
+COPY (
+    SELECT * EXCLUDE (doc), CAST(ts AS DATE) AS date, CAST(doc AS VARCHAR) AS doc
+    FROM {table} WHERE $1::VARCHAR IS NULL OR run_id = $1
+) TO $2 (FORMAT parquet, PARTITION_BY (run_id, date), OVERWRITE)
+"""
+PARQUET_EVENTS = _PARQUET_COPY.format(table="events")
+PARQUET_RUNTIME_EVENTS = _PARQUET_COPY.format(table="runtime_events")
+PARQUET_COUNT = "SELECT count(*) FROM read_parquet($1, hive_partitioning = true)"

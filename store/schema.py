@@ -111,4 +111,25 @@ class IngestError(SQLModel, table=True):
     raw: str | None = Field(default=None, sa_column=Column(Text))
 
 
-TABLES: list[type[SQLModel]] = [Event, Run, MetricSample, LeverFlip, IngestError]
+class RuntimeEvent(SQLModel, table=True):
+    """An agent-runtime line of an `.events.jsonl` file (tool call, approval, test result…).
+
+    `doc` is the line as it came; `after_request_id` is the request record that preceded it in
+    its run, so export puts it back in place. Joins to `events` by request_id or trace_id.
+    """
+
+    __tablename__ = "runtime_events"
+
+    run_id: str = Field(primary_key=True)
+    event_id: str = Field(primary_key=True)
+    type: str
+    ts: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=False)))
+    request_id: str | None = None
+    trace_id: str | None = None
+    after_request_id: str | None = None
+    ingested_at: datetime = Field(sa_column=Column(DateTime(timezone=False), nullable=False))
+    seq: int = Field(sa_column=Column(BigInteger, nullable=False))
+    doc: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+
+
+TABLES: list[type[SQLModel]] = [Event, Run, MetricSample, LeverFlip, IngestError, RuntimeEvent]

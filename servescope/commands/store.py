@@ -10,6 +10,7 @@ from rich.table import Table
 
 from servescope.commands.common import add_store_option, console, open_store
 from store import export_run, import_file
+from store.parquet import count_parquet, export_parquet
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,9 +28,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_store_option(imp)
     imp.set_defaults(func=run_import)
 
-    exp = stores.add_parser("export", help="export a run as .events.jsonl, records as imported")
-    exp.add_argument("run_id")
-    exp.add_argument("--out", type=Path, required=True)
+    exp = stores.add_parser(
+        "export",
+        help="export a run as .events.jsonl (records as imported), or runs as Parquet",
+        description="jsonl: the run's request records and agent-runtime events, line for line "
+        "as imported, in their file's order. parquet: hive-partitioned files "
+        "OUT/{events,runtime_events}/run_id=…/date=…/ for DuckDB, ClickHouse or Spark "
+        "(every run when RUN is left out).",
+    )
+    exp.add_argument("run_id", nargs="?", metavar="RUN", help="the run (required for jsonl)")
+    exp.add_argument("--out", type=Path, required=True, help="a file (jsonl) or folder (parquet)")
+    exp.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    exp.add_argument("--json", action="store_true", help="print the counts as JSON")
     add_store_option(exp)
     exp.set_defaults(func=run_export)
 
@@ -41,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_import(args: argparse.Namespace) -> int:
     store = open_store(args)
-    totals = {"events": 0, "errors": 0, "runs": set()}
+    totals = {"events": 0, "runtime_events": 0, "errors": 0, "runs": set()}
     for path in args.files:
         if not path.exists():
             console.print(f"[red]no such file: {path}")
@@ -50,7 +60,11 @@ def run_import(args: argparse.Namespace) -> int:
         totals["events"] += result.events
         totals["errors"] += result.errors
         totals["runs"] |= result.runs
-        console.print(f"{path}: {result.events} records, {result.errors} quarantined")
+        totals["runtime_events"] += result.runtime_events
+        console.print(
+            f"{path}: {result.events} records, {result.runtime_events} runtime events, "
+            f"{result.errors} quarantined"
+        )
     if args.json:
         print(json.dumps({**totals, "runs": sorted(totals["runs"])}))
     return 0
@@ -58,13 +72,26 @@ def run_import(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     store = open_store(args)
-    if not store.has_run(args.run_id):
+    if args.run_id is None and args.format == "jsonl":
+        console.print("[red]jsonl export needs a RUN (see `servescope store runs`)")
+        return 2
+    if args.run_id is not None and not store.has_run(args.run_id):
         console.print(
             f"[red]unknown run {args.run_id!r}; known runs: {', '.join(store.run_ids()) or 'none'}"
         )
         return 2
+    if args.format == "parquet":
+        written = export_parquet(store, args.out, args.run_id)
+        read_back = {table: count_parquet(args.out / table) for table in written}
+        for table, rows in written.items():
+            console.print(f"{rows} {table} rows written to {args.out / table}")
+        if args.json:
+            print(json.dumps({"written": written, "read_back": read_back}))
+        return 0 if read_back == written else 1
     count = export_run(store, args.run_id, args.out)
     console.print(f"{count} records written to {args.out}")
+    if args.json:
+        print(json.dumps({"written": {"lines": count}}))
     return 0
 
 
