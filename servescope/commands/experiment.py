@@ -1,0 +1,217 @@
+"""`servescope experiment`: lever-flip experiments (a seeded workload, two or more server
+profiles, a fresh vLLM per run) and their before/after reports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from bench.experiment import Experiment, ExperimentHooks, ExperimentResult, load_experiments
+from bench.launcher import VllmServer
+from bench.runner import parse_slo, percentile
+from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model
+from bench.workload import BenchConfig, WorkloadError
+from reports.render import DEFAULT_OUT, write_report
+from reports.summary import run_summary
+from servescope.commands import bench
+from servescope.commands.common import add_store_option, console, open_store
+from store import Store
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    experiments = load_experiments()
+    parser = sub.add_parser(
+        "experiment",
+        help="lever-flip experiments: one workload, several server profiles, before/after",
+    )
+    commands = parser.add_subparsers(dest="experiment_command", required=True, metavar="SUBCOMMAND")
+    listing = commands.add_parser("list", help="the built-in experiments")
+    listing.set_defaults(func=run_list)
+    run = commands.add_parser(
+        "run",
+        help="run an experiment and build its reports",
+        description="Run one seeded workload against each profile of the experiment: a fresh "
+        "vLLM per run (caches start cold; about 80-120 s to start on a CPU), warm-up, one "
+        "stored run with the profile's levers, a lever_flips row at each switch, repeats "
+        "interleaved (A B A B). Then the reports are written and their paths printed, one per "
+        "line. Built in: "
+        + "; ".join(f"{n}: {e.description}" for n, e in experiments.items())
+        + ". Exit codes: 0 ok; 1 a server failed, requests failed or Ctrl-C (what was measured "
+        "is stored, the run marked partial); 2 an unknown experiment or a bad option.",
+    )
+    run.add_argument("name", metavar="NAME", help=f"one of {', '.join(experiments)}")
+    run.add_argument("--repeats", type=int, default=1, help="runs per profile, interleaved")
+    run.add_argument("--scale", type=float, default=None, help="prompt size factor override")
+    run.add_argument("--requests", type=int, default=None, help="requests per level override")
+    run.add_argument("--slo", default=None, help="goodput bounds, e.g. ttft_ms=500,tpot_ms=50")
+    run.add_argument(
+        "--target",
+        action="append",
+        default=None,
+        metavar="PROFILE=URL",
+        help="use a running server for a profile instead of launching one (caches stay warm)",
+    )
+    run.add_argument(
+        "--model", type=Path, default=DEFAULT_DIR, help=f"model dir (default {DEFAULT_DIR})"
+    )
+    run.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"(default {DEFAULT_OUT})")
+    run.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    add_store_option(run)
+    run.set_defaults(func=run_experiment)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    for name, spec in load_experiments().items():
+        print(f"{name}: {spec.workload} x {' vs '.join(spec.profiles)} — {spec.description}")
+    return 0
+
+
+def _targets(pairs: list[str] | None) -> dict[str, str] | None:
+    if not pairs:
+        return None
+    targets = {}
+    for pair in pairs:
+        profile, sep, url = pair.partition("=")
+        if not sep or not url:
+            raise ValueError(f"--target takes PROFILE=URL, got {pair!r}")
+        targets[profile] = url
+    return targets
+
+
+def run_experiment(args: argparse.Namespace) -> int:
+    experiments = load_experiments()
+    if args.name not in experiments:
+        console.print(f"[red]unknown experiment {args.name!r}; built in: {', '.join(experiments)}")
+        return 2
+    store = open_store(args)
+    try:
+        experiment = Experiment(
+            experiments[args.name],
+            store=store,
+            execute=_execute,
+            model=args.model,
+            targets=_targets(args.target),
+            repeats=args.repeats,
+            scale=args.scale,
+            requests=args.requests,
+            slo=parse_slo(args.slo),
+            hooks=ExperimentHooks(starting=_starting, ready=_ready),
+        )
+    except (WorkloadError, ValueError) as exc:
+        console.print(f"[red]{exc}")
+        return 2
+    if not args.target and not is_built(args.model):
+        with console.status(f"building the tiny model in {args.model}"):
+            make_tiny_model(args.model)
+    result = experiment.run()
+    paths = build_reports(store, result, args.out)
+    rows = outcome_rows(store, result)
+    console.print(outcome_table(rows))
+    if args.json:
+        print(json.dumps({**_outcome(result), "runs": rows, "reports": [str(p) for p in paths]}))
+    else:
+        for path in paths:
+            print(path.resolve())
+    if result.status != "complete":
+        console.print(f"[red]experiment {result.status}: {result.failure or 'interrupted'}")
+        return 1
+    failed = sum(r.result.errors for r in result.runs if r.result)
+    if failed:
+        console.print(f"[red]{failed} requests failed; see the reports' error classes")
+        return 1
+    return 0
+
+
+def _execute(config: BenchConfig, target: str, store: Store, options: dict[str, Any]) -> Any:
+    return bench.execute(config, target, store, **options)
+
+
+def _starting(profile: str, server: VllmServer) -> None:
+    console.print(f"starting vLLM [bold]{profile}[/] on {server.url} (log {server.log_path})")
+
+
+def _ready(profile: str, server: VllmServer) -> None:
+    console.print(f"vLLM {profile} ready after {server.ready_s:.0f} s")
+
+
+def build_reports(store: Store, result: ExperimentResult, out: Path) -> list[Path]:
+    """The report of every run, HTML first (the before/after diff replaces these once
+    `report build B --vs A` exists)."""
+    paths: list[Path] = []
+    for run in result.runs:
+        if run.result is not None and store.has_run(run.run_id):
+            written = write_report(run_summary(store, run.run_id), out)
+            paths.append(next(p for p in written if p.name == "index.html"))
+    return paths
+
+
+def outcome_rows(store: Store, result: ExperimentResult) -> list[dict[str, Any]]:
+    """One row per run: the indicators the experiment is about, client and server side."""
+    rows = []
+    for run in result.runs:
+        if run.result is None:
+            continue
+        events = store.export_events(run.run_id)
+        ok = [e for e in events if e.get("status") == "ok"]
+        ttft = [e["ttft_ms"] for e in ok if e.get("ttft_ms") is not None]
+        probes = [e["ttft_ms"] for e in ok if e.get("request_class") == "probe" and "ttft_ms" in e]
+        rows.append(
+            {
+                "run_id": run.run_id,
+                "profile": run.profile,
+                "repeat": run.repeat,
+                "status": run.result.status,
+                "requests": run.result.events,
+                "errors": run.result.errors,
+                "ttft_ms_p50": percentile(ttft, 0.5),
+                "ttft_ms_p95": percentile(ttft, 0.95),
+                "probe_ttft_ms_p50": percentile(probes, 0.5),
+                "server_prefix_cache_hit_ratio": run.result.server.get("prefix_cache_hit_ratio"),
+                "client_cached_token_ratio": run.result.client.get("cached_token_ratio"),
+                "preemptions": run.result.server.get("preemptions"),
+                "server_ready_s": run.server_ready_s,
+            }
+        )
+    return rows
+
+
+def outcome_table(rows: list[dict[str, Any]]) -> Table:
+    def num(value: float | None, spec: str = ".0f") -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    table = Table(
+        "profile",
+        "run",
+        "requests",
+        "errors",
+        "TTFT p50 ms",
+        "TTFT p95 ms",
+        "probe TTFT p50",
+        "server hit ratio",
+        "client cached ratio",
+    )
+    for row in rows:
+        table.add_row(
+            row["profile"],
+            str(row["requests"]),
+            str(row["errors"]),
+            num(row["ttft_ms_p50"]),
+            num(row["ttft_ms_p95"]),
+            num(row["probe_ttft_ms_p50"]),
+            num(row["server_prefix_cache_hit_ratio"], ".1%"),
+            num(row["client_cached_token_ratio"], ".1%"),
+        )
+    return table
+
+
+def _outcome(result: ExperimentResult) -> dict[str, Any]:
+    return {
+        "experiment": result.name,
+        "experiment_id": result.experiment_id,
+        "status": result.status,
+        "failure": result.failure,
+    }
