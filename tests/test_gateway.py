@@ -1,0 +1,166 @@
+"""The gateway's config and scheduler on their own (no server needed: pure asyncio and YAML)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from typing import Any
+
+import pytest
+
+from gateway.admission import Rejected, Scheduler
+from gateway.config import ConfigError, Team, key_digest, parse_config
+
+BASE: dict[str, Any] = {
+    "upstreams": {"u": {"url": "http://127.0.0.1:9", "model": "m", "max_concurrent": 4}},
+    "teams": {"a": {"keys": ["sk-a"]}, "b": {"key_sha256": [hashlib.sha256(b"sk-b").hexdigest()]}},
+}
+
+
+def team(name: str, **kw: Any) -> Team:
+    return Team(name=name, key_digests=(key_digest(name),), **kw)
+
+
+def test_config_keys_are_kept_as_digests_and_matched() -> None:
+    config = parse_config(BASE)
+    assert config.team_for_key("sk-a").name == "a"
+    assert config.team_for_key("sk-b").name == "b"
+    assert config.team_for_key("sk-c") is None
+    assert config.team_for_key(None) is None
+    assert "sk-a" not in repr(config)
+    assert config.routes["m"].upstream == "u"  # default route: the upstream's served name
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"teams": {"a": {}}}, "needs `keys` or `key_sha256`"),
+        ({"teams": {"a": {"keys": ["k"], "max_queue": -1}}}, "max_queue"),
+        ({"teams": {"a": {"keys": ["k"], "colour": "red"}}}, "unknown keys ['colour']"),
+        ({"teams": {"a": {"keys": ["k"]}, "b": {"keys": ["k"]}}}, "shared by teams"),
+        ({"models": {"m": {"upstream": "nope"}}}, "is not an upstream"),
+        ({"upstreams": {"u": {"url": "ftp://x"}}}, "http(s) URL"),
+        ({"listen": {"port": "x"}}, "listen.port"),
+    ],
+)
+def test_config_errors_name_the_field(patch: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config({**BASE, **patch})
+
+
+def test_strict_priority_then_weighted_fairness_then_fifo() -> None:
+    async def scenario() -> list[tuple[str, int]]:
+        teams = {
+            "hi": team("hi", priority=10, max_concurrent=10, max_queue=10),
+            "w2": team("w2", weight=2, max_concurrent=10, max_queue=10),
+            "w1": team("w1", weight=1, max_concurrent=10, max_queue=10),
+            "low": team("low", priority=-1),
+        }
+        scheduler = Scheduler(teams, {"u": 1})
+        blocker = await scheduler.admit("low", "u")  # the upstream's only slot
+        order: list[tuple[str, int]] = []
+
+        async def one(name: str, seq: int) -> None:
+            slot = await scheduler.admit(name, "u")
+            order.append((name, seq))
+            await asyncio.sleep(0)
+            slot.release()
+
+        tasks = [asyncio.create_task(one("w1", i)) for i in range(3)]
+        tasks += [asyncio.create_task(one("w2", i)) for i in range(4)]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(one("hi", 0)))
+        await asyncio.sleep(0)
+        blocker.release()
+        await asyncio.gather(*tasks)
+        return order
+
+    order = asyncio.run(scenario())
+    assert order[0] == ("hi", 0)  # strict priority, although it arrived last
+    names = [name for name, _ in order[1:]]
+    assert names[:6].count("w2") == 4  # twice w1's weight: two of every three admissions
+    for name in ("w1", "w2"):  # FIFO within a team
+        seqs = [seq for n, seq in order if n == name]
+        assert seqs == sorted(seqs)
+
+
+def test_a_team_at_its_own_limit_never_delays_another() -> None:
+    async def scenario() -> tuple[float, int]:
+        teams = {
+            "a": team("a", max_concurrent=1, max_queue=3),
+            "b": team("b", max_concurrent=2, max_queue=2),
+        }
+        scheduler = Scheduler(teams, {"u": 8})
+        held = await scheduler.admit("a", "u")
+        waiting = [asyncio.create_task(scheduler.admit("a", "u")) for _ in range(3)]
+        await asyncio.sleep(0)
+        with pytest.raises(Rejected) as excinfo:
+            await scheduler.admit("a", "u")
+        assert excinfo.value.reason == "queue_full" and excinfo.value.http_status == 429
+        assert excinfo.value.retry_after_s is not None
+        b_slot = await asyncio.wait_for(scheduler.admit("b", "u"), 0.1)
+        queue_ms = b_slot.queue_ms
+        b_slot.release()
+        held.release()
+        for task in waiting:
+            (await task).release()
+        return queue_ms, scheduler.inflight["u"]
+
+    queue_ms, inflight = asyncio.run(scenario())
+    assert queue_ms < 5
+    assert inflight == 0
+
+
+def test_queue_timeout_and_cancelled_waiters_free_their_place() -> None:
+    async def scenario() -> None:
+        teams = {"a": team("a", max_concurrent=1, max_queue=2, queue_timeout_s=0.05)}
+        scheduler = Scheduler(teams, {"u": 8})
+        held = await scheduler.admit("a", "u")
+        with pytest.raises(Rejected) as excinfo:
+            await scheduler.admit("a", "u")
+        assert excinfo.value.reason == "queue_timeout" and excinfo.value.http_status == 503
+        gone = asyncio.create_task(scheduler.admit("a", "u"))
+        await asyncio.sleep(0)
+        assert scheduler.queue_depth("a") == 1
+        gone.cancel()
+        await asyncio.sleep(0.01)
+        assert scheduler.queue_depth("a") == 0
+        held.release()
+        assert scheduler.teams["a"].active == 0 and scheduler.inflight["u"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_token_budget_rejects_with_the_window_reset_as_retry_after() -> None:
+    from gateway.config import TokenBudget
+
+    async def scenario() -> None:
+        teams = {"a": team("a", token_budget=TokenBudget(tokens=100, window_s=60))}
+        scheduler = Scheduler(teams, {"u": 8})
+        slot = await scheduler.admit("a", "u", prompt_tokens=10)
+        slot.charge(95)
+        slot.release()
+        with pytest.raises(Rejected) as excinfo:
+            await scheduler.admit("a", "u", prompt_tokens=10)
+        assert excinfo.value.reason == "token_budget" and excinfo.value.http_status == 429
+        assert 50 < (excinfo.value.retry_after_s or 0) <= 60
+
+    asyncio.run(scenario())
+
+
+def test_reload_keeps_live_counts_and_applies_new_limits() -> None:
+    async def scenario() -> None:
+        scheduler = Scheduler({"a": team("a", max_concurrent=1, max_queue=4)}, {"u": 8})
+        held = await scheduler.admit("a", "u")
+        waiter = asyncio.create_task(scheduler.admit("a", "u"))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        scheduler.configure({"a": team("a", max_concurrent=2, max_queue=4)}, {"u": 8})
+        slot = await asyncio.wait_for(waiter, 0.1)  # the raised limit admits it at once
+        assert scheduler.teams["a"].active == 2
+        slot.release()
+        held.release()
+        assert scheduler.teams["a"].active == 0
+
+    asyncio.run(scenario())
