@@ -1,0 +1,23 @@
+"""Run reports: one run's summary, or a before/after diff of two runs (or of one run split at
+its lever flip), rendered to self-contained HTML, Markdown and JSON.
+
+    report = build_diff(Store(), "run-b", "run-a")
+    write_report(report, Path("servescope-data/reports"), ("html", "md", "json"))
+"""
+
+from reports.build import NoLeverFlip, build_diff, build_split, build_summary
+from reports.render import DEFAULT_OUT, FORMATS, render, write_report
+from reports.summary import ReportOptions, UnknownRun
+
+__all__ = [
+    "DEFAULT_OUT",
+    "FORMATS",
+    "NoLeverFlip",
+    "ReportOptions",
+    "UnknownRun",
+    "build_diff",
+    "build_split",
+    "build_summary",
+    "render",
+    "write_report",
+]

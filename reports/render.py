@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
+from markupsafe import Markup
+
+from reports.summary import LATENCY_METRICS
 
 DEFAULT_OUT = Path("servescope-data") / "reports"
 FORMATS = ("html", "md", "json")
@@ -27,6 +30,41 @@ def pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.1f} %"
 
 
+def signed(value: float | None, digits: int = 1, unit: str = "") -> str:
+    """A change with its sign (a true minus sign), 'n/a' when not measured."""
+    if value is None:
+        return "n/a"
+    sign = "−" if value < 0 else "+"
+    return f"{sign}{abs(value):,.{digits}f}{unit}"
+
+
+def interval(ci: list[float] | None, digits: int = 1, unit: str = "") -> str:
+    if not ci:
+        return "n/a"
+    return f"{signed(ci[0], digits)} … {signed(ci[1], digits)}{unit}"
+
+
+def value_of(row: dict[str, Any], key: str) -> str:
+    """A diff row's before/after value in the metric's own unit."""
+    value = row[key]
+    if row["metric"].endswith("ratio") or row["metric"] == "error_rate":
+        return pct(value)
+    return fmt(value, 2)
+
+
+def delta_of(row: dict[str, Any]) -> str:
+    if row["metric"].endswith("ratio") or row["metric"] == "error_rate":
+        return "n/a" if row["delta"] is None else signed(row["delta"] * 100, 1, " pt")
+    return signed(row["delta"], 2)
+
+
+def ci_of(row: dict[str, Any]) -> str:
+    if row["metric"].endswith("ratio") or row["metric"] == "error_rate":
+        ci = row["ci95"]
+        return interval([c * 100 for c in ci], 1, " pt") if ci else "n/a"
+    return interval(row["ci95"], 2)
+
+
 def _environment(autoescape: bool) -> Environment:
     env = Environment(
         loader=PackageLoader("reports", "templates"),
@@ -38,21 +76,31 @@ def _environment(autoescape: bool) -> Environment:
     )
     env.filters["fmt"] = fmt
     env.filters["pct"] = pct
+    env.filters["signed"] = signed
+    env.filters["interval"] = interval
+    env.filters["value_of"] = value_of
+    env.filters["delta_of"] = delta_of
+    env.filters["ci_of"] = ci_of
     return env
 
 
 def render(report: dict[str, Any], fmt_name: str) -> str:
+    """The report as one document; JSON holds the numbers (charts are for the HTML)."""
     if fmt_name == "json":
-        return json.dumps(report, indent=2, default=str) + "\n"
-    template = _environment(fmt_name == "html").get_template(f"report.{fmt_name}.j2")
-    return template.render(r=report, metrics=("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms"))
+        data = {k: v for k, v in report.items() if k != "charts"}
+        return json.dumps(data, indent=2, default=str) + "\n"
+    env = _environment(fmt_name == "html")
+    charts = {k: Markup(v) for k, v in report.get("charts", {}).items()}  # escaped in svg.py
+    return env.get_template(f"report.{fmt_name}.j2").render(
+        r=report, charts=charts, metrics=LATENCY_METRICS
+    )
 
 
 def write_report(
     report: dict[str, Any], out: Path = DEFAULT_OUT, formats: tuple[str, ...] = FORMATS
 ) -> list[Path]:
-    """Write `out/<run_id>/{index.html,report.md,report.json}`; returns the paths written."""
-    folder = out / report["run_id"]
+    """Write `out/<report_id>/{index.html,report.md,report.json}`; returns the paths written."""
+    folder = out / report.get("report_id", report["run_id"])
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name in formats:

@@ -5,12 +5,24 @@ Every field with no data is None (null in JSON): a report never shows a 0 it did
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+import duckdb
+
+from reports.samples import Slice
 from store import Store, queries
 
 PERCENTILES = ("p50", "p90", "p95", "p99", "mean")
+LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms")
+SLO_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
+
+# Server series a report reads from `metric_samples` (counters are per-slice deltas).
+HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+PREEMPTIONS, REJECTED = "vllm:num_preemptions_total", "admission_rejected_total"
+COUNTERS = (HITS, QUERIES, PREEMPTIONS, REJECTED)
+GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 class UnknownRun(LookupError):
@@ -23,18 +35,50 @@ class UnknownRun(LookupError):
         super().__init__(f"unknown run {run_id!r}; known runs: {listing}")
 
 
-def _shape(row: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ReportOptions:
+    """What the user adds to the data: SLOs for goodput, prices for the cost check, a seed."""
+
+    slo: dict[str, float] = field(default_factory=dict)
+    gpu_hour_usd: float | None = None
+    api_usd_per_1k_tokens: float | None = None
+    seed: int | None = None
+
+
+def require_run(store: Store, run_id: str) -> dict[str, Any]:
+    """The run's `runs` row (or a bare one for runs known only from events)."""
+    if not store.has_run(run_id):
+        raise UnknownRun(run_id, store.run_ids())
+    return store.run(run_id) or {"run_id": run_id}
+
+
+def _dicts(cursor: Any) -> list[dict[str, Any]]:
+    names = [d[0] for d in cursor.description]
+    return [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
+
+
+def _level(row: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return (row["workload"], row["concurrency"], row["target_rate"])
+
+
+def _shape(row: dict[str, Any], itl: dict[str, Any] | None, slo: dict[str, float]) -> dict:
     """One summary row of SQL into the report's nested shape."""
     out: dict[str, Any] = {
         "requests": row["requests"],
         "errors": row["errors"],
         "error_rate": row["error_rate"],
+        "rejected": row["rejected"],
     }
-    for metric in queries.LATENCY_METRICS:
-        out[metric] = {p: row[f"{metric}_{p}"] for p in PERCENTILES}
+    for metric in LATENCY_METRICS:
+        if metric == "itl_ms":
+            out[metric] = {p: (itl or {}).get(p) for p in PERCENTILES}
+        else:
+            out[metric] = {p: row[f"{metric}_{p}"] for p in PERCENTILES}
     out["throughput"] = _throughput(row)
+    out["goodput"] = _goodput(row, out["throughput"]["duration_s"], slo)
     out["cache_hit_request_ratio"] = row["cache_hit_request_ratio"]
     out["cached_token_ratio"] = row["cached_token_ratio"]
+    out["prompt_tokens_mean"] = row["prompt_tokens_mean"]
     return out
 
 
@@ -55,42 +99,109 @@ def _throughput(row: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
-def _dicts(cursor: Any) -> list[dict[str, Any]]:
-    names = [d[0] for d in cursor.description]
-    return [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
-
-
-def run_summary(store: Store, run_id: str) -> dict[str, Any]:
-    """The report of one run: its metadata, overall numbers and one group per workload level."""
-    if not store.has_run(run_id):
-        raise UnknownRun(run_id, store.run_ids())
-    run = store.run(run_id) or {"run_id": run_id}
-    with store.read() as con:
-        overall = _dicts(con.execute(queries.RUN_SUMMARY, [run_id]))[0]
-        groups = _dicts(con.execute(queries.GROUP_SUMMARIES, [run_id]))
-        errors = dict(con.execute(queries.ERRORS_BY_CLASS, [run_id]).fetchall())
-    notes = run.get("notes") or {}
+def _goodput(row: dict[str, Any], seconds: float | None, slo: dict[str, float]) -> dict | None:
+    """vLLM's goodput: requests meeting every SLO, per second and as a share of all requests."""
+    if not slo:
+        return None
+    good = row["good_requests"]
     return {
-        "run_id": run_id,
-        "levers": run.get("levers") or {},
-        "run": {
-            "target": run.get("target"),
-            "model": run.get("model"),
-            "vllm_version": run.get("vllm_version"),
-            "started_at": _iso(run.get("started_at")),
-            "ended_at": _iso(run.get("ended_at")),
-            "status": run.get("status"),
-            "workload": run.get("workload"),
-            "memory_peak_gb": notes.get("memory_peak_gb"),
-            "server_ready_s": notes.get("server_ready_s"),
+        "slo": dict(slo),
+        "good_requests": good,
+        "ratio": good / row["requests"] if row["requests"] else None,
+        "requests_per_s": good / seconds if seconds else None,
+    }
+
+
+def _server(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any]:
+    """Server-side numbers from the slice's `/metrics` samples (None when not scraped)."""
+    params = part.params()
+    deltas = {
+        name: (delta if samples >= 2 else None)
+        for name, delta, samples in con.execute(
+            queries.SLICE_COUNTER_DELTAS, {**params, "names": list(COUNTERS)}
+        ).fetchall()
+    }
+    peaks = dict(
+        con.execute(queries.SLICE_GAUGE_PEAKS, {**params, "names": list(GAUGES)}).fetchall()
+    )
+    hits, asked = deltas.get(HITS), deltas.get(QUERIES)
+    return {
+        "prefix_cache_hit_ratio": hits / asked if hits is not None and asked else None,
+        "prefix_cache_hits": hits,
+        "prefix_cache_queries": asked,
+        "preemptions": deltas.get(PREEMPTIONS),
+        "admission_rejected": deltas.get(REJECTED),
+        "kv_cache_usage_peak": peaks.get(GAUGES[0]),
+        "running_peak": peaks.get(GAUGES[1]),
+        "waiting_peak": peaks.get(GAUGES[2]),
+    }
+
+
+def summarize(
+    con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions
+) -> dict[str, Any]:
+    """Overall and per-level numbers of one slice, server-side deltas and admission evidence."""
+    params = part.params()
+    slo_params = {f"slo_{m}": options.slo.get(m) for m in SLO_METRICS}
+    overall = _dicts(con.execute(queries.SLICE_SUMMARY, {**params, **slo_params}))[0]
+    groups = _dicts(con.execute(queries.SLICE_GROUP_SUMMARIES, {**params, **slo_params}))
+    itl_rows = _dicts(con.execute(queries.SLICE_GROUP_ITL, params))
+    itl_all = next((r for r in itl_rows if r["overall"]), None)
+    itl = {_level(r): r for r in itl_rows if not r["overall"]}
+    errors: dict[tuple[Any, Any, Any], dict[str, int]] = {}
+    errors_all: dict[str, int] = {}
+    for row in _dicts(con.execute(queries.SLICE_ERRORS_BY_CLASS, params)):
+        errors.setdefault(_level(row), {})[row["class"]] = row["n"]
+        errors_all[row["class"]] = errors_all.get(row["class"], 0) + row["n"]
+    errors_all = dict(sorted(errors_all.items(), key=lambda kv: (-kv[1], kv[0])))
+    return {
+        "overall": {
+            **_shape(overall, itl_all, options.slo),
+            "errors_by_class": errors_all,
+            "first_ts": _iso(overall["first_ts"]),
+            "models": overall["models"],
         },
-        "overall": {**_shape(overall), "errors_by_class": errors},
         "groups": [
-            {"workload": g["workload"], "concurrency": g["concurrency"], **_shape(g)}
+            {
+                "workload": g["workload"],
+                "concurrency": g["concurrency"],
+                "target_rate": g["target_rate"],
+                **_shape(g, itl.get(_level(g)), options.slo),
+                "errors_by_class": errors.get(_level(g), {}),
+            }
             for g in groups
         ],
+        "server": _server(con, part),
+        "admission": {
+            "rejections": _dicts(con.execute(queries.SLICE_REJECTIONS, params)),
+            "teams": _dicts(con.execute(queries.SLICE_TEAMS, params)),
+        },
+    }
+
+
+def run_meta(run: dict[str, Any], models: str | None) -> dict[str, Any]:
+    """What the `runs` row says about the server and the workload."""
+    notes = run.get("notes") or {}
+    return {
+        "target": run.get("target"),
+        "model": run.get("model") or models,
+        "vllm_version": run.get("vllm_version"),
+        "started_at": _iso(run.get("started_at")),
+        "ended_at": _iso(run.get("ended_at")),
+        "status": run.get("status"),
+        "workload": run.get("workload"),
+        "memory_peak_gb": notes.get("memory_peak_gb"),
+        "server_ready_s": notes.get("server_ready_s"),
+        "notes": notes,
     }
 
 
 def _iso(value: datetime | None) -> str | None:
     return value.isoformat() + "Z" if value else None
+
+
+def run_summary(store: Store, run_id: str) -> dict[str, Any]:
+    """The report of one run (kept for callers of the walking skeleton; see `build_summary`)."""
+    from reports.build import build_summary
+
+    return build_summary(store, run_id)

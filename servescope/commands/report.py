@@ -1,13 +1,30 @@
-"""`report build RUN` (also `servescope report build RUN`)."""
+"""`report build RUN [--vs BASE | --split-at-flip]` and `report list` (also `servescope report`)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import Any
 
-from reports.render import DEFAULT_OUT, FORMATS, write_report
-from reports.summary import UnknownRun, run_summary
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from reports import (
+    DEFAULT_OUT,
+    FORMATS,
+    NoLeverFlip,
+    ReportOptions,
+    UnknownRun,
+    build_diff,
+    build_split,
+    build_summary,
+    write_report,
+)
+from reports.summary import SLO_METRICS
 from servescope.commands.common import add_store_option, console, open_store
+from store import queries
 
 DESCRIPTION = "Render stored runs as self-contained HTML, Markdown and JSON reports."
 
@@ -17,22 +34,74 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_subcommands(parser)
 
 
+def _slo(text: str) -> dict[str, float]:
+    slo: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in SLO_METRICS:
+            raise argparse.ArgumentTypeError(f"unknown SLO {name!r}; use {', '.join(SLO_METRICS)}")
+        try:
+            slo[name] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"SLO {name} needs a number of ms, got {value!r}"
+            ) from None
+    return slo
+
+
 def add_subcommands(parser: argparse.ArgumentParser) -> None:
     reports = parser.add_subparsers(dest="report_command", required=True, metavar="SUBCOMMAND")
     build = reports.add_parser(
         "build",
-        help="write DIR/RUN/index.html, report.md and report.json",
-        description="Summarise one run: requests, errors, error rate, TTFT/TPOT/e2e/queue "
-        "percentiles, throughput and prefix-cache hits, overall and per workload level. "
-        "Exits 2 for an unknown run.",
+        help="write DIR/REPORT/index.html, report.md and report.json",
+        description="Summarise one run (requests, errors by class, TTFT/TPOT/ITL/e2e/queue/"
+        "prefill/decode percentiles, throughput, goodput, prefix-cache hits client- and "
+        "server-side, KV-cache peak, preemptions, admission rejections, the lab's pass "
+        "criteria, charts), or compare it with --vs BASE (or before/after its lever flip with "
+        "--split-at-flip): before, after, Δ, Δ %%, a seeded bootstrap 95 %% CI and a verdict per "
+        "indicator. The report folder is RUN, RUN-vs-BASE or RUN-at-flip. Exits 2 for an "
+        "unknown run or a run with no lever flip to split at.",
     )
     build.add_argument("run_id", metavar="RUN")
+    mode = build.add_mutually_exclusive_group()
+    mode.add_argument("--vs", metavar="BASE_RUN", help="compare RUN (after) with BASE_RUN (before)")
+    mode.add_argument(
+        "--split-at-flip",
+        action="store_true",
+        help="compare the parts of RUN before and after its lever_flips row",
+    )
     build.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"(default {DEFAULT_OUT})")
     build.add_argument(
         "--format", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}"
     )
+    build.add_argument(
+        "--slo",
+        type=_slo,
+        default={},
+        metavar="ttft_ms=…,tpot_ms=…,e2e_ms=…",
+        help="SLOs in ms for goodput (requests meeting every one)",
+    )
+    build.add_argument("--gpu-hour-usd", type=float, help="GPU price per hour, for the cost check")
+    build.add_argument(
+        "--api-usd-per-1k-tokens", type=float, help="API price per 1K tokens, for the cost check"
+    )
+    build.add_argument("--seed", type=int, help="bootstrap seed (default: a fixed one)")
+    build.add_argument(
+        "--json", action="store_true", help="print the headline, paths and verdicts as JSON"
+    )
     add_store_option(build)
     build.set_defaults(func=run_build)
+
+    listing = reports.add_parser(
+        "list",
+        help="stored runs with their levers and event counts",
+        description="Every run in the store: events (ok, errors, rejected), lever flips, "
+        "model, status and levers.",
+    )
+    listing.add_argument("--json", action="store_true", help="print the runs as JSON")
+    add_store_option(listing)
+    listing.set_defaults(func=run_list)
 
 
 def run_build(args: argparse.Namespace) -> int:
@@ -40,11 +109,90 @@ def run_build(args: argparse.Namespace) -> int:
     if bad := [f for f in formats if f not in FORMATS]:
         console.print(f"[red]unknown format {bad}; choose from {FORMATS}")
         return 2
+    options = ReportOptions(
+        slo=args.slo,
+        gpu_hour_usd=args.gpu_hour_usd,
+        api_usd_per_1k_tokens=args.api_usd_per_1k_tokens,
+        seed=args.seed,
+    )
+    store = open_store(args)
     try:
-        report = run_summary(open_store(args), args.run_id)
-    except UnknownRun as exc:
-        console.print(f"[red]{exc}")
+        with console.status("building the report…"):
+            if args.vs:
+                report = build_diff(store, args.run_id, args.vs, options)
+            elif args.split_at_flip:
+                report = build_split(store, args.run_id, options)
+            else:
+                report = build_summary(store, args.run_id, options)
+            paths = write_report(report, args.out, formats)
+    except (UnknownRun, NoLeverFlip) as exc:
+        console.print(str(exc), markup=False, style="red")
         return 2
-    for path in write_report(report, args.out, formats):
-        print(path)
+    for warning in report.get("warnings", []):
+        console.print(f"warning: {warning}", markup=False, style="yellow")
+    if args.json:
+        print(json.dumps(_brief(report, paths)))
+    else:
+        if "headline" in report:
+            console.print(report["headline"], markup=False)
+        for path in paths:
+            print(path)
+    return 0
+
+
+def _brief(report: dict[str, Any], paths: list[Path]) -> dict[str, Any]:
+    return {
+        "report_id": report["report_id"],
+        "paths": [str(p) for p in paths],
+        "headline": report.get("headline"),
+        "warnings": report.get("warnings", []),
+        "verdicts": {d["metric"]: d["verdict"] for d in report.get("diff", [])},
+    }
+
+
+def run_list(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    with store.read() as con:
+        cursor = con.execute(queries.REPORT_RUN_LIST)
+        names = [d[0] for d in cursor.description]
+        runs = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    for run in runs:
+        if isinstance(run["levers"], str):
+            run["levers"] = json.loads(run["levers"])
+    if args.json:
+        print(json.dumps(runs, default=str))
+        return 0
+    table = Table(title=f"runs in {store.path}")
+    for column in (
+        "run",
+        "events",
+        "ok",
+        "errors",
+        "rejected",
+        "flips",
+        "model",
+        "status",
+        "levers",
+    ):
+        table.add_column(
+            column,
+            justify="right"
+            if column in ("events", "ok", "errors", "rejected", "flips")
+            else "left",
+        )
+    for run in runs:
+        levers = ", ".join(f"{k}={v}" for k, v in (run["levers"] or {}).items())
+        cells = (
+            run["run_id"],
+            run["events"],
+            run["ok"],
+            run["errors"],
+            run["rejected"],
+            run["flips"],
+            run["model"] or "",
+            run["status"] or "",
+            levers or "n/a",
+        )
+        table.add_row(*(Text(str(c)) for c in cells))  # Text: no markup from stored strings
+    Console().print(table)
     return 0

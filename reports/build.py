@@ -1,0 +1,213 @@
+"""Assemble reports from the store: one run, one run against a base run (`--vs`), or one run
+split at its lever flip (`--split-at-flip`). Each opens the store once, read-only."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import duckdb
+import numpy as np
+
+from reports import bootstrap
+from reports.charts import charts
+from reports.checklist import checklist
+from reports.diff import (
+    Side,
+    describe_change,
+    diff_rows,
+    headline,
+    lever_changes,
+    workload_warnings,
+)
+from reports.samples import Slice, load_samples
+from reports.summary import ReportOptions, require_run, run_meta, summarize
+from store import Store, queries
+
+
+class NoLeverFlip(LookupError):
+    """`--split-at-flip` on a run that has no `lever_flips` row."""
+
+
+def _side(
+    con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions
+) -> tuple[Side, dict[str, Any]]:
+    summary = summarize(con, part, options)
+    return Side(part.name, summary, load_samples(con, part)), summary
+
+
+def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
+    times = [s.samples.t[np.isfinite(s.samples.t)] for s in sides]
+    times = [t for t in times if len(t)]
+    if not times:
+        return None, None
+    lo = min(float(t.min()) for t in times)
+    hi = max(float(t.max()) for t in times)
+    return (
+        datetime.fromtimestamp(lo, UTC).replace(tzinfo=None),
+        datetime.fromtimestamp(hi, UTC).replace(tzinfo=None),
+    )
+
+
+def _flips(con: duckdb.DuckDBPyConnection, run_ids: list[str], sides: list[Side]) -> list[dict]:
+    start, end = _span(sides)
+    cursor = con.execute(
+        queries.REPORT_LEVER_FLIPS, {"run_ids": run_ids, "start": start, "end": end}
+    )
+    names = [d[0] for d in cursor.description]
+    flips = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    for flip in flips:
+        flip["ts"] = flip["ts"].isoformat() + "Z"
+    return flips
+
+
+def _public(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: summary[k] for k in ("overall", "groups", "server", "admission")}
+
+
+def build_summary(
+    store: Store, run_id: str, options: ReportOptions | None = None
+) -> dict[str, Any]:
+    """The report of one run: metadata, overall and per-level numbers, server-side deltas,
+    admission evidence, the seeds' checklist and charts."""
+    options = options or ReportOptions()
+    run = require_run(store, run_id)
+    part = Slice(run_id)
+    with store.read() as con:
+        side, summary = _side(con, part, options)
+        meta = run_meta(run, summary["overall"]["models"])
+        checks = checklist(con, part, meta, summary, options)
+        flips = _flips(con, [run_id], [side])
+    return {
+        "report_id": run_id,
+        "kind": "run",
+        "run_id": run_id,
+        "levers": run.get("levers") or {},
+        "run": meta,
+        **_public(summary),
+        "slo": options.slo or None,
+        "checklist": checks,
+        "flips": flips,
+        "charts": charts([side], flips),
+    }
+
+
+def _compare(
+    con: duckdb.DuckDBPyConnection,
+    before: Slice,
+    after: Slice,
+    runs: tuple[dict[str, Any], dict[str, Any]],
+    options: ReportOptions,
+) -> dict[str, Any]:
+    """What `--vs` and `--split-at-flip` share: both sides, the diff rows and the warnings."""
+    seed = bootstrap.DEFAULT_SEED if options.seed is None else options.seed
+    b_side, b_summary = _side(con, before, options)
+    a_side, a_summary = _side(con, after, options)
+    b_meta = run_meta(runs[0], b_summary["overall"]["models"])
+    a_meta = run_meta(runs[1], a_summary["overall"]["models"])
+    same_run = before.run_id == after.run_id
+    rows = diff_rows(b_side, a_side, seed)
+    flips = _flips(con, sorted({before.run_id, after.run_id}), [b_side, a_side])
+    return {
+        "sides": (b_side, a_side),
+        "before": {
+            "name": before.name,
+            "run_id": before.run_id,
+            "levers": runs[0].get("levers") or {},
+            "run": b_meta,
+            **_public(b_summary),
+        },
+        "after": {
+            "name": after.name,
+            "run_id": after.run_id,
+            "levers": runs[1].get("levers") or {},
+            "run": a_meta,
+            **_public(a_summary),
+        },
+        "diff": rows,
+        "warnings": workload_warnings(
+            b_side, a_side, b_meta["workload"], a_meta["workload"], same_run
+        ),
+        "flips": flips,
+        "bootstrap": {
+            "draws": bootstrap.DRAWS,
+            "seed": seed,
+            "method": "exact bootstrap distributions over per-request samples; throughput and "
+            "goodput resample windows of completions (1 s, or 1/20 of a shorter run)",
+        },
+        "slo": options.slo or None,
+    }
+
+
+def build_diff(
+    store: Store, run_id: str, base_run_id: str, options: ReportOptions | None = None
+) -> dict[str, Any]:
+    """`run_id` (after) against `base_run_id` (before): `run_id`'s own report keys plus
+    `before`, `after`, `diff`, `headline`, `warnings` and `lever_changes`."""
+    options = options or ReportOptions()
+    base = require_run(store, base_run_id)
+    run = require_run(store, run_id)
+    before, after = Slice(base_run_id), Slice(run_id)
+    with store.read() as con:
+        compared = _compare(con, before, after, (base, run), options)
+        meta = compared["after"]["run"]
+        checks = checklist(con, after, meta, compared["after"], options)
+    b_side, a_side = compared.pop("sides")
+    changes = lever_changes(base.get("levers") or {}, run.get("levers") or {})
+    change = describe_change(changes, f"{run_id} vs {base_run_id}")
+    return {
+        "report_id": f"{run_id}-vs-{base_run_id}",
+        "kind": "diff",
+        "run_id": run_id,
+        "base_run_id": base_run_id,
+        "levers": run.get("levers") or {},
+        "run": meta,
+        **{k: compared["after"][k] for k in ("overall", "groups", "server", "admission")},
+        "headline": headline(change, compared["diff"], b_side, a_side),
+        "lever_changes": changes,
+        **compared,
+        "checklist": checks,
+        "charts": charts([b_side, a_side], compared["flips"]),
+    }
+
+
+def build_split(store: Store, run_id: str, options: ReportOptions | None = None) -> dict[str, Any]:
+    """One run, before and after its (first) `lever_flips` row."""
+    options = options or ReportOptions()
+    run = require_run(store, run_id)
+    with store.read() as con:
+        flips = con.execute(queries.RUN_LEVER_FLIPS, {"run_id": run_id}).fetchall()
+        if not flips:
+            raise NoLeverFlip(f"run {run_id!r} has no lever_flips row to split at")
+        at = flips[0][0]
+        first = [f for f in flips if f[0] == at]
+        changes = [{"lever": f[1], "before": f[2], "after": f[3]} for f in first]
+        before = Slice(run_id, until=at, label="before flip")
+        after = Slice(run_id, since=at, label="after flip")
+        whole = Slice(run_id)
+        summary = summarize(con, whole, options)
+        meta = run_meta(run, summary["overall"]["models"])
+        compared = _compare(con, before, after, (run, run), options)
+        checks = checklist(con, whole, meta, summary, options)
+    b_side, a_side = compared.pop("sides")
+    warnings = compared.pop("warnings")
+    if len(flips) > len(first):
+        warnings.insert(
+            0, f"the run has {len(flips)} lever flips; split at the first ({at.isoformat()}Z)"
+        )
+    change = describe_change(changes, f"{run_id} at {at.isoformat()}Z")
+    return {
+        "report_id": f"{run_id}-at-flip",
+        "kind": "split",
+        "run_id": run_id,
+        "levers": run.get("levers") or {},
+        "run": meta,
+        **_public(summary),
+        "split_at": at.isoformat() + "Z",
+        "headline": headline(change, compared["diff"], b_side, a_side),
+        "lever_changes": changes,
+        "warnings": warnings,
+        **compared,
+        "checklist": checks,
+        "charts": charts([b_side, a_side], compared["flips"]),
+    }

@@ -1,0 +1,91 @@
+"""The report's pictures: latency CDFs (before vs after), TTFT over time with lever-flip
+markers, and TTFT p95 and throughput against the load level (concurrency or request rate)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from reports.diff import Side
+from reports.svg import Marker, Series, cdf_series, chart, time_series
+
+CDF_METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end latency"))
+
+
+def _cdfs(sides: list[Side]) -> dict[str, str]:
+    out = {}
+    for metric, title in CDF_METRICS:
+        series = [cdf_series(s.name, s.samples.successful(metric)) for s in sides]
+        if svg := chart(
+            f"{title}: cumulative distribution", series, x_label="ms", y_label="share of requests"
+        ):
+            out[f"cdf_{metric}"] = svg
+    return out
+
+
+def _over_time(sides: list[Side], flips: list[dict[str, Any]]) -> dict[str, str]:
+    starts = [np.nanmin(s.samples.t) for s in sides if np.isfinite(s.samples.t).any()]
+    if not starts:
+        return {}
+    origin = float(min(starts))
+    drawn = []
+    dots = True
+    for side in sides:
+        ok = side.samples.ok
+        series, raw = time_series(
+            side.name, side.samples.t[ok], side.samples.columns["ttft_ms"][ok], origin
+        )
+        drawn.append(series)
+        dots = dots and raw
+    markers = [
+        Marker(float(f["t"]) - origin, f"{f['lever']}: {f['before']} → {f['after']}")
+        for f in flips
+        if f.get("t") is not None
+    ]
+    svg = chart(
+        "TTFT over time",
+        drawn,
+        x_label="seconds since the first request",
+        y_label="TTFT (ms)",
+        markers=markers,
+        dots=dots,
+    )
+    return {"ttft_over_time": svg} if svg else {}
+
+
+def _by_level(sides: list[Side]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, axis in (("concurrency", "concurrency"), ("target_rate", "target rate (req/s)")):
+        ttft, tput = [], []
+        for side in sides:
+            workloads = sorted({g["workload"] or "" for g in side.summary["groups"]})
+            for workload in workloads:
+                rows = sorted(
+                    (
+                        g
+                        for g in side.summary["groups"]
+                        if (g["workload"] or "") == workload and g[key] is not None
+                    ),
+                    key=lambda g: g[key],
+                )
+                if len(rows) < 2:
+                    continue
+                label = f"{side.name} · {workload}" if workload else side.name
+                xs = np.array([float(g[key]) for g in rows])
+                p95 = [g["ttft_ms"]["p95"] for g in rows]
+                tok = [g["throughput"]["output_tokens_per_s"] for g in rows]
+                ttft.append(Series(label, xs, np.array(p95, dtype=float)))
+                tput.append(Series(label, xs, np.array(tok, dtype=float)))
+        if svg := chart(f"TTFT p95 vs {axis}", ttft, x_label=axis, y_label="TTFT p95 (ms)"):
+            out[f"ttft_vs_{key}"] = svg
+        if svg := chart(
+            f"Output throughput vs {axis}", tput, x_label=axis, y_label="output tokens/s"
+        ):
+            out[f"throughput_vs_{key}"] = svg
+    return out
+
+
+def charts(sides: list[Side], flips: list[dict[str, Any]]) -> dict[str, str]:
+    """SVG documents by name, in the order the report shows them."""
+    return {**_cdfs(sides), **_over_time(sides, flips), **_by_level(sides)}

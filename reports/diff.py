@@ -1,0 +1,294 @@
+"""Before/after: one row per indicator with Δ, Δ %, a seeded bootstrap 95 % CI and a verdict,
+the headline sentence, and the warnings a reviewer needs before trusting the comparison.
+
+A verdict is `unchanged` when the interval of Δ contains 0, otherwise `improved` or `regressed`
+by the metric's direction (lower TTFT is better, higher throughput is better). A metric one side
+did not measure is `not measured`, never a 0; a server counter ratio has no per-request samples
+to resample, so it gets no interval and the verdict `not tested`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from reports import bootstrap
+from reports.bootstrap import Draws, Floats
+from reports.samples import Samples
+
+LOWER, HIGHER = "lower", "higher"
+IMPROVED, REGRESSED, UNCHANGED = "improved", "regressed", "unchanged"
+NOT_MEASURED, NOT_TESTED = "not measured", "not tested"
+PROMPT_SIZE_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a comparison: its summary (as in the report) and its per-request samples."""
+
+    name: str
+    summary: dict[str, Any]
+    samples: Samples
+
+
+Estimator = Callable[[Side], tuple[float | None, Draws | None]]
+
+
+def _quantile(metric: str, q: float) -> Estimator:
+    def estimate(side: Side) -> tuple[float | None, Draws | None]:
+        values = side.samples.successful(metric)
+        return bootstrap.quantile(values, q), bootstrap.quantile_draws(values, q)
+
+    return estimate
+
+
+def _error_rate(side: Side) -> tuple[float | None, Draws | None]:
+    n = side.samples.n
+    failed = int(n - side.samples.ok.sum())
+    return (failed / n if n else None), bootstrap.proportion_draws(failed, n)
+
+
+def _cache_hit_share(side: Side) -> tuple[float | None, Draws | None]:
+    known = side.samples.columns["cache_hit"]
+    known = known[~np.isnan(known)]
+    hits = int(known.sum())
+    return (hits / len(known) if len(known) else None), bootstrap.proportion_draws(hits, len(known))
+
+
+def _windows(side: Side, values: Floats) -> Floats | None:
+    """Per-window totals of `values`, by when each request completed.
+
+    Throughput varies with time, not only with which requests ran, so its interval comes from
+    resampling windows of the run (a block bootstrap): 1 s windows, or 1/20 of a shorter run.
+    """
+    seconds = side.summary["overall"]["throughput"]["duration_s"]
+    t = side.samples.t
+    if not seconds or not np.isfinite(t).any():
+        return None
+    end = t + np.nan_to_num(side.samples.columns["e2e_ms"], nan=0.0) / 1000.0
+    keep = np.isfinite(end)
+    width = 1.0 if seconds >= 20 else seconds / 20
+    count = max(1, int(np.ceil(seconds / width)))
+    which = np.clip(((end[keep] - np.nanmin(t)) / width).astype(np.int64), 0, count - 1)
+    return np.bincount(which, weights=values[keep], minlength=count).astype(np.float64)
+
+
+def _per_second(column: str | None) -> Estimator:
+    """Successful requests (column None) or their tokens, per second of the side's duration."""
+
+    def estimate(side: Side) -> tuple[float | None, Draws | None]:
+        seconds = side.summary["overall"]["throughput"]["duration_s"]
+        if not seconds or side.samples.n == 0:
+            return None, None
+        if column is None:
+            values = side.samples.ok.astype(np.float64)
+        else:
+            values = np.where(side.samples.ok, side.samples.columns[column], np.nan)
+            if np.isnan(values).all():
+                return None, None
+            values = np.nan_to_num(values, nan=0.0)
+        windows = _windows(side, values)
+        draws = bootstrap.total_draws(windows, 1.0 / seconds) if windows is not None else None
+        return float(values.sum() / seconds), draws
+
+    return estimate
+
+
+def _goodput(side: Side) -> tuple[float | None, Draws | None]:
+    good = side.summary["overall"]["goodput"]
+    seconds = side.summary["overall"]["throughput"]["duration_s"]
+    if good is None or not seconds:
+        return None, None
+    meets = side.samples.ok.copy()
+    for metric, limit in good["slo"].items():
+        with np.errstate(invalid="ignore"):
+            meets &= side.samples.columns[metric] <= limit
+    values = meets.astype(np.float64)
+    windows = _windows(side, values)
+    draws = bootstrap.total_draws(windows, 1.0 / seconds) if windows is not None else None
+    return good["good_requests"] / seconds, draws
+
+
+def _server_ratio(side: Side) -> tuple[float | None, Draws | None]:
+    return side.summary["server"]["prefix_cache_hit_ratio"], None
+
+
+def _cached_token_ratio(side: Side) -> tuple[float | None, Draws | None]:
+    return side.summary["overall"]["cached_token_ratio"], None
+
+
+# (metric name in report.json, better direction, how to estimate it on one side)
+INDICATORS: list[tuple[str, str, Estimator]] = [
+    *[
+        (f"{m}.{p}", LOWER, _quantile(m, q))
+        for m in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms")
+        for p, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
+    ],
+    ("error_rate", LOWER, _error_rate),
+    ("throughput.requests_per_s", HIGHER, _per_second(None)),
+    ("throughput.input_tokens_per_s", HIGHER, _per_second("prompt_tokens")),
+    ("throughput.output_tokens_per_s", HIGHER, _per_second("completion_tokens")),
+    ("goodput.requests_per_s", HIGHER, _goodput),
+    ("cache_hit_request_ratio", HIGHER, _cache_hit_share),
+    ("cached_token_ratio", HIGHER, _cached_token_ratio),
+    ("server.prefix_cache_hit_ratio", HIGHER, _server_ratio),
+]
+
+
+def _verdict(
+    before: float | None, after: float | None, ci: tuple[float, float] | None, better: str
+) -> str:
+    if before is None or after is None:
+        return NOT_MEASURED
+    if ci is None:
+        return NOT_TESTED
+    lo, hi = ci
+    if lo <= 0.0 <= hi:
+        return UNCHANGED
+    got_lower = hi < 0.0
+    return IMPROVED if got_lower == (better == LOWER) else REGRESSED
+
+
+def diff_rows(before: Side, after: Side, seed: int) -> list[dict[str, Any]]:
+    rows = []
+    for metric, better, estimate in INDICATORS:
+        b, b_draws = estimate(before)
+        a, a_draws = estimate(after)
+        measured = a is not None and b is not None
+        ci, ci_pct = bootstrap.delta_interval(b_draws, a_draws, seed, metric)
+        delta = a - b if a is not None and b is not None else None
+        rows.append(
+            {
+                "metric": metric,
+                "better": better,
+                "before": b,
+                "after": a,
+                "delta": delta,
+                "delta_pct": (delta / b * 100.0) if delta is not None and b else None,
+                "ci95": list(ci) if ci and measured else None,
+                "ci95_pct": list(ci_pct) if ci_pct and measured else None,
+                "verdict": _verdict(b, a, ci if measured else None, better),
+            }
+        )
+    return rows
+
+
+# -- the headline ---------------------------------------------------------------------------
+
+
+def _signed_pct(value: float) -> str:
+    return f"{'−' if value < 0 else '+'}{abs(value):.0f} %"
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:.0f} %"
+
+
+def headline(change: str, rows: list[dict[str, Any]], before: Side, after: Side) -> str:
+    """E.g. "enable_prefix_caching false → true: TTFT p95 −81 % (−84 … −78 %), prefix hit
+    ratio 0 % → 93 %, throughput +12 %"."""
+    for side in (before, after):
+        if side.samples.n == 0:
+            return f"{change}: {side.name} has no events, nothing to compare"
+    by = {r["metric"]: r for r in rows}
+    parts = []
+    ttft = by["ttft_ms.p95"]
+    if ttft["delta_pct"] is not None:
+        ci = ttft["ci95_pct"]
+        interval = f" ({_signed_pct(ci[0])[:-2]} … {_signed_pct(ci[1])})" if ci else ""
+        parts.append(f"TTFT p95 {_signed_pct(ttft['delta_pct'])}{interval} [{ttft['verdict']}]")
+    hit = by["server.prefix_cache_hit_ratio"]
+    if hit["before"] is None or hit["after"] is None:
+        hit = by["cached_token_ratio"]
+    if hit["before"] is not None or hit["after"] is not None:
+        parts.append(f"prefix hit ratio {_share(hit['before'])} → {_share(hit['after'])}")
+    tput = by["throughput.output_tokens_per_s"]
+    if tput["delta_pct"] is not None:
+        parts.append(f"throughput {_signed_pct(tput['delta_pct'])} [{tput['verdict']}]")
+    err = by["error_rate"]
+    if err["verdict"] in (IMPROVED, REGRESSED):
+        parts.append(f"error rate {_share(err['before'])} → {_share(err['after'])}")
+    return f"{change}: " + (", ".join(parts) if parts else "no indicator measured on both sides")
+
+
+# -- apples to pears ------------------------------------------------------------------------
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b), key=str):
+            out += _differences(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        out = []
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            name = x.get("name", i) if isinstance(x, dict) else i
+            out += _differences(x, y, f"{path}[{name}]")
+        return out
+    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
+
+
+def _level_name(g: dict[str, Any]) -> str:
+    level = [f"concurrency {g['concurrency']}"] if g["concurrency"] is not None else []
+    if g["target_rate"] is not None:
+        level.append(f"rate {g['target_rate']:g}/s")
+    return " · ".join([str(g["workload"] or "(no workload)"), *level])
+
+
+def workload_warnings(
+    before: Side, after: Side, before_spec: Any, after_spec: Any, same_run: bool
+) -> list[str]:
+    """Why the two sides may not be comparable: specs, levels, request counts, prompt sizes."""
+    warnings = []
+    if not same_run:
+        if before_spec is None or after_spec is None:
+            missing = [
+                s.name for s, spec in ((before, before_spec), (after, after_spec)) if not spec
+            ]
+            warnings.append(
+                f"workload spec not recorded for {', '.join(missing)}: compared by the measured "
+                "requests only"
+            )
+        elif diffs := _differences(before_spec, after_spec):
+            shown = "; ".join(diffs[:6]) + (f"; … {len(diffs) - 6} more" if len(diffs) > 6 else "")
+            warnings.append(f"the workloads differ: {shown}")
+    b_groups = {_level_name(g): g for g in before.summary["groups"]}
+    a_groups = {_level_name(g): g for g in after.summary["groups"]}
+    if only := sorted(set(b_groups) ^ set(a_groups)):
+        warnings.append(f"load levels present on one side only: {', '.join(only)}")
+    for name in sorted(set(b_groups) & set(a_groups)):
+        b, a = b_groups[name], a_groups[name]
+        if b["requests"] != a["requests"]:
+            warnings.append(f"{name}: request counts differ ({b['requests']} vs {a['requests']})")
+        bp, ap = b["prompt_tokens_mean"], a["prompt_tokens_mean"]
+        if bp and ap and abs(ap - bp) / bp > PROMPT_SIZE_TOLERANCE:
+            warnings.append(f"{name}: prompt sizes differ (mean {bp:,.0f} vs {ap:,.0f} tokens)")
+    return warnings
+
+
+def lever_changes(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {"lever": k, "before": before.get(k), "after": after.get(k)}
+        for k in sorted(set(before) | set(after), key=str)
+        if before.get(k) != after.get(k)
+    ]
+
+
+def describe_change(changes: list[dict[str, Any]], fallback: str) -> str:
+    if not changes:
+        return fallback
+    return "; ".join(
+        f"{c['lever']} {_value(c['before'])} → {_value(c['after'])}" for c in changes[:4]
+    ) + (f"; … {len(changes) - 4} more" if len(changes) > 4 else "")
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)

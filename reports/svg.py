@@ -1,0 +1,179 @@
+"""Inline SVG charts: the HTML report stays one file that opens offline, with no script at all.
+
+Every piece of text that reaches the SVG (run ids, workload names, lever values) is escaped here;
+the templates mark the result safe. Large runs are reduced before drawing (quantile points for
+CDFs, time buckets for series), so a chart is a few kilobytes whatever the request count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from html import escape
+
+import numpy as np
+
+from reports.bootstrap import Floats
+
+WIDTH, HEIGHT = 640, 300
+LEFT, RIGHT, TOP, BOTTOM = 64, 16, 28, 62
+COLOURS = ("#0969da", "#cf222e", "#1a7f37", "#8250df", "#bf8700", "#57606a")
+CDF_POINTS = 200
+TIME_BUCKETS = 240
+
+
+@dataclass
+class Series:
+    label: str
+    x: Floats
+    y: Floats
+
+
+@dataclass
+class Marker:
+    x: float
+    label: str
+
+
+def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    if not math.isfinite(lo) or not math.isfinite(hi) or hi <= lo:
+        return [lo]
+    raw = (hi - lo) / count
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step) + 1)]
+
+
+def _label(value: float) -> str:
+    if value == 0:
+        return "0"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
+def chart(
+    title: str,
+    series: Sequence[Series],
+    *,
+    x_label: str,
+    y_label: str,
+    markers: Sequence[Marker] = (),
+    dots: bool = False,
+) -> str:
+    """A line (or dot) chart with axes, a legend and vertical markers; '' when there is no data."""
+    drawn = [s for s in series if len(s.x)]
+    if not drawn:
+        return ""
+    xs = np.concatenate([s.x for s in drawn] + [np.array([m.x for m in markers], float)])
+    ys = np.concatenate([s.y for s in drawn])
+    x0, x1 = float(np.nanmin(xs)), float(np.nanmax(xs))
+    y0, y1 = min(0.0, float(np.nanmin(ys))), float(np.nanmax(ys))
+    if x1 <= x0:
+        x0, x1 = x0 - 1, x1 + 1
+    if y1 <= y0:
+        y1 = y0 + 1
+    y1 *= 1.05
+    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+
+    def px(x: float) -> float:
+        return LEFT + (x - x0) / (x1 - x0) * plot_w
+
+    def py(y: float) -> float:
+        return TOP + plot_h - (y - y0) / (y1 - y0) * plot_h
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" '
+        f'width="{WIDTH}" height="{HEIGHT}" role="img" aria-label="{escape(title)}">',
+        f"<title>{escape(title)}</title>",
+        f'<rect x="0" y="0" width="{WIDTH}" height="{HEIGHT}" fill="#ffffff"/>',
+        f'<text x="{LEFT}" y="18" font-size="13" font-weight="600">{escape(title)}</text>',
+    ]
+    for t in _ticks(y0, y1):
+        out.append(
+            f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{py(t):.1f}" y2="{py(t):.1f}" '
+            f'stroke="#d0d7de" stroke-width="0.5"/>'
+            f'<text x="{LEFT - 6}" y="{py(t) + 4:.1f}" font-size="10" text-anchor="end">'
+            f"{_label(t)}</text>"
+        )
+    for t in _ticks(x0, x1):
+        out.append(
+            f'<text x="{px(t):.1f}" y="{TOP + plot_h + 14}" font-size="10" '
+            f'text-anchor="middle">{_label(t)}</text>'
+        )
+    out.append(
+        f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{TOP + plot_h}" y2="{TOP + plot_h}" '
+        f'stroke="#57606a"/><line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{TOP + plot_h}" '
+        f'stroke="#57606a"/>'
+        f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 26}" font-size="11" text-anchor="middle">'
+        f"{escape(x_label)}</text>"
+        f'<text x="12" y="{TOP + plot_h / 2}" font-size="11" text-anchor="middle" '
+        f'transform="rotate(-90 12 {TOP + plot_h / 2})">{escape(y_label)}</text>'
+    )
+    for marker in markers:
+        x = px(marker.x)
+        out.append(
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="#bf8700" '
+            f'stroke-dasharray="4 3"/><text x="{x + 3:.1f}" y="{TOP + 10}" font-size="10" '
+            f'fill="#9a6700">{escape(marker.label)}</text>'
+        )
+    legend_x = 0
+    for i, s in enumerate(drawn):
+        colour = COLOURS[i % len(COLOURS)]
+        keep = ~(np.isnan(s.x) | np.isnan(s.y))
+        points = [(px(float(x)), py(float(y))) for x, y in zip(s.x[keep], s.y[keep], strict=True)]
+        if dots:
+            out.extend(
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="1.8" fill="{colour}"/>' for x, y in points
+            )
+        else:
+            path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+            out.append(
+                f'<polyline fill="none" stroke="{colour}" stroke-width="1.6" points="{path}"/>'
+            )
+        lx = LEFT + legend_x
+        out.append(
+            f'<rect x="{lx}" y="{HEIGHT - 16}" width="10" height="10" fill="{colour}"/>'
+            f'<text x="{lx + 14}" y="{HEIGHT - 7}" font-size="10">{escape(s.label)}</text>'
+        )
+        legend_x += 24 + 6 * len(s.label)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def cdf_series(label: str, sorted_values: Floats) -> Series:
+    """An empirical CDF reduced to at most CDF_POINTS quantile points."""
+    n = len(sorted_values)
+    if n == 0:
+        return Series(label, np.zeros(0), np.zeros(0))
+    if n <= CDF_POINTS:
+        return Series(label, sorted_values, np.arange(1, n + 1) / n)
+    probs = np.linspace(0, 1, CDF_POINTS)
+    return Series(label, np.quantile(sorted_values, probs), probs)
+
+
+def time_series(label: str, t: Floats, values: Floats, origin: float) -> tuple[Series, bool]:
+    """Values over seconds since `origin`; per-bucket medians when there are many points.
+
+    Returns the series and whether it is raw points (draw as dots) or bucket medians."""
+    keep = ~(np.isnan(t) | np.isnan(values))
+    t, values = t[keep] - origin, values[keep]
+    if len(t) <= TIME_BUCKETS * 2:
+        order = np.argsort(t)
+        return Series(label, t[order], values[order]), True
+    edges = np.linspace(t.min(), t.max(), TIME_BUCKETS + 1)
+    which = np.clip(np.digitize(t, edges) - 1, 0, TIME_BUCKETS - 1)
+    order = np.argsort(which, kind="stable")
+    which, sorted_values = which[order], values[order]
+    bounds = np.searchsorted(which, np.arange(TIME_BUCKETS + 1))
+    xs, ys = [], []
+    for b in range(TIME_BUCKETS):
+        chunk = sorted_values[bounds[b] : bounds[b + 1]]
+        if len(chunk):
+            xs.append((edges[b] + edges[b + 1]) / 2)
+            ys.append(float(np.median(chunk)))
+    return Series(
+        f"{label} (median per {edges[1] - edges[0]:.2g} s)", np.array(xs), np.array(ys)
+    ), False
