@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, servescope
 
 COMPOSE = ROOT / "compose"
 COMPOSE_FILE = COMPOSE / "docker-compose.yaml"
@@ -26,7 +26,7 @@ PROFILES = {
 }
 
 
-def compose_config(profile: str, *extra: str) -> dict[str, Any]:
+def compose_config(profile: str, *extra: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     """`docker-compose -f compose/docker-compose.yaml --profile P config`, parsed."""
     binary = shutil.which("docker-compose")
     assert binary, "docker-compose (Debian package docker-compose) is not installed"
@@ -35,7 +35,10 @@ def compose_config(profile: str, *extra: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=60,
-        env={k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")},
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")},
+            **(env or {}),
+        },
     )
     assert result.returncode == 0, f"profile {profile}: {result.stderr}"
     return yaml.safe_load(result.stdout)
@@ -118,6 +121,25 @@ def test_mig_profile_is_the_labs_two_team_layout() -> None:
         assert svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == [uuid]
     collector = args_of(config["services"]["collector"])
     assert f"--metrics-url={env['VLLM_METRICS_URLS']}" in collector
+    gateway_config = mounts_of(config["services"]["gateway"])["/etc/servescope/gateway.yaml"]
+    assert Path(gateway_config) == COMPOSE / "gateway-mig.yaml"
+
+
+@pytest.mark.parametrize(
+    ("name", "served"),
+    [
+        ("gateway.yaml", {"tiny", "local-coder"}),  # cpu; gpu and multi-gpu
+        ("gateway-mig.yaml", {"team-a-coder", "team-b-coder"}),
+    ],
+)
+def test_gateway_configs_are_valid_and_route_every_served_name(name: str, served: set) -> None:
+    result = servescope("gateway", "--config", str(COMPOSE / name), "--check")
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load((COMPOSE / name).read_text())
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert set(config["models"]) == served
+    assert config["events_dir"].startswith("/data/")  # the volume the collector reads
+    assert "servescope-data:/data" in compose["services"]["collector"]["volumes"]
 
 
 def test_cpu_profile_serves_the_tiny_model_built_first() -> None:
@@ -135,6 +157,7 @@ def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     assert promtool, "promtool (Debian package prometheus) is not installed"
     shutil.copy(COMPOSE / "prometheus" / "prometheus.yml", tmp_path / "prometheus.yml")
     (tmp_path / "rules").symlink_to(ROOT / "dashboards" / "rules")
+    assert list((ROOT / "dashboards" / "rules").glob("*.yml")), "no rule files in dashboards/rules"
     result = subprocess.run(
         [promtool, "check", "config", str(tmp_path / "prometheus.yml")],
         capture_output=True,
@@ -200,3 +223,30 @@ def test_dockerfile_copies_every_package_the_project_ships() -> None:
         assert f"COPY {package} ./{package}" in dockerfile
         assert f"!{package}/**" in (COMPOSE / "Dockerfile.dockerignore").read_text()
     assert 'ENTRYPOINT ["servescope"]' in dockerfile
+
+
+def test_grafana_provisioning_points_at_the_dashboards_servescope_builds(tmp_path: Path) -> None:
+    """`servescope dashboards build` writes dashboards and provisioning; compose mounts them
+    where the provisioning says, so Grafana finds every dashboard and the datasource."""
+    out = tmp_path / "dashboards"
+    servescope("dashboards", "build", "--out", str(out), check=True)
+    config = compose_config("cpu", env={"SERVESCOPE_DASHBOARDS": str(out)})
+    mounts = mounts_of(config["services"]["grafana"])
+    provisioning = Path(mounts["/etc/grafana/provisioning"])
+    assert provisioning == out / "provisioning"
+    providers = yaml.safe_load((provisioning / "dashboards" / "servescope.yaml").read_text())
+    for provider in providers["providers"]:
+        folder = provider["options"]["path"]
+        host = Path(mounts[folder])  # the container path is a mount of the build's output
+        dashboards = sorted(host.glob("*.json"))
+        assert len(dashboards) >= 3, f"dashboards missing in {host} (mounted at {folder})"
+        for path in dashboards:
+            assert json.loads(path.read_text())["uid"]
+    datasources = yaml.safe_load((provisioning / "datasources" / "servescope.yaml").read_text())
+    assert {ds["url"] for ds in datasources["datasources"]} == {"http://prometheus:9090"}
+    assert "prometheus" in config["services"]
+    # by default compose reads the default output folder of `servescope dashboards build`
+    default = mounts_of(compose_config("cpu")["services"]["grafana"])
+    assert Path(default["/var/lib/grafana/dashboards/servescope"]) == (
+        ROOT / "servescope-data" / "dashboards"
+    )
