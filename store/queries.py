@@ -9,7 +9,9 @@ SELECT
     run_id,
     request_id,
     doc->>'source',
-    timezone('UTC', TRY_CAST(doc->>'ts' AS TIMESTAMPTZ)),
+    timezone('UTC', TRY_CAST(
+        COALESCE(doc->>'ts', doc->>'server_ts', doc->>'log_ts') AS TIMESTAMPTZ
+    )),
     doc->>'model',
     doc->>'team',
     doc->>'workload',
@@ -33,6 +35,7 @@ SELECT
     COALESCE(
         doc->>'status',
         CASE WHEN doc->>'error' IS NOT NULL OR doc->>'finish_reason' = 'error'
+                  OR doc->>'server_outcome' IN ('failed', 'aborted')
              THEN 'error' ELSE 'ok' END
     ),
     TRY_CAST(doc->>'http_status' AS INTEGER),
@@ -420,6 +423,84 @@ ORDER BY r.ingested_at, r.seq
 RUNTIME_RUN_EXISTS = """
 SELECT count(*) > 0 FROM runtime_events WHERE run_id = ?
 """
+
+# -- collector: checkpoints and bulk `.events.jsonl` lines (store/bulk.py) ----------------------
+UPSERT_CHECKPOINT = """
+INSERT OR REPLACE INTO checkpoints (source, file_key, path, "offset", fp_len, fp, state, updated_at)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+"""
+LIST_CHECKPOINTS = """
+SELECT source, file_key, path, "offset", fp_len, fp, state, updated_at
+FROM checkpoints WHERE source = ? ORDER BY file_key
+"""
+
+# A chunk of complete lines, written by store/bulk.py to a temporary file: one row per line
+# with its byte offset in the source file (`$base` is the chunk's own offset).
+BULK_SPLIT = """
+CREATE OR REPLACE TEMP TABLE bulk_lines AS
+WITH parts AS (SELECT string_split(content, chr(10)) AS l FROM read_text($path)),
+lines AS (SELECT unnest(l) AS line, generate_subscripts(l, 1) AS i FROM parts)
+SELECT i, line,
+       $base + sum(strlen(line) + 1) OVER (ORDER BY i ROWS UNBOUNDED PRECEDING)
+             - strlen(line) - 1 AS "offset"
+FROM lines
+"""
+
+# Each line parsed once into raw JSON fragments of the contract keys (NULL when not JSON).
+BULK_PARSE = """
+CREATE OR REPLACE TEMP TABLE bulk_parsed AS
+SELECT i, "offset", line, try(json_transform(line, $shape)) AS s
+FROM bulk_lines WHERE trim(line, chr(32) || chr(9) || chr(13)) <> ''
+"""
+
+# Lines the fast path takes: the conditions (`$ok`, built by store/bulk.py from the contract)
+# are stricter than `store.events.check`, so every line they accept, `check` accepts too; a key
+# seen once in the chunk and not yet stored is a plain insert. Everything else is handed back.
+BULK_SELECT_FAST = """
+CREATE OR REPLACE TEMP TABLE bulk_ok AS
+WITH ok AS (
+    SELECT i, line,
+           COALESCE(NULLIF(s.run_id->>'$', ''),
+                    regexp_replace(s.request_id->>'$', '-[0-9]+$', '')) AS run_id,
+           s.request_id->>'$' AS request_id
+    FROM bulk_parsed WHERE {ok}
+),
+once AS (SELECT * FROM ok QUALIFY count(*) OVER (PARTITION BY run_id, request_id) = 1)
+SELECT o.* FROM once o ANTI JOIN events e USING (run_id, request_id)
+"""
+BULK_REST = """
+SELECT p."offset", p.line FROM bulk_parsed p ANTI JOIN bulk_ok USING (i) ORDER BY p.i
+"""
+# The same projection as UPSERT_EVENTS, from one parse of each document.
+BULK_INSERT_EVENTS = """
+INSERT INTO events
+SELECT run_id, request_id, v.source,
+    timezone('UTC', TRY_CAST(COALESCE(v.ts, v.server_ts, v.log_ts) AS TIMESTAMPTZ)),
+    v.model, v.team, v.workload,
+    TRY_CAST(v.concurrency AS INTEGER), TRY_CAST(v.target_rate AS DOUBLE),
+    TRY_CAST(v.prompt_tokens AS BIGINT), TRY_CAST(v.completion_tokens AS BIGINT),
+    TRY_CAST(v.cached_tokens AS BIGINT),
+    COALESCE(TRY_CAST(v.cache_hit AS BOOLEAN), TRY_CAST(v.cached_tokens AS BIGINT) > 0),
+    TRY_CAST(v.ttft_ms AS DOUBLE), TRY_CAST(v.tpot_ms AS DOUBLE), TRY_CAST(v.e2e_ms AS DOUBLE),
+    TRY_CAST(v.itl_ms AS DOUBLE[]),
+    TRY_CAST(v.queue_ms AS DOUBLE), TRY_CAST(v.prefill_ms AS DOUBLE),
+    TRY_CAST(v.decode_ms AS DOUBLE),
+    v.finish_reason,
+    COALESCE(
+        v.status,
+        CASE WHEN v.error IS NOT NULL OR v.finish_reason = 'error'
+                  OR v.server_outcome IN ('failed', 'aborted')
+             THEN 'error' ELSE 'ok' END
+    ),
+    TRY_CAST(v.http_status AS INTEGER), v.error, v.trace_id, line
+FROM (SELECT run_id, request_id, line, json_transform(line, $shape) AS v FROM bulk_ok)
+"""
+BULK_COUNT_FAST = "SELECT count(*) FROM bulk_ok"
+BULK_FAST_KEYS = "SELECT run_id, request_id FROM bulk_ok ORDER BY i"
+BULK_DROP = (
+    "DROP TABLE IF EXISTS bulk_lines; DROP TABLE IF EXISTS bulk_parsed; "
+    "DROP TABLE IF EXISTS bulk_ok"
+)
 
 # -- Parquet export (store/parquet.py): hive partitions run_id=…/date=… ------------------------
 # $1 is a run_id, or NULL for every run; $2 the output folder, replaced as a whole. `doc` is

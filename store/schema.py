@@ -133,3 +133,28 @@ class RuntimeEvent(SQLModel, table=True):
 
 
 TABLES: list[type[SQLModel]] = [Event, Run, MetricSample, LeverFlip, IngestError, RuntimeEvent]
+
+
+class Checkpoint(SQLModel, table=True):
+    """How far the collector has read one file of one source, saved in the same transaction as
+    the rows read up to `offset`, so a restart resumes exactly there.
+
+    A file is known by its identity (`file_key` = device:inode) plus a fingerprint (hash of its
+    first `fp_len` bytes), so a renamed file is still recognised and a truncated or replaced one
+    is not. The row with `file_key = ''` holds what the source remembers between lines (the
+    server's last levers), in `state`.
+    """
+
+    __tablename__ = "checkpoints"
+
+    source: str = Field(primary_key=True)
+    file_key: str = Field(primary_key=True)
+    path: str | None = None
+    offset: int = Field(default=0, sa_column=Column(BigInteger, nullable=False))
+    fp_len: int = 0
+    fp: str | None = None
+    state: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    updated_at: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=False)))
+
+
+TABLES.append(Checkpoint)

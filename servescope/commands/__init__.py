@@ -2,6 +2,7 @@
 
 from servescope.commands import (
     bench,
+    collect,
     dashboards,
     demo,
     experiment,
@@ -12,4 +13,4 @@ from servescope.commands import (
     store,
 )
 
-COMMANDS = [model, serve, bench, experiment, store, report, demo, gateway, dashboards]
+COMMANDS = [model, serve, bench, collect, experiment, store, report, demo, gateway, dashboards]

@@ -1,0 +1,238 @@
+"""One vLLM server log line → what it tells: a piece of a request, metric samples, the server's
+levers, an HTTP access, nothing, or the reason it is bad.
+
+Both of vLLM's formats are read, detected per line: text (`(APIServer pid=N) INFO MM-DD
+HH:MM:SS [file:line] message`, uvicorn's `INFO:     client - "POST /path HTTP/1.1" 200 OK`) and
+JSON (`--logging-config '{"formatter":"json"}'`: one object per line with `asctime`, `name`,
+`message`). Most lines of a server log say nothing about requests; they are ignored, not errors.
+A line is bad when it cannot be read at all (not UTF-8, broken JSON) or when a message the
+collector relies on is malformed. The parser never raises.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from collector.ids import UNATTRIBUTED_RUN, client_request_id, is_generated
+
+SOURCE = "vllm-log"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_TEXT = re.compile(
+    r"^(?:\((?P<proc>[^)]*)\)\s+)?(?P<level>[A-Z]+)\s+(?P<md>\d\d-\d\d) "
+    r"(?P<hms>\d\d:\d\d:\d\d)(?:[.,]\d+)?\s+\[(?P<where>[^\]]*)\]\s?(?P<msg>.*)$"
+)
+_ACCESS = re.compile(
+    r'^(?:INFO:\s+)?(?P<client>\S+) - "(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" '
+    r"(?P<status>\d{3})\b"
+)
+_RECEIVED = re.compile(r"^Received request (?P<id>\S+?): (?P<rest>.*)$")
+_ADDED = re.compile(r"^Added request (?P<id>\S+?)\.?$")
+_ABORTED = re.compile(r"^Request (?P<id>\S+) aborted\.?$")
+_FAILED = re.compile(r"^Request (?P<id>\S+) failed(?P<rest>.*)$")
+_STATS = re.compile(r"^Engine (?P<engine>\d+): (?P<body>.*throughput.*)$")
+_LEVERS = re.compile(r"non-default args: (?P<args>\{.*\})\s*$")
+_PARAM_INT = re.compile(r"\b(max_tokens|n)=(\d+)")
+_PAIR = re.compile(
+    r"^\s*(?P<key>[A-Za-z][A-Za-z0-9 _/-]*?)\s*:\s*(?P<num>-?[0-9.]+)\s*(?P<unit>\S*)"
+)
+NOT_INFERENCE = ("tokenize-", "detokenize-")
+# Levers that identify a server rather than configure it, or are secrets: never compared/stored.
+NOT_LEVERS = frozenset({"host", "port", "api_key", "ssl_keyfile", "ssl_certfile", "hf_token"})
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of one request's event; the store merges the pieces of a request field by field."""
+
+    doc: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Stats:
+    """The periodic `Engine NNN: Avg prompt throughput: …` line as metric values."""
+
+    ts: datetime | None
+    engine: str
+    values: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Levers:
+    """`non-default args: {...}` at start-up: the flags that define the server's configuration."""
+
+    ts: datetime | None
+    levers: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Access:
+    method: str
+    path: str
+    status: int
+
+
+@dataclass(frozen=True)
+class Bad:
+    reason: str
+
+
+Item = Piece | Stats | Levers | Access | Bad | None
+
+
+def parse_line(raw: bytes, *, year: int) -> Item:
+    """What one log line says (`year` completes the text format's month-day timestamps)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return Bad("not UTF-8")
+    line = _ANSI.sub("", line).rstrip("\r\n")
+    if "\x00" in line:
+        return Bad("binary data (NUL byte)")
+    stripped = line.lstrip()
+    if stripped.startswith("{"):
+        return _json_line(stripped)
+    match = _TEXT.match(line)
+    if match:
+        ts = _text_ts(year, match["md"], match["hms"])
+        return _message(match["msg"], ts)
+    access = _ACCESS.match(line)
+    if access:
+        return _access(access)
+    return None
+
+
+def _json_line(line: str) -> Item:
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return Bad("invalid JSON log line")
+    if not isinstance(obj, dict) or not isinstance(obj.get("message"), str):
+        return Bad("JSON log line without a message")
+    message: str = obj["message"]
+    if obj.get("name") == "uvicorn.access":
+        access = _ACCESS.match(message)
+        return _access(access) if access else None
+    asctime = obj.get("asctime")
+    ts = _json_ts(asctime) if isinstance(asctime, str) else None
+    return _message(message, ts)
+
+
+def _access(match: re.Match[str]) -> Access:
+    return Access(match["method"], match["path"], int(match["status"]))
+
+
+def _text_ts(year: int, month_day: str, hms: str) -> datetime | None:
+    try:
+        return datetime.strptime(f"{year}-{month_day} {hms}", "%Y-%m-%d %H:%M:%S").replace(
+            tzinfo=UTC
+        )
+    except ValueError:
+        return None
+
+
+def _json_ts(asctime: str) -> datetime | None:
+    try:
+        return datetime.strptime(asctime[:19], "%Y-%m-%d %H:%M:%S").replace(
+            microsecond=int(asctime[20:23]) * 1000 if asctime[20:23].isdigit() else 0,
+            tzinfo=UTC,
+        )
+    except ValueError:
+        return None
+
+
+def _message(msg: str, ts: datetime | None) -> Item:
+    if msg.startswith("Received request "):
+        match = _RECEIVED.match(msg)
+        if not match:
+            return Bad("malformed 'Received request' line")
+        fields: dict[str, Any] = {"log_ts": _iso(ts), "vllm_request_id": match["id"]}
+        for name, value in _PARAM_INT.findall(match["rest"]):
+            fields[name] = int(value)
+        return _piece(match["id"], fields, engine=False)
+    if msg.startswith("Added request "):
+        match = _ADDED.match(msg)
+        if not match:
+            return Bad("malformed 'Added request' line")
+        return _piece(match["id"], {"engine_request_id": match["id"]}, engine=True)
+    if msg.startswith("Request "):
+        match = _ABORTED.match(msg)
+        if match:
+            return _piece(match["id"], {"server_outcome": "aborted"}, engine=False)
+        match = _FAILED.match(msg)
+        if match:
+            detail = match["rest"].strip().removeprefix("due to").strip(" :.") or None
+            fields = {"server_outcome": "failed", "server_error": detail}
+            return _piece(match["id"], fields, engine=False)
+        return None
+    if msg.startswith("Engine "):
+        match = _STATS.match(msg)
+        return _stats(match["engine"], match["body"], ts) if match else None
+    if "non-default args: " in msg:
+        match = _LEVERS.search(msg)
+        if not match:
+            return Bad("malformed 'non-default args' line")
+        return _levers(match["args"], ts)
+    return None
+
+
+def _piece(vllm_id: str, fields: dict[str, Any], *, engine: bool) -> Item:
+    if vllm_id.startswith(NOT_INFERENCE):
+        return None  # /tokenize and /detokenize log their calls too; they serve no request
+    request_id = client_request_id(vllm_id, engine=engine)
+    if not request_id:
+        return Bad(f"empty request id in {vllm_id!r}")
+    doc: dict[str, Any] = {"request_id": request_id, "source": SOURCE}
+    if is_generated(request_id):
+        doc["run_id"] = UNATTRIBUTED_RUN
+    doc.update({k: v for k, v in fields.items() if v is not None})
+    return Piece(doc)
+
+
+def _stats(engine: str, body: str, ts: datetime | None) -> Item:
+    values: dict[str, float] = {}
+    for part in body.split(","):
+        match = _PAIR.match(part)
+        if not match:
+            continue
+        try:
+            value = float(match["num"])
+        except ValueError:
+            continue
+        key = re.sub(r"[^a-z0-9]+", "_", match["key"].lower()).strip("_")
+        if match["unit"].startswith("%"):
+            value /= 100.0
+        values[key] = value
+    if not values:
+        return Bad("engine stats line without key: value pairs")
+    return Stats(ts, engine, values)
+
+
+def _levers(text: str, ts: datetime | None) -> Item:
+    try:
+        args = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return Bad("unparseable 'non-default args'")
+    if not isinstance(args, dict):
+        return Bad("'non-default args' is not a mapping")
+    levers = {str(k): _plain(v) for k, v in args.items() if str(k) not in NOT_LEVERS}
+    return Levers(ts, levers)
+
+
+def _plain(value: Any) -> Any:
+    """A lever value as JSON can hold it (tuples and sets become lists, the rest strings)."""
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return repr(value)
+
+
+def _iso(ts: datetime | None) -> str | None:
+    return ts.isoformat() if ts else None

@@ -1,0 +1,244 @@
+"""An OTLP/HTTP trace receiver (`POST /v1/traces`, protobuf or JSON) for vLLM's
+`--otlp-traces-endpoint`: every `llm_request` span becomes a piece of its request's event.
+
+A request is answered only after the spans it carried are committed to the store, so an
+exporter that got 200 can forget them: a crash before the commit makes it retry instead.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from collector.ids import UNATTRIBUTED_RUN, client_request_id, is_generated
+
+SOURCE = "vllm-trace"
+MAX_BODY = 64 * 1024 * 1024
+SPAN_NAME = "llm_request"
+# span attribute (seconds) -> event key (milliseconds)
+LATENCIES = {
+    "gen_ai.latency.time_in_queue": "queue_ms",
+    "gen_ai.latency.time_in_model_prefill": "prefill_ms",
+    "gen_ai.latency.time_in_model_decode": "decode_ms",
+    "gen_ai.latency.time_in_model_inference": "inference_ms",
+    "gen_ai.latency.time_to_first_token": "server_ttft_ms",
+    "gen_ai.latency.e2e": "server_e2e_ms",
+}
+COUNTS = {
+    "gen_ai.usage.prompt_tokens": "prompt_tokens",
+    "gen_ai.usage.input_tokens": "prompt_tokens",
+    "gen_ai.usage.completion_tokens": "completion_tokens",
+    "gen_ai.usage.output_tokens": "completion_tokens",
+    "gen_ai.request.max_tokens": "max_tokens",
+    "gen_ai.request.n": "n",
+}
+FLOATS = {"gen_ai.request.temperature": "temperature", "gen_ai.request.top_p": "top_p"}
+
+
+class BadPayload(ValueError):
+    """The body is not an OTLP trace export; the message says why."""
+
+
+Span = tuple[str, str, int, dict[str, Any]]  # name, trace id (hex), start (unix ns), attributes
+
+
+def decode(body: bytes, content_type: str, encoding: str | None) -> list[Span]:
+    """The spans of one export request, either encoding."""
+    if encoding in ("gzip", "deflate"):
+        try:
+            body = gzip.decompress(body) if encoding == "gzip" else zlib.decompress(body)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise BadPayload(f"bad {encoding} body: {exc}") from None
+    if "json" in content_type:
+        return _decode_json(body)
+    request = ExportTraceServiceRequest()
+    try:
+        request.ParseFromString(body)
+    except Exception as exc:  # protobuf raises its own DecodeError (and others on garbage)
+        raise BadPayload(f"not an OTLP protobuf trace export: {exc}") from None
+    spans = []
+    for rs in request.resource_spans:
+        for ss in rs.scope_spans:
+            for span in ss.spans:
+                attrs = {kv.key: _any_value(kv.value) for kv in span.attributes}
+                spans.append((span.name, span.trace_id.hex(), span.start_time_unix_nano, attrs))
+    return spans
+
+
+def _any_value(value: AnyValue) -> Any:
+    kind = value.WhichOneof("value")
+    return None if kind is None else getattr(value, kind)
+
+
+def _decode_json(body: bytes) -> list[Span]:
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BadPayload(f"invalid JSON: {exc}") from None
+    spans = []
+    try:
+        for rs in doc.get("resourceSpans") or []:
+            for ss in rs.get("scopeSpans") or []:
+                for span in ss.get("spans") or []:
+                    attrs = {
+                        a["key"]: _json_value(a.get("value") or {})
+                        for a in span.get("attributes") or []
+                    }
+                    start = int(span.get("startTimeUnixNano") or 0)
+                    spans.append(
+                        (str(span.get("name", "")), str(span.get("traceId", "")), start, attrs)
+                    )
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise BadPayload(f"not an OTLP JSON trace export: {exc!r}") from None
+    return spans
+
+
+def _json_value(value: dict[str, Any]) -> Any:
+    for kind in ("stringValue", "boolValue", "doubleValue"):
+        if kind in value:
+            return value[kind]
+    if "intValue" in value:
+        return int(value["intValue"])  # int64 travels as a string in OTLP JSON
+    return None
+
+
+def span_piece(span: Span) -> dict[str, Any] | None:
+    """An `llm_request` span as a piece of its request's event (None for other spans).
+
+    Raises BadPayload when an `llm_request` span lacks its request id or has wrong types.
+    """
+    name, trace_id, start_ns, attrs = span
+    if name != SPAN_NAME:
+        return None
+    vllm_id = attrs.get("gen_ai.request.id")
+    if not isinstance(vllm_id, str) or not client_request_id(vllm_id):
+        raise BadPayload("llm_request span without gen_ai.request.id")
+    request_id = client_request_id(vllm_id)
+    doc: dict[str, Any] = {"request_id": request_id, "source": SOURCE}
+    if is_generated(request_id):
+        doc["run_id"] = UNATTRIBUTED_RUN
+    if start_ns:
+        doc["server_ts"] = datetime.fromtimestamp(start_ns / 1e9, UTC).isoformat()
+    if trace_id and trace_id.strip("0"):
+        doc["trace_id"] = trace_id
+    doc["vllm_request_id"] = vllm_id
+    for attr, key in LATENCIES.items():
+        value = attrs.get(attr)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise BadPayload(f"{attr} is not a number")
+        doc[key] = round(float(value) * 1000.0, 3)
+    for attr, key in COUNTS.items():
+        value = attrs.get(attr)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadPayload(f"{attr} is not an integer")
+        doc[key] = value
+    for attr, key in FLOATS.items():
+        value = attrs.get(attr)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            doc[key] = float(value)
+    return doc
+
+
+Submit = Callable[[list[dict[str, Any]], list[tuple[str, str]]], threading.Event]
+
+
+class OtlpReceiver:
+    """Serves `/v1/traces` in a background thread; hands pieces and refusals to `submit`, which
+    returns an event set once they are committed."""
+
+    def __init__(self, submit: Submit, host: str = "127.0.0.1", port: int = 4318) -> None:
+        self.submit = submit
+        self.spans = 0
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                receiver._handle(self)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                return
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def start(self) -> OtlpReceiver:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _handle(self, http: BaseHTTPRequestHandler) -> None:
+        if http.path.split("?")[0] != "/v1/traces":
+            _reply(http, 404, b"only /v1/traces", "text/plain")
+            return
+        length = int(http.headers.get("Content-Length") or 0)
+        if length <= 0 or length > MAX_BODY:
+            _reply(http, 413 if length > MAX_BODY else 400, b"bad Content-Length", "text/plain")
+            return
+        body = http.rfile.read(length)
+        content_type = http.headers.get("Content-Type") or "application/x-protobuf"
+        pieces: list[dict[str, Any]] = []
+        refused: list[tuple[str, str]] = []
+        try:
+            spans = decode(body, content_type, http.headers.get("Content-Encoding"))
+        except BadPayload as exc:
+            refused.append((str(exc), body[:4096].hex()))
+            spans = []
+        for span in spans:
+            try:
+                piece = span_piece(span)
+            except BadPayload as exc:
+                refused.append((str(exc), json.dumps(span[3], default=str)[:4096]))
+                continue
+            if piece is not None:
+                pieces.append(piece)
+        self.spans += len(spans)
+        done = self.submit(pieces, refused)
+        if not done.wait(timeout=30):
+            _reply(http, 503, b"not committed yet; retry", "text/plain")
+            return
+        if refused and not pieces and not spans:
+            _reply(http, 400, refused[0][0].encode(), "text/plain")
+            return
+        if "json" in content_type:
+            _reply(http, 200, b"{}", "application/json")
+        else:
+            _reply(
+                http,
+                200,
+                ExportTraceServiceResponse().SerializeToString(),
+                "application/x-protobuf",
+            )
+
+
+def _reply(http: BaseHTTPRequestHandler, status: int, body: bytes, content_type: str) -> None:
+    http.send_response(status)
+    http.send_header("Content-Type", content_type)
+    http.send_header("Content-Length", str(len(body)))
+    http.end_headers()
+    http.wfile.write(body)
+
+
+def now_ns() -> int:
+    return time.time_ns()

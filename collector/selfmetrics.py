@@ -1,0 +1,48 @@
+"""The collector's own `/metrics` (what Prometheus scrapes to watch the collector itself, and
+what dashboards annotate lever flips from)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+
+class SelfMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.lines = Counter(
+            "servescope_collector_lines",
+            "Lines (log and events files), spans and scrapes read, by source.",
+            ["source"],
+            registry=self.registry,
+        )
+        self.events = Counter(
+            "servescope_collector_events_written",
+            "Request records and pieces committed to the store.",
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "servescope_collector_ingest_errors",
+            "Input refused and kept in ingest_errors, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.lag = Gauge(
+            "servescope_collector_lag_seconds",
+            "Age of the oldest input of the last flush when it was committed.",
+            registry=self.registry,
+        )
+        self.last_flush = Gauge(
+            "servescope_collector_last_flush_timestamp_seconds",
+            "Unix time of the last committed flush.",
+            registry=self.registry,
+        )
+        self.flips = Gauge(
+            "servescope_lever_flip_info",
+            "A lever flip seen by the collector (value: unix time of the flip).",
+            ["lever", "before", "after"],
+            registry=self.registry,
+        )
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_address[1])

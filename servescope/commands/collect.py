@@ -1,0 +1,186 @@
+"""`servescope collect`: the collector sidecar (vLLM logs, .events.jsonl files, OTLP traces and
+/metrics into the store), or a one-shot import of files with `--once`."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+from collector import Collector
+from collector.otlp import OtlpReceiver
+from collector.selfmetrics import SelfMetrics
+from servescope.commands.common import add_store_option, console, open_store
+
+DESCRIPTION = (
+    "Tail vLLM server logs (text or JSON format, detected per line) and .events.jsonl files, "
+    "scrape vLLM /metrics, and receive vLLM's OTLP traces; join everything per request "
+    "(vLLM ids map back to the client's X-Request-Id) and write it to the store exactly once. "
+    "Checkpoints are saved with the rows they cover, so a restart (even after SIGKILL) resumes "
+    "where the last flush ended; rotation (rename or copytruncate), truncation and deletion are "
+    "followed. Bad input goes to ingest_errors with its source, offset and reason. SIGTERM or "
+    "Ctrl-C flushes and exits 0. Exit codes: 0 done, 1 the store could not be written, 2 bad "
+    "usage."
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "collect",
+        help="the collector sidecar: logs, events, traces, metrics → store",
+        description=DESCRIPTION,
+    )
+    parser.add_argument(
+        "--vllm-log",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a vLLM server log to tail (repeatable); start it with --enable-log-requests",
+    )
+    parser.add_argument(
+        "--events",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="a path or glob of .events.jsonl files to tail (repeatable; quote the glob)",
+    )
+    parser.add_argument(
+        "--metrics-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a vLLM /metrics URL to scrape into metric_samples (repeatable)",
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between scrapes (default 5)",
+    )
+    parser.add_argument(
+        "--otlp-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="receive OTLP/HTTP traces on this port (vLLM: --otlp-traces-endpoint "
+        "http://HOST:PORT/v1/traces; the usual port is 4318)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9400,
+        metavar="PORT",
+        help="serve the collector's own /metrics here (default 9400; 0 = any free port)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address the receivers bind (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="ingest what the files hold now (and scrape once), then exit",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print totals as JSON on exit (for scripts)"
+    )
+    add_store_option(parser)
+    parser.set_defaults(func=run_collect)
+
+
+def _usage_error(args: argparse.Namespace) -> str | None:
+    if not (args.vllm_log or args.events or args.metrics_url or args.otlp_port is not None):
+        return "nothing to collect: give --vllm-log, --events, --metrics-url or --otlp-port"
+    if args.once and args.otlp_port is not None:
+        return "--once reads files and exits; it cannot receive traces (drop --otlp-port)"
+    if args.scrape_interval <= 0:
+        return "--scrape-interval must be positive"
+    if args.once:
+        for path in args.vllm_log:
+            if not Path(path).is_file():
+                return f"no such log file: {path}"
+        for pattern in args.events:
+            if not glob.glob(pattern):
+                return f"no file matches --events {pattern}"
+    return None
+
+
+def run_collect(args: argparse.Namespace) -> int:
+    problem = _usage_error(args)
+    if problem:
+        console.print(f"[red]{problem}")
+        return 2
+    metrics = SelfMetrics()
+    collector = Collector(
+        open_store(args),
+        vllm_logs=args.vllm_log,
+        events=args.events,
+        metrics_urls=args.metrics_url,
+        scrape_interval=args.scrape_interval,
+        once=args.once,
+        metrics=metrics,
+    )
+    if args.once:
+        _run_once(collector, args)
+    else:
+        code = _run_forever(collector, metrics, args)
+        if code:
+            return code
+    if args.json:
+        print(json.dumps(dict(collector.totals)))
+    else:
+        t = collector.totals
+        console.print(
+            f"{t['events']} events written, {t['errors']} lines quarantined, "
+            f"{t['samples']} metric samples, {t['flips']} lever flips"
+        )
+    return 0
+
+
+def _run_once(collector: Collector, args: argparse.Namespace) -> None:
+    total = collector.backlog_bytes() or 1
+    with Progress(
+        TextColumn("ingesting"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("ingest", total=total)
+        collector.run_once(on_read=lambda n: progress.advance(task, n))
+
+
+def _run_forever(collector: Collector, metrics: SelfMetrics, args: argparse.Namespace) -> int:
+    stop = threading.Event()
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    receiver = None
+    try:
+        port = metrics.serve(args.metrics_port, args.host)
+        if args.otlp_port is not None:
+            receiver = OtlpReceiver(collector.submit, args.host, args.otlp_port).start()
+    except OSError as exc:
+        console.print(f"[red]cannot listen: {exc}")
+        return 2
+    parts = [f"/metrics on http://{args.host}:{port}/metrics"]
+    if receiver is not None:
+        parts.append(f"OTLP traces on http://{args.host}:{receiver.port}/v1/traces")
+    console.print(f"collector running (pid {os.getpid()}): " + "; ".join(parts))
+    try:
+        collector.run(stop)
+    finally:
+        if receiver is not None:
+            receiver.stop()
+    return 0
