@@ -116,8 +116,17 @@ class MetricsScraper:
         peaks = self.store.gauge_peaks(self.run_id, GAUGES)
         hits = deltas["vllm:prefix_cache_hits_total"]
         queries = deltas["vllm:prefix_cache_queries_total"]
+        prompt = deltas["vllm:prompt_tokens_total"]
+        # With prefix caching off the cache is never queried (Δqueries = 0) yet every prompt
+        # token was computed: the ratio is then hits over prompt tokens (the seeds' Panel 3), 0.
+        ratio, basis = None, None
+        if hits is not None and queries:
+            ratio, basis = hits / queries, "queries"
+        elif hits is not None and prompt:
+            ratio, basis = hits / prompt, "prompt_tokens"
         return {
-            "prefix_cache_hit_ratio": hits / queries if hits is not None and queries else None,
+            "prefix_cache_hit_ratio": ratio,
+            "prefix_cache_hit_ratio_basis": basis,
             "prefix_cache_hits": hits,
             "prefix_cache_queries": queries,
             "preemptions": deltas["vllm:num_preemptions_total"],

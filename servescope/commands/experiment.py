@@ -92,14 +92,14 @@ def run_experiment(args: argparse.Namespace) -> int:
         experiment = Experiment(
             experiments[args.name],
             store=store,
-            execute=_execute,
+            execute=execute,
             model=args.model,
             targets=_targets(args.target),
             repeats=args.repeats,
             scale=args.scale,
             requests=args.requests,
             slo=parse_slo(args.slo),
-            hooks=ExperimentHooks(starting=_starting, ready=_ready),
+            hooks=ExperimentHooks(starting=starting, ready=ready),
         )
     except (WorkloadError, ValueError) as exc:
         console.print(f"[red]{exc}")
@@ -126,15 +126,15 @@ def run_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
-def _execute(config: BenchConfig, target: str, store: Store, options: dict[str, Any]) -> Any:
+def execute(config: BenchConfig, target: str, store: Store, options: dict[str, Any]) -> Any:
     return bench.execute(config, target, store, **options)
 
 
-def _starting(profile: str, server: VllmServer) -> None:
+def starting(profile: str, server: VllmServer) -> None:
     console.print(f"starting vLLM [bold]{profile}[/] on {server.url} (log {server.log_path})")
 
 
-def _ready(profile: str, server: VllmServer) -> None:
+def ready(profile: str, server: VllmServer) -> None:
     console.print(f"vLLM {profile} ready after {server.ready_s:.0f} s")
 
 
