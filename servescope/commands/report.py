@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,7 @@ def run_list(args: argparse.Namespace) -> int:
             else "left",
         )
     for run in runs:
-        levers = ", ".join(f"{k}={v}" for k, v in (run["levers"] or {}).items())
+        levers = "\n".join(f"{k}={v}" for k, v in (run["levers"] or {}).items())
         cells = (
             run["run_id"],
             run["events"],
@@ -194,5 +195,6 @@ def run_list(args: argparse.Namespace) -> int:
             levers or "n/a",
         )
         table.add_row(*(Text(str(c)) for c in cells))  # Text: no markup from stored strings
-    Console().print(table)
+    # piped output is not cut at 80 columns: a script or a reviewer gets every lever
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0

@@ -1,0 +1,390 @@
+"""`report build RUN --vs BASE` / `--split-at-flip` on synthetic stored runs with a known effect.
+
+Every expected number is recomputed here in plain Python from the events (percentiles, Δ, and
+a plain resampling bootstrap for the verdicts), never read back from the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from reports import bootstrap
+from store import Store
+from tests.conftest import servescope
+
+T0 = datetime(2026, 11, 22, 4, 0, 0)
+SPEC = {
+    "workloads": [
+        {
+            "name": "short-short",
+            "input_tokens": 512,
+            "output_tokens": 32,
+            "concurrency": [4, 8],
+            "requests_per_level": 200,
+            "seed": 0,
+        }
+    ]
+}
+N = 400
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (DuckDB quantile_cont, numpy 'linear')."""
+    ordered = sorted(values)
+    rank = q * (len(ordered) - 1)
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def synthetic_events(
+    run_id: str, *, seed: int, ttft_divisor: float, start: datetime, n: int = N
+) -> list[dict[str, Any]]:
+    """TTFT lognormal ÷ `ttft_divisor`; TPOT always from the same normal distribution."""
+    rng = random.Random(seed)
+    events = []
+    for i in range(n):
+        ttft = rng.lognormvariate(5.3, 0.4) / ttft_divisor
+        tpot = rng.gauss(30.0, 5.0)
+        events.append(
+            {
+                "request_id": f"{run_id}-{i + 1:06d}",
+                "run_id": run_id,
+                "ts": (start + timedelta(milliseconds=50 * i)).isoformat() + "Z",
+                "model": "tiny",
+                "workload": "short-short",
+                "concurrency": 4 if i < n // 2 else 8,
+                "prompt_tokens": 512,
+                "completion_tokens": 32,
+                "ttft_ms": ttft,
+                "tpot_ms": tpot,
+                "e2e_ms": ttft + tpot * 31,
+                "status": "ok",
+                "finish_reason": "length",
+            }
+        )
+    return events
+
+
+def store_run(
+    store: Store,
+    run_id: str,
+    events: list[dict[str, Any]],
+    *,
+    levers: dict[str, Any],
+    spec: dict[str, Any] | None = SPEC,
+) -> None:
+    store.add_events(events)
+    store.upsert_run(run_id, model="tiny", levers=levers, workload=spec, vllm_version="0.32.0")
+
+
+def counter(store: Store, run_id: str, name: str, start: datetime, first: float, last: float):
+    store.add_metric_samples(
+        [
+            (start, "vllm", name, {"model_name": "tiny"}, run_id, first),
+            (start + timedelta(seconds=10), "vllm", name, {"model_name": "tiny"}, run_id, last),
+        ]
+    )
+
+
+def plain_bootstrap_verdict(
+    before: list[float], after: list[float], q: float, better: str = "lower"
+) -> tuple[str, tuple[float, float]]:
+    """Resample each side with replacement 1000 times; the 95 % interval of Δ decides."""
+    rng = random.Random(7)
+    deltas = sorted(
+        percentile(rng.choices(after, k=len(after)), q)
+        - percentile(rng.choices(before, k=len(before)), q)
+        for _ in range(1000)
+    )
+    lo, hi = deltas[25], deltas[974]
+    if lo <= 0 <= hi:
+        return "unchanged", (lo, hi)
+    return ("improved" if (hi < 0) == (better == "lower") else "regressed"), (lo, hi)
+
+
+@pytest.fixture(scope="module")
+def ab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = tmp_path_factory.mktemp("ab")
+    db = folder / "s.duckdb"
+    store = Store(db)
+    start_b = T0 + timedelta(minutes=1)
+    before = synthetic_events("run-20261122-off", seed=1, ttft_divisor=1, start=T0)
+    after = synthetic_events("run-20261122-on", seed=2, ttft_divisor=5, start=start_b)
+    store_run(store, "run-20261122-off", before, levers={"enable_prefix_caching": False})
+    store_run(store, "run-20261122-on", after, levers={"enable_prefix_caching": True})
+    counter(store, "run-20261122-off", "vllm:prefix_cache_hits_total", T0, 0, 0)
+    counter(store, "run-20261122-off", "vllm:prefix_cache_queries_total", T0, 0, 10000)
+    counter(store, "run-20261122-on", "vllm:prefix_cache_hits_total", start_b, 100, 9400)
+    counter(store, "run-20261122-on", "vllm:prefix_cache_queries_total", start_b, 10000, 20000)
+    store.add_lever_flip(
+        "enable_prefix_caching",
+        "false",
+        "true",
+        run_id="run-20261122-on",
+        ts=start_b - timedelta(seconds=1),
+    )
+    out = folder / "reports"
+    done = servescope(
+        "report",
+        "build",
+        "run-20261122-on",
+        "--vs",
+        "run-20261122-off",
+        "--store",
+        str(db),
+        "--out",
+        str(out),
+        check=True,
+    )
+    folder_name = out / "run-20261122-on-vs-run-20261122-off"
+    return {
+        "db": db,
+        "out": out,
+        "stdout": done.stdout,
+        "stderr": done.stderr,
+        "report": json.loads((folder_name / "report.json").read_text()),
+        "html": (folder_name / "index.html").read_text(),
+        "md": (folder_name / "report.md").read_text(),
+        "before": before,
+        "after": after,
+    }
+
+
+def test_known_effect_is_improved_and_known_non_effect_is_unchanged(ab: dict[str, Any]) -> None:
+    rows = {d["metric"]: d for d in ab["report"]["diff"]}
+    expected = {"ttft_ms": "improved", "tpot_ms": "unchanged"}
+    for metric, verdict in expected.items():
+        b = [e[metric] for e in ab["before"]]
+        a = [e[metric] for e in ab["after"]]
+        for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
+            row = rows[f"{metric}.{name}"]
+            assert row["before"] == pytest.approx(percentile(b, q), rel=1e-9)
+            assert row["after"] == pytest.approx(percentile(a, q), rel=1e-9)
+            delta = percentile(a, q) - percentile(b, q)
+            assert row["delta"] == pytest.approx(delta, rel=1e-9)
+            assert row["delta_pct"] == pytest.approx(delta / percentile(b, q) * 100, rel=1e-9)
+            plain, (lo, hi) = plain_bootstrap_verdict(b, a, q)
+            assert row["verdict"] == plain == verdict, (metric, name, row, lo, hi)
+            # the interval itself agrees with plain resampling (up to Monte Carlo noise)
+            width = hi - lo
+            assert abs(row["ci95"][0] - lo) < 0.25 * width, (metric, name, row["ci95"], lo, hi)
+            assert abs(row["ci95"][1] - hi) < 0.25 * width, (metric, name, row["ci95"], lo, hi)
+
+
+def test_diff_rows_have_the_contract_shape(ab: dict[str, Any]) -> None:
+    report = ab["report"]
+    for key in ("run_id", "levers", "overall", "groups"):
+        assert key in report
+    assert report["run_id"] == "run-20261122-on"
+    assert set(report["overall"]["ttft_ms"]) >= {"p50", "p95", "p99", "mean"}
+    rows = {d["metric"]: d for d in report["diff"]}
+    required = [
+        "ttft_ms.p50",
+        "ttft_ms.p95",
+        "ttft_ms.p99",
+        "tpot_ms.p50",
+        "tpot_ms.p95",
+        "e2e_ms.p95",
+        "queue_ms.p95",
+        "error_rate",
+        "throughput.output_tokens_per_s",
+        "cache_hit_request_ratio",
+    ]
+    for metric in required:
+        assert {"metric", "before", "after", "delta", "delta_pct", "ci95", "verdict"} <= set(
+            rows[metric]
+        )
+    # not measured on either side: null and said so, never 0
+    assert rows["queue_ms.p95"]["before"] is None and rows["queue_ms.p95"]["ci95"] is None
+    assert rows["queue_ms.p95"]["verdict"] == "not measured"
+    assert rows["cache_hit_request_ratio"]["verdict"] == "not measured"
+    assert rows["error_rate"]["before"] == 0 and rows["error_rate"]["verdict"] == "unchanged"
+    e2e = [e["e2e_ms"] for e in ab["after"]]
+    assert rows["e2e_ms.p95"]["after"] == pytest.approx(percentile(e2e, 0.95), rel=1e-9)
+    # throughput: tokens of successful requests ÷ (last end − first start)
+    first = datetime.fromisoformat(ab["after"][0]["ts"].rstrip("Z"))
+    end = max(
+        datetime.fromisoformat(e["ts"].rstrip("Z")) + timedelta(milliseconds=e["e2e_ms"])
+        for e in ab["after"]
+    )
+    tokens = sum(e["completion_tokens"] for e in ab["after"])
+    assert rows["throughput.output_tokens_per_s"]["after"] == pytest.approx(
+        tokens / (end - first).total_seconds(), rel=1e-4
+    )
+    server = rows["server.prefix_cache_hit_ratio"]
+    assert server["before"] == 0 and server["after"] == pytest.approx(0.93)
+
+
+def test_headline_and_lever_changes(ab: dict[str, Any]) -> None:
+    report = ab["report"]
+    ttft = next(d for d in report["diff"] if d["metric"] == "ttft_ms.p95")
+    headline = report["headline"]
+    assert headline.startswith("enable_prefix_caching off → on: TTFT p95 −")
+    assert f"−{abs(ttft['delta_pct']):.0f} %" in headline
+    assert "prefix hit ratio 0 % → 93 %" in headline
+    assert "throughput" in headline
+    assert report["lever_changes"] == [
+        {"lever": "enable_prefix_caching", "before": False, "after": True}
+    ]
+    assert report["warnings"] == []
+    assert headline in ab["html"] and headline in ab["md"]
+    assert "enable_prefix_caching" in ab["stderr"]  # the headline, printed for the terminal
+
+
+def test_the_report_is_reproducible(ab: dict[str, Any], tmp_path: Path) -> None:
+    servescope(
+        "report",
+        "build",
+        "run-20261122-on",
+        "--vs",
+        "run-20261122-off",
+        "--store",
+        str(ab["db"]),
+        "--out",
+        str(tmp_path),
+        "--format",
+        "json",
+        check=True,
+    )
+    again = json.loads((tmp_path / "run-20261122-on-vs-run-20261122-off/report.json").read_text())
+    assert again["diff"] == ab["report"]["diff"]
+
+
+def test_pictures_are_inline_svg_with_the_flip_marked(ab: dict[str, Any]) -> None:
+    html = ab["html"]
+    for title in (
+        "TTFT: cumulative distribution",
+        "TTFT over time",
+        "TTFT p95 vs concurrency",
+        "Output throughput vs concurrency",
+    ):
+        assert f"<title>{title}</title>" in html
+    assert html.count("<svg") >= 5
+    assert "enable_prefix_caching: false → true" in html  # the flip marker's label
+
+
+def test_split_at_flip_compares_the_two_parts_of_one_run(tmp_path: Path) -> None:
+    db = tmp_path / "s.duckdb"
+    store = Store(db)
+    run_id = "run-20261122-flip"
+    slow = synthetic_events(run_id, seed=3, ttft_divisor=1, start=T0, n=200)
+    fast = synthetic_events(run_id, seed=4, ttft_divisor=5, start=T0 + timedelta(seconds=30), n=200)
+    for i, event in enumerate(fast):
+        event["request_id"] = f"{run_id}-{i + 201:06d}"
+    store_run(store, run_id, slow + fast, levers={"enable_prefix_caching": True})
+    store.add_lever_flip(
+        "enable_prefix_caching", "false", "true", run_id=run_id, ts=T0 + timedelta(seconds=25)
+    )
+    out = tmp_path / "r"
+    servescope(
+        "report", "build", run_id, "--split-at-flip", "--store", str(db), "--out", str(out),
+        check=True,
+    )  # fmt: skip
+    report = json.loads((out / f"{run_id}-at-flip" / "report.json").read_text())
+    assert report["overall"]["requests"] == 400  # the skeleton keys describe the whole run
+    assert report["before"]["overall"]["requests"] == 200
+    assert report["after"]["overall"]["requests"] == 200
+    rows = {d["metric"]: d for d in report["diff"]}
+    b = [e["ttft_ms"] for e in slow]
+    a = [e["ttft_ms"] for e in fast]
+    assert rows["ttft_ms.p95"]["before"] == pytest.approx(percentile(b, 0.95), rel=1e-9)
+    assert rows["ttft_ms.p95"]["after"] == pytest.approx(percentile(a, 0.95), rel=1e-9)
+    assert rows["ttft_ms.p95"]["verdict"] == "improved"
+    assert rows["tpot_ms.p50"]["verdict"] == "unchanged"
+    assert report["headline"].startswith("enable_prefix_caching false → true: TTFT p95 −")
+
+    no_flip = "run-20261122-noflip"
+    store_run(store, no_flip, synthetic_events(no_flip, seed=5, ttft_divisor=1, start=T0),
+              levers={})  # fmt: skip
+    result = servescope("report", "build", no_flip, "--split-at-flip", "--store", str(db))
+    assert result.returncode == 2 and "no lever_flips row" in result.stderr
+
+
+def test_different_workloads_warn(tmp_path: Path) -> None:
+    db = tmp_path / "s.duckdb"
+    store = Store(db)
+    base = synthetic_events("run-base", seed=1, ttft_divisor=1, start=T0)
+    other = synthetic_events("run-other", seed=2, ttft_divisor=1, start=T0, n=300)
+    for event in other:
+        event["prompt_tokens"] = 2048
+    other_spec = json.loads(json.dumps(SPEC))
+    other_spec["workloads"][0].update(input_tokens=2048, seed=9, requests_per_level=150)
+    store_run(store, "run-base", base, levers={"max_num_seqs": 8})
+    store_run(store, "run-other", other, levers={"max_num_seqs": 16}, spec=other_spec)
+    out = tmp_path / "r"
+    result = servescope(
+        "report", "build", "run-other", "--vs", "run-base", "--store", str(db), "--out", str(out),
+        "--format", "json", check=True,
+    )  # fmt: skip
+    report = json.loads((out / "run-other-vs-run-base" / "report.json").read_text())
+    warnings = " | ".join(report["warnings"])
+    assert "the workloads differ" in warnings
+    assert "input_tokens: 512 vs 2048" in warnings and "seed: 0 vs 9" in warnings
+    assert "request counts differ (200 vs 150)" in warnings
+    assert "prompt sizes differ" in warnings
+    assert "the workloads differ" in result.stderr
+
+
+def test_a_run_without_events_is_reported_not_compared(tmp_path: Path) -> None:
+    db = tmp_path / "s.duckdb"
+    store = Store(db)
+    store_run(store, "run-full", synthetic_events("run-full", seed=1, ttft_divisor=1, start=T0),
+              levers={})  # fmt: skip
+    store.upsert_run("run-empty", model="tiny")
+    out = tmp_path / "r"
+    servescope(
+        "report", "build", "run-empty", "--vs", "run-full", "--store", str(db), "--out", str(out),
+        check=True,
+    )  # fmt: skip
+    folder = out / "run-empty-vs-run-full"
+    report = json.loads((folder / "report.json").read_text())
+    assert "run-empty has no events" in report["headline"]
+    assert {d["verdict"] for d in report["diff"] if d["metric"].startswith("ttft")} == {
+        "not measured"
+    }
+    assert report["overall"]["requests"] == 0
+    assert "has no events" in (folder / "report.md").read_text()
+
+
+def test_unknown_runs_exit_2_naming_the_known_ones(tmp_path: Path) -> None:
+    db = tmp_path / "s.duckdb"
+    Store(db).add_events([{"request_id": "run-known-1"}])
+    for args in (("run-known", "--vs", "run-nope"), ("run-nope", "--vs", "run-known")):
+        result = servescope("report", "build", *args, "--store", str(db))
+        assert result.returncode == 2
+        assert "run-nope" in result.stderr and "known runs: run-known" in result.stderr
+
+
+def test_report_list_shows_levers_and_event_counts(tmp_path: Path) -> None:
+    db = tmp_path / "s.duckdb"
+    store = Store(db)
+    events = synthetic_events("run-l", seed=1, ttft_divisor=1, start=T0, n=10)
+    events[0].update(status="rejected", error="rejected:queue_full", team="a")
+    events[1].update(status="error", error="http_5xx")
+    store_run(store, "run-l", events, levers={"enable_prefix_caching": True})
+    store.add_lever_flip("enable_prefix_caching", "false", "true", run_id="run-l", ts=T0)
+    listed = json.loads(servescope("report", "list", "--store", str(db), "--json").stdout)
+    assert [
+        (r["run_id"], r["events"], r["ok"], r["errors"], r["rejected"], r["flips"], r["levers"])
+        for r in listed
+    ] == [("run-l", 10, 8, 1, 1, 1, {"enable_prefix_caching": True})]
+    table = servescope("report", "list", "--store", str(db), check=True).stdout
+    assert "run-l" in table and "enable_prefix_caching=True" in table
+
+
+def test_bootstrap_draws_match_plain_resampling() -> None:
+    """The exact quantile bootstrap has the distribution of brute-force resampling."""
+    rng = np.random.default_rng(3)
+    values = np.sort(rng.lognormal(3.0, 1.0, 150))
+    ours = bootstrap.quantile_draws(values, 0.95, draws=20000)(np.random.default_rng(0))
+    brute = np.array([np.quantile(rng.choice(values, len(values)), 0.95) for _ in range(20000)])
+    for q in (5, 25, 50, 75, 95):
+        assert np.percentile(ours, q) == pytest.approx(np.percentile(brute, q), rel=0.03)
