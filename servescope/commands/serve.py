@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from bench.launcher import ServerFailed, VllmServer, load_profiles
+from bench.launcher import ServerFailed, has_gpu, load_profiles, server_set, with_mig_uuids
 from bench.tiny_model import DEFAULT_DIR
 from servescope.commands.common import console
 
@@ -35,7 +35,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--log", type=Path, default=None, help="vLLM log file (default under servescope-data/logs)"
     )
-    parser.add_argument("--dry-run", action="store_true", help="print the command line and exit")
+    parser.add_argument(
+        "--mig",
+        action="append",
+        default=None,
+        metavar="UUID",
+        help="MIG slice UUIDs (`nvidia-smi -L`) for a MIG profile's servers, in order",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the command line(s), one per server, and exit"
+    )
     parser.add_argument("extra", nargs="*", help="more vLLM flags, after `--`")
     parser.set_defaults(func=run_serve)
 
@@ -45,9 +54,16 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    server = VllmServer(
+    profile = load_profiles()[args.profile]
+    if args.mig:
+        try:
+            profile = with_mig_uuids(profile, args.mig)
+        except ValueError as exc:
+            console.print(f"[red]{exc}")
+            return 2
+    servers = server_set(
         args.model,
-        profile=args.profile,
+        profile,
         port=args.port,
         host=args.host,
         served_name=args.served_model_name,
@@ -55,23 +71,31 @@ def run_serve(args: argparse.Namespace) -> int:
         log_path=args.log,
     )
     if args.dry_run:
-        print(server.describe())
+        for server in servers:
+            print(server.describe())
         return 0
+    if profile.device == "gpu" and not has_gpu():
+        console.print(
+            f"[red]profile {profile.name} needs a GPU (no nvidia-smi here); "
+            "`--dry-run` prints its command lines"
+        )
+        return 2
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        with console.status(
-            f"starting vLLM ({args.profile}) on {server.url}; log {server.log_path}"
-        ):
-            server.start()
-        console.print(
-            f"vLLM ready at {server.url} after {server.ready_s:.0f} s (log {server.log_path})"
-        )
-        console.print(f"levers: {server.levers}")
-        while server.process is not None and server.process.poll() is None:
+        for server in servers:
+            with console.status(
+                f"starting vLLM ({args.profile}) on {server.url}; log {server.log_path}"
+            ):
+                server.start()
+            console.print(
+                f"vLLM ready at {server.url} after {server.ready_s:.0f} s (log {server.log_path})"
+            )
+            console.print(f"levers: {server.levers}")
+        while all(s.process is not None and s.process.poll() is None for s in servers):
             time.sleep(0.5)
-        console.print(
-            f"vLLM exited with code {server.process.returncode if server.process else '?'}"
-        )
+        for server in servers:
+            if server.process is not None and server.process.poll() is not None:
+                console.print(f"vLLM on {server.url} exited with code {server.process.returncode}")
         return 1
     except ServerFailed as exc:
         console.print(f"[red]{exc}")
@@ -80,4 +104,5 @@ def run_serve(args: argparse.Namespace) -> int:
         console.print("stopping vLLM")
         return 0
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()

@@ -1,0 +1,191 @@
+"""Bench runs against the session's real vLLM: seeded prompts, an open loop, server deltas,
+Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from bench.plan import unit_plan
+from bench.prompts import PromptBook, PromptMaker
+from bench.workload import load_config
+from store import Store
+from tests.conftest import ROOT, SERVESCOPE, RunningServer, read_events, servescope
+
+OPEN_LOOP = """
+workloads:
+  - name: poisson-probe
+    prefix_tokens: 256
+    input_tokens: {dist: uniform, min: 16, max: 64}
+    output_tokens: 6
+    rate: [4]
+    arrival: poisson
+    requests_per_level: 16
+    warmup: 1
+    team: lab
+    seed: 5
+"""
+
+
+async def _bodies(url: str, name: str, scale: float, count: int) -> list[dict]:
+    workload = load_config(name).workloads[0]
+    async with aiohttp.ClientSession() as session:
+        book = PromptBook(PromptMaker(session, url, "tiny"), workload, scale)
+        return [
+            await book.body(unit_plan(workload, workload.levels[0], i, scale).turns[0], "tiny")
+            for i in range(count)
+        ]
+
+
+def test_a_seeded_workload_makes_identical_prompts_twice(vllm_server: RunningServer) -> None:
+    first = asyncio.run(_bodies(vllm_server.url, "ralph-loop", 0.1, 3))
+    again = asyncio.run(_bodies(vllm_server.url, "ralph-loop", 0.1, 3))
+    assert first == again
+    assert len({b["prompt"] for b in first}) == 3
+    # one shared prefix, then each request's own diff
+    prefix = first[0]["prompt"].split("\n")[0]
+    assert all(b["prompt"].startswith(prefix + "\n") for b in first)
+    chat = asyncio.run(_bodies(vllm_server.url, "multi-tenant-chat", 0.1, 2))
+    assert chat == asyncio.run(_bodies(vllm_server.url, "multi-tenant-chat", 0.1, 2))
+    assert chat[0]["messages"][0] == chat[1]["messages"][0]  # the shared system prompt
+
+
+@pytest.fixture(scope="module")
+def open_loop(vllm_server: RunningServer, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    folder = tmp_path_factory.mktemp("open")
+    config = folder / "open.yaml"
+    config.write_text(OPEN_LOOP)
+    store = folder / "s.duckdb"
+    runs = {}
+    for run_id in ("run-20261122-open-a", "run-20261122-open-b"):
+        result = servescope(
+            "bench",
+            "run",
+            "--config",
+            str(config),
+            "--target",
+            vllm_server.url,
+            "--run-id",
+            run_id,
+            "--store",
+            str(store),
+            "--slo",
+            "ttft_ms=5000",
+            "--json",
+        )
+        assert result.returncode == 0, result.stderr
+        runs[run_id] = json.loads(result.stdout)
+    return {"store": Store(store), "runs": runs}
+
+
+def test_open_loop_records_intended_and_actual_send_times(open_loop: dict) -> None:
+    result = open_loop["runs"]["run-20261122-open-a"]
+    events = read_events(Path(result["events_path"]))
+    assert len(events) == 16 and all(e["status"] == "ok" for e in events)
+    for event in events:
+        assert event["target_rate"] == 4.0 and event["team"] == "lab"
+        assert event["intended_ts"] <= event["ts"] or event["schedule_lag_ms"] < 1
+        assert 0 <= event["schedule_lag_ms"] < 50
+    (level,) = result["levels"]
+    assert level["loop"] == "open" and level["target_rate"] == 4.0
+    sends = sorted(e["ts"] for e in events)
+    assert level["achieved_rate"] == pytest.approx(level["scheduled_rate"], rel=0.15)
+    assert level["client_saturated"] is False
+    assert level["schedule_lag_ms"]["p99"] < 50
+    assert sends[0] < sends[-1]
+    assert level["good_fraction"] == 1.0 and level["goodput_per_s"] > 0
+    stored = open_loop["store"].run("run-20261122-open-a")
+    assert stored["status"] == "complete"
+    assert stored["notes"]["levels"][0]["achieved_rate"] == level["achieved_rate"]
+
+
+def test_same_seed_same_prompts_and_schedule_across_runs(open_loop: dict) -> None:
+    a, b = (
+        read_events(Path(open_loop["runs"][r]["events_path"]))
+        for r in ("run-20261122-open-a", "run-20261122-open-b")
+    )
+
+    def by_plan(events: list[dict]) -> dict[int, tuple[str, int]]:
+        return {e["plan_index"]: (e["prompt_sha"], e["prompt_tokens"]) for e in events}
+
+    assert by_plan(a) == by_plan(b)
+    assert len({sha for sha, _ in by_plan(a).values()}) == 16
+
+
+def test_server_counters_are_scraped_and_turned_into_run_deltas(open_loop: dict) -> None:
+    store: Store = open_loop["store"]
+    result = open_loop["runs"]["run-20261122-open-a"]
+    server, client = result["server"], result["client"]
+    assert server["scrapes"] >= 3 and server["scrape_failures"] == 0
+    # the server saw exactly the run's prompt tokens (warm-up excluded: it came before scraping)
+    assert server["prompt_tokens"] == client["prompt_tokens"]
+    assert server["generation_tokens"] == 16 * 6
+    # every request shares a 256-token prefix: the server hit it, the client saw it as cached
+    assert 0.5 < server["prefix_cache_hit_ratio"] <= 1
+    assert server["prefix_cache_hits"] == client["cached_tokens"]
+    assert server["preemptions"] == 0
+    with store.read() as con:
+        (samples,) = con.execute(
+            "SELECT count(DISTINCT ts) FROM metric_samples WHERE run_id = ?",
+            ["run-20261122-open-a"],
+        ).fetchone()
+    assert samples == server["scrapes"]
+    notes = store.run("run-20261122-open-a")["notes"]
+    assert notes["server"]["prefix_cache_hit_ratio"] == server["prefix_cache_hit_ratio"]
+
+
+def test_ctrl_c_stores_what_was_measured_as_a_partial_run(
+    vllm_server: RunningServer, tmp_path: Path
+) -> None:
+    config = tmp_path / "long.yaml"
+    config.write_text(
+        "workloads:\n"
+        "  - {name: slow, input_tokens: 64, output_tokens: 48, concurrency: [2],"
+        " requests_per_level: 400}\n"
+    )
+    store = tmp_path / "s.duckdb"
+    events_file = ROOT / "servescope-data" / "events" / "run-20261122-ctrlc.events.jsonl"
+    events_file.unlink(missing_ok=True)
+    process = subprocess.Popen(
+        [
+            *SERVESCOPE,
+            "bench",
+            "run",
+            "--config",
+            str(config),
+            "--target",
+            vllm_server.url,
+            "--run-id",
+            "run-20261122-ctrlc",
+            "--store",
+            str(store),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if events_file.exists() and len(events_file.read_text().splitlines()) >= 6:
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1, stderr
+    assert "interrupted" in stderr and "partial" in stderr
+    run = Store(store).run("run-20261122-ctrlc")
+    assert run["status"] == "partial" and run["ended_at"] is not None
+    stored = Store(store).export_events("run-20261122-ctrlc")
+    written = read_events(events_file)
+    assert 6 <= len(stored) < 400
+    assert {e["request_id"] for e in stored} == {e["request_id"] for e in written}
+    assert all(e["status"] == "ok" for e in stored)
+    assert run["notes"]["cancelled_in_flight"] >= 1

@@ -1,0 +1,83 @@
+"""The prefix-caching experiment end to end: two real vLLM servers (caching off, then on), the
+same seeded Ralph-loop workload against each, runs stored with levers, a lever flip, reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from store import Store
+from tests.conftest import servescope
+
+
+@pytest.fixture(scope="module")
+def experiment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    folder = tmp_path_factory.mktemp("experiment")
+    store = folder / "s.duckdb"
+    result = servescope(
+        "experiment",
+        "run",
+        "prefix-caching",
+        "--model",
+        str(tiny_model),
+        "--requests",
+        "8",
+        "--store",
+        str(store),
+        "--out",
+        str(folder / "reports"),
+        "--json",
+        timeout=1200,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {"out": json.loads(result.stdout), "store": Store(store)}
+
+
+def test_two_runs_with_the_profiles_levers(experiment: dict) -> None:
+    out, store = experiment["out"], experiment["store"]
+    assert out["status"] == "complete"
+    off, on = out["runs"]
+    assert (off["profile"], on["profile"]) == ("no-prefix-caching", "default")
+    assert store.run(off["run_id"])["levers"]["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in store.run(on["run_id"])["levers"]
+    for row in (off, on):
+        assert row["status"] == "complete" and row["errors"] == 0
+        assert row["requests"] == 16  # 8 per level, concurrency 1 and 4
+        notes = store.run(row["run_id"])["notes"]
+        assert notes["experiment"] == "prefix-caching" and notes["server_ready_s"] > 0
+
+
+def test_server_side_hit_ratio_and_ttft_move_as_expected(experiment: dict) -> None:
+    off, on = experiment["out"]["runs"]
+    assert off["server_prefix_cache_hit_ratio"] == pytest.approx(0.0, abs=0.01)
+    assert on["server_prefix_cache_hit_ratio"] > 0.5
+    assert (off["client_cached_token_ratio"] or 0.0) < 0.01
+    assert on["client_cached_token_ratio"] > 0.5
+    assert on["ttft_ms_p50"] < off["ttft_ms_p50"]
+
+
+def test_both_runs_sent_the_same_prompts(experiment: dict) -> None:
+    store: Store = experiment["store"]
+    off, on = experiment["out"]["runs"]
+
+    def prompts(run_id: str) -> set[tuple]:
+        return {
+            (e["concurrency"], e["plan_index"], e["prompt_sha"], e["prompt_tokens"])
+            for e in store.export_events(run_id)
+        }
+
+    assert prompts(off["run_id"]) == prompts(on["run_id"])
+
+
+def test_the_switch_is_a_lever_flip_and_reports_are_written(experiment: dict) -> None:
+    store: Store = experiment["store"]
+    off, on = experiment["out"]["runs"]
+    with store.read() as con:
+        flips = con.execute(
+            "SELECT lever, before, after, run_id FROM lever_flips ORDER BY ts"
+        ).fetchall()
+    assert flips == [("enable_prefix_caching", "False", "default", on["run_id"])]
+    reports = [Path(p) for p in experiment["out"]["reports"]]
+    assert reports and all(p.exists() for p in reports)
