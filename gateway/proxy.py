@@ -76,13 +76,34 @@ async def forward(attempt: Attempt, event: dict[str, Any]) -> web.StreamResponse
             text = (await upstream.read())[:500].decode(errors="replace")
             raise UpstreamFailed("http_5xx", text, upstream.status)
         if upstream.status != 200 or not a.stream:
-            return await _whole(a, upstream, event)
-        return await _relay(a, upstream, event)
+            response: web.StreamResponse = await _whole(a, upstream, event)
+            upstream.release()
+            return response
+        response = await _relay(a, upstream, event)
     except BaseException:
         upstream.close()  # drops the connection: vLLM aborts the request and frees its KV cache
         raise
-    finally:
-        upstream.release()  # back to the pool when the body was read to the end
+    if upstream.content.at_eof():
+        upstream.release()  # back to the pool
+    elif not a.timing.done:  # a timeout or a broken stream: abort the upstream request
+        upstream.close()
+    else:  # the chunked body's terminator may still be on its way: drain it off the hot path
+        task = asyncio.create_task(_drain(upstream))
+        _DRAINING.add(task)
+        task.add_done_callback(_DRAINING.discard)
+    return response
+
+
+_DRAINING: set[asyncio.Task[None]] = set()
+
+
+async def _drain(upstream: aiohttp.ClientResponse) -> None:
+    try:
+        await asyncio.wait_for(upstream.read(), 10)
+    except (TimeoutError, aiohttp.ClientError):
+        upstream.close()
+    else:
+        upstream.release()
 
 
 async def _whole(
@@ -123,10 +144,11 @@ async def _relay(
     timing = a.timing
     pending = b""
     end = 0.0
+    stream_error: Any = None
     loop = asyncio.get_running_loop()
     sent_at = loop.time()
     try:
-        async with asyncio.timeout(
+        async with asyncio.timeout_at(
             sent_at + a.prefill_timeout_s if a.prefill_timeout_s else None
         ) as deadline:
             while True:
@@ -135,13 +157,20 @@ async def _relay(
                     break
                 now = time.perf_counter()
                 had_first = timing.first is not None
-                pending += data
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    try:  # noqa: SIM105 (suppress() costs more per chunk)
-                        timing.feed_line(line, now)
+                if pending:
+                    data = pending + data
+                cut = data.rfind(b"\n") + 1  # only whole lines go out: an error chunk written
+                pending = data[cut:]  # after a failure never lands inside a half-sent message
+                if not cut:
+                    continue
+                data = data[:cut]
+                for line in data.split(b"\n"):
+                    try:
+                        chunk = timing.feed_line(line, now)
                     except ValueError:  # not JSON: passed through, not timed
-                        pass
+                        continue
+                    if chunk is not None and "error" in chunk:
+                        stream_error = chunk["error"]
                 if not had_first and timing.first is not None:
                     deadline.reschedule(
                         loop.time() + a.decode_timeout_s if a.decode_timeout_s else None
@@ -161,7 +190,6 @@ async def _relay(
                 if timing.done:  # last bytes and the end of the chunked body in one send
                     await _to_client(response.write_eof(data))
                     end = now
-                    await upstream.read()  # to the end, so the connection is reused
                     break
                 await _to_client(response.write(data))
     except TimeoutError:
@@ -180,6 +208,11 @@ async def _relay(
             a, response, event, "error", "disconnect", "upstream ended before [DONE]", 502
         )
     timing.finish(event, end)
+    if stream_error is not None:  # the upstream reported a failure inside the stream
+        code = stream_error.get("code") if isinstance(stream_error, dict) else None
+        kind = "http_4xx" if isinstance(code, int) and 400 <= code < 500 else "http_5xx"
+        event.update(status="error", error=kind, finish_reason="error")
+        event["error_detail"] = json.dumps(stream_error)[:500]
     return response
 
 

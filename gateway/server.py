@@ -190,7 +190,7 @@ class Gateway:
             response = self._reject(rej, event, start)
         except ClientGone as exc:
             self._gone(event, start, str(exc))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client closed the connection
             self._gone(event, start, "client closed the connection")
             raise
         except Exception as exc:  # a bug must still answer and leave its event
@@ -350,6 +350,8 @@ class Gateway:
         )
 
     def _gone(self, event: dict[str, Any], start: float, detail: str) -> None:
+        if "status" in event:  # the answer was complete before the client left
+            return
         event.update(
             status="error",
             error="disconnect",

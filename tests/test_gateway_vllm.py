@@ -1,0 +1,566 @@
+"""The gateway as users run it (`servescope gateway --config …`), in front of the session's real
+vLLM. The "upstream killed mid-stream" test kills a real nginx reverse proxy sitting between the
+gateway and vLLM (SIGKILL while a stream flows through it): a real process death, no fake server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.client import CHAT, COMPLETIONS, stream_request
+from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, read_events
+
+pytestmark = pytest.mark.vllm
+
+KEYS = {
+    "a": "sk-team-a-7f3c9e1d2b4a",
+    "b": "sk-team-b-0a9e8d7c6b5f",
+    "c": "sk-team-c-5e4d3c2b1a09",
+}
+
+
+@dataclass
+class Gateway:
+    url: str
+    process: subprocess.Popen[bytes]
+    config_path: Path
+    log: Path
+    events_dir: Path
+
+    def events(self) -> list[dict[str, Any]]:
+        return [e for f in sorted(self.events_dir.glob("gateway-*.events.jsonl"))
+                for e in read_events(f)]  # fmt: skip
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+
+    def samples(self, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        out = {}
+        for family in text_string_to_metric_families(self.metrics_text()):
+            for s in family.samples:
+                if s.name == name:
+                    out[tuple(sorted(s.labels.items()))] = s.value
+        return out
+
+    def assert_no_keys(self) -> None:
+        """Keys never reach logs, events or metrics."""
+        texts = {
+            "log": self.log.read_text(errors="replace"),
+            "events": "".join(f.read_text() for f in self.events_dir.glob("*")),
+            "metrics": self.metrics_text(),
+        }
+        for where, text in texts.items():
+            for key in KEYS.values():
+                assert key not in text, f"an API key appears in the gateway's {where}"
+
+
+def write_config(path: Path, config: dict[str, Any], events_dir: Path) -> None:
+    path.write_text(yaml.safe_dump({**config, "events_dir": str(events_dir)}))
+
+
+@contextlib.contextmanager
+def gateway(tmp_path: Path, config: dict[str, Any]) -> Iterator[Gateway]:
+    port = free_port()
+    events_dir = tmp_path / "events"
+    config_path = tmp_path / "gateway.yaml"
+    write_config(config_path, config, events_dir)
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*SERVESCOPE, "gateway", "--config", str(config_path), "--port", str(port)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1):
+                break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                pytest.fail(f"gateway did not start:\n{log.read_text()}")
+            time.sleep(0.1)
+    gw = Gateway(url, process, config_path, log, events_dir)
+    try:
+        yield gw
+        gw.assert_no_keys()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            assert process.wait(timeout=15) == 0, "the gateway did not exit 0 on SIGTERM"
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+def one_upstream(vllm: RunningServer, teams: dict[str, Any], cap: int = 16) -> dict[str, Any]:
+    return {
+        "upstreams": {"main": {"url": vllm.url, "model": "tiny", "max_concurrent": cap}},
+        "models": {"tiny": {"upstream": "main"}},
+        "teams": teams,
+    }
+
+
+def auth(team: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[team]}"}
+
+
+async def post(
+    session: aiohttp.ClientSession, url: str, team: str | None, body: dict[str, Any], rid: str
+) -> tuple[int, dict[str, str], str]:
+    headers = {"X-Request-Id": rid, **(auth(team) if team else {})}
+    async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+        return resp.status, dict(resp.headers), await resp.text()
+
+
+def short(max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": "the gateway admits", "max_tokens": max_tokens,
+            "ignore_eos": True, **extra}  # fmt: skip
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def test_streams_pass_through_with_one_event_per_request(
+    vllm_server: RunningServer, tmp_path: Path
+) -> None:
+    config = one_upstream(vllm_server, {"a": {"keys": [KEYS["a"]]}})
+    with gateway(tmp_path, config) as gw:
+
+        async def scenario() -> list[dict[str, Any]]:
+            async with aiohttp.ClientSession() as s:
+                done = [
+                    await stream_request(s, gw.url, COMPLETIONS, short(), "pt-000001",
+                                         headers=auth("a")),
+                    await stream_request(s, gw.url, CHAT, {"model": "tiny", "max_tokens": 8,
+                                         "ignore_eos": True, "messages": [
+                                             {"role": "user", "content": "hello"}]},
+                                         "pt-000002", headers=auth("a")),
+                ]  # fmt: skip
+                status, _, text = await post(s, gw.url, "a", short(4), "pt-000003")
+                assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 4
+                status, _, text = await post(s, gw.url, None, short(), "pt-000004")
+                assert status == 401
+                assert json.loads(text)["error"]["code"] == "unknown_key"
+                async with s.get(f"{gw.url}/v1/models") as resp:
+                    assert [m["id"] for m in (await resp.json())["data"]] == ["tiny"]
+                return done
+
+        client_events = asyncio.run(scenario())
+        for event in client_events:
+            assert event["status"] == "ok", event
+            assert event["completion_tokens"] == 8
+        events = {e["request_id"]: e for e in gw.events()}
+        assert sorted(events) == ["pt-000001", "pt-000002", "pt-000003", "pt-000004"]
+        for rid in ("pt-000001", "pt-000002"):
+            e = events[rid]
+            assert e["source"] == "gateway" and e["team"] == "a" and e["status"] == "ok"
+            assert e["completion_tokens"] == 8 and len(e["itl_ms"]) >= 1
+            assert 0 < e["ttft_ms"] <= e["e2e_ms"] and e["tpot_ms"] >= 0 and e["queue_ms"] >= 0
+        assert events["pt-000003"]["stream"] is False and events["pt-000003"]["status"] == "ok"
+        assert events["pt-000004"]["error"] == "rejected:unknown_key"
+        assert gw.samples("admission_rejected_total") == {
+            (("reason", "unknown_key"), ("team", "unknown")): 1.0
+        }
+        ok = gw.samples("servescope_gateway_requests_total")
+        assert ok[(("outcome", "ok"), ("team", "a"))] == 3.0
+
+
+def test_a_flooding_team_never_delays_a_team_within_its_limit(
+    vllm_server: RunningServer, tmp_path: Path
+) -> None:
+    teams = {
+        "a": {"keys": [KEYS["a"]], "max_concurrent": 1, "max_queue": 1},
+        "b": {"keys": [KEYS["b"]], "max_concurrent": 2, "max_queue": 2},
+    }
+    a_limit = 1 + 1  # running + queued
+    with gateway(tmp_path, one_upstream(vllm_server, teams, cap=8)) as gw:
+        sent: list[str] = []
+        a_answers: list[tuple[int, dict[str, str], str]] = []
+
+        async def b_load(s: aiohttp.ClientSession, phase: str) -> list[dict[str, Any]]:
+            ids = iter(range(16))
+            out: list[dict[str, Any]] = []
+
+            async def worker() -> None:
+                for n in ids:
+                    rid = f"iso-{phase}-b-{n:06d}"
+                    sent.append(rid)
+                    out.append(await stream_request(s, gw.url, COMPLETIONS, short(),
+                                                    rid, headers=auth("b")))  # fmt: skip
+
+            await asyncio.gather(worker(), worker())  # = b's max_concurrent: within its limit
+            return out
+
+        async def a_flood(s: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+            seq = iter(range(10**6))
+
+            async def worker() -> None:
+                while not stop.is_set():
+                    rid = f"iso-flood-a-{next(seq):06d}"
+                    sent.append(rid)
+                    answer = await post(s, gw.url, "a", short(), rid)
+                    a_answers.append(answer)
+                    if answer[0] == 429:
+                        await asyncio.sleep(0.02)
+
+            await asyncio.gather(*(worker() for _ in range(10 * a_limit)))
+
+        async def scenario() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+                alone = await b_load(s, "alone")
+                stop = asyncio.Event()
+                flood = asyncio.create_task(a_flood(s, stop))
+                await asyncio.sleep(0.5)  # the flood is on before b starts
+                flooded = await b_load(s, "flood")
+                stop.set()
+                await flood
+                return alone, flooded
+
+        alone, flooded = asyncio.run(scenario())
+        for event in alone + flooded:
+            assert event["status"] == "ok", event  # every B request succeeds
+        statuses = Counter(status for status, _, _ in a_answers)
+        assert statuses[429] > 0 and set(statuses) <= {200, 429}, statuses
+        assert len(a_answers) >= 10 * a_limit
+        for status, headers, text in a_answers:
+            if status == 429:
+                assert int(headers["Retry-After"]) >= 1
+                assert json.loads(text)["error"]["code"] == "queue_full"
+
+        events = gw.events()
+        counts = Counter(e["request_id"] for e in events)
+        assert counts == Counter(sent), "every request has exactly one event"
+        by_id = {e["request_id"]: e for e in events}
+        wait = {
+            phase: [by_id[f"iso-{phase}-b-{n:06d}"]["queue_ms"] for n in range(16)]
+            for phase in ("alone", "flood")
+        }
+        assert p95(wait["flood"]) <= max(p95(wait["alone"]) * 1.10, p95(wait["alone"]) + 5.0), wait
+        rejected = Counter(
+            (e["team"], e["error"].removeprefix("rejected:"))
+            for e in events
+            if e["status"] == "rejected"
+        )
+        metric = {
+            (dict(k)["team"], dict(k)["reason"]): v
+            for k, v in gw.samples("admission_rejected_total").items()
+        }
+        assert metric == {k: float(v) for k, v in rejected.items()}
+        assert set(rejected) == {("a", "queue_full")}
+
+
+def test_prompt_length_and_token_budget_limits(vllm_server: RunningServer, tmp_path: Path) -> None:
+    teams = {
+        "a": {"keys": [KEYS["a"]], "max_prompt_tokens": 64},
+        "b": {"keys": [KEYS["b"]], "token_budget": {"tokens": 60, "window_s": 60}},
+    }
+    with gateway(tmp_path, one_upstream(vllm_server, teams)) as gw:
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as s:
+                status, _, text = await post(s, gw.url, "a", short(prompt=[7] * 65), "len-000001")
+                assert status == 413 and json.loads(text)["error"]["code"] == "prompt_too_long"
+                status, _, _ = await post(s, gw.url, "a", short(prompt="hi there"), "len-000002")
+                assert status == 200
+                answers = [await post(s, gw.url, "b", short(10), f"bud-{n:06d}") for n in range(6)]
+                codes = [a[0] for a in answers]
+                assert codes[0] == 200 and 429 in codes, codes
+                first_429 = answers[codes.index(429)]
+                assert json.loads(first_429[2])["error"]["code"] == "token_budget"
+                assert 1 <= int(first_429[1]["Retry-After"]) <= 60
+
+        asyncio.run(scenario())
+        reasons = Counter(e.get("error") for e in gw.events() if e["status"] == "rejected")
+        assert reasons["rejected:prompt_too_long"] == 1 and reasons["rejected:token_budget"] >= 1
+
+
+def test_prefill_and_decode_timeouts_are_logged_apart(
+    vllm_server: RunningServer, tmp_path: Path
+) -> None:
+    teams = {
+        "a": {"keys": [KEYS["a"]], "prefill_timeout_s": 0.05},
+        "b": {"keys": [KEYS["b"]], "prefill_timeout_s": 60, "decode_timeout_s": 0.3},
+    }
+    rng = random.Random(time.time_ns())
+    long_prompt = [rng.randrange(100, 700) for _ in range(3000)]  # unique: no prefix-cache hit
+    with gateway(tmp_path, one_upstream(vllm_server, teams)) as gw:
+
+        async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+            async with aiohttp.ClientSession() as s:
+                prefill = await stream_request(s, gw.url, COMPLETIONS,
+                                               short(8, prompt=long_prompt), "to-000001",
+                                               headers=auth("a"))  # fmt: skip
+                decode = await stream_request(s, gw.url, COMPLETIONS, short(3000), "to-000002",
+                                              headers=auth("b"))  # fmt: skip
+                return prefill, decode
+
+        prefill, decode = asyncio.run(scenario())
+        assert prefill["status"] == "error" and prefill["http_status"] == 504
+        assert decode["status"] == "error" and decode["http_status"] == 200  # ended with an error
+        events = {e["request_id"]: e for e in gw.events()}
+        assert events["to-000001"]["status"] == "timeout"
+        assert events["to-000001"]["timeout_phase"] == "prefill"
+        assert events["to-000002"]["status"] == "timeout"
+        assert events["to-000002"]["timeout_phase"] == "decode"
+        assert events["to-000002"]["e2e_ms"] < 5000
+
+
+def vllm_running(vllm: RunningServer) -> float:
+    with urllib.request.urlopen(f"{vllm.url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "vllm:num_requests_running":
+                return s.value
+    raise AssertionError("vllm:num_requests_running not exported")
+
+
+def test_client_disconnect_aborts_the_upstream_request(
+    vllm_server: RunningServer, tmp_path: Path
+) -> None:
+    with gateway(tmp_path, one_upstream(vllm_server, {"a": {"keys": [KEYS["a"]]}})) as gw:
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as s:
+                resp = await s.post(f"{gw.url}/v1/completions", json=short(4000, stream=True),
+                                    headers={"X-Request-Id": "dc-000001", **auth("a")})  # fmt: skip
+                chunks = 0
+                async for line in resp.content:
+                    chunks += line.startswith(b"data:")
+                    if chunks == 3:
+                        break
+                assert vllm_running(vllm_server) == 1
+                resp.close()  # the client goes away mid-stream
+
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 5  # 4,000 tokens would take far longer than this
+        while vllm_running(vllm_server) != 0:
+            assert time.monotonic() < deadline, "vLLM still runs the abandoned request"
+            time.sleep(0.1)
+        while not gw.events():
+            assert time.monotonic() < deadline + 5
+            time.sleep(0.1)
+        (event,) = gw.events()
+        assert event["request_id"] == "dc-000001"
+        assert event["error"] == "disconnect" and event["finish_reason"] == "abort"
+
+
+@contextlib.contextmanager
+def nginx_relay(tmp_path: Path, target: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real nginx reverse proxy (one process, no buffering) in front of `target`."""
+    port = free_port()
+    folder = tmp_path / "nginx"
+    folder.mkdir()
+    temps = "\n".join(
+        f"  {n}_temp_path {folder}/{n};" for n in ("proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    (folder / "nginx.conf").write_text(
+        f"""daemon off;
+master_process off;
+pid {folder}/nginx.pid;
+error_log {folder}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  client_body_temp_path {folder}/body;
+{temps}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass {target};
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_read_timeout 300s;
+    }}
+  }}
+}}
+"""
+    )
+    proc = subprocess.Popen(["nginx", "-p", str(folder), "-c", str(folder / "nginx.conf"),
+                             "-e", str(folder / "error.log")])  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1):
+                break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "nginx did not start"
+            time.sleep(0.1)
+    try:
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_upstream_killed_mid_stream(vllm_server: RunningServer, tmp_path: Path) -> None:
+    with nginx_relay(tmp_path, vllm_server.url) as (relay_url, relay):
+        config = {
+            "upstreams": {
+                "relay": {"url": relay_url, "model": "tiny"},
+                "direct": {"url": vllm_server.url, "model": "tiny"},
+            },
+            "models": {
+                "tiny-relay": {"upstream": "relay"},
+                "tiny-fallback": {"upstream": "relay", "fallback": "direct"},
+                "tiny": {"upstream": "direct"},
+            },
+            "teams": {"a": {"keys": [KEYS["a"]]}},
+        }
+        with gateway(tmp_path, config) as gw:
+
+            async def scenario() -> dict[str, Any]:
+                async with aiohttp.ClientSession() as s:
+                    resp = await s.post(
+                        f"{gw.url}/v1/completions",
+                        json={**short(4000, stream=True), "model": "tiny-relay"},
+                        headers={"X-Request-Id": "kill-000001", **auth("a")},
+                    )
+                    lines: list[bytes] = []
+                    async for line in resp.content:
+                        lines.append(line)
+                        if len(lines) == 6:
+                            relay.send_signal(signal.SIGKILL)  # the upstream dies mid-stream
+                    text = b"".join(lines)
+                    assert resp.status == 200
+                    assert b"[DONE]" not in text
+                    last = [ln for ln in lines if ln.startswith(b"data:")][-1]
+                    error = json.loads(last[5:])["error"]  # a clean, OpenAI-style error
+                    assert error["type"] == "upstream_error"
+                    relay.wait(timeout=10)
+                    after = {
+                        m: await stream_request(
+                            s,
+                            gw.url,
+                            COMPLETIONS,
+                            {**short(), "model": m},
+                            f"kill-{m}",
+                            headers=auth("a"),
+                        )  # fmt: skip
+                        for m in ("tiny", "tiny-fallback")
+                    }
+                    status, headers, text = await post(
+                        s, gw.url, "a", {**short(), "model": "tiny-relay"}, "kill-no-fallback"
+                    )
+                    assert status == 503 and int(headers["Retry-After"]) >= 1
+                    assert json.loads(text)["error"]["code"] == "upstream_unavailable"
+                    return after
+
+            after = asyncio.run(scenario())
+            assert after["tiny"]["status"] == "ok"  # the other upstream keeps serving
+            assert after["tiny-fallback"]["status"] == "ok"  # the fallback takes over
+            events = {e["request_id"]: e for e in gw.events()}
+            killed = events["kill-000001"]
+            assert killed["status"] == "error" and killed["error"] == "disconnect"
+            assert killed["upstream"] == "relay"
+            assert events["kill-tiny-fallback"]["upstream"] == "direct"
+            assert events["kill-tiny-fallback"]["fallback"] is True
+            assert events["kill-no-fallback"]["error"] == "rejected:upstream_unavailable"
+
+
+def test_overload_2000_clients_are_bounded_and_answered(
+    vllm_server: RunningServer, tmp_path: Path
+) -> None:
+    teams = {"a": {"keys": [KEYS["a"]], "max_concurrent": 4, "max_queue": 100}}
+    with gateway(tmp_path, one_upstream(vllm_server, teams, cap=8)) as gw:
+        proc = psutil.Process(gw.process.pid)
+        baseline = proc.memory_info().rss
+        peak = baseline
+        sampling = True
+
+        def sample() -> None:
+            nonlocal peak
+            while sampling:
+                peak = max(peak, proc.memory_info().rss)
+                time.sleep(0.05)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+
+        async def scenario() -> list[tuple[int, dict[str, str], str]]:
+            connector = aiohttp.TCPConnector(limit=0)
+            timeout = aiohttp.ClientTimeout(total=120)
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as s:
+                calls = [post(s, gw.url, "a", short(4), f"ovl-{n:06d}") for n in range(2000)]
+                return await asyncio.wait_for(asyncio.gather(*calls), 150)
+
+        try:
+            answers = asyncio.run(scenario())
+        finally:
+            sampling = False
+            sampler.join()
+        statuses = Counter(a[0] for a in answers)
+        assert set(statuses) <= {200, 429}, statuses
+        assert statuses[200] >= 104 and statuses[429] >= 1000, statuses  # 4 running + 100 queued
+        assert all(int(h["Retry-After"]) >= 1 for s, h, _ in answers if s == 429)
+        assert peak - baseline < 150 * 2**20, (
+            f"gateway RSS grew {(peak - baseline) / 2**20:.0f} MiB"
+        )
+        events = gw.events()
+        assert Counter(e["request_id"] for e in events) == Counter(
+            f"ovl-{n:06d}" for n in range(2000)
+        )
+        rejected = [e["e2e_ms"] for e in events if e["status"] == "rejected"]
+        assert len(rejected) == statuses[429]
+        assert p95(rejected) < 50, "rejections must be immediate"
+        assert max(e.get("queue_ms", 0) for e in events) < 60_000
+
+
+def test_sighup_reload_keeps_in_flight_streams(vllm_server: RunningServer, tmp_path: Path) -> None:
+    config = one_upstream(vllm_server, {"a": {"keys": [KEYS["a"]]}})
+    with gateway(tmp_path, config) as gw:
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as s:
+                assert (await post(s, gw.url, "c", short(), "hup-000001"))[0] == 401
+                stream = asyncio.create_task(
+                    stream_request(
+                        s, gw.url, COMPLETIONS, short(600), "hup-000002", headers=auth("a")
+                    )  # fmt: skip
+                )
+                await asyncio.sleep(0.3)
+                reloaded = {**config, "teams": {**config["teams"], "c": {"keys": [KEYS["c"]]}}}
+                write_config(gw.config_path, reloaded, gw.events_dir)
+                gw.process.send_signal(signal.SIGHUP)
+                await asyncio.sleep(0.5)
+                assert (await post(s, gw.url, "c", short(), "hup-000003"))[0] == 200
+                gw.config_path.write_text("teams: [not, a, mapping")
+                gw.process.send_signal(signal.SIGHUP)
+                await asyncio.sleep(0.5)
+                assert (await post(s, gw.url, "c", short(), "hup-000004"))[0] == 200
+                event = await stream
+                assert event["status"] == "ok" and event["completion_tokens"] == 600
+
+        asyncio.run(scenario())
+        reloads = {dict(k)["outcome"]: v for k, v in gw.samples(
+            "servescope_gateway_config_reloads_total").items()}  # fmt: skip
+        assert reloads == {"ok": 1.0, "error": 1.0}
