@@ -1,0 +1,484 @@
+"""Forward stored requests to any OTLP backend: one span per request, plus the GenAI metrics.
+
+Names follow the OpenTelemetry GenAI semantic conventions (span `{operation} {model}`,
+`gen_ai.operation.name`, `gen_ai.provider.name = vllm`, `gen_ai.usage.*`, `error.type`…; metrics
+`gen_ai.server.time_to_first_token`, `gen_ai.server.time_per_output_token`,
+`gen_ai.server.request.duration`, `gen_ai.client.token.usage` with the bucket boundaries the
+conventions recommend). What the conventions have no name for is under `servescope.*`
+(queue/prefill/decode phases, team, run). vLLM's legacy span keys (`gen_ai.usage.prompt_tokens`,
+`gen_ai.latency.*`, `gen_ai.system`) are mapped to the current ones by `current_attributes`.
+
+Ingestion never waits for the backend: `submit` puts records on a bounded queue and returns; one
+worker thread turns them into spans and exports them in batches with the SDK's OTLP exporters
+(HTTP or gRPC; each export retried with exponential backoff by the exporter, up to its timeout).
+A full queue or a batch the backend never took is dropped and counted in
+`servescope_collector_export_dropped_total{reason}`, so memory stays bounded whatever the
+endpoint does. Standard `OTEL_*` variables are honoured: `OTEL_EXPORTER_OTLP_ENDPOINT` (and the
+`_TRACES_`/`_METRICS_` variants) when no URL is given, `OTEL_EXPORTER_OTLP_PROTOCOL`,
+`_HEADERS`, `_TIMEOUT`, `_COMPRESSION`, `_CERTIFICATE`, `OTEL_SERVICE_NAME`,
+`OTEL_RESOURCE_ATTRIBUTES`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+
+from store.events import is_runtime_event
+
+log = logging.getLogger(__name__)
+
+PROVIDER = "vllm"
+SERVICE_NAME = "servescope-collector"
+HTTP = "http/protobuf"
+GRPC = "grpc"
+
+# Bucket boundaries recommended by the GenAI semantic conventions (the SDK sets none itself).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0]  # fmt: skip
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+                    40.96, 81.92]  # fmt: skip
+TOKEN_BUCKETS = [float(4**i) for i in range(14)]  # 1, 4, 16, …, 67108864
+
+# vLLM's legacy `llm_request` span keys → (current key, factor). Latencies are seconds there;
+# servescope's phases are milliseconds like every time of the event.
+LEGACY_KEYS: dict[str, tuple[str, float]] = {
+    "gen_ai.usage.prompt_tokens": ("gen_ai.usage.input_tokens", 1),
+    "gen_ai.usage.completion_tokens": ("gen_ai.usage.output_tokens", 1),
+    "gen_ai.system": ("gen_ai.provider.name", 1),
+    "gen_ai.latency.time_to_first_token": ("gen_ai.response.time_to_first_chunk", 1),
+    "gen_ai.latency.e2e": ("servescope.e2e_ms", 1000),
+    "gen_ai.latency.time_in_queue": ("servescope.queue_ms", 1000),
+    "gen_ai.latency.time_in_model_prefill": ("servescope.prefill_ms", 1000),
+    "gen_ai.latency.time_in_model_decode": ("servescope.decode_ms", 1000),
+    "gen_ai.latency.time_in_model_inference": ("servescope.inference_ms", 1000),
+    "gen_ai.latency.time_in_scheduler": ("servescope.scheduler_ms", 1000),
+    "gen_ai.latency.time_in_model_forward": ("servescope.model_forward_ms", 1000),
+    "gen_ai.latency.time_in_model_execute": ("servescope.model_execute_ms", 1000),
+    "gen_ai.request.id": ("gen_ai.response.id", 1),
+}
+
+_COUNTERS: dict[int, tuple[Counter, Counter]] = {}
+_COUNTERS_LOCK = threading.Lock()
+
+
+def export_counters(registry: CollectorRegistry = REGISTRY) -> tuple[Counter, Counter]:
+    """(dropped, exported) span counters, created once per registry."""
+    with _COUNTERS_LOCK:
+        if id(registry) not in _COUNTERS:
+            _COUNTERS[id(registry)] = (
+                Counter(
+                    "servescope_collector_export_dropped",
+                    "Spans not delivered to the OTLP endpoint: queue_full (the endpoint is "
+                    "slower than ingestion) or export_failed (retries exhausted).",
+                    ["reason"],
+                    registry=registry,
+                ),
+                Counter(
+                    "servescope_collector_export_spans",
+                    "Spans the OTLP endpoint accepted.",
+                    registry=registry,
+                ),
+            )
+        return _COUNTERS[id(registry)]
+
+
+def current_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """Rename vLLM's legacy GenAI keys to the current conventions (current keys win)."""
+    out: dict[str, Any] = {}
+    for key, value in attributes.items():
+        if key in LEGACY_KEYS:
+            new, factor = LEGACY_KEYS[key]
+            if value is not None and factor != 1:
+                value = float(value) * factor
+            out.setdefault(new, value)
+        else:
+            out[key] = value
+    return out
+
+
+def operation_of(doc: Mapping[str, Any]) -> str:
+    """`chat` or `text_completion`: named by the record, else by its endpoint (default: text)."""
+    if isinstance(doc.get("operation"), str):
+        return str(doc["operation"])
+    endpoint = str(doc.get("endpoint") or doc.get("path") or "")
+    return "chat" if "chat" in endpoint else "text_completion"
+
+
+def span_attributes(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The span attributes of one stored request (None values left out)."""
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": operation_of(doc),
+        "gen_ai.provider.name": PROVIDER,
+        "gen_ai.request.model": doc.get("model"),
+        "gen_ai.usage.input_tokens": doc.get("prompt_tokens"),
+        "gen_ai.usage.output_tokens": doc.get("completion_tokens"),
+        "gen_ai.usage.cache_read.input_tokens": doc.get("cached_tokens"),
+        "gen_ai.response.finish_reasons": [doc["finish_reason"]]
+        if doc.get("finish_reason")
+        else None,
+        "gen_ai.response.time_to_first_chunk": _seconds(doc.get("ttft_ms")),
+        "error.type": error_type(doc),
+        "servescope.request_id": doc.get("request_id"),
+        "servescope.run_id": doc.get("run_id"),
+        "servescope.source": doc.get("source"),
+        "servescope.team": doc.get("team"),
+        "servescope.workload": doc.get("workload"),
+        "servescope.status": doc.get("status"),
+        "servescope.ttft_ms": doc.get("ttft_ms"),
+        "servescope.tpot_ms": doc.get("tpot_ms"),
+        "servescope.e2e_ms": doc.get("e2e_ms"),
+        "servescope.queue_ms": doc.get("queue_ms"),
+        "servescope.prefill_ms": doc.get("prefill_ms"),
+        "servescope.decode_ms": doc.get("decode_ms"),
+        "http.response.status_code": doc.get("http_status"),
+    }
+    for key in ("max_tokens", "temperature", "top_p"):
+        if isinstance(doc.get(key), int | float) and not isinstance(doc.get(key), bool):
+            attrs[f"gen_ai.request.{key}"] = doc[key]
+    # raw span attributes a record may carry (e.g. from vLLM's trace), legacy names mapped
+    raw = {k: v for k, v in doc.items() if k.startswith("gen_ai.") and _is_attribute(v)}
+    for key, value in current_attributes(raw).items():
+        if attrs.get(key) is None:
+            attrs[key] = value
+    return {k: v for k, v in attrs.items() if v is not None}
+
+
+def error_type(doc: Mapping[str, Any]) -> str | None:
+    """The failure class (`timeout`, `http_5xx`, `rejected:queue_full`…), None for success."""
+    status = doc.get("status")
+    if status in (None, "ok") and not doc.get("error") and doc.get("finish_reason") != "error":
+        return None
+    return str(doc.get("error") or status or "error")
+
+
+def _seconds(ms: Any) -> float | None:
+    if isinstance(ms, int | float) and not isinstance(ms, bool):
+        return float(ms) / 1000.0
+    return None
+
+
+def _is_attribute(value: Any) -> bool:
+    if isinstance(value, str | bool | int | float):
+        return True
+    return isinstance(value, list) and all(isinstance(v, str | bool | int | float) for v in value)
+
+
+def _start_ns(doc: Mapping[str, Any]) -> int:
+    ts = doc.get("ts")
+    if isinstance(ts, str):
+        try:
+            parsed = datetime.fromisoformat(ts)
+        except ValueError:
+            parsed = None
+        if parsed is not None:
+            if parsed.tzinfo is None:  # the store's timestamps are naive UTC
+                parsed = parsed.replace(tzinfo=UTC)
+            return int(parsed.timestamp() * 1e9)
+    return time.time_ns() - int((_seconds(doc.get("e2e_ms")) or 0.0) * 1e9)
+
+
+def _trace_id(doc: Mapping[str, Any]) -> int | None:
+    value = doc.get("trace_id")
+    if isinstance(value, str) and len(value) == 32:
+        try:
+            trace_id = int(value, 16)
+        except ValueError:
+            return None
+        return trace_id or None
+    return None
+
+
+class _RecordIds(IdGenerator):
+    """Span ids at random; the trace id of the record being converted, so its span joins the
+    trace the client, the gateway and vLLM share (random when the record has none)."""
+
+    def __init__(self) -> None:
+        self._random = RandomIdGenerator()
+        self.next_trace_id: int | None = None
+
+    def generate_span_id(self) -> int:
+        return self._random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        trace_id, self.next_trace_id = self.next_trace_id, None
+        return trace_id or self._random.generate_trace_id()
+
+
+class _Collect(SpanProcessor):
+    """Keeps the spans the worker just ended, for it to export as one batch."""
+
+    def __init__(self) -> None:
+        self.ended: list[ReadableSpan] = []
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.ended.append(span)
+
+
+def exporters(
+    url: str | None, protocol: str | None = None
+) -> tuple[SpanExporter, Any]:  # (span exporter, metric exporter)
+    """The SDK's OTLP exporters for `url` (a collector's base URL) and protocol.
+
+    HTTP posts to URL/v1/traces and URL/v1/metrics; gRPC talks to URL as is. Without a URL the
+    exporters read `OTEL_EXPORTER_OTLP_*` themselves.
+    """
+    protocol = (
+        protocol
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or HTTP
+    )
+    if protocol == GRPC:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+            OTLPMetricExporter as GrpcMetrics,
+        )
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcSpans,
+        )
+
+        insecure = None if url is None else urlsplit(url).scheme == "http"
+        return GrpcSpans(endpoint=url, insecure=insecure), GrpcMetrics(
+            endpoint=url, insecure=insecure
+        )
+    if protocol != HTTP:
+        raise ValueError(f"unsupported OTLP protocol {protocol!r} (use {HTTP!r} or {GRPC!r})")
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+        OTLPMetricExporter as HttpMetrics,
+    )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpSpans,
+    )
+
+    if url is None:
+        return HttpSpans(), HttpMetrics()
+    base = url.rstrip("/").removesuffix("/v1/traces").removesuffix("/v1/metrics")
+    return HttpSpans(endpoint=f"{base}/v1/traces"), HttpMetrics(endpoint=f"{base}/v1/metrics")
+
+
+class OtlpExport:
+    """A bounded, batched, retrying OTLP forwarder for stored request records.
+
+    `submit(records)` never blocks; `flush()` waits (bounded) until everything submitted was
+    exported or dropped; `shutdown()` flushes and stops the worker and the metric reader.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        protocol: str | None = None,
+        max_queue: int = 4096,
+        batch_size: int = 512,
+        schedule_delay_s: float = 1.0,
+        metric_interval_s: float = 10.0,
+        registry: CollectorRegistry = REGISTRY,
+        span_exporter: SpanExporter | None = None,
+        metric_exporter: Any = None,
+    ) -> None:
+        if span_exporter is None or metric_exporter is None:
+            default_spans, default_metrics = exporters(url, protocol)
+            span_exporter = span_exporter or default_spans
+            metric_exporter = metric_exporter or default_metrics
+        self.url = url
+        self._exporter = span_exporter
+        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=max_queue)
+        self._batch_size = batch_size
+        self._delay = schedule_delay_s
+        self._registry = registry
+        self._dropped, self._exported = export_counters(registry)
+        self._pending = 0  # submitted, not yet exported or dropped
+        self._pending_lock = threading.Condition()
+        self._stop = threading.Event()
+
+        resource = Resource.create({})  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
+        if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
+        self._ids = _RecordIds()
+        self._ended = _Collect()
+        self._tracer_provider = TracerProvider(resource=resource, id_generator=self._ids)
+        self._tracer_provider.add_span_processor(self._ended)
+        self._tracer = self._tracer_provider.get_tracer("servescope.collector")
+        self._reader = PeriodicExportingMetricReader(
+            metric_exporter, export_interval_millis=metric_interval_s * 1000
+        )
+        self._meter_provider = MeterProvider(resource=resource, metric_readers=[self._reader])
+        meter = self._meter_provider.get_meter("servescope.collector")
+        self._ttft = meter.create_histogram(
+            "gen_ai.server.time_to_first_token",
+            unit="s",
+            description="Time to generate the first token, for successful responses.",
+            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
+        )
+        self._tpot = meter.create_histogram(
+            "gen_ai.server.time_per_output_token",
+            unit="s",
+            description="Time per output token after the first, for successful responses.",
+            explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
+        )
+        self._duration = meter.create_histogram(
+            "gen_ai.server.request.duration",
+            unit="s",
+            description="Time from the request's start to its last token (or failure).",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self._tokens = meter.create_histogram(
+            "gen_ai.client.token.usage",
+            unit="{token}",
+            description="Input and output tokens used per request.",
+            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
+        )
+        self._worker = threading.Thread(target=self._run, name="otlp-export", daemon=True)
+        self._worker.start()
+
+    # -- the ingestion side: never blocks ----------------------------------------------------
+
+    def submit(self, records: Iterable[Mapping[str, Any]]) -> int:
+        """Queue request records for export; returns how many were dropped (queue full)."""
+        dropped = 0
+        for record in records:
+            if "request_id" not in record or is_runtime_event(record):
+                continue  # agent-runtime events are not requests
+            with self._pending_lock:
+                self._pending += 1
+            try:
+                self._queue.put_nowait(dict(record))
+            except queue.Full:
+                dropped += 1
+                self._settle(1)
+        if dropped:
+            self._dropped.labels(reason="queue_full").inc(dropped)
+        return dropped
+
+    def dropped(self) -> float:
+        """Spans dropped so far (all exporters sharing this registry)."""
+        return sum(
+            self._registry.get_sample_value(
+                "servescope_collector_export_dropped_total", {"reason": reason}
+            )
+            or 0.0
+            for reason in ("queue_full", "export_failed")
+        )
+
+    def exported(self) -> float:
+        """Spans the endpoint accepted so far (all exporters sharing this registry)."""
+        return self._registry.get_sample_value("servescope_collector_export_spans_total") or 0.0
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every submitted record was exported or dropped; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._pending_lock:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._pending_lock.wait(left)
+        return self._meter_provider.force_flush(int(max(deadline - time.monotonic(), 1) * 1000))
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.flush(timeout_s)
+        self._stop.set()
+        self._worker.join(timeout_s)
+        self._meter_provider.shutdown(timeout_millis=int(timeout_s * 1000))
+        self._exporter.shutdown()
+
+    # -- the worker ----------------------------------------------------------------------------
+
+    def _settle(self, n: int) -> None:
+        with self._pending_lock:
+            self._pending -= n
+            self._pending_lock.notify_all()
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while not self._stop.is_set():
+            batch = self._take()
+            if not batch:
+                continue
+            try:
+                spans = [self._convert(record) for record in batch]
+                ok = self._exporter.export(spans) == SpanExportResult.SUCCESS
+            except Exception:  # noqa: BLE001 - a bad record or exporter bug must not kill export
+                log.exception("OTLP export of %d spans failed", len(batch))
+                ok = False
+            if ok:
+                self._exported.inc(len(batch))
+                backoff = 0.0
+            else:
+                self._dropped.labels(reason="export_failed").inc(len(batch))
+                # the exporter retried already; pause before the next batch, longer each time
+                backoff = min(max(backoff * 2, 0.5), 30.0)
+            self._settle(len(batch))
+            if backoff:
+                self._stop.wait(backoff * random.uniform(0.8, 1.2))
+
+    def _take(self) -> list[dict[str, Any]]:
+        batch: list[dict[str, Any]] = []
+        deadline = time.monotonic() + self._delay
+        while len(batch) < self._batch_size:
+            left = deadline - time.monotonic()
+            try:
+                item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            batch.append(item)
+        return batch
+
+    def _convert(self, doc: dict[str, Any]) -> ReadableSpan:
+        attrs = span_attributes(doc)
+        start = _start_ns(doc)
+        e2e = _seconds(doc.get("e2e_ms")) or 0.0
+        self._ids.next_trace_id = _trace_id(doc)
+        operation = attrs["gen_ai.operation.name"]
+        name = f"{operation} {doc['model']}" if doc.get("model") else operation
+        span = self._tracer.start_span(
+            name,
+            context=trace.set_span_in_context(trace.INVALID_SPAN),
+            kind=SpanKind.CLIENT,
+            attributes=attrs,
+            start_time=start,
+        )
+        failure = attrs.get("error.type")
+        if failure:
+            span.set_status(Status(StatusCode.ERROR, str(failure)))
+        span.end(end_time=start + int(e2e * 1e9))
+        self._record_metrics(doc, attrs, e2e)
+        return self._ended.ended.pop()
+
+    def _record_metrics(self, doc: dict[str, Any], attrs: dict[str, Any], e2e: float) -> None:
+        common = {
+            k: attrs[k]
+            for k in ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model")
+            if k in attrs
+        }
+        failed = "error.type" in attrs
+        outcome = {"error.type": attrs["error.type"]} if failed else {}
+        self._duration.record(e2e, {**common, **outcome})
+        if not failed:
+            if (ttft := _seconds(doc.get("ttft_ms"))) is not None:
+                self._ttft.record(ttft, common)
+            if (tpot := _seconds(doc.get("tpot_ms"))) is not None:
+                self._tpot.record(tpot, common)
+        for key, kind in (("prompt_tokens", "input"), ("completion_tokens", "output")):
+            value = doc.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                self._tokens.record(value, {**common, "gen_ai.token.type": kind})

@@ -1,0 +1,296 @@
+"""OTLP export: the SDK's real exporters send stored requests to an OTLP endpoint started here;
+the decoded protobuf carries the GenAI names and the stored values. With the endpoint down,
+`submit` still returns at once and the drop counter rises."""
+
+from __future__ import annotations
+
+import json
+import socket
+from concurrent import futures
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from prometheus_client import CollectorRegistry, generate_latest
+
+from collector.otlp_export import (
+    DURATION_BUCKETS,
+    TOKEN_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+    OtlpExport,
+    current_attributes,
+)
+from store import Store, import_file
+from tests.otlp_sink import otlp_http_sink
+
+RUN = "run-20261122-otlp"
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+RECORDS: list[dict[str, Any]] = [
+    {
+        "request_id": f"{RUN}-000001",
+        "run_id": RUN,
+        "ts": "2026-11-22T05:00:00.250000Z",
+        "source": "client",
+        "model": "tiny",
+        "team": "team-a",
+        "prompt_tokens": 1842,
+        "completion_tokens": 419,
+        "cached_tokens": 1024,
+        "ttft_ms": 820.0,
+        "tpot_ms": 34.0,
+        "e2e_ms": 15066.0,
+        "queue_ms": 12.5,
+        "prefill_ms": 790.0,
+        "decode_ms": 14200.0,
+        "finish_reason": "stop",
+        "status": "ok",
+        "trace_id": TRACE,
+    },
+    {
+        "request_id": f"{RUN}-000002",
+        "run_id": RUN,
+        "ts": "2026-11-22T05:00:01Z",
+        "source": "gateway",
+        "model": "tiny",
+        "team": "team-b",
+        "e2e_ms": 3.0,
+        "status": "rejected",
+        "error": "rejected:queue_full",
+        "http_status": 429,
+        "finish_reason": "error",
+    },
+]
+
+
+def stored_records(tmp_path: Path) -> list[dict[str, Any]]:
+    """The records as the store gives them back (what the collector forwards)."""
+    src = tmp_path / "in.events.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    store = Store(tmp_path / "s.duckdb")
+    import_file(store, src)
+    return store.export_events(RUN)
+
+
+def bounds(metric: Any) -> list[float]:
+    return list(metric.histogram.data_points[0].explicit_bounds)
+
+
+def test_stored_requests_arrive_as_genai_spans_and_metrics_over_http(tmp_path: Path) -> None:
+    records = stored_records(tmp_path)
+    registry = CollectorRegistry()
+    with otlp_http_sink() as sink:
+        export = OtlpExport(sink.url, registry=registry, schedule_delay_s=0.05)
+        assert export.submit(records) == 0
+        assert export.flush(30)
+        export.shutdown()
+        sink.wait_for(lambda s: len(s.spans) == 2 and "gen_ai.client.token.usage" in s.metrics)
+
+    spans = {s["attributes"]["servescope.request_id"]: s for s in sink.spans}
+    ok = spans[f"{RUN}-000001"]
+    assert ok["name"] == "text_completion tiny"
+    assert ok["trace_id"] == TRACE  # the request's own trace
+    start = datetime.fromisoformat("2026-11-22T05:00:00.250000+00:00").timestamp()
+    assert ok["start_ns"] == int(start * 1e9)
+    assert ok["end_ns"] - ok["start_ns"] == 15066 * 1_000_000
+    assert ok["resource"]["service.name"] == "servescope-collector"
+    a = ok["attributes"]
+    assert a["gen_ai.operation.name"] == "text_completion"
+    assert a["gen_ai.provider.name"] == "vllm"
+    assert a["gen_ai.request.model"] == "tiny"
+    assert a["gen_ai.usage.input_tokens"] == 1842
+    assert a["gen_ai.usage.output_tokens"] == 419
+    assert a["gen_ai.usage.cache_read.input_tokens"] == 1024
+    assert a["gen_ai.response.finish_reasons"] == ["stop"]
+    assert a["gen_ai.response.time_to_first_chunk"] == pytest.approx(0.820)
+    assert "error.type" not in a
+    assert (a["servescope.queue_ms"], a["servescope.prefill_ms"], a["servescope.decode_ms"]) == (
+        12.5,
+        790.0,
+        14200.0,
+    )
+    assert a["servescope.team"] == "team-a"
+    assert ok["status"] == 0  # unset
+
+    rejected = spans[f"{RUN}-000002"]["attributes"]
+    assert rejected["error.type"] == "rejected:queue_full"
+    assert rejected["http.response.status_code"] == 429
+    assert spans[f"{RUN}-000002"]["status"] == 2  # error
+    assert len(spans[f"{RUN}-000002"]["trace_id"]) == 32
+
+    m = sink.metrics
+    assert bounds(m["gen_ai.server.time_to_first_token"][-1]) == TTFT_BUCKETS
+    assert bounds(m["gen_ai.server.time_per_output_token"][-1]) == TPOT_BUCKETS
+    assert bounds(m["gen_ai.server.request.duration"][-1]) == DURATION_BUCKETS
+    assert bounds(m["gen_ai.client.token.usage"][-1])[-1] == 67108864
+    assert bounds(m["gen_ai.client.token.usage"][-1]) == TOKEN_BUCKETS
+    ttft = m["gen_ai.server.time_to_first_token"][-1].histogram.data_points
+    assert [(p.count, p.sum) for p in ttft] == [(1, pytest.approx(0.820))]  # successes only
+    durations = m["gen_ai.server.request.duration"][-1].histogram.data_points
+    by_error = {
+        next((kv.value.string_value for kv in p.attributes if kv.key == "error.type"), None): p
+        for p in durations
+    }
+    assert by_error[None].sum == pytest.approx(15.066)
+    assert by_error["rejected:queue_full"].count == 1
+    tokens = m["gen_ai.client.token.usage"][-1].histogram.data_points
+    by_type = {
+        next(kv.value.string_value for kv in p.attributes if kv.key == "gen_ai.token.type"): p.sum
+        for p in tokens
+    }
+    assert by_type == {"input": 1842, "output": 419}
+    assert m["gen_ai.client.token.usage"][-1].unit == "{token}"
+    assert "servescope_collector_export_spans_total 2.0" in generate_latest(registry).decode()
+
+
+def test_vllm_legacy_span_keys_map_to_the_current_conventions(tmp_path: Path) -> None:
+    legacy = {
+        "gen_ai.usage.prompt_tokens": 7,
+        "gen_ai.usage.completion_tokens": 3,
+        "gen_ai.system": "vllm",
+        "gen_ai.latency.time_to_first_token": 0.05,
+        "gen_ai.latency.time_in_queue": 0.25,
+        "gen_ai.latency.time_in_model_prefill": 0.01,
+        "gen_ai.latency.time_in_model_decode": 0.2,
+        "gen_ai.request.max_tokens": 3,
+    }
+    current = current_attributes(legacy)
+    assert current["gen_ai.usage.input_tokens"] == 7
+    assert current["gen_ai.usage.output_tokens"] == 3
+    assert current["gen_ai.provider.name"] == "vllm"
+    assert current["gen_ai.response.time_to_first_chunk"] == 0.05
+    assert current["servescope.queue_ms"] == pytest.approx(250.0)
+    assert current["gen_ai.request.max_tokens"] == 3
+    assert not any(k.startswith("gen_ai.latency.") for k in current)
+    assert "gen_ai.usage.prompt_tokens" not in current
+    # a stored record that carries a trace's raw attributes exports the current names
+    record = {"request_id": "r-000001", "model": "tiny", **legacy}
+    with otlp_http_sink() as sink:
+        export = OtlpExport(sink.url, registry=CollectorRegistry(), schedule_delay_s=0.05)
+        export.submit([record])
+        export.shutdown()
+        sink.wait_for(lambda s: len(s.spans) == 1)
+    attrs = sink.spans[0]["attributes"]
+    assert attrs["gen_ai.usage.input_tokens"] == 7
+    assert attrs["servescope.queue_ms"] == pytest.approx(250.0)
+    assert "gen_ai.usage.prompt_tokens" not in attrs
+
+
+def test_otel_environment_variables_are_honoured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with otlp_http_sink() as sink:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.url)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=lab11")
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "servescope-lab")
+        monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+        export = OtlpExport(None, registry=CollectorRegistry(), schedule_delay_s=0.05)
+        export.submit(stored_records(tmp_path))
+        export.shutdown()
+        sink.wait_for(lambda s: len(s.spans) == 2)
+    assert sink.spans[0]["resource"]["service.name"] == "servescope-lab"
+    assert sink.spans[0]["resource"]["deployment.environment"] == "test"
+    assert all(h.get("x-tenant") == "lab11" for h in sink.headers)
+
+
+def test_grpc_export_reaches_a_grpc_endpoint(tmp_path: Path) -> None:
+    received: list[trace_service_pb2.ExportTraceServiceRequest] = []
+
+    class Traces(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - the gRPC API
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - the gRPC API
+            return metrics_service_pb2.ExportMetricsServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), server)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        export = OtlpExport(
+            f"http://127.0.0.1:{port}",
+            protocol="grpc",
+            registry=CollectorRegistry(),
+            schedule_delay_s=0.05,
+        )
+        export.submit(stored_records(tmp_path))
+        assert export.flush(30)
+        export.shutdown()
+    finally:
+        server.stop(0)
+    names = [
+        kv.value.string_value
+        for request in received
+        for rs in request.resource_spans
+        for ss in rs.scope_spans
+        for span in ss.spans
+        for kv in span.attributes
+        if kv.key == "gen_ai.provider.name"
+    ]
+    assert names == ["vllm", "vllm"]
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_an_unreachable_endpoint_never_blocks_submit_and_counts_drops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "2")  # the exporter's retry deadline
+    registry = CollectorRegistry()
+    export = OtlpExport(
+        f"http://127.0.0.1:{closed_port()}",
+        registry=registry,
+        max_queue=100,
+        batch_size=50,
+        schedule_delay_s=0.05,
+    )
+    record = stored_records(tmp_path)[0]
+    records = [{**record, "request_id": f"{RUN}-{i:06d}"} for i in range(5000)]
+    dropped = export.submit(records)
+    # submit returned while the worker still waits on its first export (it retries for 2 s):
+    # nothing exported, nothing failed yet, and the queue overflow is counted, not buffered
+    assert export.exported() == 0
+    assert registry.get_sample_value(
+        "servescope_collector_export_dropped_total", {"reason": "export_failed"}
+    ) in (None, 0.0)
+    assert dropped >= 5000 - 100 - 50
+    assert export.dropped() == dropped
+    # the batches in flight fail after the exporter's retries, and are counted too
+    assert export.flush(60)
+    assert export.dropped() == 5000
+    assert (
+        registry.get_sample_value(
+            "servescope_collector_export_dropped_total", {"reason": "export_failed"}
+        )
+        == 5000 - dropped
+    )
+    export.shutdown(5)
+    text = generate_latest(registry).decode()
+    assert 'servescope_collector_export_dropped_total{reason="queue_full"}' in text
+
+
+def test_runtime_events_are_not_exported_as_requests(tmp_path: Path) -> None:
+    with otlp_http_sink() as sink:
+        export = OtlpExport(sink.url, registry=CollectorRegistry(), schedule_delay_s=0.05)
+        export.submit(
+            [{"type": "tool_call", "run_id": RUN, "request_id": "x-1"}, *stored_records(tmp_path)]
+        )
+        export.shutdown()
+        sink.wait_for(lambda s: len(s.spans) == 2)
+    assert {s["attributes"]["servescope.request_id"] for s in sink.spans} == {
+        f"{RUN}-000001",
+        f"{RUN}-000002",
+    }
