@@ -32,11 +32,13 @@ TOKENS_PER_SECOND = "suffix: tok/s"
 PANEL_HEIGHT = 8
 GRID_WIDTH = 24
 
-# Flips recorded by the collector: one info series per flip, labels lever/before/after. A flip
-# shows as the moment its series first appears (present now, absent a minute earlier).
+# Flips recorded by the collector: one info series per (lever, before, after), its value the
+# flip's unix time. A flip shows when its series first appears, or when the value changes (the
+# same flip happening again).
 LEVER_FLIP_EXPR = (
-    "max by (lever, before, after) (servescope_lever_flip_info)"
-    " unless max by (lever, before, after) (servescope_lever_flip_info offset 1m)"
+    "max by (lever, before, after) ("
+    "(servescope_lever_flip_info unless servescope_lever_flip_info offset 1m)"
+    " or (changes(servescope_lever_flip_info[1m]) > 0))"
 )
 LEVER_FLIP_TAG = "lever-flip"
 
