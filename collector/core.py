@@ -130,6 +130,7 @@ class Collector:
         metrics: SelfMetrics | None = None,
     ) -> None:
         self.store = store
+        bulk.remove_stale_chunks()
         self.once = once
         self.scrape_interval = scrape_interval
         self.flush_interval = flush_interval

@@ -14,6 +14,7 @@ through the ordinary path: `parse_line` decides (and names the reason when it re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -28,6 +29,7 @@ from store.events import CONTRACT_TYPES, STATUSES, InvalidEvent, parse_line, run
 if TYPE_CHECKING:
     from store.db import Store
 
+PREFIX = "servescope-bulk-"
 MAX_RAW = 64 * 1024  # bytes of a quarantined line kept in ingest_errors.raw
 _NUMBER = r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?"
 _EXTRA_KEYS = ("type", "server_ts", "log_ts", "server_outcome")
@@ -106,7 +108,7 @@ def ingest_lines(
     except UnicodeDecodeError:
         _python_path(store, con, _split(data, offset), source, result)
         return result
-    fd, path = tempfile.mkstemp(prefix="servescope-bulk-", suffix=".jsonl", dir=_tmp_dir())
+    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".jsonl", dir=_tmp_dir())
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data if data.endswith(b"\n") else data + b"\n")
@@ -126,6 +128,28 @@ def ingest_lines(
         os.unlink(path)
     _python_path(store, con, rest, source, result)
     return result
+
+
+def remove_stale_chunks() -> None:
+    """Delete chunk files left by a process that was killed inside a flush."""
+    folder = _tmp_dir() or tempfile.gettempdir()
+    for name in os.listdir(folder):
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _tmp_dir() -> str | None:

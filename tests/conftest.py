@@ -67,6 +67,7 @@ class RunningServer:
     log: Path
     process: subprocess.Popen[str]
     served_name: str = "tiny"
+    otlp_port: int = 0  # vLLM exports its traces to 127.0.0.1:otlp_port (a collector may listen)
 
 
 def _healthy(url: str) -> bool:
@@ -84,6 +85,7 @@ def vllm_server(
     """A real vLLM for the session, via `servescope serve`. At the end it is stopped with SIGTERM
     and the teardown asserts that the launcher exits 0 and leaves no engine process behind."""
     port = free_port()
+    otlp_port = free_port()  # the collector's OTLP receiver binds it in tests/test_collector_e2e.py
     folder = tmp_path_factory.mktemp("vllm")
     log = folder / "vllm.log"
     launcher_out = (folder / "serve.out").open("w")
@@ -99,11 +101,15 @@ def vllm_server(
             str(port),
             "--log",
             str(log),
+            "--",
+            "--otlp-traces-endpoint",
+            f"http://127.0.0.1:{otlp_port}/v1/traces",
         ],
         cwd=ROOT,
         stdout=launcher_out,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -119,7 +125,7 @@ def vllm_server(
     while not state.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
-    yield RunningServer(url=url, port=port, log=log, process=process)
+    yield RunningServer(url=url, port=port, log=log, process=process, otlp_port=otlp_port)
 
     process.send_signal(signal.SIGTERM)
     code = process.wait(timeout=90)

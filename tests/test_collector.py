@@ -1,0 +1,357 @@
+"""The collector's parts on real files, a real DuckDB store, the real OTel SDK exporter and the
+CLI as a user runs it (the end-to-end test with vLLM is test_collector_e2e.py)."""
+
+from __future__ import annotations
+
+import http.server
+import io
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import duckdb
+import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from pythonjsonlogger.jsonlogger import JsonFormatter  # the class vLLM's JSON logging uses
+
+from collector import Collector
+from collector.ids import client_request_id
+from collector.logparse import Access, Bad, Levers, Piece, Stats, parse_line
+from collector.otlp import OtlpReceiver
+from store import Store
+from tests.conftest import free_port, servescope
+
+# Lines as vLLM 0.32 writes them (from a real server log, text format).
+RECEIVED = (
+    "(APIServer pid=6485) INFO 11-22 04:29:59 [request_logger.py:65] Received request "
+    "cmpl-h3probe-000001-0: params: SamplingParams(n=1, presence_penalty=0.0, temperature=1.0, "
+    "max_tokens=5, min_tokens=0), lora_request: None."
+)
+ADDED = (
+    "(APIServer pid=6485) INFO 11-22 04:29:59 [async_llm.py:578] Added request "
+    "cmpl-h3probe-000001-0-88bc5d5c."
+)
+ACCESS = 'INFO:     127.0.0.1:41836 - "POST /v1/completions HTTP/1.1" 200 OK'
+STATS = (
+    "(APIServer pid=6485) INFO 11-22 04:30:02 [loggers.py:335] Engine 000: Avg prompt "
+    "throughput: 3.4 tokens/s, Avg generation throughput: 1.5 tokens/s, Running: 0 reqs, "
+    "Waiting: 0 reqs, CPU KV cache usage: 0.0%, Prefix cache hit rate: 84.1%"
+)
+LEVERS = (
+    "(APIServer pid=6485) INFO 11-22 04:28:02 [api_utils.py:286] non-default args: "
+    "{'enable_prompt_tokens_details': True, 'host': '127.0.0.1', 'port': 8100, 'model': "
+    "'servescope-data/models/tiny', 'dtype': 'float32', 'max_model_len': 16384, "
+    "'served_model_name': ['tiny'], 'enable_log_requests': True}"
+)
+
+
+def vllm_json_line(message: str, *args: object, name: str = "vllm.entrypoints") -> str:
+    """A line exactly as vLLM's JSON formatter writes it (its own format string and class)."""
+    from vllm.logging_utils.formatter import JSON_FORMAT
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter(JSON_FORMAT))
+    logger = logging.getLogger(f"servescope-test-{name}")
+    logger.handlers = [handler]
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    record = logger.makeRecord(name, logging.INFO, __file__, 1, message, args, None)
+    logger.handle(record)
+    return stream.getvalue().strip()
+
+
+def test_vllm_ids_map_back_to_the_client_id() -> None:
+    assert client_request_id("cmpl-run-20260512-000001-0") == "run-20260512-000001"
+    assert client_request_id("chatcmpl-run-20260512-000002") == "run-20260512-000002"
+    assert client_request_id("cmpl-R-0-88bc5d5c", engine=True) == "R"
+    assert client_request_id("chatcmpl-R-bc3e9560", engine=True) == "R"
+    assert client_request_id("plain-id") == "plain-id"
+
+
+def test_text_lines() -> None:
+    received = parse_line(RECEIVED.encode(), year=2026)
+    assert isinstance(received, Piece)
+    assert received.doc["request_id"] == "h3probe-000001"
+    assert received.doc["max_tokens"] == 5 and received.doc["log_ts"].startswith("2026-11-22T04")
+    added = parse_line(ADDED.encode(), year=2026)
+    assert isinstance(added, Piece) and added.doc["request_id"] == "h3probe-000001"
+    assert parse_line(ACCESS.encode(), year=2026) == Access("POST", "/v1/completions", 200)
+    stats = parse_line(STATS.encode(), year=2026)
+    assert isinstance(stats, Stats) and stats.engine == "000"
+    assert stats.values["avg_prompt_throughput"] == 3.4
+    assert stats.values["prefix_cache_hit_rate"] == pytest.approx(0.841)
+    levers = parse_line(LEVERS.encode(), year=2026)
+    assert isinstance(levers, Levers)
+    assert levers.levers["max_model_len"] == 16384 and "port" not in levers.levers
+    failed = parse_line(
+        b"(APIServer pid=1) INFO 11-22 04:29:59 [async_llm.py:819] Request cmpl-x-000003-0 "
+        b"failed due to ValueError: boom.",
+        year=2026,
+    )
+    assert isinstance(failed, Piece)
+    assert failed.doc["server_outcome"] == "failed" and "boom" in failed.doc["server_error"]
+    aborted = parse_line(b"(APIServer pid=1) INFO 11-22 04:29:59 [a.py:1] Request chatcmpl-q "
+                         b"aborted.", year=2026)  # fmt: skip
+    assert isinstance(aborted, Piece) and aborted.doc["server_outcome"] == "aborted"
+    assert (
+        parse_line(b"(APIServer pid=1) INFO 11-22 04:28:42 [x.py:1] Route: /v1", year=2026) is None
+    )
+
+
+def test_json_lines() -> None:
+    received = parse_line(
+        vllm_json_line(
+            "Received request %s: params: %s", "chatcmpl-j-000001", "max_tokens=7"
+        ).encode(),
+        year=2000,
+    )
+    assert isinstance(received, Piece) and received.doc["request_id"] == "j-000001"
+    assert received.doc["max_tokens"] == 7 and received.doc["log_ts"].startswith("20")
+    access = vllm_json_line(
+        '%s - "%s %s HTTP/%s" %d', "127.0.0.1:1", "POST", "/v1/chat/completions", "1.1", 503,
+        name="uvicorn.access",
+    )  # fmt: skip
+    assert parse_line(access.encode(), year=2000) == Access("POST", "/v1/chat/completions", 503)
+    assert isinstance(parse_line(b'{"asctime": "2026-11-22 04', year=2026), Bad)
+    assert isinstance(parse_line(b"\xff\xfe\x00garbage", year=2026), Bad)
+
+
+def _store_rows(path: Path, sql: str) -> list[tuple]:
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def test_bad_input_is_quarantined_and_nothing_valid_is_lost(tmp_path: Path) -> None:
+    good = [{"request_id": f"run-20261122-bad-{i:03d}", "ttft_ms": i, "extra": {"k": i}}
+            for i in range(20)]  # fmt: skip
+    bad = [
+        b'{"request_id": "run-20261122-bad-900", "ttft_ms": 1',  # truncated JSON
+        b"\x00\x01\x02\xff binary garbage \xfe",
+        b'{"request_id": "run-20261122-bad-901", "pad": "' + b"x" * (10 * 1024 * 1024) + b'"}',
+        b'{"request_id": "run-20261122-bad-902", "prompt_tokens": "many"}',  # wrong type
+        b'["not", "an", "object"]',
+    ]
+    lines = [json.dumps(d).encode() for d in good]
+    for i, line in enumerate(bad):
+        lines.insert(3 + 4 * i, line)
+    events = tmp_path / "a.events.jsonl"
+    events.write_bytes(b"\n".join(lines) + b"\n")
+    offsets = {}
+    offset = 0
+    for line in lines:
+        offsets[line] = offset
+        offset += len(line) + 1
+    log = tmp_path / "vllm.log"
+    log.write_text(RECEIVED + "\n" + ADDED + "\n" + ACCESS + "\n")
+    store = tmp_path / "s.duckdb"
+    result = servescope(
+        "collect", "--once", "--events", str(tmp_path / "*.events.jsonl"), "--vllm-log", str(log),
+        "--store", str(store), "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    totals = json.loads(result.stdout)
+    assert totals["errors"] == len(bad)
+    stored = dict(_store_rows(store, "SELECT request_id, doc FROM events"))
+    for doc in good:  # unknown fields kept verbatim
+        assert json.loads(stored[doc["request_id"]]) == doc
+    assert "h3probe-000001" in stored  # the log source went on
+    errors = _store_rows(store, 'SELECT "offset", reason, length(raw) FROM ingest_errors')
+    assert sorted(o for o, _r, _n in errors) == sorted(offsets[b] for b in bad)
+    reasons = " | ".join(r for _o, r, _n in errors)
+    for word in ("invalid JSON", "line too long", "wrong type for prompt_tokens", "not a JSON"):
+        assert word in reasons
+    assert max(n for _o, _r, n in errors) < 100_000  # a 10 MB line is kept as its head
+
+
+def test_once_needs_existing_files(tmp_path: Path) -> None:
+    result = servescope("collect", "--once", "--vllm-log", str(tmp_path / "missing.log"))
+    assert result.returncode == 2 and "no such log file" in result.stderr
+    assert servescope("collect").returncode == 2
+
+
+def test_server_restart_with_other_levers_is_a_lever_flip(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    second = LEVERS.replace("'enable_log_requests': True}", "'enable_log_requests': True, "
+                            "'enable_prefix_caching': False}")  # fmt: skip
+    log.write_text("\n".join([LEVERS, RECEIVED, second, ADDED]) + "\n")
+    store = tmp_path / "s.duckdb"
+    assert (
+        servescope("collect", "--once", "--vllm-log", str(log), "--store", str(store)).returncode
+        == 0
+    )
+    flips = _store_rows(store, "SELECT lever, before, after FROM lever_flips")
+    assert flips == [("enable_prefix_caching", None, "false")]
+    # ingesting again (a restart with its checkpoint) adds nothing
+    assert (
+        servescope("collect", "--once", "--vllm-log", str(log), "--store", str(store)).returncode
+        == 0
+    )
+    assert len(_store_rows(store, "SELECT * FROM lever_flips")) == 1
+    assert len(_store_rows(store, "SELECT * FROM events")) == 1
+
+
+class _ChangingMetrics(http.server.BaseHTTPRequestHandler):
+    """A stand-in for a vLLM restarted with other flags between two scrapes (a real restart
+    costs 90 s): serves `vllm:cache_config_info` with the labels of `CONFIG`, legacy names."""
+
+    CONFIG = {"enable_prefix_caching": "True", "block_size": "16"}
+
+    def do_GET(self) -> None:  # noqa: N802
+        labels = ",".join(f'{k}="{v}"' for k, v in self.CONFIG.items())
+        body = (
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{engine="0",model_name="tiny",{labels}}} 1.0\n'
+            "# TYPE vllm:gpu_cache_usage_perc gauge\n"
+            'vllm:gpu_cache_usage_perc{model_name="tiny"} 0.25\n'
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+def test_scrapes_record_down_targets_legacy_names_and_cache_lever_flips(tmp_path: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ChangingMetrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    down = f"http://127.0.0.1:{free_port()}/metrics"
+    store = Store(tmp_path / "s.duckdb")
+    try:
+        Collector(store, metrics_urls=[url, down], once=True).run_once()
+        _ChangingMetrics.CONFIG = {"enable_prefix_caching": "False", "block_size": "16"}
+        Collector(store, metrics_urls=[url, down], once=True).run_once()
+    finally:
+        server.shutdown()
+    with store.read() as con:
+        up = dict(con.execute(
+            "SELECT target, max(value) FROM metric_samples WHERE name = 'up' GROUP BY 1"
+        ).fetchall())  # fmt: skip
+        kv = con.execute(
+            "SELECT count(*) FROM metric_samples WHERE name = 'vllm:kv_cache_usage_perc'"
+        ).fetchone()
+        flips = con.execute("SELECT lever, before, after FROM lever_flips").fetchall()
+    assert up == {url: 1.0, down: 0.0}
+    assert kv == (2,)
+    assert flips == [("enable_prefix_caching", '"True"', '"False"')]
+
+
+def _llm_request_span(tracer_provider: TracerProvider, request_id: str) -> None:
+    tracer = tracer_provider.get_tracer("vllm")
+    attrs = {
+        "gen_ai.request.id": f"cmpl-{request_id}-0",
+        "gen_ai.latency.time_in_queue": 0.002,
+        "gen_ai.latency.time_in_model_prefill": 0.010,
+        "gen_ai.latency.time_in_model_decode": 0.050,
+        "gen_ai.latency.time_in_model_inference": 0.060,
+        "gen_ai.latency.time_to_first_token": 0.015,
+        "gen_ai.latency.e2e": 0.065,
+        "gen_ai.usage.prompt_tokens": 32,
+        "gen_ai.usage.completion_tokens": 8,
+        "gen_ai.request.max_tokens": 8,
+    }
+    with tracer.start_as_current_span("llm_request", attributes=attrs):
+        pass
+
+
+def test_otlp_protobuf_and_json_merge_with_the_client_record_in_any_order(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    collector = Collector(store)
+    stop = threading.Event()
+    loop = threading.Thread(target=collector.run, args=(stop,), daemon=True)
+    receiver = OtlpReceiver(collector.submit, port=0).start()
+    loop.start()
+    try:
+        client = {"request_id": "run-20261122-otlp-000001", "ttft_ms": 20.0, "e2e_ms": 70.0}
+        store.add_events([client])  # the client's record first, the trace later
+        provider = TracerProvider()
+        exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{receiver.port}/v1/traces")
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        _llm_request_span(provider, "run-20261122-otlp-000001")
+        _llm_request_span(provider, "run-20261122-otlp-000002")  # trace first, client later
+        provider.shutdown()
+        body = {"resourceSpans": [{"scopeSpans": [{"spans": [{
+            "name": "llm_request", "traceId": "0af7651916cd43dd8448eb211c80319c",
+            "startTimeUnixNano": "1795321799000000000",
+            "attributes": [
+                {"key": "gen_ai.request.id",
+                 "value": {"stringValue": "chatcmpl-run-20261122-otlp-000003"}},
+                {"key": "gen_ai.latency.time_in_queue", "value": {"doubleValue": 0.5}},
+                {"key": "gen_ai.usage.completion_tokens", "value": {"intValue": "4"}},
+            ],
+        }]}]}]}  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{receiver.port}/v1/traces", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request) as resp:
+            assert resp.status == 200
+        garbage = urllib.request.Request(
+            f"http://127.0.0.1:{receiver.port}/v1/traces", b"\x00garbage\xff",
+            {"Content-Type": "application/x-protobuf"},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(garbage)
+        assert refused.value.code == 400
+        store.add_events([{"request_id": "run-20261122-otlp-000002", "ttft_ms": 21.0}])
+    finally:
+        stop.set()
+        loop.join(timeout=30)
+        receiver.stop()
+    with store.read() as con:
+        rows = con.execute(
+            "SELECT request_id, ttft_ms, queue_ms, prefill_ms, decode_ms, completion_tokens "
+            "FROM events ORDER BY request_id"
+        ).fetchall()
+        errors = con.execute("SELECT source, reason FROM ingest_errors").fetchall()
+    assert rows == [
+        ("run-20261122-otlp-000001", 20.0, 2.0, 10.0, 50.0, 8),
+        ("run-20261122-otlp-000002", 21.0, 2.0, 10.0, 50.0, 8),
+        ("run-20261122-otlp-000003", None, 500.0, None, None, 4),
+    ]
+    assert len(errors) == 1 and errors[0][0] == "otlp" and "protobuf" in errors[0][1]
+
+
+def test_rotation_deletion_and_partial_lines_in_process(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    path = tmp_path / "e.events.jsonl"
+
+    def line(i: int) -> bytes:
+        return json.dumps({"request_id": f"run-20261122-rot-{i:04d}"}).encode() + b"\n"
+
+    collector = Collector(store, events=[str(path)])
+    path.write_bytes(line(0) + line(1)[:10])  # a partial last line
+    collector.poll()
+    collector.flush()
+    with path.open("ab") as fh:
+        fh.write(line(1)[10:] + line(2))
+    path.rename(tmp_path / "e.events.jsonl.1")  # rotation by rename, then a new file
+    path.write_bytes(line(3))
+    collector.poll()
+    collector.poll()
+    collector.flush()
+    (tmp_path / "e.events.jsonl.1").unlink()
+    with path.open("ab") as fh:  # written after a deletion of the old file: still read
+        fh.write(line(4))
+    collector.poll()
+    collector.flush()
+    collector.close()
+    # a restart reads nothing twice
+    again = Collector(store, events=[str(path)])
+    again.poll()
+    assert again.flush() is None or True
+    again.close()
+    with store.read() as con:
+        ids = [r[0] for r in con.execute("SELECT request_id FROM events ORDER BY 1").fetchall()]
+    assert ids == [f"run-20261122-rot-{i:04d}" for i in range(5)]

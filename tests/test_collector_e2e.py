@@ -1,0 +1,230 @@
+"""The collector next to a real vLLM: request logs (text format on the session server, JSON format
+on a second server of this module), OTLP traces from vLLM's `--otlp-traces-endpoint`, /metrics,
+and a real bench run; the store ends with exactly one event per request, joined across sources."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from bench.launcher import VllmServer
+from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, servescope
+
+N = 8
+WORKLOAD = f"""workloads:
+  - {{name: tiny-e2e, input_tokens: 32, output_tokens: 8, concurrency: [2]}}
+requests_per_level: {N}
+"""
+RECEIVED = re.compile(r"Received request (?:chatcmpl-|cmpl-)(\S+?)(?:-\d+)?: ")
+
+
+def _wait_port(port: int, process: subprocess.Popen[bytes], out: Path) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"collector exited {process.returncode}:\n{out.read_text()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    pytest.fail(f"collector did not listen on {port}:\n{out.read_text()}")
+
+
+def _events(store: Path, run_id: str) -> list[dict]:
+    con = duckdb.connect(str(store), read_only=True)
+    try:
+        cur = con.execute("SELECT * FROM events WHERE run_id = ? ORDER BY request_id", [run_id])
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+    finally:
+        con.close()
+
+
+def _collect_during_bench(
+    url: str, log: Path, otlp_port: int, folder: Path, run_id: str
+) -> tuple[list[dict], str, Path]:
+    """Collector on (log, traces, /metrics, bench's events files) while a bench run of N requests
+    goes; returns the run's events once all carry their trace, the collector's /metrics text,
+    and the store."""
+    store = folder / "store.duckdb"
+    config = folder / "workload.yaml"
+    config.write_text(WORKLOAD)
+    metrics_port = free_port()
+    out = folder / "collector.out"
+    collector = subprocess.Popen(
+        [
+            *SERVESCOPE,
+            "collect",
+            "--vllm-log",
+            str(log),
+            "--otlp-port",
+            str(otlp_port),
+            "--metrics-url",
+            f"{url}/metrics",
+            "--scrape-interval",
+            "1",
+            "--metrics-port",
+            str(metrics_port),
+            "--events",
+            str(folder / "servescope-data" / "events" / "*.events.jsonl"),
+            "--store",
+            str(store),
+        ],  # fmt: skip
+        cwd=ROOT,
+        stdout=out.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        _wait_port(otlp_port, collector, out)
+        bench = servescope(
+            "bench", "run", "--config", str(config), "--target", url, "--run-id", run_id,
+            "--store", str(store), "--json", cwd=folder,
+        )  # fmt: skip
+        assert bench.returncode == 0, bench.stderr
+        # reads while the collector writes: never a lock error, and they see each flush
+        deadline = time.monotonic() + 90
+        events: list[dict] = []
+        while time.monotonic() < deadline:
+            events = _events(store, run_id)
+            if len(events) == N and all(e["queue_ms"] is not None for e in events):
+                break
+            time.sleep(1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
+            own_metrics = resp.read().decode()
+    finally:
+        collector.send_signal(signal.SIGTERM)
+        code = collector.wait(timeout=60)
+    assert code == 0, f"collector exited {code} on SIGTERM:\n{out.read_text()}"
+    return events, own_metrics, store
+
+
+def _assert_joined(events: list[dict], run_id: str) -> None:
+    assert len(events) == N, [e["request_id"] for e in events]
+    assert [e["request_id"] for e in events] == [f"{run_id}-{i:06d}" for i in range(1, N + 1)]
+    for event in events:
+        doc = json.loads(event["doc"])
+        assert event["ttft_ms"] is not None and event["e2e_ms"] is not None  # the client's
+        for key in ("queue_ms", "prefill_ms", "decode_ms"):  # the trace's
+            assert event[key] is not None and event[key] >= 0, (key, doc)
+        assert doc["server_e2e_ms"] <= doc["e2e_ms"] + 1.0  # the server saw less than the client
+        assert doc["vllm_request_id"] == f"cmpl-{event['request_id']}-0"  # log and trace
+        assert doc.get("engine_request_id", "").startswith(f"cmpl-{event['request_id']}-0-")
+        assert event["completion_tokens"] == 8 and event["status"] == "ok"
+
+
+def _assert_own_metrics(text: str) -> None:
+    for name in (
+        "servescope_collector_lines_total",
+        "servescope_collector_events_written_total",
+        "servescope_collector_lag_seconds",
+        "servescope_collector_last_flush_timestamp_seconds",
+    ):
+        assert name in text, name
+    written = re.search(r"^servescope_collector_events_written_total (\S+)$", text, re.M)
+    assert written and float(written[1]) >= N
+
+
+def _assert_scraped(store: Path, url: str) -> None:
+    con = duckdb.connect(str(store), read_only=True)
+    try:
+        up = con.execute(
+            "SELECT min(value), count(*) FROM metric_samples WHERE name = 'up' AND target = ?",
+            [f"{url}/metrics"],
+        ).fetchone()
+        ttft = con.execute(
+            "SELECT count(*) FROM metric_samples WHERE name LIKE 'vllm:time_to_first_token%'"
+        ).fetchone()
+    finally:
+        con.close()
+    assert up is not None and up[1] >= 1 and up[0] == 1.0
+    assert ttft is not None and ttft[0] > 0
+
+
+def _client_ids_in_log(log: Path) -> set[str]:
+    """The client ids the log says vLLM received, read independently of the collector."""
+    return set(RECEIVED.findall(log.read_text(errors="replace")))
+
+
+def test_text_log_traces_and_bench_make_one_event_per_request(
+    vllm_server: RunningServer, tmp_path: Path
+) -> None:
+    run_id = "run-20261122-colltext"
+    events, own, store = _collect_during_bench(
+        vllm_server.url, vllm_server.log, vllm_server.otlp_port, tmp_path, run_id
+    )
+    _assert_joined(events, run_id)
+    _assert_own_metrics(own)
+    _assert_scraped(store, vllm_server.url)
+
+    # batch import of the same log alone: one event per request vLLM received, client ids
+    once = tmp_path / "once.duckdb"
+    result = servescope(
+        "collect", "--once", "--vllm-log", str(vllm_server.log), "--store", str(once), "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    con = duckdb.connect(str(once), read_only=True)
+    ids = {r[0] for r in con.execute("SELECT request_id FROM events").fetchall()}
+    mine = con.execute("SELECT count(*) FROM events WHERE run_id = ?", [run_id]).fetchone()
+    con.close()
+    assert ids == _client_ids_in_log(vllm_server.log)
+    assert mine == (N,)
+
+
+@pytest.fixture(scope="module")
+def json_log_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    """A second vLLM whose log is in the JSON format, tracing to a port of its own."""
+    folder = tmp_path_factory.mktemp("vllm-json")
+    otlp_port = free_port()
+    server = VllmServer(
+        tiny_model,
+        port=free_port(),
+        served_name="tiny",
+        extra_flags=[
+            "--logging-config",
+            '{"formatter": "json"}',
+            "--otlp-traces-endpoint",
+            f"http://127.0.0.1:{otlp_port}/v1/traces",
+        ],  # fmt: skip
+        env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},
+        log_path=folder / "vllm.log",
+    )
+    with server:
+        yield server, otlp_port
+
+
+def test_json_log_traces_and_bench_make_one_event_per_request(
+    json_log_server: tuple[VllmServer, int], tmp_path: Path
+) -> None:
+    server, otlp_port = json_log_server
+    assert server.log_path.read_text().lstrip().startswith("{") or any(
+        line.startswith("{") for line in server.log_path.read_text().splitlines()
+    ), "the server did not log in JSON"
+    run_id = "run-20261122-colljson"
+    events, own, store = _collect_during_bench(
+        server.url, server.log_path, otlp_port, tmp_path, run_id
+    )
+    _assert_joined(events, run_id)
+    _assert_own_metrics(own)
+
+    once = tmp_path / "once.duckdb"
+    result = servescope(
+        "collect", "--once", "--vllm-log", str(server.log_path), "--store", str(once), "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    con = duckdb.connect(str(once), read_only=True)
+    ids = sorted(r[0] for r in con.execute("SELECT request_id FROM events").fetchall())
+    levers = con.execute("SELECT state FROM checkpoints WHERE file_key = ''").fetchone()
+    con.close()
+    assert ids == [f"{run_id}-{i:06d}" for i in range(1, N + 1)]  # this server served only these
+    assert levers is not None and json.loads(levers[0])["levers"]["served_model_name"] == ["tiny"]
