@@ -12,9 +12,11 @@ from pathlib import Path
 
 from bench.experiment import Experiment, ExperimentHooks, load_experiments
 from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model
+from dashboards import build as build_dashboards
 from reports.render import DEFAULT_OUT
 from servescope.commands import experiment
 from servescope.commands.common import add_store_option, console, open_store
+from servescope.commands.dashboards import DEFAULT_OUT as DASHBOARDS_OUT
 
 DEMO_EXPERIMENT = "prefix-caching"
 
@@ -25,8 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="tiny model → two vLLM profiles → bench → store → before/after reports",
         description="Make the tiny model if absent, run the prefix-caching experiment at CPU "
         "scale (vLLM with prefix caching off, then on; the same seeded Ralph-loop workload "
-        "against each; about 5 minutes), store every request, build the reports and print "
-        "their paths.",
+        "against each; about 5 minutes), store every request, build the reports and the Grafana "
+        "dashboards, and print their paths.",
     )
     parser.add_argument("--model", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -52,6 +54,10 @@ def run_demo(args: argparse.Namespace) -> int:
     paths = experiment.build_reports(store, result, args.out)
     console.print("reports:")
     for path in paths:
+        print(path.resolve())
+    built = build_dashboards(DASHBOARDS_OUT)
+    console.print("Grafana dashboards (load them as the README's dashboards section says):")
+    for path in built.dashboards:
         print(path.resolve())
     if result.status != "complete":
         console.print(f"[red]demo {result.status}: {result.failure or 'interrupted'}")
