@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -214,17 +216,18 @@ class BenchRun:
                     await self._warm_up(books)
                     await scraper.scrape()
                     scraper.start()
-                    for workload in self.config.workloads:
-                        for level in workload.levels:
-                            state = _Level(
-                                workload, level, ENDPOINTS[workload.endpoint], books[workload.name]
-                            )
-                            try:
-                                await self._level(state)
-                            finally:
+                    for group in self._level_groups():
+                        states = [
+                            _Level(w, level, ENDPOINTS[w.endpoint], books[w.name])
+                            for w, level in group
+                        ]
+                        try:
+                            await asyncio.gather(*(self._level(s) for s in states))
+                        finally:
+                            for state in states:
                                 all_events.extend(state.events)
                                 await self._store_events(state.events)
-                            result.levels.append(self._level_stats(state))
+                        result.levels.extend(self._level_stats(s) for s in states)
             except (asyncio.CancelledError, KeyboardInterrupt):
                 result.status = "partial"
             except (TimeoutError, aiohttp.ClientError) as exc:
@@ -243,6 +246,15 @@ class BenchRun:
                 self.run_id, ended_at=_utc_now(), status=result.status, notes=self._notes(result)
             )
         return result
+
+    def _level_groups(self) -> list[list[tuple[Workload, float]]]:
+        """Levels run one after another; with `together: true` in the workload file, level i of
+        every workload runs side by side (one team's flood meeting another team's steady load)."""
+        workloads = self.config.workloads
+        if not self.config.together:
+            return [[(w, level)] for w in workloads for level in w.levels]
+        depth = max(len(w.levels) for w in workloads)
+        return [[(w, w.levels[i]) for w in workloads if i < len(w.levels)] for i in range(depth)]
 
     def _tally(self, result: RunResult, events: list[dict[str, Any]]) -> None:
         for event in events:
@@ -384,6 +396,7 @@ class BenchRun:
                     request_id,
                     timeout_s=self.request_timeout_s,
                     keep_text=agent,
+                    headers=team_headers(state.workload.team),
                 )
             except asyncio.CancelledError:
                 self._cancelled += record
@@ -510,6 +523,15 @@ class BenchRun:
         while True:
             self._peak_rss = max(self._peak_rss, process_tree_rss(self.server_pid))
             await asyncio.sleep(MEMORY_SAMPLE_S)
+
+
+def team_headers(team: str | None) -> dict[str, str]:
+    """A team's gateway API key, from `$SERVESCOPE_KEY_<TEAM>` (team `flood-a` reads
+    `SERVESCOPE_KEY_FLOOD_A`): keys never live in workload files, events or the store."""
+    if not team:
+        return {}
+    key = os.environ.get("SERVESCOPE_KEY_" + re.sub(r"[^A-Za-z0-9]", "_", team).upper())
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _next_turn(body: dict[str, Any], output: str, part: str, chat: bool) -> dict[str, Any]:

@@ -119,6 +119,7 @@ class BenchConfig:
     workloads: list[Workload]
     metrics: list[str] = field(default_factory=list)
     scale: float = 1.0
+    together: bool = False  # run level i of every workload side by side (multi-tenant scenarios)
 
     def to_dict(self) -> dict[str, Any]:
         """The spec as run (after `--scale` and selection), stored as the run's `workload`."""
@@ -308,7 +309,10 @@ def parse_config(data: Any, *, source: str = "workload file") -> BenchConfig:
     if len(set(names)) != len(names):
         raise WorkloadError(f"{source}: workload names must be unique, got {names}")
     metrics = data.get("metrics") or []
-    return BenchConfig(workloads=workloads, metrics=[str(m) for m in metrics])
+    together = data.get("together", False)
+    if not isinstance(together, bool):
+        raise WorkloadError(f"{source}: together must be true or false, got {together!r}")
+    return BenchConfig(workloads=workloads, metrics=[str(m) for m in metrics], together=together)
 
 
 def resolve(name_or_path: str | Path) -> Path:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from pathlib import Path
 
 from gateway import ConfigError, Gateway, load_config, serve
+from gateway.config import key_digest
 from servescope.commands.common import console
 
 DESCRIPTION = """\
@@ -29,16 +31,32 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", type=Path, required=True, help="gateway.yaml")
+    parser.add_argument("--config", type=Path, help="gateway.yaml (required to serve)")
     parser.add_argument(
         "--port", type=int, default=None, help="listen port (default: config, 8080)"
     )
     parser.add_argument("--host", default=None, help="listen address (default: config, 127.0.0.1)")
     parser.add_argument("--check", action="store_true", help="validate the config and exit")
+    parser.add_argument(
+        "--hash-key",
+        action="store_true",
+        help="read an API key on stdin and print its SHA-256 for `key_sha256` (keys stay out of "
+        "config files)",
+    )
     parser.set_defaults(func=run_gateway)
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    if args.hash_key:
+        key = sys.stdin.readline().strip()
+        if not key:
+            console.print("[red]no key on stdin")
+            return 2
+        print(key_digest(key))
+        return 0
+    if args.config is None:
+        console.print("[red]--config gateway.yaml is required")
+        return 2
     try:
         config = load_config(args.config)
     except ConfigError as exc:
