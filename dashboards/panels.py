@@ -148,6 +148,7 @@ def timeseries(
         stacking={"mode": "normal", "group": "A"} if stacked else {"mode": "none"},
         fillOpacity=30 if stacked else 10,
         valueMax=max_value,
+        maxDataPoints=None,  # grafanalib's 100 would coarsen the step; Grafana uses the width
     )
 
 
@@ -161,6 +162,7 @@ def heatmap(title: str, bad: str, unit: str, expr: str, *, width: int = 12) -> H
         dataFormat="tsbuckets",
         yBucketBound="upper",
         hideZeroBuckets=True,
+        maxDataPoints=None,
         gridPos=GridPos(h=PANEL_HEIGHT, w=width, x=0, y=0),
         extraJson={
             "fieldConfig": {"defaults": {"unit": unit}},
