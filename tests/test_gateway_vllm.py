@@ -27,7 +27,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.client import CHAT, COMPLETIONS, stream_request
-from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, read_events
+from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, read_events, servescope
 
 pytestmark = pytest.mark.vllm
 
@@ -564,3 +564,31 @@ def test_sighup_reload_keeps_in_flight_streams(vllm_server: RunningServer, tmp_p
         reloads = {dict(k)["outcome"]: v for k, v in gw.samples(
             "servescope_gateway_config_reloads_total").items()}  # fmt: skip
         assert reloads == {"ok": 1.0, "error": 1.0}
+
+
+def test_bench_multi_tenant_flood_through_the_gateway(
+    vllm_server: RunningServer, tmp_path: Path
+) -> None:
+    """The shipped scenario with the shipped example config: bench sends per-team keys."""
+    config = yaml.safe_load((ROOT / "gateway/examples/multi-tenant-flood.yaml").read_text())
+    config["upstreams"]["main"]["url"] = vllm_server.url
+    env = {"SERVESCOPE_KEY_STEADY": "sk-demo-steady", "SERVESCOPE_KEY_FLOOD": "sk-demo-flood"}
+    with gateway(tmp_path, config) as gw:
+        result = servescope(
+            "bench", "run", "--config", "multi-tenant-flood", "--requests", "12",
+            "--target", gw.url, "--run-id", "run-20261122-gwflood", "--json",
+            "--store", str(tmp_path / "s.duckdb"), env=env, cwd=tmp_path,
+        )  # fmt: skip
+        assert result.returncode == 1, result.stderr  # the flood's 429s are failed requests
+        run = json.loads(result.stdout)
+        levels = {level["workload"]: level for level in run["levels"]}
+        assert levels["steady"]["ok"] == levels["steady"]["requests"] == 12
+        assert levels["flood"]["errors"] > 0
+        assert set(run["error_classes"]) == {"http_4xx"}
+        events = gw.events()
+        assert len(events) == run["events"]
+        steady = [e for e in events if e["team"] == "steady"]
+        assert len(steady) == 12 and all(e["status"] == "ok" for e in steady)
+        assert {e["error"] for e in events if e["status"] == "rejected"} == {"rejected:queue_full"}
+        for text in (gw.log.read_text(), "".join(json.dumps(e) for e in events), gw.metrics_text()):
+            assert "sk-demo-steady" not in text and "sk-demo-flood" not in text
