@@ -3,6 +3,7 @@ split at its lever flip (`--split-at-flip`). Each opens the store once, read-onl
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,7 +22,7 @@ from reports.diff import (
     workload_warnings,
 )
 from reports.samples import Slice, load_samples
-from reports.summary import ReportOptions, require_run, run_meta, summarize
+from reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
 from store import Store, queries
 
 
@@ -65,13 +66,21 @@ def _public(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary[k] for k in ("overall", "groups", "server", "admission")}
 
 
+def _with_slo(options: ReportOptions | None, run: dict[str, Any]) -> ReportOptions:
+    """The SLOs given on the command line, else those the (after) run was benchmarked with."""
+    options = options or ReportOptions()
+    if options.slo:
+        return options
+    return replace(options, slo=recorded_slo(run))
+
+
 def build_summary(
     store: Store, run_id: str, options: ReportOptions | None = None
 ) -> dict[str, Any]:
     """The report of one run: metadata, overall and per-level numbers, server-side deltas,
     admission evidence, the seeds' checklist and charts."""
-    options = options or ReportOptions()
     run = require_run(store, run_id)
+    options = _with_slo(options, run)
     part = Slice(run_id)
     with store.read() as con:
         side, summary = _side(con, part, options)
@@ -144,9 +153,9 @@ def build_diff(
 ) -> dict[str, Any]:
     """`run_id` (after) against `base_run_id` (before): `run_id`'s own report keys plus
     `before`, `after`, `diff`, `headline`, `warnings` and `lever_changes`."""
-    options = options or ReportOptions()
     base = require_run(store, base_run_id)
     run = require_run(store, run_id)
+    options = _with_slo(options, run)
     before, after = Slice(base_run_id), Slice(run_id)
     with store.read() as con:
         compared = _compare(con, before, after, (base, run), options)
@@ -173,8 +182,8 @@ def build_diff(
 
 def build_split(store: Store, run_id: str, options: ReportOptions | None = None) -> dict[str, Any]:
     """One run, before and after its (first) `lever_flips` row."""
-    options = options or ReportOptions()
     run = require_run(store, run_id)
+    options = _with_slo(options, run)
     with store.read() as con:
         flips = con.execute(queries.RUN_LEVER_FLIPS, {"run_id": run_id}).fetchall()
         if not flips:

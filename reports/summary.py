@@ -21,7 +21,8 @@ SLO_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
 # Server series a report reads from `metric_samples` (counters are per-slice deltas).
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 PREEMPTIONS, REJECTED = "vllm:num_preemptions_total", "admission_rejected_total"
-COUNTERS = (HITS, QUERIES, PREEMPTIONS, REJECTED)
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+COUNTERS = (HITS, QUERIES, PREEMPTIONS, REJECTED, PROMPT_TOKENS)
 GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
@@ -43,6 +44,13 @@ class ReportOptions:
     gpu_hour_usd: float | None = None
     api_usd_per_1k_tokens: float | None = None
     seed: int | None = None
+
+
+def recorded_slo(run: dict[str, Any]) -> dict[str, float]:
+    """The SLOs a bench run was given (`notes.client.slo`), for goodput when none are passed."""
+    notes = run.get("notes") or {}
+    slo = (notes.get("client") or {}).get("slo") or notes.get("slo") or {}
+    return {k: float(v) for k, v in slo.items() if k in SLO_METRICS and v is not None}
 
 
 def require_run(store: Store, run_id: str) -> dict[str, Any]:
@@ -124,9 +132,17 @@ def _server(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any]:
     peaks = dict(
         con.execute(queries.SLICE_GAUGE_PEAKS, {**params, "names": list(GAUGES)}).fetchall()
     )
-    hits, asked = deltas.get(HITS), deltas.get(QUERIES)
+    hits, asked, prompt = deltas.get(HITS), deltas.get(QUERIES), deltas.get(PROMPT_TOKENS)
+    # With prefix caching off vLLM never queries the cache (Δqueries = 0) though every prompt
+    # token was computed: the ratio is then hits over prompt tokens, i.e. 0 (as bench does).
+    ratio, basis = None, None
+    if hits is not None and asked:
+        ratio, basis = hits / asked, "queries"
+    elif hits is not None and prompt:
+        ratio, basis = hits / prompt, "prompt_tokens"
     return {
-        "prefix_cache_hit_ratio": hits / asked if hits is not None and asked else None,
+        "prefix_cache_hit_ratio": ratio,
+        "prefix_cache_hit_ratio_basis": basis,
         "prefix_cache_hits": hits,
         "prefix_cache_queries": asked,
         "preemptions": deltas.get(PREEMPTIONS),
