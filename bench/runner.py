@@ -211,7 +211,7 @@ class BenchRun:
             sampler = asyncio.create_task(self._sample_memory()) if self.server_pid else None
             all_events: list[dict[str, Any]] = []
             try:
-                with self.events_path.open("a", encoding="utf-8") as sink:
+                with self.events_path.open("w", encoding="utf-8") as sink:
                     self._sink = sink
                     await self._warm_up(books)
                     await scraper.scrape()
