@@ -1,7 +1,9 @@
 """The streaming OpenAI-compatible client and its timing rules (shared by bench and gateway).
 
 Timing follows `vllm bench serve`, so numbers compare with the most used peer:
-- TTFT: first SSE message whose choice carries non-empty text, minus the moment before sending;
+- TTFT: first SSE message carrying a generated token, minus the moment before sending — a chat
+  delta with non-empty content, or any completions choice (its text is empty when the token is a
+  special one, e.g. EOS under `ignore_eos`; it is still a token, as `vllm bench serve` counts it);
 - ITL: every gap between successive content messages (kept raw, per request);
 - TPOT: (e2e − TTFT) / (completion_tokens − 1), per request;
 - e2e: the last message (or the stream's end) minus the moment before sending.
@@ -28,6 +30,12 @@ class Endpoint:
 
     path: str
     chat: bool
+
+    def is_token(self, choice: dict[str, Any]) -> bool:
+        """Whether a stream choice carries a generated token (see the module's timing rules)."""
+        if self.chat:
+            return bool((choice.get("delta") or {}).get("content"))
+        return "text" in choice
 
     def text_of(self, choice: dict[str, Any]) -> str:
         if self.chat:
@@ -83,7 +91,7 @@ class StreamTiming:
             return None
         chunk = _decode(data.decode())
         for choice in chunk.get("choices") or ():
-            if self.endpoint.text_of(choice):
+            if self.endpoint.is_token(choice):
                 if self.first is None:
                     self.first = now
                 elif self.last is not None:
