@@ -21,12 +21,14 @@ endpoint does. Standard `OTEL_*` variables are honoured: `OTEL_EXPORTER_OTLP_END
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -42,6 +44,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
+from store import queries
 from store.events import is_runtime_event
 
 log = logging.getLogger(__name__)
@@ -369,6 +372,10 @@ class OtlpExport:
             self._dropped.labels(reason="queue_full").inc(dropped)
         return dropped
 
+    def count_dropped(self, n: int, reason: str) -> None:
+        """Count spans lost before they reached this exporter (`queue_full`/`export_failed`)."""
+        self._dropped.labels(reason=reason).inc(n)
+
     def dropped(self) -> float:
         """Spans dropped so far (all exporters sharing this registry)."""
         return sum(
@@ -482,3 +489,96 @@ class OtlpExport:
             value = doc.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
                 self._tokens.record(value, {**common, "gen_ai.token.type": kind})
+
+
+class StoredRequestForwarder:
+    """The collector's exporter hook: forwards each stored request once its pieces settled.
+
+    A request arrives in pieces (the client's event, vLLM's trace, log lines), often in
+    different flushes. Each flush reports the keys it wrote; a key is forwarded `settle_s` after
+    the last piece touched it, read back merged from the store, so a request becomes one span
+    with every piece in it. Keys wait in a bounded map (overflow is dropped and counted); the
+    store is read by this forwarder's own thread, beside the collector's writes.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        export: OtlpExport,
+        *,
+        settle_s: float = 5.0,
+        max_pending: int = 65536,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.export = export
+        self.settle_s = settle_s
+        self.max_pending = max_pending
+        self._pending: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poll_s = poll_s
+        self._thread = threading.Thread(target=self._run, name="otlp-forward", daemon=True)
+        self._thread.start()
+
+    def __call__(self, report: Any) -> None:
+        """Called by `Collector.flush` with what it committed (`report.keys`)."""
+        due = time.monotonic() + self.settle_s
+        overflow = 0
+        with self._lock:
+            for key in report.keys:
+                self._pending[key] = due
+                self._pending.move_to_end(key)
+            while len(self._pending) > self.max_pending:
+                self._pending.popitem(last=False)
+                overflow += 1
+        if overflow:
+            self.export.count_dropped(overflow, "queue_full")
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def _due(self, everything: bool = False, limit: int = 2048) -> list[tuple[str, str]]:
+        now = time.monotonic()
+        keys: list[tuple[str, str]] = []
+        with self._lock:
+            for key, due in self._pending.items():
+                if len(keys) >= limit or (due > now and not everything):
+                    break  # insertion order is deadline order
+                keys.append(key)
+            for key in keys:
+                del self._pending[key]
+        return keys
+
+    def _forward(self, keys: list[tuple[str, str]]) -> None:
+        # a read-write connection: in this process the collector may hold the file for writing,
+        # and DuckDB shares one instance between connections of the same configuration
+        with self.store.write() as con:
+            rows = con.execute(
+                queries.EVENTS_BY_KEYS, [[k[0] for k in keys], [k[1] for k in keys]]
+            ).fetchall()
+        self.export.submit(json.loads(doc) for (doc,) in rows)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            keys = self._due()
+            while keys:
+                try:
+                    self._forward(keys)
+                except Exception:  # noqa: BLE001 - the store busy or gone: count, keep going
+                    log.exception("reading %d settled requests for OTLP export failed", len(keys))
+                    self.export.count_dropped(len(keys), "export_failed")
+                keys = self._due()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Forward everything still waiting (settled or not), then flush and stop the export."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        while keys := self._due(everything=True):
+            try:
+                self._forward(keys)
+            except Exception:  # noqa: BLE001
+                log.exception("reading %d requests for OTLP export failed", len(keys))
+                self.export.count_dropped(len(keys), "export_failed")
+        self.export.shutdown(timeout_s)

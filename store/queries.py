@@ -514,3 +514,10 @@ COPY (
 PARQUET_EVENTS = _PARQUET_COPY.format(table="events")
 PARQUET_RUNTIME_EVENTS = _PARQUET_COPY.format(table="runtime_events")
 PARQUET_COUNT = "SELECT count(*) FROM read_parquet($1, hive_partitioning = true)"
+
+# The stored (merged) records of some requests, by (run_id, request_id): what the collector's
+# OTLP forwarder sends once a request's pieces have settled.
+EVENTS_BY_KEYS = """
+SELECT e.doc FROM events e
+JOIN (SELECT unnest($1) AS run_id, unnest($2) AS request_id) k USING (run_id, request_id)
+"""

@@ -3,6 +3,7 @@ and the files the services mount exist and say what the stack needs (no Docker e
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -84,14 +85,45 @@ def test_every_profile_validates_and_starts_the_whole_stack(profile: str) -> Non
         # traces go to the collector sidecar's receiver; the log to a volume the sidecar reads
         assert "--otlp-traces-endpoint=http://collector:4318/v1/traces" in args
         assert vllm["environment"]["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
-        assert mounts_of(vllm)["/var/log/vllm"] == "vllm-logs"
-        assert "vllm-logs" in collector_volumes
+        assert mounts_of(vllm)["/var/log/vllm"] in collector_volumes
         assert "--enable-log-requests" in args
     for name, svc in started.items():
         assert set(host_ips_of(svc)) <= {"127.0.0.1"}, f"{name} published on all interfaces"
     # Prometheus gets servescope's rules from dashboards/rules
     rules = mounts_of(started["prometheus"])["/etc/prometheus/rules"]
     assert Path(rules) == ROOT / "dashboards" / "rules"
+
+
+def collector_args(config: dict[str, Any]) -> argparse.Namespace:
+    """The collector's command as its container's shell expands it, parsed by the real CLI."""
+    collector = config["services"]["collector"]
+    assert collector["entrypoint"] == ["/bin/sh", "-c"]
+    script = collector["command"][0].replace("$$", "$")
+    parse = (
+        "import sys, json; from servescope.cli import build_parser; "
+        "a = build_parser().parse_args(sys.argv[1:]); print(json.dumps(vars(a), default=str))"
+    )
+    script = script.replace(
+        "exec servescope", f"exec {ROOT / '.venv' / 'bin' / 'python'} -c '{parse}'", 1
+    )
+    env = {**os.environ, **{k: str(v) for k, v in collector["environment"].items()}}
+    result = subprocess.run(
+        ["/bin/sh", "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return argparse.Namespace(**json.loads(result.stdout.splitlines()[-1]))
+
+
+def test_collector_command_is_a_valid_collect_invocation() -> None:
+    collect = collector_args(compose_config("cpu"))
+    assert collect.command == "collect"
+    assert collect.vllm_log == ["/var/log/vllm/vllm.log"]
+    assert collect.metrics_url == ["http://vllm:8000/metrics"]
+    assert collect.events == ["/data/events/*.events.jsonl"]  # the gateway's events_dir
+    assert collect.otlp_port == 4318  # vLLM's --otlp-traces-endpoint
+    assert collect.metrics_port == 9400  # Prometheus' scrape target
+    assert collect.host == "0.0.0.0"
+    assert collect.otlp_export == "http://otel-collector:4318"
 
 
 def test_gpu_profiles_reserve_the_gpus_they_need() -> None:
@@ -119,8 +151,13 @@ def test_mig_profile_is_the_labs_two_team_layout() -> None:
         assert f"--port={port}" in args
         assert svc["ports"] == [f"127.0.0.1:{port}:{port}/tcp"]
         assert svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == [uuid]
-    collector = args_of(config["services"]["collector"])
-    assert f"--metrics-url={env['VLLM_METRICS_URLS']}" in collector
+    collect = collector_args(config)
+    assert collect.metrics_url == env["VLLM_METRICS_URLS"].split()
+    assert collect.vllm_log == env["VLLM_LOGS"].split()
+    collector_mounts = mounts_of(config["services"]["collector"])
+    for team in ("a", "b"):
+        volume = mounts_of(config["services"][f"vllm-team-{team}"])["/var/log/vllm"]
+        assert collector_mounts[f"/var/log/vllm-team-{team}"] == volume
     gateway_config = mounts_of(config["services"]["gateway"])["/etc/servescope/gateway.yaml"]
     assert Path(gateway_config) == COMPOSE / "gateway-mig.yaml"
 

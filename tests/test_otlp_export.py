@@ -9,6 +9,7 @@ import socket
 from concurrent import futures
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -23,9 +24,11 @@ from collector.otlp_export import (
     TPOT_BUCKETS,
     TTFT_BUCKETS,
     OtlpExport,
+    StoredRequestForwarder,
     current_attributes,
 )
 from store import Store, import_file
+from tests.conftest import servescope
 from tests.otlp_sink import otlp_http_sink
 
 RUN = "run-20261122-otlp"
@@ -294,3 +297,46 @@ def test_runtime_events_are_not_exported_as_requests(tmp_path: Path) -> None:
         f"{RUN}-000001",
         f"{RUN}-000002",
     }
+
+
+def test_collect_otlp_export_forwards_each_stored_request_once(tmp_path: Path) -> None:
+    """`servescope collect --otlp-export URL`: the requests the collector stores reach the
+    endpoint as one span each (runtime lines of the same file are stored, not exported)."""
+    events = tmp_path / "client.events.jsonl"
+    lines = [*RECORDS, {"type": "tool_call", "run_id": RUN, "tool": "pytest"}]
+    events.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    db = tmp_path / "s.duckdb"
+    with otlp_http_sink() as sink:
+        result = servescope(
+            "collect", "--once", "--events", str(events), "--otlp-export", sink.url,
+            "--store", str(db), "--json",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        sink.wait_for(lambda s: len(s.spans) == 2)
+    by_id = {s["attributes"]["servescope.request_id"]: s for s in sink.spans}
+    assert set(by_id) == {f"{RUN}-000001", f"{RUN}-000002"}
+    assert by_id[f"{RUN}-000001"]["trace_id"] == TRACE
+    assert by_id[f"{RUN}-000001"]["attributes"]["gen_ai.usage.input_tokens"] == 1842
+    assert Store(db).runtime_events(RUN)[0]["event"]["tool"] == "pytest"
+
+
+def test_pieces_of_one_request_in_two_flushes_become_one_span(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    key = (RUN, f"{RUN}-000001")
+    client = {k: v for k, v in RECORDS[0].items() if k not in ("queue_ms", "prefill_ms")}
+    trace = {"request_id": key[1], "run_id": RUN, "source": "vllm-trace", "queue_ms": 12.5,
+             "prefill_ms": 790.0}  # fmt: skip
+    with otlp_http_sink() as sink:
+        export = OtlpExport(sink.url, registry=CollectorRegistry(), schedule_delay_s=0.05)
+        forwarder = StoredRequestForwarder(store, export, settle_s=1.0, poll_s=0.05)
+        store.add_events([client])
+        forwarder(SimpleNamespace(keys=[key]))  # what Collector.flush reports
+        store.add_events([trace])
+        forwarder(SimpleNamespace(keys=[key]))
+        sink.wait_for(lambda s: len(s.spans) == 1)
+        forwarder.close()
+    assert len(sink.spans) == 1
+    attrs = sink.spans[0]["attributes"]
+    assert attrs["servescope.queue_ms"] == 12.5  # from the trace piece
+    assert attrs["gen_ai.usage.output_tokens"] == 419  # from the client piece
+    assert attrs["servescope.source"] == "client"

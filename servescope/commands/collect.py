@@ -16,6 +16,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 
 from collector import Collector
 from collector.otlp import OtlpReceiver
+from collector.otlp_export import OtlpExport, StoredRequestForwarder
 from collector.selfmetrics import SelfMetrics
 from servescope.commands.common import add_store_option, console, open_store
 
@@ -84,6 +85,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--host", default="127.0.0.1", help="address the receivers bind (default 127.0.0.1)"
     )
     parser.add_argument(
+        "--otlp-export",
+        default=None,
+        metavar="URL",
+        help="forward each stored request as an OTLP span with GenAI attributes, plus GenAI "
+        "metrics, to this OTLP endpoint (an OpenTelemetry Collector, e.g. "
+        "http://127.0.0.1:4318; gRPC with OTEL_EXPORTER_OTLP_PROTOCOL=grpc). Batched, retried, "
+        "bounded: an unreachable endpoint never slows ingestion; dropped spans are counted in "
+        "servescope_collector_export_dropped_total. Other OTEL_EXPORTER_OTLP_* variables apply",
+    )
+    parser.add_argument(
         "--once",
         action="store_true",
         help="ingest what the files hold now (and scrape once), then exit",
@@ -127,12 +138,22 @@ def run_collect(args: argparse.Namespace) -> int:
         once=args.once,
         metrics=metrics,
     )
-    if args.once:
-        _run_once(collector, args)
-    else:
-        code = _run_forever(collector, metrics, args)
-        if code:
-            return code
+    forwarder = None
+    if args.otlp_export:
+        export = OtlpExport(args.otlp_export, registry=metrics.registry)
+        forwarder = StoredRequestForwarder(collector.store, export)
+        collector.want_keys = True
+        collector.exporters.append(forwarder)
+    try:
+        if args.once:
+            _run_once(collector, args)
+        else:
+            code = _run_forever(collector, metrics, args)
+            if code:
+                return code
+    finally:
+        if forwarder is not None:
+            forwarder.close()
     if args.json:
         print(json.dumps(dict(collector.totals)))
     else:
