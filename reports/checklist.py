@@ -167,6 +167,8 @@ def checklist(
     cursor = con.execute(queries.SLICE_CHECKS, params)
     names = [d[0] for d in cursor.description]
     checks = dict(zip(names, cursor.fetchone() or (), strict=True))
+    row = con.execute(queries.SLICE_OOMS, part.params()).fetchone()
+    checks["ooms"] = row[0] if row else 0
     return [
         _loading(meta),
         _compatibility(checks),

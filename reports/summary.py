@@ -69,6 +69,14 @@ def _level(row: dict[str, Any]) -> tuple[Any, Any, Any]:
     return (row["workload"], row["concurrency"], row["target_rate"])
 
 
+QUANTILES = ("p50", "p90", "p95", "p99")
+
+
+def _percentiles(q: list[float] | None, mean: float | None) -> dict[str, float | None]:
+    """A list-quantile result ([p50, p90, p95, p99] or NULL) and the mean, by name."""
+    return {**dict(zip(QUANTILES, q or [None] * 4, strict=True)), "mean": mean}
+
+
 def _shape(row: dict[str, Any], itl: dict[str, Any] | None, slo: dict[str, float]) -> dict:
     """One summary row of SQL into the report's nested shape."""
     out: dict[str, Any] = {
@@ -79,9 +87,9 @@ def _shape(row: dict[str, Any], itl: dict[str, Any] | None, slo: dict[str, float
     }
     for metric in LATENCY_METRICS:
         if metric == "itl_ms":
-            out[metric] = {p: (itl or {}).get(p) for p in PERCENTILES}
+            out[metric] = _percentiles((itl or {}).get("q"), (itl or {}).get("mean"))
         else:
-            out[metric] = {p: row[f"{metric}_{p}"] for p in PERCENTILES}
+            out[metric] = _percentiles(row[f"{metric}_q"], row[f"{metric}_mean"])
     out["throughput"] = _throughput(row)
     out["goodput"] = _goodput(row, out["throughput"]["duration_s"], slo)
     out["cache_hit_request_ratio"] = row["cache_hit_request_ratio"]
@@ -159,11 +167,12 @@ def summarize(
     """Overall and per-level numbers of one slice, server-side deltas and admission evidence."""
     params = part.params()
     slo_params = {f"slo_{m}": options.slo.get(m) for m in SLO_METRICS}
-    overall = _dicts(con.execute(queries.SLICE_SUMMARY, {**params, **slo_params}))[0]
-    groups = _dicts(con.execute(queries.SLICE_GROUP_SUMMARIES, {**params, **slo_params}))
-    itl_rows = _dicts(con.execute(queries.SLICE_GROUP_ITL, params))
-    itl_all = next((r for r in itl_rows if r["overall"]), None)
-    itl = {_level(r): r for r in itl_rows if not r["overall"]}
+    rows = _dicts(con.execute(queries.SLICE_SUMMARIES, {**params, **slo_params}))
+    overall, groups = rows[0], [r for r in rows[1:] if not r["overall"]]
+    if not overall["requests"]:  # no events: no level either
+        groups = []
+    itl_all = _dicts(con.execute(queries.SLICE_ITL, params))[0]
+    itl = {_level(r): r for r in _dicts(con.execute(queries.SLICE_GROUP_ITL, params))}
     errors: dict[tuple[Any, Any, Any], dict[str, int]] = {}
     errors_all: dict[str, int] = {}
     for row in _dicts(con.execute(queries.SLICE_ERRORS_BY_CLASS, params)):

@@ -10,7 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from servescope.commands import COMMANDS, report
+from servescope import commands
+from servescope.commands import report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix-cache hits and errors.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS:
+    for module in commands.COMMANDS:
         module.register(sub)
     return parser
 

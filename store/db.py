@@ -19,12 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-from sqlalchemy.schema import CreateTable
-from sqlmodel import SQLModel
 
 from store import queries, runtime
 from store.events import run_id_of
-from store.schema import TABLES
 
 DEFAULT_PATH = Path("servescope-data") / "servescope.duckdb"
 
@@ -35,7 +32,13 @@ def default_path() -> Path:
 
 
 def _ddl() -> list[str]:
+    # Imported here, not at the top: the ORM takes a third of a second to import and only
+    # schema creation needs it (readers such as `report build` never do).
     from duckdb_engine import Dialect
+    from sqlalchemy.schema import CreateTable
+    from sqlmodel import SQLModel
+
+    from store.schema import TABLES
 
     dialect = Dialect()
     statements = []

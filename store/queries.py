@@ -17,12 +17,12 @@ SELECT
     doc->>'workload',
     TRY_CAST(doc->>'concurrency' AS INTEGER),
     TRY_CAST(doc->>'target_rate' AS DOUBLE),
-    TRY_CAST(doc->>'prompt_tokens' AS BIGINT),
-    TRY_CAST(doc->>'completion_tokens' AS BIGINT),
-    TRY_CAST(doc->>'cached_tokens' AS BIGINT),
+    TRY_CAST(doc->>'prompt_tokens' AS INTEGER),
+    TRY_CAST(doc->>'completion_tokens' AS INTEGER),
+    TRY_CAST(doc->>'cached_tokens' AS INTEGER),
     COALESCE(
         TRY_CAST(doc->>'cache_hit' AS BOOLEAN),
-        TRY_CAST(doc->>'cached_tokens' AS BIGINT) > 0
+        TRY_CAST(doc->>'cached_tokens' AS HUGEINT) > 0
     ),
     TRY_CAST(doc->>'ttft_ms' AS DOUBLE),
     TRY_CAST(doc->>'tpot_ms' AS DOUBLE),
@@ -198,10 +198,14 @@ def _sliced(sql: str) -> str:
 
 REPORT_LATENCY_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms")
 
+# Overall (`overall` true) and per load level in one pass. One list-quantile aggregate per metric
+# (p50, p90, p95, p99 from one sorted state) is several times faster than one per percentile.
 # Goodput (vLLM's definition): successful requests meeting every SLO given ($slo_* NULL = none).
-_SLICE_SUMMARY_SELECT = _sliced(
+SLICE_SUMMARIES = _sliced(
     """
 SELECT
+    GROUPING(workload, concurrency, target_rate) > 0 AS overall,
+    workload, concurrency, target_rate,
     count(*) AS requests,
     count(*) FILTER (WHERE status <> 'ok') AS errors,
     (count(*) FILTER (WHERE status <> 'ok'))::DOUBLE / NULLIF(count(*), 0) AS error_rate,
@@ -225,26 +229,33 @@ SELECT
     string_agg(DISTINCT model, ', ' ORDER BY model) AS models
 FROM events
 WHERE SLICE
+GROUP BY GROUPING SETS ((), (workload, concurrency, target_rate))
+ORDER BY overall DESC, workload NULLS FIRST, concurrency NULLS FIRST, target_rate NULLS FIRST
 """
-).replace("LATENCY", ",".join(_LATENCY.format(m=m) for m in REPORT_LATENCY_METRICS))
-
-SLICE_SUMMARY = _SLICE_SUMMARY_SELECT
-SLICE_GROUP_SUMMARIES = (
-    _SLICE_SUMMARY_SELECT.replace("SELECT", "SELECT workload, concurrency, target_rate,", 1)
-    + "GROUP BY workload, concurrency, target_rate\n"
-    + "ORDER BY workload NULLS FIRST, concurrency NULLS FIRST, target_rate NULLS FIRST\n"
+).replace(
+    "LATENCY",
+    ",\n    ".join(
+        f"quantile_cont({m}, [0.5, 0.9, 0.95, 0.99]) FILTER (WHERE status = 'ok') AS {m}_q, "
+        f"avg({m}) FILTER (WHERE status = 'ok') AS {m}_mean"
+        for m in REPORT_LATENCY_METRICS
+    ),
 )
 
 # ITL as `vllm bench serve` pools it: every gap between content chunks of successful requests.
+# Overall and per level as two plain aggregations: faster than grouping sets over the gaps.
+SLICE_ITL = _sliced(
+    """
+SELECT quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, avg(gap) AS mean
+FROM (SELECT unnest(itl_ms) AS gap FROM events WHERE status = 'ok' AND SLICE)
+"""
+)
 SLICE_GROUP_ITL = _sliced(
     """
-SELECT GROUPING(workload, concurrency, target_rate) > 0 AS overall,
-       workload, concurrency, target_rate,
-       quantile_cont(gap, 0.5) AS p50, quantile_cont(gap, 0.9) AS p90,
-       quantile_cont(gap, 0.95) AS p95, quantile_cont(gap, 0.99) AS p99, avg(gap) AS mean
+SELECT workload, concurrency, target_rate,
+       quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, avg(gap) AS mean
 FROM (SELECT workload, concurrency, target_rate, unnest(itl_ms) AS gap
       FROM events WHERE status = 'ok' AND SLICE)
-GROUP BY GROUPING SETS ((), (workload, concurrency, target_rate))
+GROUP BY workload, concurrency, target_rate
 """
 )
 
@@ -294,29 +305,32 @@ FROM events WHERE SLICE
 """
 )
 
-# The seeds' pass criteria that need the events themselves.
+# The seeds' pass criteria that need the events themselves. Chat calls are the requests of the
+# workloads the run's spec sends to the chat endpoint ($chat_workloads).
 SLICE_CHECKS = _sliced(
     """
 SELECT
     count(*) AS requests,
     count(*) FILTER (WHERE status = 'timeout' OR error = 'timeout') AS timeouts,
-    count(*) FILTER (
-        WHERE regexp_matches(COALESCE(error, '') || ' ' || COALESCE(doc->>'error_detail', ''),
-                             '(?i)out of memory|\\bOOM\\b|OutOfMemory')
-    ) AS ooms,
     count(*) FILTER (WHERE status = 'ok') AS ok,
     count(*) FILTER (
         WHERE status = 'ok' AND (model IS NULL OR prompt_tokens IS NULL
               OR completion_tokens IS NULL OR e2e_ms IS NULL)
     ) AS ok_missing_fields,
-    count(*) FILTER (
-        WHERE doc->>'endpoint' = 'chat' OR list_contains($chat_workloads, workload)
-    ) AS chat_requests,
-    count(*) FILTER (
-        WHERE status = 'ok'
-        AND (doc->>'endpoint' = 'chat' OR list_contains($chat_workloads, workload))
-    ) AS chat_ok
+    count(*) FILTER (WHERE list_contains($chat_workloads, workload)) AS chat_requests,
+    count(*) FILTER (WHERE status = 'ok' AND list_contains($chat_workloads, workload)) AS chat_ok
 FROM events WHERE SLICE
+"""
+)
+
+# Out-of-memory failures: the error class or the kept message says so (failed requests only).
+SLICE_OOMS = _sliced(
+    """
+SELECT count(*) AS ooms
+FROM events
+WHERE status <> 'ok' AND SLICE
+  AND regexp_matches(COALESCE(error, '') || ' ' || COALESCE(doc->>'error_detail', ''),
+                     '(?i)out of memory|\\bOOM\\b|OutOfMemory')
 """
 )
 
@@ -398,9 +412,7 @@ RUNTIME_TABLE_EXISTS = (
     "SELECT count(*) > 0 FROM duckdb_tables() WHERE table_name = 'runtime_events'"
 )
 
-EXPORT_EVENTS_TS = (
-    "SELECT ts, doc FROM events WHERE run_id = ? ORDER BY ts NULLS LAST, request_id"
-)
+EXPORT_EVENTS_TS = "SELECT ts, doc FROM events WHERE run_id = ? ORDER BY ts NULLS LAST, request_id"
 
 EXPORT_RUNTIME_EVENTS = """
 SELECT ts, after_request_id, doc FROM runtime_events WHERE run_id = ? ORDER BY ingested_at, seq
@@ -478,9 +490,9 @@ SELECT run_id, request_id, v.source,
     timezone('UTC', TRY_CAST(COALESCE(v.ts, v.server_ts, v.log_ts) AS TIMESTAMPTZ)),
     v.model, v.team, v.workload,
     TRY_CAST(v.concurrency AS INTEGER), TRY_CAST(v.target_rate AS DOUBLE),
-    TRY_CAST(v.prompt_tokens AS BIGINT), TRY_CAST(v.completion_tokens AS BIGINT),
-    TRY_CAST(v.cached_tokens AS BIGINT),
-    COALESCE(TRY_CAST(v.cache_hit AS BOOLEAN), TRY_CAST(v.cached_tokens AS BIGINT) > 0),
+    TRY_CAST(v.prompt_tokens AS INTEGER), TRY_CAST(v.completion_tokens AS INTEGER),
+    TRY_CAST(v.cached_tokens AS INTEGER),
+    COALESCE(TRY_CAST(v.cache_hit AS BOOLEAN), TRY_CAST(v.cached_tokens AS HUGEINT) > 0),
     TRY_CAST(v.ttft_ms AS DOUBLE), TRY_CAST(v.tpot_ms AS DOUBLE), TRY_CAST(v.e2e_ms AS DOUBLE),
     TRY_CAST(v.itl_ms AS DOUBLE[]),
     TRY_CAST(v.queue_ms AS DOUBLE), TRY_CAST(v.prefill_ms AS DOUBLE),

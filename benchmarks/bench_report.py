@@ -1,0 +1,195 @@
+"""How long `report build RUN --vs BASE --format json` takes on a store of 1,000,000 events over
+two runs, against the bare DuckDB query computing the same overall percentiles, in the same run.
+
+The store is a real servescope DuckDB file filled through the store's own bulk ingestion (the
+path `servescope collect` uses) with bench-shaped events: TTFT, TPOT, e2e, ITL gaps, tokens,
+cached tokens, 1 % errors, two workloads at three concurrency levels, plus a lever flip and
+server counters, so every part of the report does real work.
+
+    ours       wall time of the `report build … --vs … --format json` command (a new process,
+               interpreter start-up included), best of --repeats
+    reference  the skeleton's overall-summary query (count, errors, p50/p90/p95/p99/mean of
+               TTFT, TPOT, e2e and queue time, tokens) for both runs, run in this process on an
+               open connection, best of --repeats
+
+The last line is JSON: {"metric": "report_build_s", "ours": X, "reference": Y, "ratio": X/Y}.
+Targets: ratio ≤ 5 and the report process's peak RSS < 1 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import duckdb
+import numpy as np
+from rich.progress import Progress
+
+from store import Store, queries
+from store.bulk import ingest_lines
+
+RUNS = ("run-20261122-bench-off", "run-20261122-bench-on")
+T0 = datetime(2026, 11, 22, 0, 0, 0)
+CHUNK = 100_000
+
+
+def event_lines(run_id: str, n: int, seed: int, ttft_divisor: float, start: datetime) -> bytes:
+    """n bench-shaped events of one run as `.events.jsonl` bytes."""
+    rng = np.random.default_rng(seed)
+    ttft = rng.lognormal(5.3, 0.4, n) / ttft_divisor
+    tpot = rng.normal(30.0, 5.0, n).clip(1.0)
+    gaps = rng.normal(30.0, 5.0, (n, 7)).clip(0.5).round(3)
+    cached = rng.integers(0, 512, n)
+    failed = rng.random(n) < 0.01
+    step_ms = 3_600_000 / n  # one hour of traffic
+    levels = (1, 4, 16)
+    lines = []
+    for i in range(n):
+        ts = (start + timedelta(milliseconds=i * step_ms)).isoformat() + "Z"
+        workload = "short-short" if i % 2 else "long-short"
+        concurrency = levels[(i * 3) // n]
+        head = (
+            f'{{"request_id":"{run_id}-{i + 1:07d}","run_id":"{run_id}","ts":"{ts}",'
+            f'"source":"client","model":"tiny","workload":"{workload}",'
+            f'"concurrency":{concurrency},"prompt_tokens":512'
+        )
+        if failed[i]:
+            lines.append(
+                head + f',"e2e_ms":{ttft[i]:.3f},"status":"error","error":"http_5xx",'
+                '"http_status":500,"finish_reason":"error"}\n'
+            )
+            continue
+        e2e = ttft[i] + tpot[i] * 7
+        itl = ",".join(f"{g:g}" for g in gaps[i])
+        lines.append(
+            head + f',"completion_tokens":8,"cached_tokens":{cached[i]},'
+            f'"ttft_ms":{ttft[i]:.3f},"tpot_ms":{tpot[i]:.3f},"e2e_ms":{e2e:.3f},'
+            f'"itl_ms":[{itl}],"status":"ok","finish_reason":"length"}}\n'
+        )
+    return "".join(lines).encode()
+
+
+def build_store(path: Path, total: int) -> None:
+    store = Store(path)
+    per_run = total // len(RUNS)
+    with Progress() as progress:
+        task = progress.add_task("filling the store", total=total)
+        for k, run_id in enumerate(RUNS):
+            start = T0 + timedelta(hours=2 * k)
+            data = event_lines(run_id, per_run, seed=k, ttft_divisor=1 + 4 * k, start=start)
+            offset = 0
+            lines = data.splitlines(keepends=True)
+            for first in range(0, len(lines), CHUNK):
+                chunk = b"".join(lines[first : first + CHUNK])
+                with store.write() as con:
+                    result = ingest_lines(store, con, chunk, source=run_id, offset=offset)
+                assert not result.errors, result.errors[:3]
+                offset += len(chunk)
+                progress.advance(task, len(lines[first : first + CHUNK]))
+            spec = {"workloads": [{"name": "short-short"}, {"name": "long-short"}], "seed": 0}
+            store.upsert_run(
+                run_id,
+                started_at=start,
+                ended_at=start + timedelta(hours=1),
+                model="tiny",
+                vllm_version="0.32.0",
+                levers={"enable_prefix_caching": bool(k)},
+                workload=spec,
+            )
+            samples = []
+            for minute in range(61):
+                ts = start + timedelta(minutes=minute)
+                hits = minute * 1000.0 * k * 0.9
+                samples += [
+                    (ts, "vllm", "vllm:prefix_cache_hits_total", {}, run_id, hits),
+                    (ts, "vllm", "vllm:prefix_cache_queries_total", {}, run_id, minute * 1000.0),
+                    (ts, "vllm", "vllm:kv_cache_usage_perc", {}, run_id, 0.3 + 0.005 * minute),
+                ]
+            store.add_metric_samples(samples)
+        store.add_lever_flip(
+            "enable_prefix_caching", "false", "true", run_id=RUNS[1], ts=T0 + timedelta(hours=2)
+        )
+
+
+def reference_s(path: Path, repeats: int) -> float:
+    """The bare DuckDB query for the same overall percentiles (both runs), best of `repeats`."""
+    con = duckdb.connect(str(path), read_only=True)
+    best = float("inf")
+    try:
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for run_id in RUNS:
+                con.execute(queries.RUN_SUMMARY, [run_id]).fetchall()
+            best = min(best, time.perf_counter() - started)
+    finally:
+        con.close()
+    return best
+
+
+def ours_s(path: Path, out: Path, repeats: int) -> tuple[float, float]:
+    """Wall time of the command (best of `repeats`) and its peak RSS in bytes (max)."""
+    command = [
+        str(Path(sys.executable).with_name("report")), "build", RUNS[1], "--vs", RUNS[0],
+        "--format", "json", "--store", str(path), "--out", str(out),
+    ]  # fmt: skip
+    best, peak = float("inf"), 0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(process.pid, 0)
+        elapsed = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            assert process.stderr is not None
+            raise SystemExit(f"report build failed:\n{process.stderr.read().decode()}")
+        best = min(best, elapsed)
+        peak = max(peak, usage.ru_maxrss * 1024)  # Linux reports KiB
+    return best, peak
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--keep", type=Path, help="build the store here and keep it")
+    args = parser.parse_args()
+    folder = args.keep or Path(tempfile.mkdtemp(prefix="bench-report-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "bench.duckdb"
+    if not path.exists():
+        started = time.perf_counter()
+        build_store(path, args.events)
+        print(f"store: {args.events:,} events in {time.perf_counter() - started:.1f} s ({path})")
+    reference = reference_s(path, args.repeats)
+    ours, rss = ours_s(path, folder / "reports", args.repeats)
+    report = json.loads(
+        (folder / "reports" / f"{RUNS[1]}-vs-{RUNS[0]}" / "report.json").read_text()
+    )
+    print(f"headline: {report['headline']}")
+    print(f"reference (bare DuckDB overall percentiles, 2 runs): {reference:.3f} s")
+    print(f"ours (report build --vs --format json, new process): {ours:.3f} s")
+    print(f"report process peak RSS: {rss / 2**20:.0f} MiB (target < 1024 MiB)")
+    print(f"ratio: {ours / reference:.2f} (target ≤ 5)")
+    print(
+        json.dumps(
+            {
+                "metric": "report_build_s",
+                "ours": round(ours, 4),
+                "reference": round(reference, 4),
+                "ratio": round(ours / reference, 3),
+                "peak_rss_mb": round(rss / 2**20, 1),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
