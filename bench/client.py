@@ -14,11 +14,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
+from opentelemetry.trace import SpanKind, Tracer
+
+from bench import tracing
 
 DONE = b"[DONE]"
 _decode = json.JSONDecoder().decode  # str in: skips json.loads' per-call encoding sniffing
@@ -129,7 +133,77 @@ def usage_into(event: dict[str, Any], usage: dict[str, Any]) -> None:
         event["cache_hit"] = cached > 0
 
 
-async def stream_request(
+def stream_request(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    endpoint: Endpoint,
+    payload: dict[str, Any],
+    request_id: str,
+    *,
+    headers: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+    keep_text: bool = False,
+    tracer: Tracer | None = None,
+) -> Awaitable[dict[str, Any]]:
+    """Send one streaming request and return (an awaitable of) its event (schema of
+    docs/architecture.md).
+
+    With `keep_text` the generated text comes back too, as `output_text` (an agent's next turn
+    quotes it); callers pop it before storing the event. With a `tracer` (see
+    `bench.tracing.tracer_from_env`) the request gets a client span whose `traceparent` goes
+    upstream and whose trace id the event keeps; a `traceparent` in `headers` is recorded too.
+    Without either, the request costs exactly what it did before tracing existed.
+    """
+    args = (session, base_url, endpoint, payload, request_id)
+    options = {"headers": headers, "timeout_s": timeout_s, "keep_text": keep_text}
+    if tracer is None and not (headers and "traceparent" in headers):
+        return _stream_request(*args, **options)
+    return _traced_request(tracer, *args, **options)
+
+
+async def _traced_request(
+    tracer: Tracer | None,
+    session: aiohttp.ClientSession,
+    base_url: str,
+    endpoint: Endpoint,
+    payload: dict[str, Any],
+    request_id: str,
+    *,
+    headers: dict[str, str] | None,
+    timeout_s: float | None,
+    keep_text: bool,
+) -> dict[str, Any]:
+    if tracer is None:  # the caller's own trace context
+        event = await _stream_request(
+            session, base_url, endpoint, payload, request_id,
+            headers=headers, timeout_s=timeout_s, keep_text=keep_text,
+        )  # fmt: skip
+        if trace_id := tracing.trace_id_from_headers(headers or {}):
+            event["trace_id"] = trace_id
+        return event
+    operation = "chat" if endpoint.chat else "text_completion"
+    model = payload.get("model")
+    span, carrier = tracing.start_request_span(
+        tracer,
+        f"{operation} {model}" if model else operation,
+        kind=SpanKind.CLIENT,
+        attributes=tracing.genai_attributes(operation, model, request_id),
+        parent_headers=headers,
+    )
+    try:
+        event = await _stream_request(
+            session, base_url, endpoint, payload, request_id,
+            headers={**(headers or {}), **carrier}, timeout_s=timeout_s, keep_text=keep_text,
+        )  # fmt: skip
+    except BaseException:
+        span.end()
+        raise
+    event["trace_id"] = tracing.trace_id_of(span)
+    tracing.end_request_span(span, event)
+    return event
+
+
+async def _stream_request(
     session: aiohttp.ClientSession,
     base_url: str,
     endpoint: Endpoint,
@@ -140,11 +214,6 @@ async def stream_request(
     timeout_s: float | None = None,
     keep_text: bool = False,
 ) -> dict[str, Any]:
-    """Send one streaming request and return its event (schema of docs/architecture.md).
-
-    With `keep_text` the generated text comes back too, as `output_text` (an agent's next turn
-    quotes it); callers pop it before storing the event.
-    """
     body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     send_headers = {"X-Request-Id": request_id, **(headers or {})}
     event: dict[str, Any] = {"request_id": request_id, "ts": utc_now_iso()}

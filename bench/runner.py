@@ -34,6 +34,7 @@ from bench.launcher import process_tree_rss, state_for
 from bench.plan import Unit, open_loop_units, unit_plan, units_per_level, warmup_units
 from bench.prompts import PromptBook, PromptMaker, prompt_digest
 from bench.scrape import MetricsScraper
+from bench.tracing import tracer_from_env
 from bench.workload import BenchConfig, Workload
 from store import Store
 
@@ -168,6 +169,7 @@ class BenchRun:
         self.server_ready_s = state.ready_s if state else None
         self.events_path = events_dir / f"{self.run_id}.events.jsonl"
         self.request_timeout_s = request_timeout_s
+        self.tracer = tracer_from_env("servescope-bench")  # one trace per request, if asked
         self.progress = progress or LevelProgress()
         self.slo = slo or {}
         self.label = label
@@ -397,6 +399,7 @@ class BenchRun:
                     timeout_s=self.request_timeout_s,
                     keep_text=agent,
                     headers=team_headers(state.workload.team),
+                    tracer=self.tracer,
                 )
             except asyncio.CancelledError:
                 self._cancelled += record
