@@ -17,12 +17,15 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from opentelemetry.trace import SpanKind, Tracer
 
 from bench import tracing
+
+if TYPE_CHECKING:
+    from bench.http1 import Http1Pool
 
 DONE = b"[DONE]"
 _decode = json.JSONDecoder().decode  # str in: skips json.loads' per-call encoding sniffing
@@ -134,7 +137,7 @@ def usage_into(event: dict[str, Any], usage: dict[str, Any]) -> None:
 
 
 def stream_request(
-    session: aiohttp.ClientSession,
+    session: aiohttp.ClientSession | Http1Pool,
     base_url: str,
     endpoint: Endpoint,
     payload: dict[str, Any],
@@ -153,6 +156,10 @@ def stream_request(
     `bench.tracing.tracer_from_env`) the request gets a client span whose `traceparent` goes
     upstream and whose trace id the event keeps; a `traceparent` in `headers` is recorded too.
     Without either, the request costs exactly what it did before tracing existed.
+
+    `session` is an aiohttp session (any URL), or a `bench.http1.Http1Pool` for `base_url` (plain
+    http: about half the client CPU per request, what `bench run` uses so the client stays far
+    from being the bottleneck); both carry the same timing rules and give the same event.
     """
     args = (session, base_url, endpoint, payload, request_id)
     options = {"headers": headers, "timeout_s": timeout_s, "keep_text": keep_text}
@@ -163,7 +170,7 @@ def stream_request(
 
 async def _traced_request(
     tracer: Tracer | None,
-    session: aiohttp.ClientSession,
+    session: aiohttp.ClientSession | Http1Pool,
     base_url: str,
     endpoint: Endpoint,
     payload: dict[str, Any],
@@ -204,7 +211,7 @@ async def _traced_request(
 
 
 async def _stream_request(
-    session: aiohttp.ClientSession,
+    session: aiohttp.ClientSession | Http1Pool,
     base_url: str,
     endpoint: Endpoint,
     payload: dict[str, Any],
@@ -214,6 +221,13 @@ async def _stream_request(
     timeout_s: float | None = None,
     keep_text: bool = False,
 ) -> dict[str, Any]:
+    if not isinstance(session, aiohttp.ClientSession):
+        from bench.http1 import stream_request_http1  # bench.http1 imports this module
+
+        return await stream_request_http1(
+            session, endpoint, payload, request_id,
+            headers=headers, timeout_s=timeout_s, keep_text=keep_text,
+        )  # fmt: skip
     body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     send_headers = {"X-Request-Id": request_id, **(headers or {})}
     event: dict[str, Any] = {"request_id": request_id, "ts": utc_now_iso()}

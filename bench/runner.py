@@ -30,6 +30,7 @@ from typing import Any, TextIO
 import aiohttp
 
 from bench.client import ENDPOINTS, Endpoint, get_json, stream_request
+from bench.http1 import Http1Pool
 from bench.launcher import process_tree_rss, state_for
 from bench.plan import Unit, open_loop_units, unit_plan, units_per_level, warmup_units
 from bench.prompts import PromptBook, PromptMaker, prompt_digest
@@ -180,6 +181,8 @@ class BenchRun:
         self._cancelled = 0
         self._lock = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
+        # requests go over the lean HTTP/1.1 pool (http targets); set-up calls over aiohttp
+        self._pool = Http1Pool(self.target) if self.target.startswith("http://") else None
         self._sink: TextIO | None = None
         self._model = ""
 
@@ -238,6 +241,8 @@ class BenchRun:
             finally:
                 if sampler:
                     sampler.cancel()
+                if self._pool:
+                    self._pool.close()
                 await scraper.stop()
             self._tally(result, all_events)
             result.server = scraper.server_numbers()
@@ -391,7 +396,7 @@ class BenchRun:
             self._in_flight += 1
             try:
                 event = await stream_request(
-                    self._session,
+                    self._pool or self._session,
                     self.target,
                     state.endpoint,
                     body,

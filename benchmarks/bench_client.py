@@ -128,30 +128,30 @@ http {{
 
 
 async def _ours(url: str, requests: int, concurrency: int) -> dict[str, Any]:
-    """What `bench run` does per request: stream it with the shared client, keep the event."""
-    import aiohttp
-
+    """What `bench run` does per request: stream it with the shared client over the runner's
+    HTTP/1.1 keep-alive pool, and write the event out."""
     from bench.client import COMPLETIONS, stream_request
+    from bench.http1 import Http1Pool
 
     body = {"model": MODEL, "prompt": "hello " * 16, "max_tokens": 16, "ignore_eos": True}
     events: list[dict[str, Any]] = []
     sink = open(os.devnull, "w")  # noqa: SIM115 - the runner writes every event to a file
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        ids = iter(range(requests))
+    pool = Http1Pool(url)
+    ids = iter(range(requests))
 
-        async def worker() -> None:
-            for i in ids:
-                event = await stream_request(session, url, COMPLETIONS, body, f"bench-{i:06d}")
-                events.append(event)
-                sink.write(json.dumps(event) + "\n")
+    async def worker() -> None:
+        for i in ids:
+            event = await stream_request(pool, url, COMPLETIONS, body, f"bench-{i:06d}")
+            events.append(event)
+            sink.write(json.dumps(event) + "\n")
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))  # warm connections
-        ids = iter(range(requests))
-        events.clear()
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
+    await asyncio.gather(*(worker() for _ in range(concurrency)))  # warm connections
+    ids = iter(range(requests))
+    events.clear()
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    pool.close()
     ok = [e for e in events if e["status"] == "ok" and e.get("completion_tokens") == CHUNKS]
     ttft = [e["ttft_ms"] for e in ok]
     return {
