@@ -33,6 +33,10 @@ class ResponseHead:
         self.keep_alive = keep_alive
 
 
+class ConnectFailed(ConnectionError):
+    """No connection could be made: the `connect` error class (anything later: `disconnect`)."""
+
+
 class StaleConnection(ConnectionError):
     """A kept-alive connection the server had closed before this request: retried, not failed."""
 
@@ -146,7 +150,10 @@ async def post(
     on a fresh one. Connection errors propagate to the caller, who classifies them."""
     payload = pool.request_bytes(path, body, headers)
     for _ in range(2):
-        conn, reused = await pool.acquire()
+        try:
+            conn, reused = await pool.acquire()
+        except OSError as exc:
+            raise ConnectFailed(repr(exc)) from exc
         reader, writer = conn
         keep = False
         try:
@@ -217,9 +224,10 @@ async def stream_request_http1(
             await post(pool, endpoint.path, body.encode(), send_headers, on_head, on_data)
     except TimeoutError as exc:
         return _failed(event, start, "timeout", "timeout", repr(exc))
+    except ConnectFailed as exc:
+        return _failed(event, start, "connect", "error", str(exc))
     except (OSError, EOFError, ValueError) as exc:
-        kind = "disconnect" if "http_status" in event else "connect"
-        return _failed(event, start, kind, "error", repr(exc))
+        return _failed(event, start, "disconnect", "error", repr(exc))
     end = time.perf_counter()
     status = event["http_status"]
     if status != 200:
