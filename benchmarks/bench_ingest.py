@@ -1,0 +1,226 @@
+"""Collector ingestion speed against DuckDB's own bulk JSON load, measured in the same run.
+
+(a) ours: the collector tailing a file of N seed-format events (tailing mode, checkpoints
+    committed with every flush, the store's primary key and merge rules in force), timed from
+    start to the flush that commits the last event;
+(b) reference: `CREATE TABLE t AS SELECT * FROM read_json_auto(file)` into a fresh DuckDB file
+    (no key, no validation, no quarantine, no checkpoints).
+Then a steady-rate run: a writer appends events at `--rate` per second for `--seconds` while the
+collector tails the file; end-to-end lag (line written → committed) per event, p50/p99, and the
+process's peak RSS.
+
+    .venv/bin/python benchmarks/bench_ingest.py            # 1,000,000 events, 5,000/s for 60 s
+
+The last line is JSON: {"metric": "ingest_events_per_s", "ours": X, "reference": Y, "ratio": X/Y}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import duckdb
+import psutil
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from collector import Collector, FlushReport  # noqa: E402
+from store import Store  # noqa: E402
+
+console = Console(stderr=True)
+
+
+def seed_line(i: int, rng: random.Random, run: str = "run-20260512") -> str:
+    return json.dumps(
+        {
+            "request_id": f"{run}-{i:07d}",
+            "model": "local-coder",
+            "prompt_tokens": rng.randint(10, 4000),
+            "completion_tokens": rng.randint(1, 800),
+            "ttft_ms": rng.randint(20, 2000),
+            "tpot_ms": rng.randint(5, 80),
+            "cache_hit": rng.random() < 0.5,
+            "finish_reason": "stop",
+        }
+    )
+
+
+def write_file(path: Path, n: int) -> None:
+    rng = random.Random(20260512)
+    with path.open("w") as fh:
+        for start in range(0, n, 10_000):
+            fh.write(
+                "".join(seed_line(i, rng) + "\n" for i in range(start, min(n, start + 10_000)))
+            )
+
+
+def reference(path: Path, folder: Path) -> float:
+    db = folder / "reference.duckdb"
+    started = time.perf_counter()
+    con = duckdb.connect(str(db))
+    con.execute("CREATE TABLE t AS SELECT * FROM read_json_auto(?)", [str(path)])
+    con.close()
+    elapsed = time.perf_counter() - started
+    con = duckdb.connect(str(db), read_only=True)
+    count = con.execute("SELECT count(*) FROM t").fetchone()
+    con.close()
+    assert count is not None and count[0] > 0
+    return elapsed
+
+
+def ours(path: Path, folder: Path, n: int) -> float:
+    store = Store(folder / "ours.duckdb")
+    store._ensure_schema()
+    collector = Collector(store, events=[str(path)])
+    written = {"n": 0}
+    done = threading.Event()
+
+    def count(report: FlushReport) -> None:
+        written["n"] += report.events
+        if written["n"] >= n:
+            done.set()
+
+    collector.exporters.append(count)
+    stop = threading.Event()
+    loop = threading.Thread(target=collector.run, args=(stop,), daemon=True)
+    with _progress() as progress:
+        task = progress.add_task("collector ingest", total=n)
+        started = time.perf_counter()
+        loop.start()
+        while not done.wait(0.5):
+            progress.update(task, completed=written["n"])
+        elapsed = time.perf_counter() - started
+        progress.update(task, completed=written["n"])
+    stop.set()
+    loop.join()
+    with store.read() as con:
+        row = con.execute("SELECT count(*) FROM events").fetchone()
+    assert row is not None and row[0] == n, row
+    return elapsed
+
+
+def steady(folder: Path, rate: int, seconds: float) -> dict[str, float]:
+    """Lag of each event from its write to its commit, at a steady rate; and peak RSS."""
+    path = folder / "steady.events.jsonl"
+    path.touch()
+    store = Store(folder / "steady.duckdb")
+    store._ensure_schema()
+    collector = Collector(store, events=[str(path)], want_keys=True)
+    total = int(rate * seconds)
+    sent: list[float] = [0.0] * total
+    lags: list[float] = []
+
+    def on_flush(report: FlushReport) -> None:
+        for _run, request_id in report.keys:
+            lags.append(report.committed_at - sent[int(request_id.rsplit("-", 1)[1])])
+
+    collector.exporters.append(on_flush)
+    stop = threading.Event()
+    loop = threading.Thread(target=collector.run, args=(stop,), daemon=True)
+    loop.start()
+    process = psutil.Process()
+    peak = process.memory_info().rss
+    rng = random.Random(1)
+    tick = 0.01
+    per_tick = max(1, int(rate * tick))
+    with _progress() as progress, path.open("a") as fh:
+        task = progress.add_task(f"steady {rate}/s", total=total)
+        started = time.time()
+        i = 0
+        while i < total:
+            due = started + (i / rate)
+            if time.time() < due:
+                time.sleep(min(tick, due - time.time()))
+                continue
+            batch = range(i, min(total, i + per_tick))
+            now = time.time()
+            fh.write("".join(seed_line(j, rng, "run-steady") + "\n" for j in batch))
+            fh.flush()
+            for j in batch:
+                sent[j] = now
+            i = batch.stop
+            if i % rate < per_tick:
+                peak = max(peak, process.memory_info().rss)
+                progress.update(task, completed=i)
+        progress.update(task, completed=total)
+    deadline = time.time() + 30
+    while len(lags) < total and time.time() < deadline:
+        time.sleep(0.1)
+        peak = max(peak, process.memory_info().rss)
+    stop.set()
+    loop.join()
+    lags.sort()
+    assert len(lags) == total, (len(lags), total)
+    return {
+        "events": total,
+        "lag_p50_s": statistics.median(lags),
+        "lag_p99_s": lags[int(0.99 * (len(lags) - 1))],
+        "lag_max_s": lags[-1],
+        "rss_peak_mb": peak / 2**20,
+    }
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--events", type=int, default=1_000_000, help="events in the bulk file")
+    parser.add_argument("--rate", type=int, default=5000, help="steady-run events per second")
+    parser.add_argument("--seconds", type=float, default=60.0, help="steady-run duration")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
+        folder = Path(tmp)
+        path = folder / "seed.events.jsonl"
+        with console.status(f"writing {args.events:,} seed-format events"):
+            write_file(path, args.events)
+        size_mb = path.stat().st_size / 2**20
+        with console.status("reference: DuckDB read_json_auto bulk load"):
+            ref_s = reference(path, folder)
+        ours_s = ours(path, folder, args.events)
+        result = steady(folder, args.rate, args.seconds)
+    ours_rate = args.events / ours_s
+    ref_rate = args.events / ref_s
+    print(f"file: {args.events:,} events, {size_mb:.0f} MB")
+    print(f"ours (collector, tailing, checkpoints on): {ours_s:.2f} s = {ours_rate:,.0f} events/s")
+    print(f"reference (DuckDB read_json_auto):         {ref_s:.2f} s = {ref_rate:,.0f} events/s")
+    print(
+        f"steady {args.rate}/s for {args.seconds:.0f} s: lag p50 {result['lag_p50_s']:.3f} s, "
+        f"p99 {result['lag_p99_s']:.3f} s, max {result['lag_max_s']:.3f} s; "
+        f"peak RSS {result['rss_peak_mb']:.0f} MB"
+    )
+    print(json.dumps({"metric": "steady_lag", "rate": args.rate, **result}))
+    print(
+        json.dumps(
+            {
+                "metric": "ingest_events_per_s",
+                "ours": round(ours_rate, 1),
+                "reference": round(ref_rate, 1),
+                "ratio": round(ours_rate / ref_rate, 4),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
