@@ -79,5 +79,7 @@ def test_the_switch_is_a_lever_flip_and_reports_are_written(experiment: dict) ->
             "SELECT lever, before, after, run_id FROM lever_flips ORDER BY ts"
         ).fetchall()
     assert flips == [("enable_prefix_caching", "False", "default", on["run_id"])]
-    reports = [Path(p) for p in experiment["out"]["reports"]]
-    assert reports and all(p.exists() for p in reports)
+    (report,) = [Path(p) for p in experiment["out"]["reports"]]
+    assert report.exists() and report.parent.name == f"{on['run_id']}-vs-{off['run_id']}"
+    diff = json.loads((report.parent / "report.json").read_text())
+    assert diff["base_run_id"] == off["run_id"] and diff["run_id"] == on["run_id"]

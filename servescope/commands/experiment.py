@@ -15,8 +15,7 @@ from bench.launcher import VllmServer
 from bench.runner import parse_slo, percentile
 from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model
 from bench.workload import BenchConfig, WorkloadError
-from reports.render import DEFAULT_OUT, write_report
-from reports.summary import run_summary
+from reports import DEFAULT_OUT, build_diff, build_summary, write_report
 from servescope.commands import bench
 from servescope.commands.common import add_store_option, console, open_store
 from store import Store
@@ -139,13 +138,20 @@ def ready(profile: str, server: VllmServer) -> None:
 
 
 def build_reports(store: Store, result: ExperimentResult, out: Path) -> list[Path]:
-    """The report of every run, HTML first (the before/after diff replaces these once
-    `report build B --vs A` exists)."""
+    """The before/after report of every profile switch (`report build B --vs A`); a run with
+    no partner (an experiment stopped after its first run) gets its own summary. Returns the
+    HTML pages."""
+    reports = [build_diff(store, after.run_id, before.run_id) for before, after in result.pairs()]
+    paired = {run.run_id for pair in result.pairs() for run in pair}
+    reports += [
+        build_summary(store, run.run_id)
+        for run in result.runs
+        if run.run_id not in paired and store.has_run(run.run_id)
+    ]
     paths: list[Path] = []
-    for run in result.runs:
-        if run.result is not None and store.has_run(run.run_id):
-            written = write_report(run_summary(store, run.run_id), out)
-            paths.append(next(p for p in written if p.name == "index.html"))
+    for report in reports:
+        written = write_report(report, out)
+        paths.append(next(p for p in written if p.name == "index.html"))
     return paths
 
 
