@@ -79,10 +79,10 @@ def build_summary(
 ) -> dict[str, Any]:
     """The report of one run: metadata, overall and per-level numbers, server-side deltas,
     admission evidence, the seeds' checklist and charts."""
-    run = require_run(store, run_id)
-    options = _with_slo(options, run)
     part = Slice(run_id)
     with store.read() as con:
+        run = require_run(con, run_id)
+        options = _with_slo(options, run)
         side, summary = _side(con, part, options)
         meta = run_meta(run, summary["overall"]["models"])
         checks = checklist(con, part, meta, summary, options)
@@ -153,11 +153,11 @@ def build_diff(
 ) -> dict[str, Any]:
     """`run_id` (after) against `base_run_id` (before): `run_id`'s own report keys plus
     `before`, `after`, `diff`, `headline`, `warnings` and `lever_changes`."""
-    base = require_run(store, base_run_id)
-    run = require_run(store, run_id)
-    options = _with_slo(options, run)
     before, after = Slice(base_run_id), Slice(run_id)
     with store.read() as con:
+        base = require_run(con, base_run_id)
+        run = require_run(con, run_id)
+        options = _with_slo(options, run)
         compared = _compare(con, before, after, (base, run), options)
         meta = compared["after"]["run"]
         checks = checklist(con, after, meta, compared["after"], options)
@@ -182,9 +182,9 @@ def build_diff(
 
 def build_split(store: Store, run_id: str, options: ReportOptions | None = None) -> dict[str, Any]:
     """One run, before and after its (first) `lever_flips` row."""
-    run = require_run(store, run_id)
-    options = _with_slo(options, run)
     with store.read() as con:
+        run = require_run(con, run_id)
+        options = _with_slo(options, run)
         flips = con.execute(queries.RUN_LEVER_FLIPS, {"run_id": run_id}).fetchall()
         if not flips:
             raise NoLeverFlip(f"run {run_id!r} has no lever_flips row to split at")

@@ -5,6 +5,7 @@ Every field with no data is None (null in JSON): a report never shows a 0 it did
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -53,11 +54,23 @@ def recorded_slo(run: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in slo.items() if k in SLO_METRICS and v is not None}
 
 
-def require_run(store: Store, run_id: str) -> dict[str, Any]:
-    """The run's `runs` row (or a bare one for runs known only from events)."""
-    if not store.has_run(run_id):
-        raise UnknownRun(run_id, store.run_ids())
-    return store.run(run_id) or {"run_id": run_id}
+def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
+    """The run's `runs` row (or a bare one for runs known only from events), read on the
+    caller's connection; `UnknownRun` names the runs the store does know."""
+    row = con.execute(queries.RUN_EXISTS, {"run_id": run_id}).fetchone()
+    if not (row and row[0]):
+        raise UnknownRun(run_id, _run_ids(con))
+    cursor = con.execute(queries.GET_RUN, [run_id])
+    found = _dicts(cursor)
+    run = found[0] if found else {"run_id": run_id}
+    for key in ("levers", "workload", "notes"):
+        if isinstance(run.get(key), str):
+            run[key] = json.loads(run[key])
+    return run
+
+
+def _run_ids(con: duckdb.DuckDBPyConnection) -> list[str]:
+    return [row[0] for row in con.execute(queries.LIST_RUNS).fetchall()]
 
 
 def _dicts(cursor: Any) -> list[dict[str, Any]]:

@@ -151,7 +151,11 @@ def cdf_series(label: str, sorted_values: Floats) -> Series:
     if n <= CDF_POINTS:
         return Series(label, sorted_values, np.arange(1, n + 1) / n)
     probs = np.linspace(0, 1, CDF_POINTS)
-    return Series(label, np.quantile(sorted_values, probs), probs)
+    rank = probs * (n - 1)  # linear interpolation between closest ranks, on sorted values
+    low = np.floor(rank).astype(np.int64)
+    high = np.minimum(low + 1, n - 1)
+    xs = sorted_values[low] + (rank - low) * (sorted_values[high] - sorted_values[low])
+    return Series(label, xs, probs)
 
 
 def time_series(label: str, t: Floats, values: Floats, origin: float) -> tuple[Series, bool]:
