@@ -133,3 +133,17 @@ def end_request_span(span: Span, event: Mapping[str, Any]) -> None:
         span.set_attribute("error.type", kind)
         span.set_status(Status(StatusCode.ERROR, kind))
     span.end()
+
+
+def record_child_span(
+    tracer: Tracer, parent: Span, name: str, start_time: int, attributes: dict[str, Any]
+) -> None:
+    """A finished phase of a request (e.g. the gateway's admission wait), ending now."""
+    span = tracer.start_span(
+        name,
+        context=trace.set_span_in_context(parent),
+        kind=SpanKind.INTERNAL,
+        attributes=attributes,
+        start_time=start_time,
+    )
+    span.end()

@@ -23,6 +23,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from bench import tracing
 from bench.client import CHAT, COMPLETIONS, Endpoint, StreamTiming, utc_now_iso
 from gateway.admission import Rejected, Scheduler, Slot
 from gateway.config import GatewayConfig, Team, Upstream, load_config
@@ -36,6 +37,7 @@ log = logging.getLogger("servescope.gateway")
 DOWN_FOR_S = 2.0  # an upstream that refused a connection is skipped this long
 MAX_REQUEST_ID = 200
 PASSED_HEADERS = ("traceparent", "tracestate")
+TRACE_HEADERS = "servescope.trace_headers"  # request key: traceparent of the gateway's span
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self.tokens: TokenCounter | None = None
         self._boot_run = f"run-{datetime.now(UTC).strftime('%Y%m%d')}-gateway"
+        self.tracer = tracing.tracer_from_env("servescope-gateway")  # a span per request
         self._wire_gauges()
 
     @staticmethod
@@ -160,6 +163,19 @@ class Gateway:
         }
         if not given:
             event["run_id"] = self._boot_run
+        span = None
+        if self.tracer is not None:  # a child of the client's span; vLLM's becomes ours
+            operation = "chat" if endpoint.chat else "text_completion"
+            span, request[TRACE_HEADERS] = tracing.start_request_span(
+                self.tracer,
+                f"gateway {operation}",
+                kind=tracing.SpanKind.SERVER,
+                attributes=tracing.genai_attributes(operation, None, event["request_id"]),
+                parent_headers=request.headers,
+            )
+            event["trace_id"] = tracing.trace_id_of(span)
+        elif trace_id := tracing.trace_id_from_headers(request.headers):
+            event["trace_id"] = trace_id
         slot: Slot | None = None
         response: web.StreamResponse | None = None
         try:
@@ -178,11 +194,21 @@ class Gateway:
             stream = bool(body.get("stream"))
             event["stream"] = stream
             upstreams = self.candidates(model)
+            admission_start = time.time_ns()
             prompt_tokens = await self._prompt_tokens(team, upstreams, body, endpoint)
             slot = await self.scheduler.admit(
                 team.name, upstreams[0].name, prompt_tokens=prompt_tokens
             )
             event["queue_ms"] = slot.queue_ms
+            if span is not None and self.tracer is not None:
+                span.set_attribute("gen_ai.request.model", model)
+                tracing.record_child_span(
+                    self.tracer,
+                    span,
+                    "gateway admission",
+                    admission_start,
+                    {"servescope.team": team.name, "servescope.queue_ms": slot.queue_ms},
+                )
             response = await self._proxy(
                 request, endpoint, team, body, upstreams, slot, event, start
             )
@@ -214,6 +240,8 @@ class Gateway:
                 slot.release()
             self.events.write(event)
             self.metrics.observe(event)
+            if span is not None:
+                tracing.end_request_span(span, event)
         if response is None:  # the client is gone; nothing left to say to it
             response = web.Response(status=499)
         if not response.prepared:
@@ -273,6 +301,7 @@ class Gateway:
         for name in PASSED_HEADERS:
             if value := request.headers.get(name):
                 headers[name] = value
+        headers.update(request.get(TRACE_HEADERS) or {})  # the gateway's own span, if traced
         stream = bool(body.get("stream"))
         if stream:  # the gateway needs usage for TPOT and budgets
             options = body.get("stream_options")
