@@ -200,6 +200,9 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         checks = checklist(con, whole, meta, summary, options)
     b_side, a_side = compared.pop("sides")
     warnings = compared.pop("warnings")
+    parts = compared["before"]["overall"]["requests"] + compared["after"]["overall"]["requests"]
+    if (unplaced := summary["overall"]["requests"] - parts) > 0:
+        warnings.insert(0, f"{unplaced} events have no timestamp: in neither part")
     if len(flips) > len(first):
         warnings.insert(
             0, f"the run has {len(flips)} lever flips; split at the first ({at.isoformat()}Z)"
