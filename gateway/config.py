@@ -180,8 +180,11 @@ def parse_config(data: Any, *, source: str = "gateway.yaml") -> GatewayConfig:
     for name, raw in _mapping(data.get("upstreams"), f"{source}: upstreams").items():
         raw = _mapping(raw, f"{source}: upstreams.{name}")
         url = raw.get("url")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError(f"{source}: upstreams.{name}.url must be an http(s) URL")
+        if not isinstance(url, str) or not url.startswith("http://"):
+            raise ConfigError(
+                f"{source}: upstreams.{name}.url must be an http:// URL (vLLM sits on a private "
+                "network behind the gateway; TLS terminates in front of it)"
+            )
         upstreams[str(name)] = Upstream(
             name=str(name),
             url=url.rstrip("/"),

@@ -1,10 +1,12 @@
 """Pass-through of one admitted request to an upstream, chunk by chunk, timed at the gateway.
 
-Bytes go to the client as soon as the upstream hands them over (no buffering); a copy of each
-SSE line feeds `bench.client.StreamTiming`, so the gateway's TTFT/TPOT/ITL follow the same rules
-as the bench client. The client's response starts with the upstream's first body bytes: until
-then nothing is committed, and a failed upstream can be replaced by the fallback transparently.
-After that a failure ends the stream with an OpenAI-style `data: {"error": …}` message.
+Bytes go to the client as soon as the upstream hands them over, whole SSE lines at a time (a
+line split across two reads waits for its end, so an error message written after a failure
+never lands inside a half-sent one); a copy of each line feeds `bench.client.StreamTiming`, so
+the gateway's TTFT/TPOT/ITL follow the same rules as the bench client. The client's response
+starts with the upstream's first body bytes: until then nothing is committed, and a failed
+upstream can be replaced by the fallback transparently. After that a failure ends the stream
+with an OpenAI-style `data: {"error": …}` message.
 
 Timeouts are phases: `prefill_timeout_s` runs from the upstream send to the first content
 chunk, `decode_timeout_s` from the first content chunk to the end of the stream.
@@ -18,12 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
-from bench.client import Endpoint, StreamTiming, error_class, usage_into
-
-CONNECT_TIMEOUT_S = 5.0
+from bench.client import Endpoint, StreamTiming, usage_into
+from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 
 class UpstreamFailed(Exception):
@@ -45,8 +45,7 @@ class Attempt:
     """One request to one upstream, and what the gateway measured."""
 
     request: web.Request
-    session: aiohttp.ClientSession
-    url: str
+    pool: UpstreamPool
     endpoint: Endpoint
     body: bytes
     headers: dict[str, str]
@@ -56,63 +55,77 @@ class Attempt:
     decode_timeout_s: float | None
 
 
-async def forward(attempt: Attempt, event: dict[str, Any]) -> web.StreamResponse:
+@dataclass
+class _Relay:
+    """What the stream loop has done so far (read by the failure paths)."""
+
+    response: web.StreamResponse | None = None
+    upstream: UpstreamResponse | None = None
+    stream_error: Any = None
+    end: float = 0.0
+
+
+async def forward(a: Attempt, event: dict[str, Any]) -> web.StreamResponse:
     """Send the request; fill `event`; return the response already written to the client.
 
     Raises `UpstreamFailed` only while nothing has reached the client.
     """
-    a = attempt
+    state = _Relay()
+    loop = asyncio.get_running_loop()
+    prefill_deadline = loop.time() + a.prefill_timeout_s if a.prefill_timeout_s else None
     try:
-        upstream = await a.session.post(
-            a.url + a.endpoint.path,
-            data=a.body,
-            headers=a.headers,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
+        async with asyncio.timeout_at(prefill_deadline) as deadline:
+            try:
+                state.upstream = upstream = await a.pool.post(a.endpoint.path, a.body, a.headers)
+                if upstream.status >= 500:
+                    text = (await upstream.read())[:500].decode(errors="replace")
+                    raise UpstreamFailed("http_5xx", text, upstream.status)
+                if upstream.status != 200 or not a.stream:
+                    return await _whole(a, upstream, event)
+                await _relay(a, state, deadline, event)
+            except UpstreamError as exc:
+                if state.response is None:
+                    raise UpstreamFailed(exc.kind, str(exc), 502) from exc
+                return await _fail(a, state, event, "error", "disconnect", f"upstream: {exc}", 502)
+    except TimeoutError:
+        phase = "decode" if a.timing.first is not None else "prefill"
+        limit = a.decode_timeout_s if phase == "decode" else a.prefill_timeout_s
+        event["timeout_phase"] = phase
+        return await _fail(
+            a, state, event, "timeout", "timeout", f"{phase} timeout: {limit:g} s", 504
         )
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        raise UpstreamFailed(error_class(exc), f"upstream {a.url}: {exc!r}") from exc
-    try:
-        if upstream.status >= 500:
-            text = (await upstream.read())[:500].decode(errors="replace")
-            raise UpstreamFailed("http_5xx", text, upstream.status)
-        if upstream.status != 200 or not a.stream:
-            response: web.StreamResponse = await _whole(a, upstream, event)
-            upstream.release()
-            return response
-        response = await _relay(a, upstream, event)
-    except BaseException:
-        upstream.close()  # drops the connection: vLLM aborts the request and frees its KV cache
-        raise
-    if upstream.content.at_eof():
-        upstream.release()  # back to the pool
-    elif not a.timing.done:  # a timeout or a broken stream: abort the upstream request
-        upstream.close()
-    else:  # the chunked body's terminator may still be on its way: drain it off the hot path
+    finally:
+        if state.upstream is not None:
+            _finish_upstream(state.upstream, a.timing.done)
+    assert state.response is not None
+    return state.response
+
+
+def _finish_upstream(upstream: UpstreamResponse, done: bool) -> None:
+    if upstream.at_eof() or not done:
+        upstream.release()  # to the pool when read to the end; else dropped: vLLM aborts
+    else:  # [DONE] seen, the chunked terminator still on its way: drain it off the hot path
         task = asyncio.create_task(_drain(upstream))
         _DRAINING.add(task)
         task.add_done_callback(_DRAINING.discard)
-    return response
 
 
 _DRAINING: set[asyncio.Task[None]] = set()
 
 
-async def _drain(upstream: aiohttp.ClientResponse) -> None:
+async def _drain(upstream: UpstreamResponse) -> None:
     try:
         await asyncio.wait_for(upstream.read(), 10)
-    except (TimeoutError, aiohttp.ClientError):
+    except (TimeoutError, UpstreamError):
         upstream.close()
     else:
         upstream.release()
 
 
-async def _whole(
-    a: Attempt, upstream: aiohttp.ClientResponse, event: dict[str, Any]
-) -> web.Response:
+async def _whole(a: Attempt, upstream: UpstreamResponse, event: dict[str, Any]) -> web.Response:
     body = await upstream.read()
-    end = time.perf_counter()
     event["http_status"] = upstream.status
-    event["e2e_ms"] = (end - a.timing.start) * 1000.0
+    event["e2e_ms"] = (time.perf_counter() - a.timing.start) * 1000.0
     if upstream.status == 200:
         event["status"] = "ok"
         try:
@@ -128,8 +141,68 @@ async def _whole(
     return web.Response(
         body=body,
         status=upstream.status,
-        headers={"Content-Type": upstream.headers.get("Content-Type", "application/json")},
+        headers={"Content-Type": upstream.headers.get("content-type", "application/json")},
     )
+
+
+async def _relay(
+    a: Attempt, state: _Relay, deadline: asyncio.Timeout, event: dict[str, Any]
+) -> None:
+    upstream = state.upstream
+    assert upstream is not None
+    timing = a.timing
+    pending = b""
+    loop = asyncio.get_running_loop()
+    while True:
+        data = await upstream.readany()
+        if not data:
+            break
+        now = time.perf_counter()
+        had_first = timing.first is not None
+        if pending:
+            data = pending + data
+        cut = data.rfind(b"\n") + 1
+        pending = data[cut:]
+        if not cut:
+            continue
+        data = data[:cut]
+        for line in data.split(b"\n"):
+            try:
+                chunk = timing.feed_line(line, now)
+            except ValueError:  # not JSON: passed through, not timed
+                continue
+            if chunk is not None and "error" in chunk:
+                state.stream_error = chunk["error"]
+        if not had_first and timing.first is not None:
+            deadline.reschedule(loop.time() + a.decode_timeout_s if a.decode_timeout_s else None)
+        if state.response is None:
+            state.response = web.StreamResponse(
+                status=200,
+                headers={
+                    "Content-Type": upstream.headers.get("content-type", "text/event-stream"),
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": a.headers["X-Request-Id"],
+                },
+            )
+            await _to_client(state.response.prepare(a.request))
+        if timing.done:  # the last bytes and the end of the chunked body in one send
+            await _to_client(state.response.write_eof(data))
+            state.end = now
+            break
+        await _to_client(state.response.write(data))
+    if state.response is None:
+        raise UpstreamFailed("disconnect", "upstream closed before sending anything", 502)
+    if not timing.done:
+        await _fail(a, state, event, "error", "disconnect", "upstream ended before [DONE]", 502)
+        return
+    event["http_status"] = 200
+    timing.finish(event, state.end)
+    if state.stream_error is not None:  # the upstream reported a failure inside the stream
+        error = state.stream_error
+        code = error.get("code") if isinstance(error, dict) else None
+        kind = "http_4xx" if isinstance(code, int) and 400 <= code < 500 else "http_5xx"
+        event.update(status="error", error=kind, finish_reason="error")
+        event["error_detail"] = json.dumps(error)[:500]
 
 
 def _error_chunk(message: str, code: int) -> bytes:
@@ -137,115 +210,29 @@ def _error_chunk(message: str, code: int) -> bytes:
     return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
-async def _relay(
-    a: Attempt, upstream: aiohttp.ClientResponse, event: dict[str, Any]
-) -> web.StreamResponse:
-    response: web.StreamResponse | None = None
-    timing = a.timing
-    pending = b""
-    end = 0.0
-    stream_error: Any = None
-    loop = asyncio.get_running_loop()
-    sent_at = loop.time()
-    try:
-        async with asyncio.timeout_at(
-            sent_at + a.prefill_timeout_s if a.prefill_timeout_s else None
-        ) as deadline:
-            while True:
-                data = await upstream.content.readany()
-                if not data:
-                    break
-                now = time.perf_counter()
-                had_first = timing.first is not None
-                if pending:
-                    data = pending + data
-                cut = data.rfind(b"\n") + 1  # only whole lines go out: an error chunk written
-                pending = data[cut:]  # after a failure never lands inside a half-sent message
-                if not cut:
-                    continue
-                data = data[:cut]
-                for line in data.split(b"\n"):
-                    try:
-                        chunk = timing.feed_line(line, now)
-                    except ValueError:  # not JSON: passed through, not timed
-                        continue
-                    if chunk is not None and "error" in chunk:
-                        stream_error = chunk["error"]
-                if not had_first and timing.first is not None:
-                    deadline.reschedule(
-                        loop.time() + a.decode_timeout_s if a.decode_timeout_s else None
-                    )
-                if response is None:
-                    response = web.StreamResponse(
-                        status=200,
-                        headers={
-                            "Content-Type": upstream.headers.get(
-                                "Content-Type", "text/event-stream"
-                            ),
-                            "Cache-Control": "no-cache",
-                            "X-Request-Id": a.headers["X-Request-Id"],
-                        },
-                    )
-                    await _to_client(response.prepare(a.request))
-                if timing.done:  # last bytes and the end of the chunked body in one send
-                    await _to_client(response.write_eof(data))
-                    end = now
-                    break
-                await _to_client(response.write(data))
-    except TimeoutError:
-        phase = "decode" if timing.first is not None else "prefill"
-        limit = a.decode_timeout_s if phase == "decode" else a.prefill_timeout_s
-        detail = f"{phase} timeout: {limit:g} s"
-        event.update(timeout_phase=phase)
-        return await _fail(a, response, event, "timeout", "timeout", detail, 504)
-    except aiohttp.ClientError as exc:  # the upstream broke the stream
-        return await _fail(a, response, event, "error", "disconnect", f"upstream: {exc!r}", 502)
-    event["http_status"] = 200
-    if response is None:
-        raise UpstreamFailed("disconnect", "upstream closed before sending anything", 502)
-    if not timing.done:
-        return await _fail(
-            a, response, event, "error", "disconnect", "upstream ended before [DONE]", 502
-        )
-    timing.finish(event, end)
-    if stream_error is not None:  # the upstream reported a failure inside the stream
-        code = stream_error.get("code") if isinstance(stream_error, dict) else None
-        kind = "http_4xx" if isinstance(code, int) and 400 <= code < 500 else "http_5xx"
-        event.update(status="error", error=kind, finish_reason="error")
-        event["error_detail"] = json.dumps(stream_error)[:500]
-    return response
-
-
 async def _fail(
-    a: Attempt,
-    response: web.StreamResponse | None,
-    event: dict[str, Any],
-    status: str,
-    kind: str,
-    detail: str,
-    code: int,
+    a: Attempt, state: _Relay, event: dict[str, Any], status: str, kind: str, detail: str, code: int
 ) -> web.StreamResponse:
     """End a broken stream cleanly, or raise for the fallback when nothing was sent yet."""
-    if response is None:
-        if kind != "timeout":
-            raise UpstreamFailed(kind, detail, code)
-        event.update(status=status, error=kind, finish_reason="error", error_detail=detail)
+    if state.response is None and kind != "timeout":
+        raise UpstreamFailed(kind, detail, code)
+    event.update(status=status, error=kind, finish_reason="error", error_detail=detail)
+    event["e2e_ms"] = (time.perf_counter() - a.timing.start) * 1000.0
+    if state.response is None:  # a timeout before any byte: a plain 504
         event["http_status"] = code
-        event["e2e_ms"] = (time.perf_counter() - a.timing.start) * 1000.0
-        return web.json_response(
+        state.response = web.json_response(
             {"error": {"message": detail, "type": "timeout", "param": None, "code": code}},
             status=code,
         )
-    event.update(status=status, error=kind, finish_reason="error", error_detail=detail)
+        return state.response
     event["http_status"] = 200
-    event["e2e_ms"] = (time.perf_counter() - a.timing.start) * 1000.0
-    await _to_client(response.write(_error_chunk(detail, code)))
-    await _to_client(response.write_eof())
-    return response
+    await _to_client(state.response.write(_error_chunk(detail, code)))
+    await _to_client(state.response.write_eof())
+    return state.response
 
 
 async def _to_client(write: Any) -> None:
     try:
         await write
-    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+    except ConnectionError as exc:
         raise ClientGone(repr(exc)) from exc

@@ -31,6 +31,7 @@ from gateway.events import EventLog
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Attempt, ClientGone, UpstreamFailed, forward
 from gateway.tokens import TokenCounter
+from gateway.upstream import UpstreamPool
 
 log = logging.getLogger("servescope.gateway")
 
@@ -59,6 +60,7 @@ class Gateway:
         self.scheduler = Scheduler(config.teams, self._caps(config))
         self.events = EventLog(config.events_dir)
         self.upstream_health: dict[str, UpstreamHealth] = {}
+        self.pools: dict[str, UpstreamPool] = {}  # by URL, so they outlive reloads
         self.session: aiohttp.ClientSession | None = None
         self.tokens: TokenCounter | None = None
         self._boot_run = f"run-{datetime.now(UTC).strftime('%Y%m%d')}-gateway"
@@ -89,6 +91,8 @@ class Gateway:
     async def stop(self, app: web.Application) -> None:
         if self.session is not None:
             await self.session.close()
+        for pool in self.pools.values():
+            pool.close()
         self.events.close()
 
     def reload(self) -> bool:
@@ -133,6 +137,11 @@ class Gateway:
         now = time.monotonic()
         ups = [self.config.upstreams[n] for n in names]
         return sorted(ups, key=lambda u: not self._health(u.name).usable(now))
+
+    def _pool(self, url: str) -> UpstreamPool:
+        if (pool := self.pools.get(url)) is None:
+            pool = self.pools[url] = UpstreamPool(url)
+        return pool
 
     def _health(self, name: str) -> UpstreamHealth:
         return self.upstream_health.setdefault(name, UpstreamHealth())
@@ -318,8 +327,7 @@ class Gateway:
             payload = {**body, "model": upstream.model or body["model"]}
             attempt = Attempt(
                 request=request,
-                session=self.session,
-                url=upstream.url,
+                pool=self._pool(upstream.url),
                 endpoint=endpoint,
                 body=json.dumps(payload).encode(),
                 headers=headers,

@@ -40,7 +40,7 @@ def test_config_keys_are_kept_as_digests_and_matched() -> None:
         ({"teams": {"a": {"keys": ["k"], "colour": "red"}}}, "unknown keys ['colour']"),
         ({"teams": {"a": {"keys": ["k"]}, "b": {"keys": ["k"]}}}, "shared by teams"),
         ({"models": {"m": {"upstream": "nope"}}}, "is not an upstream"),
-        ({"upstreams": {"u": {"url": "ftp://x"}}}, "http(s) URL"),
+        ({"upstreams": {"u": {"url": "ftp://x"}}}, "must be an http:// URL"),
         ({"listen": {"port": "x"}}, "listen.port"),
     ],
 )
