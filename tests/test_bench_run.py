@@ -189,3 +189,62 @@ def test_ctrl_c_stores_what_was_measured_as_a_partial_run(
     assert {e["request_id"] for e in stored} == {e["request_id"] for e in written}
     assert all(e["status"] == "ok" for e in stored)
     assert run["notes"]["cancelled_in_flight"] >= 1
+
+
+def _run(vllm_server: RunningServer, folder: Path, spec: str, run_id: str) -> dict:
+    config = folder / f"{run_id}.yaml"
+    config.write_text(spec)
+    result = servescope(
+        "bench",
+        "run",
+        "--config",
+        str(config),
+        "--target",
+        vllm_server.url,
+        "--run-id",
+        run_id,
+        "--store",
+        str(folder / "s.duckdb"),
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_agent_turns_quote_the_previous_real_output(
+    vllm_server: RunningServer, tmp_path: Path
+) -> None:
+    spec = """
+workloads:
+  - {name: agent, endpoint: chat, prefix_tokens: 300, input_tokens: 24, output_tokens: 16,
+     turns: 3, concurrency: [2], requests_per_level: 6, seed: 9}
+"""
+    result = _run(vllm_server, tmp_path, spec, "run-20261122-agent")
+    events = read_events(Path(result["events_path"]))
+    assert len(events) == 6 and all(e["status"] == "ok" for e in events)
+    sessions: dict[int, list[dict]] = {}
+    for event in events:
+        sessions.setdefault(event["session"], []).append(event)
+    assert sorted(sessions) == [0, 1]
+    for turns in sessions.values():
+        turns.sort(key=lambda e: e["turn"])
+        assert [e["turn"] for e in turns] == [0, 1, 2]
+        # each turn's prompt holds the previous prompt, its output and a new 24-token message
+        grow = [
+            b["prompt_tokens"] - a["prompt_tokens"] for a, b in zip(turns, turns[1:], strict=False)
+        ]
+        assert all(g >= 24 for g in grow), grow
+        assert all(t["cached_tokens"] >= 256 for t in turns[1:])  # the conversation so far
+
+
+def test_a_closed_loop_can_run_for_a_duration(vllm_server: RunningServer, tmp_path: Path) -> None:
+    spec = """
+workloads:
+  - {name: timed, input_tokens: 32, output_tokens: 4, concurrency: [2], duration_s: 3}
+"""
+    result = _run(vllm_server, tmp_path, spec, "run-20261122-timed")
+    (level,) = result["levels"]
+    assert 3.0 <= level["duration_s"] < 6.0
+    assert level["requests"] == result["events"] >= 4
+    events = read_events(Path(result["events_path"]))
+    assert len({e["plan_index"] for e in events}) == len(events)
