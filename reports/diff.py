@@ -22,6 +22,10 @@ from reports.samples import Samples
 LOWER, HIGHER = "lower", "higher"
 IMPROVED, REGRESSED, UNCHANGED = "improved", "regressed", "unchanged"
 NOT_MEASURED, NOT_TESTED = "not measured", "not tested"
+TOO_FEW = "too few samples"
+# A bootstrap cannot see beyond the sample: a quantile's interval means something only with a
+# few requests beyond it on each side (p95 needs 60 requests, p99 300).
+MIN_TAIL_SAMPLES = 3
 PROMPT_SIZE_TOLERANCE = 0.05
 
 
@@ -152,6 +156,16 @@ def _verdict(
     return IMPROVED if got_lower == (better == LOWER) else REGRESSED
 
 
+def _too_few(metric: str, before: Side, after: Side) -> bool:
+    """True for a quantile with fewer than MIN_TAIL_SAMPLES requests beyond it on a side."""
+    column, _, name = metric.rpartition(".")
+    if not name.startswith("p") or column not in before.samples.columns:
+        return False
+    q = int(name[1:]) / 100
+    n = min(len(before.samples.successful(column)), len(after.samples.successful(column)))
+    return n * min(q, 1 - q) < MIN_TAIL_SAMPLES
+
+
 def diff_rows(before: Side, after: Side, seed: int) -> list[dict[str, Any]]:
     rows = []
     for metric, better, estimate in INDICATORS:
@@ -160,6 +174,9 @@ def diff_rows(before: Side, after: Side, seed: int) -> list[dict[str, Any]]:
         measured = a is not None and b is not None
         ci, ci_pct = bootstrap.delta_interval(b_draws, a_draws, seed, metric)
         delta = a - b if a is not None and b is not None else None
+        verdict = _verdict(b, a, ci if measured else None, better)
+        if measured and _too_few(metric, before, after):
+            verdict = TOO_FEW
         rows.append(
             {
                 "metric": metric,
@@ -170,7 +187,7 @@ def diff_rows(before: Side, after: Side, seed: int) -> list[dict[str, Any]]:
                 "delta_pct": (delta / b * 100.0) if delta is not None and b else None,
                 "ci95": list(ci) if ci and measured else None,
                 "ci95_pct": list(ci_pct) if ci_pct and measured else None,
-                "verdict": _verdict(b, a, ci if measured else None, better),
+                "verdict": verdict,
             }
         )
     return rows

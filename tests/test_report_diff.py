@@ -388,3 +388,25 @@ def test_bootstrap_draws_match_plain_resampling() -> None:
     brute = np.array([np.quantile(rng.choice(values, len(values)), 0.95) for _ in range(20000)])
     for q in (5, 25, 50, 75, 95):
         assert np.percentile(ours, q) == pytest.approx(np.percentile(brute, q), rel=0.03)
+
+
+def test_tail_quantiles_of_small_runs_say_too_few_samples(tmp_path: Path) -> None:
+    """20 requests a side: a p95 or p99 interval would be the bootstrap guessing beyond the
+    sample (two warm-up outliers read as an improvement), so those rows say so instead."""
+    db = tmp_path / "s.duckdb"
+    store = Store(db)
+    store_run(store, "run-s1", synthetic_events("run-s1", seed=1, ttft_divisor=1, start=T0, n=20),
+              levers={})  # fmt: skip
+    store_run(store, "run-s2", synthetic_events("run-s2", seed=2, ttft_divisor=5, start=T0, n=20),
+              levers={})  # fmt: skip
+    out = tmp_path / "r"
+    servescope(
+        "report", "build", "run-s2", "--vs", "run-s1", "--store", str(db), "--out", str(out),
+        "--format", "json", check=True,
+    )  # fmt: skip
+    rows = {d["metric"]: d for d in json.loads((out / "run-s2-vs-run-s1/report.json").read_text())[
+        "diff"]}  # fmt: skip
+    assert rows["ttft_ms.p50"]["verdict"] == "improved"  # 10 requests beyond the median
+    for metric in ("ttft_ms.p95", "ttft_ms.p99", "tpot_ms.p95", "e2e_ms.p99"):
+        assert rows[metric]["verdict"] == "too few samples", metric
+        assert rows[metric]["ci95"] is not None  # the interval is still shown
