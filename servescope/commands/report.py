@@ -60,11 +60,12 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         "prefill/decode percentiles, throughput, goodput, prefix-cache hits client- and "
         "server-side, KV-cache peak, preemptions, admission rejections, the lab's pass "
         "criteria, charts), or compare it with --vs BASE (or before/after its lever flip with "
-        "--split-at-flip): before, after, Δ, Δ %%, a seeded bootstrap 95 %% CI and a verdict per "
-        "indicator. The report folder is RUN, RUN-vs-BASE or RUN-at-flip. Exits 2 for an "
-        "unknown run or a run with no lever flip to split at.",
+        "--split-at-flip): before, after, Δ, Δ %, a seeded bootstrap 95 % CI and a verdict per "
+        "indicator. The report folder is RUN, RUN-vs-BASE or RUN-at-flip. Exit codes: 0 written, "
+        "2 an unknown run (the known ones are named), a run with no lever flip to split at, "
+        "or bad options.",
     )
-    build.add_argument("run_id", metavar="RUN")
+    build.add_argument("run_id", metavar="RUN", help="the run to report (the 'after' side)")
     mode = build.add_mutually_exclusive_group()
     mode.add_argument("--vs", metavar="BASE_RUN", help="compare RUN (after) with BASE_RUN (before)")
     mode.add_argument(
@@ -72,7 +73,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compare the parts of RUN before and after its lever_flips row",
     )
-    build.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"(default {DEFAULT_OUT})")
+    build.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, metavar="DIR", help=f"(default {DEFAULT_OUT})"
+    )
     build.add_argument(
         "--format", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}"
     )
