@@ -176,6 +176,29 @@ async def drive(
     return events, elapsed
 
 
+async def drive_rate(
+    base_url: str, rate: float, requests: int, headers: dict[str, str]
+) -> list[dict[str, Any]]:
+    """Open loop at `rate` requests/s: below saturation, so what a request waits for is the
+    path itself, not the requests ahead of it in the client."""
+    payload = {"model": "instant", "prompt": "x", "max_tokens": CHUNKS}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = []
+        start = time.perf_counter()
+        for seq in range(requests):
+            delay = start + seq / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(
+                asyncio.create_task(
+                    stream_request(
+                        session, base_url, COMPLETIONS, payload, f"rate-{seq:06d}", headers=headers
+                    )  # fmt: skip
+                )
+            )
+        return list(await asyncio.gather(*tasks))
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
@@ -186,6 +209,13 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=100)
     parser.add_argument("--requests", type=int, default=4000, help="per path per round")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved direct/gateway rounds")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=200.0,
+        help="also an open-loop round at this rate (req/s, below saturation), where the added "
+        "latency is the gateway's own cost rather than client-side queueing; 0 to skip",
+    )
     args = parser.parse_args()
 
     folder = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
@@ -214,6 +244,12 @@ def main() -> int:
                     res["ok"] += len(ok)
                     res["n"] += len(events)
                     res["s"] += elapsed
+        at_rate: dict[str, list[float]] = {name: [] for name in paths}
+        if args.rate > 0:
+            n = int(args.rate * 10)
+            for name, (url, headers) in paths.items():
+                events = asyncio.run(drive_rate(url, args.rate, n, headers))
+                at_rate[name] = [e["ttft_ms"] for e in events if e["status"] == "ok"]
     finally:
         gateway.terminate()
         nginx.terminate()
@@ -246,7 +282,20 @@ def main() -> int:
         "throughput_fraction": round(proxied["req_per_s"] / direct["req_per_s"], 3),
         "concurrency": args.concurrency,
         "cpus": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
     }
+    if args.rate > 0 and all(at_rate.values()):
+        d50, g50 = percentile(at_rate["direct"], 50), percentile(at_rate["gateway"], 50)
+        d99, g99 = percentile(at_rate["direct"], 99), percentile(at_rate["gateway"], 99)
+        print(
+            f"open loop at {args.rate:g} req/s: TTFT p50 direct {d50:.3f} ms, gateway "
+            f"{g50:.3f} ms; p99 direct {d99:.3f} ms, gateway {g99:.3f} ms"
+        )
+        out.update(
+            rate=args.rate,
+            added_ms_p50_at_rate=round(g50 - d50, 3),
+            added_ms_p99_at_rate=round(g99 - d99, 3),
+        )
     failed = any(f["ok"] < f["requests"] for f in figures.values())
     print(json.dumps(out))
     return 1 if failed else 0
