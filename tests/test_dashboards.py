@@ -5,6 +5,7 @@ grafana-foundation-sdk, provisioning YAML is what Grafana expects, and the Prome
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import shutil
@@ -17,10 +18,13 @@ import pytest
 import yaml
 from grafana_foundation_sdk.cog.encoder import JSONEncoder as SdkEncoder
 from grafana_foundation_sdk.models.dashboard import Dashboard as SdkDashboard
+from grafanalib.core import Target
 
-from dashboards import DASHBOARDS, DATASOURCE_UID, RULES_DIR, dashboard_json
+from dashboards import DASHBOARDS, DATASOURCE_UID, RULES_DIR, dashboard_json, provisioning
+from dashboards import panels as kit
 from dashboards.lint import annotation_queries, lint, panels, parse, queries, substitute
 from dashboards.panels import LEVER_FLIP_TAG
+from servescope.commands.dashboards import run_build
 from tests.conftest import servescope
 
 BUILT = {uid: dashboard_json(make) for uid, make in DASHBOARDS.items()}
@@ -189,3 +193,20 @@ def test_promtool_test_rules() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "FAILED" not in result.stdout
+
+
+def test_build_refuses_a_dashboard_that_fails_the_lint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def raw_counter() -> Any:
+        panel = kit.timeseries("Raw counter", "", "s", [kit.Query("vllm:prompt_tokens_total", "")])
+        panel.targets.append(Target(expr="up", refId="B"))  # no datasource
+        return kit.dashboard("broken", "Broken", "a dashboard that must not ship", [panel])
+
+    monkeypatch.setitem(provisioning.DASHBOARDS, "broken", raw_counter)
+    out = tmp_path / "out"
+    args = argparse.Namespace(
+        out=out, prometheus_url="http://p:9090", scrape_interval="5s", json=False
+    )
+    assert run_build(args) == 1
+    assert not out.exists()  # nothing written, not even the good dashboards
