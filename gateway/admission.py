@@ -79,6 +79,12 @@ class TeamState:
             self.budget_used = 0
         return budget.tokens - self.budget_used, budget.window_s - (now - self.budget_window_start)
 
+    def budget_used_ratio(self) -> float:
+        """0-1 of the token budget used in the current window (0 without a budget)."""
+        left, _ = self.budget_left(time.monotonic())
+        budget = self.team.token_budget
+        return 0.0 if left is None or budget is None else min(1.0, 1 - left / budget.tokens)
+
 
 @dataclass
 class Slot:

@@ -61,6 +61,12 @@ class GatewayMetrics:
             ["upstream"],
             registry=r,
         )
+        self.budget_used = Gauge(
+            "servescope_gateway_token_budget_used_ratio",
+            "Share (0-1) of the team's token budget used in the current window",
+            ["team"],
+            registry=r,
+        )
         self.reloads = Counter(
             "servescope_gateway_config_reloads",
             "SIGHUP reloads of gateway.yaml by outcome",

@@ -76,6 +76,10 @@ class Gateway:
             self.metrics.queue_depth.labels(name).set_function(
                 lambda n=name: self.scheduler.queue_depth(n)
             )
+            if self.config.teams[name].token_budget is not None:
+                self.metrics.budget_used.labels(name).set_function(
+                    lambda n=name: self.scheduler.teams[n].budget_used_ratio()
+                )
         for name in self.config.upstreams:
             self.metrics.inflight.labels(name).set_function(
                 lambda n=name: self.scheduler.inflight.get(n, 0)

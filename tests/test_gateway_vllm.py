@@ -298,6 +298,8 @@ def test_prompt_length_and_token_budget_limits(vllm_server: RunningServer, tmp_p
         asyncio.run(scenario())
         reasons = Counter(e.get("error") for e in gw.events() if e["status"] == "rejected")
         assert reasons["rejected:prompt_too_long"] == 1 and reasons["rejected:token_budget"] >= 1
+        used = gw.samples("servescope_gateway_token_budget_used_ratio")
+        assert used[(("team", "b"),)] > 0.5 and (("team", "a"),) not in used
 
 
 def test_prefill_and_decode_timeouts_are_logged_apart(
