@@ -226,6 +226,9 @@ class UpstreamPool:
                 return response
             except UpstreamError:  # the server had closed the idle connection: try a fresh one
                 conn.close()
+            except BaseException:  # cancelled or timed out waiting: abort the request upstream
+                conn.close()
+                raise
         conn = await self._connect()
         response = conn.send(head, body)
         try:

@@ -594,3 +594,62 @@ def test_bench_multi_tenant_flood_through_the_gateway(
         assert {e["error"] for e in events if e["status"] == "rejected"} == {"rejected:queue_full"}
         for text in (gw.log.read_text(), "".join(json.dumps(e) for e in events), gw.metrics_text()):
             assert "sk-demo-steady" not in text and "sk-demo-flood" not in text
+
+
+def test_upstream_client_reuses_connections_and_reports_a_dead_upstream(tmp_path: Path) -> None:
+    """The proxy path's own HTTP client against a real nginx (Content-Length bodies; vLLM's
+    chunked streams are covered above): keep-alive reuse, then a killed server → `connect`."""
+    from gateway.upstream import UpstreamError, UpstreamPool
+
+    port = free_port()
+    folder = tmp_path / "nginx"
+    folder.mkdir()
+    body = 'data: {"choices":[{"index":0,"text":"x"}]}\\n\\ndata: [DONE]\\n\\n'
+    (folder / "nginx.conf").write_text(
+        f"""daemon off;
+master_process off;
+pid {folder}/nginx.pid;
+error_log {folder}/error.log warn;
+events {{ worker_connections 64; }}
+http {{
+  access_log off;
+  client_body_temp_path {folder}/body;
+  server {{
+    listen 127.0.0.1:{port};
+    location /v1/completions {{ default_type text/event-stream; return 200 '{body}'; }}
+  }}
+}}
+"""
+    )
+    proc = subprocess.Popen(["nginx", "-p", str(folder), "-c", str(folder / "nginx.conf"),
+                             "-e", str(folder / "error.log")])  # fmt: skip
+    try:
+
+        async def scenario() -> None:
+            pool = UpstreamPool(f"http://127.0.0.1:{port}")
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    first = await pool.post("/v1/completions", b"{}", {})
+                    break
+                except UpstreamError:
+                    assert time.monotonic() < deadline, "nginx did not start"
+                    await asyncio.sleep(0.1)
+            assert first.status == 200 and first.headers["content-type"] == "text/event-stream"
+            assert await first.read() == body.replace("\\n", "\n").encode()
+            first.release()
+            second = await pool.post("/v1/completions", b"{}", {})
+            assert second._conn is first._conn  # the same keep-alive connection
+            await second.read()
+            second.release()
+            proc.kill()
+            proc.wait(timeout=10)
+            with pytest.raises(UpstreamError) as excinfo:  # stale idle connection, then refused
+                await pool.post("/v1/completions", b"{}", {})
+            assert excinfo.value.kind == "connect"
+
+        asyncio.run(scenario())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
