@@ -176,6 +176,7 @@ class Collector:
                         self._pending.chunks.append((name, chunk))
                         self._pending.lines[name] += chunk.data.count(b"\n")
                     self._checkpoint(name, tailer.checkpoints())
+            self._new_files(name, tailer)
         for source in self.logs:
             for chunk in source.tailer.poll():
                 read += len(chunk.data) or 1
@@ -186,7 +187,17 @@ class Collector:
                     else:
                         self._log_chunk(source, chunk)
                     self._checkpoint(source.name, source.tailer.checkpoints())
+            self._new_files(source.name, source.tailer)
         return read
+
+    def _new_files(self, source: str, tailer: Tailer) -> None:
+        """A file is checkpointed as soon as it is seen, so a restart can find it after a
+        rotation even if nothing of it was read yet."""
+        rows = tailer.checkpoints()
+        if rows:
+            with self._lock:
+                self._pending.touch()
+                self._checkpoint(source, rows)
 
     def _checkpoint(self, source: str, rows: list[dict[str, Any]]) -> None:
         table = self._pending.checkpoints.setdefault(source, {})

@@ -17,6 +17,7 @@ finding files that were rotated away meanwhile.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import os
@@ -114,19 +115,51 @@ class Tailer:
 
     def _recover_rotated(self) -> None:
         """After a restart: finish files saved as read up to an offset that now live elsewhere
-        (renamed by rotation, or the copy left by copytruncate)."""
+        (renamed by rotation, or the copy left by copytruncate), and read from 0 what a known
+        file got after a copytruncate while no collector ran (then maybe rotated away too)."""
         current = set()
         for path in self._paths():
             try:
                 current.add(_key(os.stat(path)))
             except OSError:
                 continue
+        rotated = self._rotated_names()
         for key, row in list(self.saved.items()):
-            if key in current and self._matches(self._open_path(row["path"]), row):
-                continue  # still at its path, resumed by the normal poll
-            found = self._find_copy(row, exclude=set())
+            if key in current:
+                continue  # at its path: `_discover` resumes it, or finds its copy and restarts
+            path = rotated.get(key)
+            if path is not None and self._matches(self._open_path(path), row):
+                fh = self._open_path(path)
+                if fh is not None:
+                    state = FileState(key, path, row["offset"], row["fp_len"], row["fp"], fh=fh)
+                    state.gen = (row.get("state") or {}).get("gen") or _now()
+                    self._adopt(state, detached=True)
+                continue
+            found = self._find_copy(row, exclude={key})
             if found is not None:
                 self._adopt(found, detached=True)
+            if path is not None:  # same inode, other content: written after a truncation
+                fh = self._open_path(path)
+                if fh is not None:
+                    self._adopt(FileState(key, path, fh=fh, gen=_now()), detached=True)
+
+    def _rotated_names(self) -> dict[str, str]:
+        """key -> path of the files in the folder named like the pattern plus a suffix
+        (`events.jsonl.1`, `vllm.log-20261122`): where rotation puts a tailed file."""
+        base = Path(self.pattern).name
+        found: dict[str, str] = {}
+        try:
+            names = sorted(os.listdir(self._folder() or "."))
+        except OSError:
+            return found
+        for name in names:
+            if fnmatch.fnmatch(name, base + "*"):
+                path = str(self._folder() / name)
+                try:
+                    found.setdefault(_key(os.stat(path)), path)
+                except OSError:
+                    continue
+        return found
 
     def _open_path(self, path: str) -> BinaryIO | None:
         try:
@@ -145,7 +178,10 @@ class Tailer:
             fh.close()
 
     def _find_copy(self, row: dict[str, Any], exclude: set[str]) -> FileState | None:
-        """The file in the folder holding the content `row` was read from, beyond its offset."""
+        """The file in the folder holding the content `row` was read from, beyond its offset
+        (none when nothing was read: an empty fingerprint matches any file)."""
+        if not row["offset"] or not row["fp_len"]:
+            return None
         try:
             names = sorted(os.listdir(self._folder() or "."))
         except OSError:

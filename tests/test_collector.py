@@ -350,7 +350,7 @@ def test_rotation_deletion_and_partial_lines_in_process(tmp_path: Path) -> None:
     # a restart reads nothing twice
     again = Collector(store, events=[str(path)])
     again.poll()
-    assert again.flush() is None or True
+    again.flush()
     again.close()
     with store.read() as con:
         ids = [r[0] for r in con.execute("SELECT request_id FROM events ORDER BY 1").fetchall()]
