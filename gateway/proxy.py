@@ -218,6 +218,9 @@ async def _fail(
         raise UpstreamFailed(kind, detail, code)
     event.update(status=status, error=kind, finish_reason="error", error_detail=detail)
     event["e2e_ms"] = (time.perf_counter() - a.timing.start) * 1000.0
+    if a.timing.first is not None:  # what the client did get: TTFT and the gaps so far
+        event["ttft_ms"] = (a.timing.first - a.timing.start) * 1000.0
+        event["itl_ms"] = a.timing.gaps
     if state.response is None:  # a timeout before any byte: a plain 504
         event["http_status"] = code
         state.response = web.json_response(

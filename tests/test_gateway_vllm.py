@@ -348,7 +348,8 @@ def test_prefill_and_decode_timeouts_are_logged_apart(
         assert events["to-000001"]["timeout_phase"] == "prefill"
         assert events["to-000002"]["status"] == "timeout"
         assert events["to-000002"]["timeout_phase"] == "decode"
-        assert events["to-000002"]["e2e_ms"] < 5000
+        cut = events["to-000002"]
+        assert cut["e2e_ms"] - cut["ttft_ms"] < 300 + 2000  # 3,000 tokens would take far longer
 
 
 def vllm_running(vllm: RunningServer) -> float:
