@@ -217,6 +217,7 @@ class Collector:
         if chunk.data.endswith(b"\n"):
             lines.pop()
         state_changed = False
+        access: Counter[tuple[str, str, str]] = Counter()
         for line in lines:
             here, offset = offset, offset + len(line) + 1
             if not line.strip():
@@ -235,6 +236,8 @@ class Collector:
                     self._pending.samples.append(
                         (ts, source.name, f"vllm_log:{key}", {"engine": item.engine}, None, value)
                     )
+            elif isinstance(item, logparse.Access):
+                access[(item.method, item.path, str(item.status))] += 1
             elif isinstance(item, logparse.Levers):
                 before = source.state.get("levers")
                 if before is not None:
@@ -243,6 +246,12 @@ class Collector:
                         self._flip(lever, old, new, ts, f"non-default args in {source.name}")
                 source.state["levers"] = item.levers
                 state_changed = True
+        now = datetime.now(UTC).replace(tzinfo=None)
+        for (method, path, status), n in access.items():
+            labels = {"method": method, "path": path, "status": status}
+            self._pending.samples.append(
+                (now, source.name, "vllm_log:http_responses", labels, None, float(n))
+            )
         if state_changed:
             self._checkpoint(
                 source.name, [{"file_key": checkpoints.STATE_KEY, "state": source.state}]

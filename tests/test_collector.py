@@ -164,6 +164,10 @@ def test_bad_input_is_quarantined_and_nothing_valid_is_lost(tmp_path: Path) -> N
     for doc in good:  # unknown fields kept verbatim
         assert json.loads(stored[doc["request_id"]]) == doc
     assert "h3probe-000001" in stored  # the log source went on
+    responses = _store_rows(
+        store, "SELECT labels, value FROM metric_samples WHERE name = 'vllm_log:http_responses'"
+    )
+    assert [(json.loads(labels)["status"], value) for labels, value in responses] == [("200", 1.0)]
     errors = _store_rows(store, 'SELECT "offset", reason, length(raw) FROM ingest_errors')
     assert sorted(o for o, _r, _n in errors) == sorted(offsets[b] for b in bad)
     reasons = " | ".join(r for _o, r, _n in errors)

@@ -18,6 +18,7 @@ import duckdb
 import pytest
 
 from bench.launcher import VllmServer
+from store import Store
 from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, servescope
 
 N = 8
@@ -25,7 +26,7 @@ WORKLOAD = f"""workloads:
   - {{name: tiny-e2e, input_tokens: 32, output_tokens: 8, concurrency: [2]}}
 requests_per_level: {N}
 """
-RECEIVED = re.compile(r"Received request (?:chatcmpl-|cmpl-)(\S+?)(?:-\d+)?: ")
+RECEIVED = re.compile(r"Received request (\S+?): ")
 
 
 def _wait_port(port: int, process: subprocess.Popen[bytes], out: Path) -> None:
@@ -42,13 +43,11 @@ def _wait_port(port: int, process: subprocess.Popen[bytes], out: Path) -> None:
 
 
 def _events(store: Path, run_id: str) -> list[dict]:
-    con = duckdb.connect(str(store), read_only=True)
-    try:
+    """Read while the collector writes: the store's reader waits out a flush, never fails."""
+    with Store(store).read() as con:
         cur = con.execute("SELECT * FROM events WHERE run_id = ? ORDER BY request_id", [run_id])
         names = [d[0] for d in cur.description]
         return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-    finally:
-        con.close()
 
 
 def _collect_during_bench(
@@ -153,7 +152,17 @@ def _assert_scraped(store: Path, url: str) -> None:
 
 def _client_ids_in_log(log: Path) -> set[str]:
     """The client ids the log says vLLM received, read independently of the collector."""
-    return set(RECEIVED.findall(log.read_text(errors="replace")))
+    ids = set()
+    for vllm_id in RECEIVED.findall(log.read_text(errors="replace")):
+        if vllm_id.startswith(("tokenize-", "detokenize-")):
+            continue  # not a generation request
+        if vllm_id.startswith("chatcmpl-"):
+            ids.add(vllm_id[len("chatcmpl-") :])
+        elif vllm_id.startswith("cmpl-"):
+            ids.add(vllm_id[len("cmpl-") :].rsplit("-", 1)[0])
+        else:
+            ids.add(vllm_id)
+    return ids
 
 
 def test_text_log_traces_and_bench_make_one_event_per_request(
