@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import json
 import threading
-import time
 import zlib
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -238,7 +237,3 @@ def _reply(http: BaseHTTPRequestHandler, status: int, body: bytes, content_type:
     http.send_header("Content-Length", str(len(body)))
     http.end_headers()
     http.wfile.write(body)
-
-
-def now_ns() -> int:
-    return time.time_ns()
