@@ -1,0 +1,142 @@
+"""Benchmark: how far our client's TTFT is from the server's own, for the same requests.
+
+Starts a real vLLM (the tiny model, on the CPU) that exports its `llm_request` traces to the
+collector's OTLP receiver, sends `--requests` streaming requests one at a time (concurrency 1)
+with the bench client, and joins each client event to its span by request id. The gap, client
+TTFT minus the trace's `gen_ai.latency.time_to_first_token`, is what the client adds: HTTP, the
+API server's own work around the engine, and the client's parsing.
+
+Usage: .venv/bin/python benchmarks/bench_ttft_accuracy.py [--requests 50]
+Last line: {"metric": "client_minus_server_ttft_ms_p50", "value": X, "target": 5.0, ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.client import COMPLETIONS, stream_request  # noqa: E402
+from bench.launcher import VllmServer  # noqa: E402
+from bench.prompts import PromptMaker, payload_for  # noqa: E402
+from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model  # noqa: E402
+from collector.otlp import OtlpReceiver  # noqa: E402
+
+TARGET_MS = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Spans:
+    """The receiver's sink: span pieces by request id."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[str, dict[str, Any]] = {}
+        self.lock = threading.Lock()
+
+    def submit(
+        self, pieces: list[dict[str, Any]], refused: list[tuple[str, str]]
+    ) -> threading.Event:
+        with self.lock:
+            for piece in pieces:
+                self.pieces[piece["request_id"]] = piece
+        done = threading.Event()
+        done.set()
+        return done
+
+
+async def client_events(url: str, requests: int, prompt_tokens: int) -> list[dict[str, Any]]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        maker = PromptMaker(session, url, "tiny")
+        rng = random.Random(7)
+        bodies = [
+            payload_for(await maker.exact(prompt_tokens, rng), "tiny", 8, chat=False)
+            for _ in range(requests + 3)
+        ]
+        for i, body in enumerate(bodies[:3]):  # warm-up
+            await stream_request(session, url, COMPLETIONS, body, f"warm-{i:06d}")
+        events = []
+        for i, body in enumerate(bodies[3:]):
+            events.append(await stream_request(session, url, COMPLETIONS, body, f"acc-{i:06d}"))
+        return events
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--model", type=Path, default=ROOT / DEFAULT_DIR)
+    args = parser.parse_args()
+    if not is_built(args.model):
+        make_tiny_model(args.model)
+    spans = Spans()
+    receiver = OtlpReceiver(spans.submit, port=free_port()).start()
+    log = Path(tempfile.mkdtemp(prefix="servescope-acc-")) / "vllm.log"
+    server = VllmServer(
+        args.model,
+        port=free_port(),
+        served_name="tiny",
+        log_path=log,
+        extra_flags=["--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.port}/v1/traces"],
+        env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},
+    )
+    print(f"starting vLLM with traces to 127.0.0.1:{receiver.port} (log {log})", flush=True)
+    try:
+        with server:
+            events = asyncio.run(client_events(server.url, args.requests, args.prompt_tokens))
+            deadline = time.monotonic() + 60
+            wanted = {e["request_id"] for e in events}
+            while time.monotonic() < deadline and not wanted <= set(spans.pieces):
+                time.sleep(0.5)
+    finally:
+        receiver.stop()
+    gaps = []
+    for event in events:
+        piece = spans.pieces.get(event["request_id"])
+        if event["status"] == "ok" and piece and piece.get("server_ttft_ms") is not None:
+            gaps.append(event["ttft_ms"] - piece["server_ttft_ms"])
+    if not gaps:
+        print("no request could be joined to its span", file=sys.stderr)
+        return 1
+    ordered = sorted(gaps)
+    p50 = statistics.median(ordered)
+    p90 = ordered[int(0.9 * (len(ordered) - 1))]
+    print(
+        f"{len(gaps)} of {len(events)} requests joined; client - server TTFT: p50 {p50:.2f} ms, "
+        f"p90 {p90:.2f} ms, min {ordered[0]:.2f} ms, max {ordered[-1]:.2f} ms"
+    )
+    print(
+        json.dumps(
+            {
+                "metric": "client_minus_server_ttft_ms_p50",
+                "value": round(p50, 3),
+                "p90": round(p90, 3),
+                "target": TARGET_MS,
+                "met": p50 <= TARGET_MS,
+                "requests": len(gaps),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
