@@ -5,6 +5,8 @@ Label values are team, upstream, outcome and reason names from gateway.yaml — 
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (
@@ -17,6 +19,8 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 
 class GatewayMetrics:
     def __init__(self) -> None:
+        self._outcomes: dict[tuple[str, str], Any] = {}  # label children, looked up once
+        self._per_team: dict[str, tuple[Any, Any, Any]] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.rejected = Counter(
@@ -78,13 +82,18 @@ class GatewayMetrics:
         """Count one finished request from its event."""
         team = event.get("team") or "unknown"
         status = event.get("status", "error")
-        self.requests.labels(team, status).inc()
+        if (counter := self._outcomes.get((team, status))) is None:
+            counter = self._outcomes[(team, status)] = self.requests.labels(team, status)
+        counter.inc()
         if status == "rejected":
             self.rejected.labels(team, event["error"].removeprefix("rejected:")).inc()
             return
-        if (queue_ms := event.get("queue_ms")) is not None:
-            self.queue_wait.labels(team).observe(queue_ms / 1000.0)
-        if (ttft := event.get("ttft_ms")) is not None:
-            self.ttft.labels(team).observe(ttft / 1000.0)
-        if (tpot := event.get("tpot_ms")) is not None:
-            self.tpot.labels(team).observe(tpot / 1000.0)
+        if (histograms := self._per_team.get(team)) is None:
+            histograms = self._per_team[team] = (
+                self.queue_wait.labels(team),
+                self.ttft.labels(team),
+                self.tpot.labels(team),
+            )
+        for histogram, key in zip(histograms, ("queue_ms", "ttft_ms", "tpot_ms"), strict=True):
+            if (value := event.get(key)) is not None:
+                histogram.observe(value / 1000.0)

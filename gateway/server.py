@@ -38,6 +38,7 @@ log = logging.getLogger("servescope.gateway")
 DOWN_FOR_S = 2.0  # an upstream that refused a connection is skipped this long
 MAX_REQUEST_ID = 200
 PASSED_HEADERS = ("traceparent", "tracestate")
+RAW_BODY = "servescope.raw_body"  # request key: the body as received
 TRACE_HEADERS = "servescope.trace_headers"  # request key: traceparent of the gateway's span
 
 
@@ -262,8 +263,10 @@ class Gateway:
         return response
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        request[RAW_BODY] = raw
         try:
-            body = json.loads(await request.read())
+            body = json.loads(raw)
         except ValueError as exc:
             raise Rejected("bad_request", f"request body is not JSON: {exc}") from None
         if not isinstance(body, dict):
@@ -316,8 +319,13 @@ class Gateway:
                 headers[name] = value
         headers.update(request.get(TRACE_HEADERS) or {})  # the gateway's own span, if traced
         stream = bool(body.get("stream"))
-        if stream:  # the gateway needs usage for TPOT and budgets
-            options = body.get("stream_options")
+        options = body.get("stream_options")
+        raw = (
+            None
+            if stream and not (isinstance(options, dict) and options.get("include_usage"))
+            else request.get(RAW_BODY)
+        )  # unchanged bodies go upstream as they came
+        if raw is None and stream:  # the gateway needs usage for TPOT and budgets
             body["stream_options"] = {
                 **(options if isinstance(options, dict) else {}),
                 "include_usage": True,
@@ -328,12 +336,16 @@ class Gateway:
                 slot.move_to(upstream.name)
                 event["fallback"] = True
             event["upstream"] = upstream.name
-            payload = {**body, "model": upstream.model or body["model"]}
+            served = upstream.model or body["model"]
+            if raw is not None and served == body["model"]:
+                payload_bytes = raw
+            else:
+                payload_bytes = json.dumps({**body, "model": served}).encode()
             attempt = Attempt(
                 request=request,
                 pool=self._pool(upstream.url),
                 endpoint=endpoint,
-                body=json.dumps(payload).encode(),
+                body=payload_bytes,
                 headers=headers,
                 stream=stream,
                 timing=StreamTiming(endpoint, start),
