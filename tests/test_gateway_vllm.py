@@ -296,6 +296,7 @@ def test_prompt_length_and_token_budget_limits(vllm_server: RunningServer, tmp_p
     teams = {
         "a": {"keys": [KEYS["a"]], "max_prompt_tokens": 64},
         "b": {"keys": [KEYS["b"]], "token_budget": {"tokens": 60, "window_s": 60}},
+        "c": {"keys": [KEYS["c"]], "max_concurrent": 1, "queue_timeout_s": 0.2},
     }
     with gateway(tmp_path, one_upstream(vllm_server, teams)) as gw:
 
@@ -311,11 +312,18 @@ def test_prompt_length_and_token_budget_limits(vllm_server: RunningServer, tmp_p
                 first_429 = answers[codes.index(429)]
                 assert json.loads(first_429[2])["error"]["code"] == "token_budget"
                 assert 1 <= int(first_429[1]["Retry-After"]) <= 60
+                hold = asyncio.create_task(post(s, gw.url, "c", short(1500), "qto-000001"))
+                await asyncio.sleep(0.3)  # c's only slot is taken
+                status, headers, text = await post(s, gw.url, "c", short(), "qto-000002")
+                assert status == 503 and int(headers["Retry-After"]) >= 1
+                assert json.loads(text)["error"]["code"] == "queue_timeout"
+                assert (await hold)[0] == 200
 
         asyncio.run(scenario())
-        events = gw.events(expect=8)
+        events = gw.events(expect=10)
         reasons = Counter(e.get("error") for e in events if e["status"] == "rejected")
         assert reasons["rejected:prompt_too_long"] == 1 and reasons["rejected:token_budget"] >= 1
+        assert reasons["rejected:queue_timeout"] == 1
         used = gw.samples("servescope_gateway_token_budget_used_ratio")
         assert used[(("team", "b"),)] > 0.5 and (("team", "a"),) not in used
 
