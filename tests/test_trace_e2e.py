@@ -6,6 +6,7 @@ endpoint. All of them carry one trace id per request, and so do the stored event
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -13,10 +14,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import aiohttp
 import duckdb
 import pytest
 import yaml
 
+from bench.client import COMPLETIONS, stream_request
 from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port
 from tests.otlp_sink import otlp_http_sink
 
@@ -197,3 +200,22 @@ def test_bench_gateway_and_vllm_spans_share_one_trace_per_request(
         assert forwarded[0]["attributes"]["servescope.queue_ms"] == piece["queue_ms"]
         assert forwarded[0]["attributes"]["gen_ai.provider.name"] == "vllm"
         assert client_events[request_id]["trace_id"] == trace_id
+
+
+@pytest.mark.vllm
+def test_a_callers_own_traceparent_is_kept_in_the_event(vllm_server: RunningServer) -> None:
+    """No tracer configured: the client still sends the caller's `traceparent` and the event
+    records its trace id (an agent runtime that traces itself keeps one trace)."""
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    headers = {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"}
+
+    async def send() -> dict:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+            return await stream_request(
+                session, vllm_server.url, COMPLETIONS, body, "tp-000001", headers=headers
+            )
+
+    event = asyncio.run(send())
+    assert event["status"] == "ok"
+    assert event["trace_id"] == trace_id
