@@ -117,9 +117,7 @@ def main() -> int:
                 counts[name]["exported"] += export.exported()
                 counts[name]["dropped"] += export.dropped()
                 export.shutdown(1)
-    figures = {
-        name: {"records_per_s": max(rates[name]), **counts[name]} for name in urls
-    }
+    figures = {name: {"records_per_s": max(rates[name]), **counts[name]} for name in urls}
     for name, f in figures.items():
         runs = " ".join(f"{r:.0f}" for r in rates[name])
         print(
