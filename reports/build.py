@@ -33,8 +33,9 @@ class NoLeverFlip(LookupError):
 def _side(
     con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions
 ) -> tuple[Side, dict[str, Any]]:
-    summary = summarize(con, part, options)
-    return Side(part.name, summary, load_samples(con, part)), summary
+    samples = load_samples(con, part)
+    summary = summarize(con, part, options, samples)
+    return Side(part.name, summary, samples), summary
 
 
 def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
@@ -97,7 +98,7 @@ def build_summary(
         "slo": options.slo or None,
         "checklist": checks,
         "flips": flips,
-        "charts": charts([side], flips),
+        "charts": charts([side], flips) if options.charts else {},
     }
 
 
@@ -176,7 +177,7 @@ def build_diff(
         "lever_changes": changes,
         **compared,
         "checklist": checks,
-        "charts": charts([b_side, a_side], compared["flips"]),
+        "charts": charts([b_side, a_side], compared["flips"]) if options.charts else {},
     }
 
 
@@ -194,7 +195,7 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         before = Slice(run_id, until=at, label="before flip")
         after = Slice(run_id, since=at, label="after flip")
         whole = Slice(run_id)
-        summary = summarize(con, whole, options)
+        summary = summarize(con, whole, options, load_samples(con, whole))
         meta = run_meta(run, summary["overall"]["models"])
         compared = _compare(con, before, after, (run, run), options)
         checks = checklist(con, whole, meta, summary, options)
@@ -221,5 +222,5 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         "warnings": warnings,
         **compared,
         "checklist": checks,
-        "charts": charts([b_side, a_side], compared["flips"]),
+        "charts": charts([b_side, a_side], compared["flips"]) if options.charts else {},
     }

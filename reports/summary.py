@@ -12,7 +12,8 @@ from typing import Any
 
 import duckdb
 
-from reports.samples import Slice
+from reports.bootstrap import quantile
+from reports.samples import Samples, Slice
 from store import Store, queries
 
 PERCENTILES = ("p50", "p90", "p95", "p99", "mean")
@@ -39,12 +40,14 @@ class UnknownRun(LookupError):
 
 @dataclass(frozen=True)
 class ReportOptions:
-    """What the user adds to the data: SLOs for goodput, prices for the cost check, a seed."""
+    """What the user adds to the data: SLOs for goodput, prices for the cost check, a seed;
+    and whether to draw the charts (only the HTML shows them)."""
 
     slo: dict[str, float] = field(default_factory=dict)
     gpu_hour_usd: float | None = None
     api_usd_per_1k_tokens: float | None = None
     seed: int | None = None
+    charts: bool = True
 
 
 def recorded_slo(run: dict[str, Any]) -> dict[str, float]:
@@ -174,16 +177,28 @@ def _server(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any]:
     }
 
 
+def _overall_quantiles(row: dict[str, Any], samples: Samples) -> dict[str, Any]:
+    """The slice's latency quantiles from its sorted per-request samples (what SQL's
+    `quantile_cont` gives, without a second pass over the events)."""
+    for metric in queries.REPORT_LATENCY_METRICS:
+        values = samples.successful(metric)
+        found = len(values) > 0
+        row[f"{metric}_q"] = (
+            [quantile(values, q) for q in (0.5, 0.9, 0.95, 0.99)] if found else None
+        )
+        row[f"{metric}_mean"] = float(values.mean()) if found else None
+    return row
+
+
 def summarize(
-    con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions
+    con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions, samples: Samples
 ) -> dict[str, Any]:
     """Overall and per-level numbers of one slice, server-side deltas and admission evidence."""
     params = part.params()
     slo_params = {f"slo_{m}": options.slo.get(m) for m in SLO_METRICS}
-    rows = _dicts(con.execute(queries.SLICE_SUMMARIES, {**params, **slo_params}))
-    overall, groups = rows[0], [r for r in rows[1:] if not r["overall"]]
-    if not overall["requests"]:  # no events: no level either
-        groups = []
+    overall = _dicts(con.execute(queries.SLICE_OVERALL, {**params, **slo_params}))[0]
+    overall = _overall_quantiles(overall, samples)
+    groups = _dicts(con.execute(queries.SLICE_LEVELS, {**params, **slo_params}))
     itl_all = _dicts(con.execute(queries.SLICE_ITL, params))[0]
     itl = {_level(r): r for r in _dicts(con.execute(queries.SLICE_GROUP_ITL, params))}
     errors: dict[tuple[Any, Any, Any], dict[str, int]] = {}

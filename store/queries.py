@@ -198,19 +198,16 @@ def _sliced(sql: str) -> str:
 
 REPORT_LATENCY_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms")
 
-# Overall (`overall` true) and per load level in one pass. One list-quantile aggregate per metric
-# (p50, p90, p95, p99 from one sorted state) is several times faster than one per percentile.
+# A slice's counts, tokens and goodput (SLICE_OVERALL), and the same per load level with the
+# latency quantiles (SLICE_LEVELS). One list-quantile aggregate per metric (p50, p90, p95, p99
+# from one sorted state) is several times faster than one aggregate per percentile. The
+# overall quantiles come from the per-request samples the report sorts for its bootstrap anyway.
 # Goodput (vLLM's definition): successful requests meeting every SLO given ($slo_* NULL = none).
-SLICE_SUMMARIES = _sliced(
-    """
-SELECT
-    GROUPING(workload, concurrency, target_rate) > 0 AS overall,
-    workload, concurrency, target_rate,
+_SUMMARY_COLUMNS = """
     count(*) AS requests,
     count(*) FILTER (WHERE status <> 'ok') AS errors,
     (count(*) FILTER (WHERE status <> 'ok'))::DOUBLE / NULLIF(count(*), 0) AS error_rate,
     count(*) FILTER (WHERE status = 'rejected') AS rejected,
-    LATENCY,
     min(ts) AS first_ts,
     max(ts + to_microseconds(CAST(COALESCE(e2e_ms, 0) * 1000 AS BIGINT))) AS last_end_ts,
     sum(prompt_tokens) FILTER (WHERE status = 'ok') AS input_tokens,
@@ -225,14 +222,25 @@ SELECT
         AND (CAST($slo_ttft_ms AS DOUBLE) IS NULL OR ttft_ms <= $slo_ttft_ms)
         AND (CAST($slo_tpot_ms AS DOUBLE) IS NULL OR tpot_ms <= $slo_tpot_ms)
         AND (CAST($slo_e2e_ms AS DOUBLE) IS NULL OR e2e_ms <= $slo_e2e_ms)
-    ) AS good_requests,
-    string_agg(DISTINCT model, ', ' ORDER BY model) AS models
+    ) AS good_requests"""
+
+SLICE_OVERALL = _sliced(
+    """
+SELECT COLUMNS, string_agg(DISTINCT model, ', ' ORDER BY model) AS models
 FROM events
 WHERE SLICE
-GROUP BY GROUPING SETS ((), (workload, concurrency, target_rate))
-ORDER BY overall DESC, workload NULLS FIRST, concurrency NULLS FIRST, target_rate NULLS FIRST
 """
-).replace(
+).replace("COLUMNS", _SUMMARY_COLUMNS)
+
+SLICE_LEVELS = _sliced(
+    """
+SELECT workload, concurrency, target_rate, COLUMNS, LATENCY
+FROM events
+WHERE SLICE
+GROUP BY workload, concurrency, target_rate
+ORDER BY workload NULLS FIRST, concurrency NULLS FIRST, target_rate NULLS FIRST
+"""
+).replace("COLUMNS", _SUMMARY_COLUMNS).replace(
     "LATENCY",
     ",\n    ".join(
         f"quantile_cont({m}, [0.5, 0.9, 0.95, 0.99]) FILTER (WHERE status = 'ok') AS {m}_q, "
@@ -294,13 +302,21 @@ GROUP BY team ORDER BY team
 """
 )
 
-# One row per request: what the bootstrap resamples and the charts draw.
+# One row per request: what the bootstrap resamples and the charts draw. NULL becomes NaN
+# (not measured), so every column arrives as a plain float array.
 SLICE_SAMPLES = _sliced(
     """
-SELECT epoch(ts) AS t, status = 'ok' AS ok,
-       ttft_ms, tpot_ms, e2e_ms, queue_ms, prefill_ms, decode_ms,
-       prompt_tokens, completion_tokens,
-       CASE WHEN cache_hit THEN 1.0 WHEN NOT cache_hit THEN 0.0 END AS cache_hit
+SELECT COALESCE(epoch(ts), 'NaN'::DOUBLE) AS t, COALESCE(status = 'ok', false) AS ok,
+       COALESCE(ttft_ms, 'NaN'::DOUBLE) AS ttft_ms,
+       COALESCE(tpot_ms, 'NaN'::DOUBLE) AS tpot_ms,
+       COALESCE(e2e_ms, 'NaN'::DOUBLE) AS e2e_ms,
+       COALESCE(queue_ms, 'NaN'::DOUBLE) AS queue_ms,
+       COALESCE(prefill_ms, 'NaN'::DOUBLE) AS prefill_ms,
+       COALESCE(decode_ms, 'NaN'::DOUBLE) AS decode_ms,
+       COALESCE(prompt_tokens::DOUBLE, 'NaN'::DOUBLE) AS prompt_tokens,
+       COALESCE(completion_tokens::DOUBLE, 'NaN'::DOUBLE) AS completion_tokens,
+       CASE WHEN cache_hit THEN 1.0 WHEN NOT cache_hit THEN 0.0 ELSE 'NaN'::DOUBLE END
+           AS cache_hit
 FROM events WHERE SLICE
 """
 )

@@ -118,6 +118,7 @@ def run_build(args: argparse.Namespace) -> int:
         gpu_hour_usd=args.gpu_hour_usd,
         api_usd_per_1k_tokens=args.api_usd_per_1k_tokens,
         seed=args.seed,
+        charts="html" in formats,
     )
     store = open_store(args)
     try:
