@@ -240,14 +240,13 @@ WHERE SLICE
 GROUP BY workload, concurrency, target_rate
 ORDER BY workload NULLS FIRST, concurrency NULLS FIRST, target_rate NULLS FIRST
 """
-).replace("COLUMNS", _SUMMARY_COLUMNS).replace(
-    "LATENCY",
-    ",\n    ".join(
-        f"quantile_cont({m}, [0.5, 0.9, 0.95, 0.99]) FILTER (WHERE status = 'ok') AS {m}_q, "
-        f"avg({m}) FILTER (WHERE status = 'ok') AS {m}_mean"
-        for m in REPORT_LATENCY_METRICS
-    ),
 )
+_LEVEL_LATENCY = ",\n    ".join(
+    f"quantile_cont({m}, [0.5, 0.9, 0.95, 0.99]) FILTER (WHERE status = 'ok') AS {m}_q, "
+    f"avg({m}) FILTER (WHERE status = 'ok') AS {m}_mean"
+    for m in REPORT_LATENCY_METRICS
+)
+SLICE_LEVELS = SLICE_LEVELS.replace("COLUMNS", _SUMMARY_COLUMNS).replace("LATENCY", _LEVEL_LATENCY)
 
 # ITL as `vllm bench serve` pools it: every gap between content chunks of successful requests.
 # Overall and per level as two plain aggregations: faster than grouping sets over the gaps.
