@@ -21,6 +21,8 @@ for prompt_too_long, 503 + Retry-After for queue_timeout / upstream_unavailable,
 unknown key. Streams pass through chunk by chunk. Every request is one event in
 <events_dir>/gateway-<date>.events.jsonl; rejections count in admission_rejected_total{team,reason}.
 SIGHUP reloads the config without dropping streams. See gateway/config.py for the file format.
+Exit codes: 0 stopped by SIGINT/SIGTERM (or --check/--hash-key done), 1 cannot listen, 2 a bad
+config file or usage.
 """
 
 
