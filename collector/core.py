@@ -408,16 +408,18 @@ class Collector:
         last_flush = time.monotonic()
         while not stop.is_set():
             read = self.poll()
-            due = time.monotonic() - last_flush >= self.flush_interval
-            if self.pending_bytes() >= self.max_flush_bytes or (due or not read):
+            full = self.pending_bytes() >= self.max_flush_bytes
+            since = time.monotonic() - last_flush
+            if full or since >= self.flush_interval or not read:
                 try:
                     self.flush()
                 except Exception:
                     log.exception("flush failed; the batch is kept and retried")
                     stop.wait(1.0)
                 last_flush = time.monotonic()
-            if not read:
-                stop.wait(self.poll_interval)
+            if not full and read < 1 << 20:  # a trickle: wait for more, never spin on it
+                wait = self.poll_interval if not read else self.flush_interval - since
+                stop.wait(max(0.0, min(self.poll_interval, wait)))
         while self.poll():
             if self.pending_bytes() >= self.max_flush_bytes:
                 self.flush()

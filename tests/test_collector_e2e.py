@@ -21,6 +21,8 @@ from bench.launcher import VllmServer
 from store import Store
 from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, servescope
 
+pytestmark = pytest.mark.vllm
+
 N = 8
 WORKLOAD = f"""workloads:
   - {{name: tiny-e2e, input_tokens: 32, output_tokens: 8, concurrency: [2]}}
