@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup
 
 from reports.summary import LATENCY_METRICS
+
+if TYPE_CHECKING:
+    from jinja2 import Environment
 
 DEFAULT_OUT = Path("servescope-data") / "reports"
 FORMATS = ("html", "md", "json")
@@ -66,6 +68,9 @@ def ci_of(row: dict[str, Any]) -> str:
 
 
 def _environment(autoescape: bool) -> Environment:
+    # imported here: a JSON-only report (what scripts ask for) never pays for jinja2
+    from jinja2 import Environment, PackageLoader, StrictUndefined
+
     env = Environment(
         loader=PackageLoader("reports", "templates"),
         autoescape=autoescape,
