@@ -191,7 +191,6 @@ def outcome_table(rows: list[dict[str, Any]]) -> Table:
 
     table = Table(
         "profile",
-        "run",
         "requests",
         "errors",
         "TTFT p50 ms",
@@ -199,6 +198,7 @@ def outcome_table(rows: list[dict[str, Any]]) -> Table:
         "probe TTFT p50",
         "server hit ratio",
         "client cached ratio",
+        title="runs (server hit ratio: Δhits/Δqueries; client: cached_tokens/prompt_tokens)",
     )
     for row in rows:
         table.add_row(
