@@ -7,10 +7,11 @@ cached tokens, 1 % errors, two workloads at three concurrency levels, plus a lev
 server counters, so every part of the report does real work.
 
     ours       wall time of the `report build … --vs … --format json` command (a new process,
-               interpreter start-up included), best of --repeats
-    reference  the skeleton's overall-summary query (count, errors, p50/p90/p95/p99/mean of
-               TTFT, TPOT, e2e and queue time, tokens) for both runs, run in this process on an
-               open connection, best of --repeats
+               interpreter start-up included)
+    reference  the store's overall-summary query (`store.queries.RUN_SUMMARY`: count, errors,
+               p50/p90/p95/p99/mean of TTFT, TPOT, e2e and queue time, tokens) for both runs,
+               in this process on a connection opened beforehand
+    Both are timed --repeats times, interleaved so they share the machine's load; best of each.
 
 The last line is JSON: {"metric": "report_build_s", "ours": X, "reference": Y, "ratio": X/Y}.
 Targets: ratio ≤ 5 and the report process's peak RSS < 1 GB.
@@ -117,19 +118,17 @@ def build_store(path: Path, total: int) -> None:
         )
 
 
-def reference_s(path: Path, repeats: int) -> float:
-    """The bare DuckDB query for the same overall percentiles (both runs), best of `repeats`."""
+def reference_s(path: Path) -> float:
+    """One timing of the bare DuckDB query for the same overall percentiles (both runs), on a
+    connection opened beforehand."""
     con = duckdb.connect(str(path), read_only=True)
-    best = float("inf")
     try:
-        for _ in range(repeats):
-            started = time.perf_counter()
-            for run_id in RUNS:
-                con.execute(queries.RUN_SUMMARY, [run_id]).fetchall()
-            best = min(best, time.perf_counter() - started)
+        started = time.perf_counter()
+        for run_id in RUNS:
+            con.execute(queries.RUN_SUMMARY, [run_id]).fetchall()
+        return time.perf_counter() - started
     finally:
         con.close()
-    return best
 
 
 def _peak_rss(pid: int) -> int:
@@ -145,31 +144,29 @@ def _peak_rss(pid: int) -> int:
     return 0
 
 
-def ours_s(path: Path, out: Path, repeats: int) -> tuple[float, float]:
-    """Wall time of the command (best of `repeats`) and its peak RSS in bytes (max)."""
+def ours_s(path: Path, out: Path) -> tuple[float, int]:
+    """One timing of the command (a new process) and its peak RSS in bytes."""
     command = [
         str(Path(sys.executable).with_name("report")), "build", RUNS[1], "--vs", RUNS[0],
         "--format", "json", "--store", str(path), "--out", str(out),
     ]  # fmt: skip
-    best, peak = float("inf"), 0
-    for _ in range(repeats):
-        started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        while process.poll() is None:  # VmHWM only grows: the last reading is the peak
-            peak = max(peak, _peak_rss(process.pid))
-            time.sleep(0.01)
-        elapsed = time.perf_counter() - started
-        if process.returncode != 0:
-            assert process.stderr is not None
-            raise SystemExit(f"report build failed:\n{process.stderr.read().decode()}")
-        best = min(best, elapsed)
-    return best, peak
+    peak = 0
+    started = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    while process.poll() is None:  # VmHWM only grows: the last reading is the peak
+        peak = max(peak, _peak_rss(process.pid))
+        time.sleep(0.01)
+    elapsed = time.perf_counter() - started
+    if process.returncode != 0:
+        assert process.stderr is not None
+        raise SystemExit(f"report build failed:\n{process.stderr.read().decode()}")
+    return elapsed, peak
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=1_000_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--keep", type=Path, help="build the store here and keep it")
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="bench-report-"))
@@ -179,8 +176,13 @@ def main() -> int:
         started = time.perf_counter()
         build_store(path, args.events)
         print(f"store: {args.events:,} events in {time.perf_counter() - started:.1f} s ({path})")
-    reference = reference_s(path, args.repeats)
-    ours, rss = ours_s(path, folder / "reports", args.repeats)
+    # interleaved (reference, ours, reference, ours, …) so both see the same machine load;
+    # the best of each is reported
+    reference, ours, rss = float("inf"), float("inf"), 0
+    for _ in range(args.repeats):
+        reference = min(reference, reference_s(path))
+        elapsed, peak = ours_s(path, folder / "reports")
+        ours, rss = min(ours, elapsed), max(rss, peak)
     report = json.loads(
         (folder / "reports" / f"{RUNS[1]}-vs-{RUNS[0]}" / "report.json").read_text()
     )
