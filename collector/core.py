@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -143,7 +144,7 @@ class Collector:
         self._lock = threading.Lock()
         self._pending = _Pending()
         self.logs: list[_LogSource] = []
-        for path in vllm_logs:
+        for path in (os.path.abspath(p) for p in vllm_logs):  # a checkpoint outlives the cwd
             name = f"vllm-log:{path}"
             saved = checkpoints.load(store, name)
             files = [r for r in saved if r["file_key"] != checkpoints.STATE_KEY]
@@ -151,7 +152,7 @@ class Collector:
                 _LogSource(name, Tailer(path, files, once=once), checkpoints.state_of(saved))
             )
         self.event_files: list[tuple[str, Tailer]] = []
-        for pattern in events:
+        for pattern in (os.path.abspath(p) for p in events):
             name = f"events:{pattern}"
             rows = [r for r in checkpoints.load(store, name) if r["file_key"]]
             self.event_files.append((name, Tailer(pattern, rows, once=once)))
