@@ -67,13 +67,13 @@ def ci_of(row: dict[str, Any]) -> str:
     return interval(row["ci95"], 2)
 
 
-def _environment(autoescape: bool) -> Environment:
+def _environment() -> Environment:
     # imported here: a JSON-only report (what scripts ask for) never pays for jinja2
     from jinja2 import Environment, PackageLoader, StrictUndefined
 
     env = Environment(
         loader=PackageLoader("reports", "templates"),
-        autoescape=autoescape,
+        autoescape=True,
         undefined=StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -94,7 +94,8 @@ def render(report: dict[str, Any], fmt_name: str) -> str:
     if fmt_name == "json":
         data = {k: v for k, v in report.items() if k != "charts"}
         return json.dumps(data, indent=2, default=str) + "\n"
-    env = _environment(fmt_name == "html")
+    # Markdown is escaped like HTML too: a viewer that renders it to HTML gets text, never tags
+    env = _environment()
     charts = {k: Markup(v) for k, v in report.get("charts", {}).items()}  # escaped in svg.py
     return env.get_template(f"report.{fmt_name}.j2").render(
         r=report, charts=charts, metrics=LATENCY_METRICS

@@ -93,3 +93,6 @@ def test_html_is_self_contained_and_escaped(tmp_path: Path) -> None:
     assert "<script>" not in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
+    markdown = (out / "run-x" / "report.md").read_text()  # viewers render Markdown to HTML
+    assert "<script>" not in markdown and "<b>" not in markdown
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in markdown
