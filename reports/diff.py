@@ -197,6 +197,8 @@ def diff_rows(before: Side, after: Side, seed: int) -> list[dict[str, Any]]:
 
 
 def _signed_pct(value: float) -> str:
+    if round(value) == 0:
+        return "±0 %"
     return f"{'−' if value < 0 else '+'}{abs(value):.0f} %"
 
 
