@@ -401,11 +401,28 @@ class OtlpExport:
                 self._pending_lock.wait(left)
         return self._meter_provider.force_flush(int(max(deadline - time.monotonic(), 1) * 1000))
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        self.flush(timeout_s)
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Deliver what is queued within `timeout_s` in all (a container's stop grace period is
+        short); what is left is counted as dropped, never waited for."""
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 0.1)
+
+        self.flush(left())
         self._stop.set()
-        self._worker.join(timeout_s)
-        self._meter_provider.shutdown(timeout_millis=int(timeout_s * 1000))
+        self._worker.join(left())
+        lost = 0  # still queued: never sent (a batch in the worker's hands counts itself)
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+            lost += 1
+        if lost:
+            self.count_dropped(lost, "export_failed")
+            self._settle(lost)
+        self._meter_provider.shutdown(timeout_millis=int(left() * 1000))
         self._exporter.shutdown()
 
     # -- the worker ----------------------------------------------------------------------------
@@ -571,7 +588,7 @@ class StoredRequestForwarder:
                     self.export.count_dropped(len(keys), "export_failed")
                 keys = self._due()
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
         """Forward everything still waiting (settled or not), then flush and stop the export."""
         self._stop.set()
         self._thread.join(timeout_s)

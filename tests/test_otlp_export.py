@@ -340,3 +340,20 @@ def test_pieces_of_one_request_in_two_flushes_become_one_span(tmp_path: Path) ->
     assert attrs["servescope.queue_ms"] == 12.5  # from the trace piece
     assert attrs["gen_ai.usage.output_tokens"] == 419  # from the client piece
     assert attrs["servescope.source"] == "client"
+
+
+def test_collect_with_an_unreachable_endpoint_still_stores_everything(tmp_path: Path) -> None:
+    events = tmp_path / "client.events.jsonl"
+    events.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    db = tmp_path / "s.duckdb"
+    result = servescope(
+        "collect", "--once", "--events", str(events), "--otlp-export",
+        f"http://127.0.0.1:{closed_port()}", "--store", str(db), "--json",
+        env={"OTEL_EXPORTER_OTLP_TIMEOUT": "1"}, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["events"] == 2
+    assert {e["request_id"] for e in Store(db).export_events(RUN)} == {
+        f"{RUN}-000001",
+        f"{RUN}-000002",
+    }
