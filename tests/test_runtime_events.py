@@ -229,3 +229,17 @@ def test_export_needs_a_run_for_jsonl_and_a_known_run(tmp_path: Path) -> None:
         str(db),
     )
     assert missing.returncode == 2
+
+
+def test_the_collector_tailing_the_file_stores_and_exports_it_the_same(tmp_path: Path) -> None:
+    """`servescope collect` (tailing `.events.jsonl` files) routes runtime lines the same way."""
+    src = tmp_path / "agent.events.jsonl"
+    text = write_lines(src, LINES)
+    db = tmp_path / "s.duckdb"
+    servescope("collect", "--once", "--events", str(src), "--store", str(db), check=True)
+    out = tmp_path / "out.events.jsonl"
+    servescope("store", "export", RUN, "--out", str(out), "--store", str(db), check=True)
+    assert out.read_text(encoding="utf-8") == text
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM runtime_events").fetchone() == (4,)
+        assert con.execute("SELECT count(*) FROM ingest_errors").fetchone() == (0,)
