@@ -10,7 +10,7 @@ to resample, so it gets no interval and the verdict `not tested`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ class Side:
     name: str
     summary: dict[str, Any]
     samples: Samples
+    cache: dict[str, Any] = field(default_factory=dict)
 
 
 Estimator = Callable[[Side], tuple[float | None, Draws | None]]
@@ -69,14 +70,19 @@ def _windows(side: Side, values: Floats) -> Floats | None:
     resampling windows of the run (a block bootstrap): 1 s windows, or 1/20 of a shorter run.
     """
     seconds = side.summary["overall"]["throughput"]["duration_s"]
-    t = side.samples.t
-    if not seconds or not np.isfinite(t).any():
+    if not seconds:
         return None
-    end = t + np.nan_to_num(side.samples.columns["e2e_ms"], nan=0.0) / 1000.0
-    keep = np.isfinite(end)
-    width = 1.0 if seconds >= 20 else seconds / 20
-    count = max(1, int(np.ceil(seconds / width)))
-    which = np.clip(((end[keep] - np.nanmin(t)) / width).astype(np.int64), 0, count - 1)
+    if "windows" not in side.cache:  # the same windows serve every throughput indicator
+        t = side.samples.t
+        if not np.isfinite(t).any():
+            return None
+        end = t + np.nan_to_num(side.samples.columns["e2e_ms"], nan=0.0) / 1000.0
+        keep = np.isfinite(end)
+        width = 1.0 if seconds >= 20 else seconds / 20
+        count = max(1, int(np.ceil(seconds / width)))
+        which = np.clip(((end[keep] - np.nanmin(t)) / width).astype(np.int64), 0, count - 1)
+        side.cache["windows"] = (keep, which, count)
+    keep, which, count = side.cache["windows"]
     return np.bincount(which, weights=values[keep], minlength=count).astype(np.float64)
 
 
