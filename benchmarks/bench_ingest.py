@@ -194,10 +194,10 @@ def main() -> int:
         with console.status(f"writing {args.events:,} seed-format events"):
             write_file(path, args.events)
         size_mb = path.stat().st_size / 2**20
+        result = steady(folder, args.rate, args.seconds)  # first: its RSS is the collector's own
         with console.status("reference: DuckDB read_json_auto bulk load"):
             ref_s = reference(path, folder)
         ours_s = ours(path, folder, args.events)
-        result = steady(folder, args.rate, args.seconds)
     ours_rate = args.events / ours_s
     ref_rate = args.events / ref_s
     print(f"file: {args.events:,} events, {size_mb:.0f} MB")

@@ -412,12 +412,12 @@ class Collector:
             full = self.pending_bytes() >= self.max_flush_bytes
             since = time.monotonic() - last_flush
             if full or since >= self.flush_interval or not read:
+                last_flush = time.monotonic()  # from its start: slow flushes run back to back
                 try:
                     self.flush()
                 except Exception:
                     log.exception("flush failed; the batch is kept and retried")
                     stop.wait(1.0)
-                last_flush = time.monotonic()
             if not full and read < 1 << 20:  # a trickle: wait for more, never spin on it
                 wait = self.poll_interval if not read else self.flush_interval - since
                 stop.wait(max(0.0, min(self.poll_interval, wait)))
