@@ -410,15 +410,16 @@ class Collector:
         while not stop.is_set():
             read = self.poll()
             full = self.pending_bytes() >= self.max_flush_bytes
+            backlog = read >= 1 << 20  # catching up: fill the flush, fewer and bigger commits
             since = time.monotonic() - last_flush
-            if full or since >= self.flush_interval or not read:
+            if full or not backlog and (since >= self.flush_interval or not read):
                 last_flush = time.monotonic()  # from its start: slow flushes run back to back
                 try:
                     self.flush()
                 except Exception:
                     log.exception("flush failed; the batch is kept and retried")
                     stop.wait(1.0)
-            if not full and read < 1 << 20:  # a trickle: wait for more, never spin on it
+            if not full and not backlog:  # a trickle: wait for more, never spin on it
                 wait = self.poll_interval if not read else self.flush_interval - since
                 stop.wait(max(0.0, min(self.poll_interval, wait)))
         while self.poll():
