@@ -75,7 +75,8 @@ def test_one_event_per_request_with_exact_prompt_sizes(bench_run: dict) -> None:
         assert event["status"] == "ok", event
         assert (event["prompt_tokens"], event["completion_tokens"]) == expected[event["workload"]]
         assert event["ttft_ms"] > 0
-        assert len(event["itl_ms"]) == event["completion_tokens"] - 1
+        # one gap per SSE message; vLLM merges tokens into one message when its reader lags
+        assert 1 <= len(event["itl_ms"]) <= event["completion_tokens"] - 1
         rebuilt = event["ttft_ms"] + event["tpot_ms"] * (event["completion_tokens"] - 1)
         assert rebuilt == pytest.approx(event["e2e_ms"], rel=1e-9)
         assert event["e2e_ms"] >= event["ttft_ms"] + sum(event["itl_ms"]) - 1e-6

@@ -102,8 +102,8 @@ def events_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def gateway(
     vllm_server: RunningServer, events_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    """A real `servescope gateway` in front of the session's vLLM: team alpha with room, team
-    beta with a 16-token prompt cap (its longer prompts are rejected: prompt_too_long)."""
+    """A real `servescope gateway` in front of the session's vLLM: team alpha with room and a
+    token budget it never exhausts, team beta with a 16-token prompt cap (its longer prompts are rejected: prompt_too_long)."""
     folder = tmp_path_factory.mktemp("gateway")
     port = free_port()
     config = {
@@ -112,7 +112,12 @@ def gateway(
         "upstreams": {"main": {"url": vllm_server.url, "model": "tiny", "max_concurrent": 8}},
         "models": {"tiny": {"upstream": "main"}},
         "teams": {
-            "alpha": {"keys": [GATEWAY_KEYS["alpha"]], "max_concurrent": 2, "max_queue": 8},
+            "alpha": {
+                "keys": [GATEWAY_KEYS["alpha"]],
+                "max_concurrent": 2,
+                "max_queue": 8,
+                "token_budget": {"tokens": 1_000_000, "window_s": 3600},
+            },
             "beta": {"keys": [GATEWAY_KEYS["beta"]], "max_prompt_tokens": 16},
         },
     }
