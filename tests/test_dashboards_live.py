@@ -103,7 +103,8 @@ def gateway(
     vllm_server: RunningServer, events_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """A real `servescope gateway` in front of the session's vLLM: team alpha with room and a
-    token budget it never exhausts, team beta with a 16-token prompt cap (its longer prompts are rejected: prompt_too_long)."""
+    token budget it never exhausts, team beta with a 16-token prompt cap (its longer prompts are
+    rejected: prompt_too_long)."""
     folder = tmp_path_factory.mktemp("gateway")
     port = free_port()
     config = {
