@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from store import Store
-from store.metrics import parse_exposition
+from store.metrics import parse_exposition, prefix_cache_hit_ratio
 
 INTERVAL_S = 1.0
 FLUSH_EVERY = 5
@@ -117,13 +117,7 @@ class MetricsScraper:
         hits = deltas["vllm:prefix_cache_hits_total"]
         queries = deltas["vllm:prefix_cache_queries_total"]
         prompt = deltas["vllm:prompt_tokens_total"]
-        # With prefix caching off the cache is never queried (Δqueries = 0) yet every prompt
-        # token was computed: the ratio is then hits over prompt tokens (the seeds' Panel 3), 0.
-        ratio, basis = None, None
-        if hits is not None and queries:
-            ratio, basis = hits / queries, "queries"
-        elif hits is not None and prompt:
-            ratio, basis = hits / prompt, "prompt_tokens"
+        ratio, basis = prefix_cache_hit_ratio(hits, queries, prompt)
         return {
             "prefix_cache_hit_ratio": ratio,
             "prefix_cache_hit_ratio_basis": basis,

@@ -14,7 +14,8 @@ import duckdb
 
 from reports.bootstrap import quantile
 from reports.samples import Samples, Slice
-from store import Store, queries
+from store import queries
+from store.metrics import prefix_cache_hit_ratio
 
 PERCENTILES = ("p50", "p90", "p95", "p99", "mean")
 LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms")
@@ -157,13 +158,7 @@ def _server(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any]:
         con.execute(queries.SLICE_GAUGE_PEAKS, {**params, "names": list(GAUGES)}).fetchall()
     )
     hits, asked, prompt = deltas.get(HITS), deltas.get(QUERIES), deltas.get(PROMPT_TOKENS)
-    # With prefix caching off vLLM never queries the cache (Δqueries = 0) though every prompt
-    # token was computed: the ratio is then hits over prompt tokens, i.e. 0 (as bench does).
-    ratio, basis = None, None
-    if hits is not None and asked:
-        ratio, basis = hits / asked, "queries"
-    elif hits is not None and prompt:
-        ratio, basis = hits / prompt, "prompt_tokens"
+    ratio, basis = prefix_cache_hit_ratio(hits, asked, prompt)
     return {
         "prefix_cache_hit_ratio": ratio,
         "prefix_cache_hit_ratio_basis": basis,
@@ -251,10 +246,3 @@ def run_meta(run: dict[str, Any], models: str | None) -> dict[str, Any]:
 
 def _iso(value: datetime | None) -> str | None:
     return value.isoformat() + "Z" if value else None
-
-
-def run_summary(store: Store, run_id: str) -> dict[str, Any]:
-    """The report of one run (kept for callers of the walking skeleton; see `build_summary`)."""
-    from reports.build import build_summary
-
-    return build_summary(store, run_id)

@@ -56,3 +56,19 @@ def parse_exposition(
             if sample.name.endswith("_created"):
                 continue
             yield ts, target, current_name(sample.name), dict(sample.labels), run_id, sample.value
+
+
+def prefix_cache_hit_ratio(
+    hits: float | None, queries: float | None, prompt_tokens: float | None
+) -> tuple[float | None, str | None]:
+    """(ratio, basis) of a run's prefix-cache hits, from counter deltas, in tokens.
+
+    Δhits / Δqueries is vLLM's own ratio. With prefix caching off vLLM never queries the cache
+    (Δqueries = 0) though every prompt token was computed, so the ratio is then hits over prompt
+    tokens, i.e. 0 (the seeds' Panel 3), rather than undefined. None without enough samples.
+    """
+    if hits is not None and queries:
+        return hits / queries, "queries"
+    if hits is not None and prompt_tokens:
+        return hits / prompt_tokens, "prompt_tokens"
+    return None, None

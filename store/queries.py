@@ -114,42 +114,6 @@ RUN_EVENTS = (
     "SELECT * EXCLUDE (doc) FROM events WHERE run_id = ? ORDER BY ts NULLS LAST, request_id"
 )
 
-# Percentiles are linear-interpolated over successful requests; error_rate is over all.
-_LATENCY = """
-    quantile_cont({m}, 0.5) FILTER (WHERE status = 'ok') AS {m}_p50,
-    quantile_cont({m}, 0.9) FILTER (WHERE status = 'ok') AS {m}_p90,
-    quantile_cont({m}, 0.95) FILTER (WHERE status = 'ok') AS {m}_p95,
-    quantile_cont({m}, 0.99) FILTER (WHERE status = 'ok') AS {m}_p99,
-    avg({m}) FILTER (WHERE status = 'ok') AS {m}_mean"""
-LATENCY_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms")
-
-SUMMARY_SELECT = (
-    """
-SELECT
-    count(*) AS requests,
-    count(*) FILTER (WHERE status <> 'ok') AS errors,
-    (count(*) FILTER (WHERE status <> 'ok'))::DOUBLE / NULLIF(count(*), 0) AS error_rate,
-    """
-    + ",".join(_LATENCY.format(m=m) for m in LATENCY_METRICS)
-    + """,
-    min(ts) AS first_ts,
-    max(ts + to_microseconds(CAST(COALESCE(e2e_ms, 0) * 1000 AS BIGINT))) AS last_end_ts,
-    sum(prompt_tokens) FILTER (WHERE status = 'ok') AS input_tokens,
-    sum(completion_tokens) FILTER (WHERE status = 'ok') AS output_tokens,
-    avg(CASE WHEN cache_hit THEN 1.0 WHEN NOT cache_hit THEN 0.0 END) AS cache_hit_request_ratio,
-    sum(cached_tokens)::DOUBLE
-        / NULLIF(sum(prompt_tokens) FILTER (WHERE cached_tokens IS NOT NULL), 0)
-        AS cached_token_ratio
-FROM events
-"""
-)
-
-RUN_SUMMARY = SUMMARY_SELECT + " WHERE run_id = ?"
-GROUP_SUMMARIES = (
-    SUMMARY_SELECT.replace("SELECT", "SELECT workload, concurrency,", 1)
-    + " WHERE run_id = ? GROUP BY workload, concurrency ORDER BY workload, concurrency NULLS FIRST"
-)
-
 ERRORS_BY_CLASS = """
 SELECT COALESCE(error, status) AS class, count(*) AS n
 FROM events WHERE run_id = ? AND status <> 'ok' GROUP BY 1 ORDER BY 2 DESC
