@@ -25,6 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVESCOPE = [sys.executable, "-m", "servescope.cli"]
 
 
+def bench_args(config: str | Path, target: str, run_id: str, store: str | Path) -> list[str]:
+    """`servescope bench run` arguments: one workload file against one server, into one store."""
+    return ["bench", "run", "--config", str(config), "--target", target, "--run-id", run_id,
+            "--store", str(store)]  # fmt: skip
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RunningServer, read_events, servescope
+from tests.conftest import RunningServer, bench_args, read_events, servescope
 
 WORKLOAD = """
 workloads:
@@ -35,16 +35,7 @@ def bench_run(vllm_server: RunningServer, tmp_path_factory: pytest.TempPathFacto
     store = folder / "s.duckdb"
     run_id = "run-20261122-e2e"
     result = servescope(
-        "bench",
-        "run",
-        "--config",
-        str(config),
-        "--target",
-        vllm_server.url,
-        "--run-id",
-        run_id,
-        "--store",
-        str(store),
+        *bench_args(config, vllm_server.url, run_id, store),
         "--json",
     )
     assert result.returncode == 0, result.stderr

@@ -17,7 +17,7 @@ from bench.plan import unit_plan
 from bench.prompts import PromptBook, PromptMaker
 from bench.workload import load_config
 from store import Store
-from tests.conftest import ROOT, SERVESCOPE, RunningServer, read_events, servescope
+from tests.conftest import ROOT, SERVESCOPE, RunningServer, bench_args, read_events, servescope
 
 OPEN_LOOP = """
 workloads:
@@ -66,16 +66,7 @@ def open_loop(vllm_server: RunningServer, tmp_path_factory: pytest.TempPathFacto
     runs = {}
     for run_id in ("run-20261122-open-a", "run-20261122-open-b"):
         result = servescope(
-            "bench",
-            "run",
-            "--config",
-            str(config),
-            "--target",
-            vllm_server.url,
-            "--run-id",
-            run_id,
-            "--store",
-            str(store),
+            *bench_args(config, vllm_server.url, run_id, store),
             "--slo",
             "ttft_ms=5000",
             "--json",
@@ -156,16 +147,7 @@ def test_ctrl_c_stores_what_was_measured_as_a_partial_run(
     process = subprocess.Popen(
         [
             *SERVESCOPE,
-            "bench",
-            "run",
-            "--config",
-            str(config),
-            "--target",
-            vllm_server.url,
-            "--run-id",
-            "run-20261122-ctrlc",
-            "--store",
-            str(store),
+            *bench_args(config, vllm_server.url, "run-20261122-ctrlc", store),
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -195,16 +177,7 @@ def _run(vllm_server: RunningServer, folder: Path, spec: str, run_id: str) -> di
     config = folder / f"{run_id}.yaml"
     config.write_text(spec)
     result = servescope(
-        "bench",
-        "run",
-        "--config",
-        str(config),
-        "--target",
-        vllm_server.url,
-        "--run-id",
-        run_id,
-        "--store",
-        str(folder / "s.duckdb"),
+        *bench_args(config, vllm_server.url, run_id, folder / "s.duckdb"),
         "--json",
     )
     assert result.returncode == 0, result.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bench.launcher import VllmServer
 from store import Store
-from tests.conftest import ROOT, SERVESCOPE, free_port, read_events
+from tests.conftest import ROOT, SERVESCOPE, bench_args, free_port, read_events
 
 
 def test_a_server_killed_mid_run_gives_error_events_and_exit_1(
@@ -34,16 +34,7 @@ def test_a_server_killed_mid_run_gives_error_events_and_exit_1(
         bench = subprocess.Popen(
             [
                 *SERVESCOPE,
-                "bench",
-                "run",
-                "--config",
-                str(config),
-                "--target",
-                server.url,
-                "--run-id",
-                run_id,
-                "--store",
-                str(store),
+                *bench_args(config, server.url, run_id, store),
             ],
             cwd=ROOT,
             stdout=subprocess.PIPE,

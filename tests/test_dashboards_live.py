@@ -27,7 +27,7 @@ import yaml
 
 from dashboards import DASHBOARDS, RULES_DIR, dashboard_json
 from dashboards.lint import PanelQuery, annotation_queries, queries, substitute
-from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, servescope
+from tests.conftest import ROOT, SERVESCOPE, RunningServer, bench_args, free_port, servescope
 
 pytestmark = pytest.mark.vllm
 
@@ -290,16 +290,7 @@ def scraped_run(
     traffic.start()
     try:
         result = servescope(
-            "bench",
-            "run",
-            "--config",
-            str(config),
-            "--target",
-            vllm_server.url,
-            "--run-id",
-            "run-20261122-dashboards",
-            "--store",
-            str(folder / "s.duckdb"),
+            *bench_args(config, vllm_server.url, "run-20261122-dashboards", folder / "s.duckdb"),
             "--json",
         )
     finally:

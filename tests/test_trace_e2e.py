@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from bench.client import COMPLETIONS, stream_request
-from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port
+from tests.conftest import ROOT, SERVESCOPE, RunningServer, bench_args, free_port
 from tests.otlp_sink import otlp_http_sink
 
 RUN = "run-20261122-traced"
@@ -119,16 +119,7 @@ def test_bench_gateway_and_vllm_spans_share_one_trace_per_request(
             bench = subprocess.run(
                 [
                     *SERVESCOPE,
-                    "bench",
-                    "run",
-                    "--config",
-                    str(workload),
-                    "--target",
-                    f"http://127.0.0.1:{gateway_port}",
-                    "--run-id",
-                    RUN,
-                    "--store",
-                    str(bench_db),
+                    *bench_args(workload, f"http://127.0.0.1:{gateway_port}", RUN, bench_db),
                 ],  # fmt: skip
                 cwd=tmp_path,
                 env=env,
