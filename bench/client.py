@@ -7,6 +7,13 @@ Timing follows `vllm bench serve`, so numbers compare with the most used peer:
 - ITL: every gap between successive content messages (kept raw, per request);
 - TPOT: (e2e − TTFT) / (completion_tokens − 1), per request;
 - e2e: the last message (or the stream's end) minus the moment before sending.
+
+When a message "arrives" depends on the transport, and `StreamTiming` takes whatever clock its
+caller uses (seconds; `start` and every `now` on the same one). `bench.http1` (what `bench run`
+uses for http:// targets) gives the kernel's receive timestamp of the read that carried the
+message and reads the clock right before the request goes to the kernel: the server as seen on
+the wire, without the client's own wait for its event loop (see its docstring). The aiohttp path
+(https) and the gateway read `time.perf_counter()` when their loop handles the data.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -158,8 +165,9 @@ def stream_request(
     Without either, the request costs exactly what it did before tracing existed.
 
     `session` is an aiohttp session (any URL), or a `bench.http1.Http1Pool` for `base_url` (plain
-    http: about half the client CPU per request, what `bench run` uses so the client stays far
-    from being the bottleneck); both carry the same timing rules and give the same event.
+    http: about half the client CPU per request and kernel arrival stamps, what `bench run` uses
+    so the client stays far from being the bottleneck and out of what it measures); both carry
+    the same timing rules and give the same event.
     """
     args = (session, base_url, endpoint, payload, request_id)
     options = {"headers": headers, "timeout_s": timeout_s, "keep_text": keep_text}
@@ -275,9 +283,15 @@ async def _stream_request(
 
 
 def _failed(
-    event: dict[str, Any], start: float, kind: str, status: str, detail: str
+    event: dict[str, Any],
+    start: float,
+    kind: str,
+    status: str,
+    detail: str,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
-    event["e2e_ms"] = (time.perf_counter() - start) * 1000.0
+    """Mark `event` failed; its e2e runs from `start` to now on `clock` (the caller's clock)."""
+    event["e2e_ms"] = (clock() - start) * 1000.0
     event["status"] = status
     event["error"] = kind
     event["finish_reason"] = "error"
