@@ -40,6 +40,17 @@ class ClientGone(Exception):
     """The client closed its connection; the upstream request is closed to abort it."""
 
 
+class _SSEResponse(web.StreamResponse):
+    """A stream whose status line and headers leave with its first body bytes, in one write.
+
+    aiohttp's `StreamResponse` sends its headers alone at `prepare()`; the relay prepares only
+    when it has bytes to send, so that separate write (and the client's separate read and wake-up
+    for it) is pure cost. `web.Response` opts out the same way.
+    """
+
+    _send_headers_immediately = False
+
+
 @dataclass
 class Attempt:
     """One request to one upstream, and what the gateway measured."""
@@ -167,6 +178,8 @@ async def _relay(
             continue
         data = data[:cut]
         for line in data.split(b"\n"):
+            if not line:  # the blank line after each message
+                continue
             try:
                 chunk = timing.feed_line(line, now)
             except ValueError:  # not JSON: passed through, not timed
@@ -176,7 +189,7 @@ async def _relay(
         if not had_first and timing.first is not None:
             deadline.reschedule(loop.time() + a.decode_timeout_s if a.decode_timeout_s else None)
         if state.response is None:
-            state.response = web.StreamResponse(
+            state.response = _SSEResponse(
                 status=200,
                 headers={
                     "Content-Type": upstream.headers.get("content-type", "text/event-stream"),

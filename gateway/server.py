@@ -24,12 +24,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from bench import tracing
-from bench.client import CHAT, COMPLETIONS, Endpoint, StreamTiming, utc_now_iso
+from bench.client import CHAT, COMPLETIONS, Endpoint, utc_now_iso
 from gateway.admission import Rejected, Scheduler, Slot
 from gateway.config import GatewayConfig, Team, Upstream, load_config
 from gateway.events import EventLog
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Attempt, ClientGone, UpstreamFailed, forward
+from gateway.timing import RelayTiming
 from gateway.tokens import TokenCounter
 from gateway.upstream import UpstreamPool
 
@@ -188,7 +189,9 @@ class Gateway:
                 parent_headers=request.headers,
             )
             event["trace_id"] = tracing.trace_id_of(span)
-        elif trace_id := tracing.trace_id_from_headers(request.headers):
+        elif "traceparent" in request.headers and (
+            trace_id := tracing.trace_id_from_headers(request.headers)
+        ):  # untraced clients skip the propagator's work
             event["trace_id"] = trace_id
         slot: Slot | None = None
         response: web.StreamResponse | None = None
@@ -348,7 +351,7 @@ class Gateway:
                 body=payload_bytes,
                 headers=headers,
                 stream=stream,
-                timing=StreamTiming(endpoint, start),
+                timing=RelayTiming(endpoint, start),
                 prefill_timeout_s=team.prefill_timeout_s,
                 decode_timeout_s=team.decode_timeout_s,
             )
