@@ -2,8 +2,9 @@
 
 Bytes go to the client as soon as the upstream hands them over, whole SSE lines at a time (a
 line split across two reads waits for its end, so an error message written after a failure
-never lands inside a half-sent one); a copy of each line feeds `bench.client.StreamTiming`, so
-the gateway's TTFT/TPOT/ITL follow the same rules as the bench client. The client's response
+never lands inside a half-sent one); the lines of each read feed `gateway.timing.RelayTiming`
+(`bench.client.StreamTiming`'s rules, without decoding plain token messages), so the gateway's
+TTFT/TPOT/ITL follow the same rules as the bench client. The client's response
 starts with the upstream's first body bytes: until then nothing is committed, and a failed
 upstream can be replaced by the fallback transparently. After that a failure ends the stream
 with an OpenAI-style `data: {"error": …}` message.
@@ -22,7 +23,8 @@ from typing import Any
 
 from aiohttp import web
 
-from bench.client import Endpoint, StreamTiming, usage_into
+from bench.client import Endpoint, usage_into
+from gateway.timing import RelayTiming
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 
@@ -61,7 +63,7 @@ class Attempt:
     body: bytes
     headers: dict[str, str]
     stream: bool
-    timing: StreamTiming
+    timing: RelayTiming
     prefill_timeout_s: float | None
     decode_timeout_s: float | None
 
@@ -177,15 +179,8 @@ async def _relay(
         if not cut:
             continue
         data = data[:cut]
-        for line in data.split(b"\n"):
-            if not line:  # the blank line after each message
-                continue
-            try:
-                chunk = timing.feed_line(line, now)
-            except ValueError:  # not JSON: passed through, not timed
-                continue
-            if chunk is not None and "error" in chunk:
-                state.stream_error = chunk["error"]
+        if (error := timing.feed(data, now)) is not None:
+            state.stream_error = error
         if not had_first and timing.first is not None:
             deadline.reschedule(loop.time() + a.decode_timeout_s if a.decode_timeout_s else None)
         if state.response is None:

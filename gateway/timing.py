@@ -38,32 +38,44 @@ class RelayTiming(StreamTiming):
         self._suffix = b""
         self._edges = -1  # len(prefix) + len(suffix); -1 while there is no template
 
-    def feed_line(self, line: bytes, now: float) -> dict[str, Any] | None:
-        """As `StreamTiming.feed_line`; a message taken by the shortcut returns None too (it
-        carries a token and nothing else a caller looks at)."""
-        edges = self._edges
-        if (
-            edges >= 0
-            and len(line) > edges
-            and line.startswith(self._prefix)
-            and line.endswith(self._suffix)
-        ):
-            middle = line[len(self._prefix) : len(line) - len(self._suffix)]
-            if _NOT_PLAIN.search(middle) is None and (middle.isascii() or _utf8(middle)):
+    def feed(self, data: bytes, now: float) -> Any:
+        """Feed every line of `data` (whole lines of one network read, all stamped `now`) as
+        `StreamTiming.feed_line` would, lines that are not JSON skipped; returns the `error` of
+        the last message that has one (None when none has)."""
+        error = None
+        prefix, suffix, edges = self._prefix, self._suffix, self._edges
+        for line in data.split(b"\n"):
+            if not line:  # the blank line after each message
+                continue
+            n = len(line)
+            if (
+                n > edges >= 0
+                and line.startswith(prefix)
+                and line.endswith(suffix)
+                and _NOT_PLAIN.search(line, len(prefix), n - len(suffix)) is None
+                and (line.isascii() or _utf8(line[len(prefix) : n - len(suffix)]))
+            ):  # the template's message with another plain token: the rules' token case
                 if self.first is None:
                     self.first = now
                 elif self.last is not None:
                     self.gaps.append((now - self.last) * 1000.0)
                 self.last = now
-                return None
-        chunk = super().feed_line(line, now)
-        if chunk is not None:
-            self._learn(line, chunk)
-        return chunk
+                continue
+            try:
+                chunk = self.feed_line(line, now)
+            except ValueError:  # not JSON: passed through, not timed
+                continue
+            if chunk is None:
+                continue
+            if "error" in chunk:
+                error = chunk["error"]
+            elif self._learn(line, chunk):
+                prefix, suffix, edges = self._prefix, self._suffix, self._edges
+        return error
 
-    def _learn(self, line: bytes, chunk: dict[str, Any]) -> None:
+    def _learn(self, line: bytes, chunk: dict[str, Any]) -> bool:
         """Make `line` the template when it is a plain one-token message whose text value can
-        be found unambiguously in its bytes."""
+        be found unambiguously in its bytes; whether it did."""
         choices = chunk.get("choices")
         if (
             not isinstance(choices, list)
@@ -75,30 +87,31 @@ class RelayTiming(StreamTiming):
             or not self.endpoint.is_token(choice)
             or b"\\" in line  # with no escapes, every quote opens or closes a string
         ):
-            return
+            return False
         if self.endpoint.chat:
             key, value = b'"content"', choice["delta"]["content"]
         else:
             key, value = b'"text"', choice["text"]
         if not isinstance(value, str) or not value or line.count(key) != 1:
-            return  # the key is unique: this is the choice's own (its value is a string)
+            return False  # the key is unique: this is the choice's own (its value is a string)
         i = line.index(key) + len(key)
         n = len(line)
         while i < n and line[i] in _WS:
             i += 1
         if i >= n or line[i] != 0x3A:  # ':'
-            return
+            return False
         i += 1
         while i < n and line[i] in _WS:
             i += 1
         if i >= n or line[i] != 0x22:  # '"'
-            return
+            return False
         start = i + 1
         end = line.find(b'"', start)
         if end < 0 or line[start:end] != value.encode():
-            return
+            return False
         self._prefix, self._suffix = line[:start], line[end:]
         self._edges = start + (n - end)
+        return True
 
 
 def _utf8(data: bytes) -> bool:
