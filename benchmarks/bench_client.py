@@ -6,9 +6,12 @@ itself. Both clients run in fresh processes, one after the other, in the same ru
 same request count, at each concurrency of `--concurrency`, in `--rounds` interleaved rounds
 (the machine is shared: interleaving spreads other load over both sides); each side's figure is
 its best (the highest rate it sustains at any of those concurrencies, in any round). Ours also
-reports its own TTFT against the instant server (p50, best round) at concurrency 64 — where it
-is mostly the wait for the event loop to come round, as for any single-process client — and at
-concurrency 1, where it is the client's own cost of one request.
+reports its TTFT against the instant server (p50, best round) at concurrency 64 and at
+concurrency 1: the clock read right before the request goes to the kernel → the kernel's
+receive stamp of the first token's bytes (`bench.http1`). Against an instant server that is
+all the client adds to a TTFT it measures; the wait of an arrived response for a saturated
+event loop is not in it (it was, 17 ms at 64, when arrivals were read times). The reference's
+TTFT is its own definition (`perf_counter` when its loop handles the chunk).
 
 Usage: .venv/bin/python benchmarks/bench_client.py [--requests 4000] [--concurrency 16,64,256]
 Last line: {"metric": "client_requests_per_s", "ours": X, "reference": Y, "ratio": X/Y, ...}

@@ -2,9 +2,12 @@
 
 Starts a real vLLM (the tiny model, on the CPU) that exports its `llm_request` traces to the
 collector's OTLP receiver, sends `--requests` streaming requests one at a time (concurrency 1)
-with the bench client, and joins each client event to its span by request id. The gap, client
-TTFT minus the trace's `gen_ai.latency.time_to_first_token`, is what the client adds: HTTP, the
-API server's own work around the engine, and the client's parsing.
+with the bench client as `bench run` uses it (`bench.http1.Http1Pool`: the send clock read right
+before the request goes to the kernel, the first token's arrival from the kernel's receive
+stamp), and joins each client event to its span by request id. The gap, client TTFT minus the
+trace's `gen_ai.latency.time_to_first_token`, is what lies outside the engine's own TTFT: HTTP
+and the API server's work around the engine (request parsing, tokenizing, detokenizing, SSE
+framing) until the first token's bytes reach the client's kernel.
 
 Usage: .venv/bin/python benchmarks/bench_ttft_accuracy.py [--requests 50]
 Last line: {"metric": "client_minus_server_ttft_ms_p50", "value": X, "target": 5.0, ...}
@@ -29,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.client import COMPLETIONS, stream_request  # noqa: E402
+from bench.http1 import Http1Pool  # noqa: E402
 from bench.launcher import VllmServer  # noqa: E402
 from bench.prompts import PromptMaker, payload_for  # noqa: E402
 from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model  # noqa: E402
@@ -64,19 +68,21 @@ class Spans:
 async def client_events(url: str, requests: int, prompt_tokens: int) -> list[dict[str, Any]]:
     import aiohttp
 
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as session:  # prompts via /tokenize
         maker = PromptMaker(session, url, "tiny")
         rng = random.Random(7)
         bodies = [
             payload_for(await maker.exact(prompt_tokens, rng), "tiny", 8, chat=False)
             for _ in range(requests + 3)
         ]
-        for i, body in enumerate(bodies[:3]):  # warm-up
-            await stream_request(session, url, COMPLETIONS, body, f"warm-{i:06d}")
-        events = []
-        for i, body in enumerate(bodies[3:]):
-            events.append(await stream_request(session, url, COMPLETIONS, body, f"acc-{i:06d}"))
-        return events
+    pool = Http1Pool(url)  # the requests as `bench run` sends them
+    for i, body in enumerate(bodies[:3]):  # warm-up
+        await stream_request(pool, url, COMPLETIONS, body, f"warm-{i:06d}")
+    events = []
+    for i, body in enumerate(bodies[3:]):
+        events.append(await stream_request(pool, url, COMPLETIONS, body, f"acc-{i:06d}"))
+    pool.close()
+    return events
 
 
 def main() -> int:
