@@ -1,16 +1,30 @@
 """What the gateway costs: the same instant server reached directly and through the gateway.
 
 The instant server is nginx returning a canned SSE completion of 16 chunks (plus usage and
-`[DONE]`), so every millisecond measured is the client's or the gateway's own. Both paths are
-driven by bench's streaming client at the same concurrency, in the same run, interleaved
-(direct, gateway, direct, gateway…) so machine noise hits both alike. The gateway runs as a
-user runs it (`servescope gateway --config …`), in its own process, with one team whose limits
-never bind, so the figures are the proxy's cost, not admission's.
+`[DONE]`), so every millisecond measured is the client's or the gateway's own. The gateway runs
+as a user runs it (`servescope gateway --config …`), in its own process, with one team whose
+limits never bind (events and metrics on), so the figures are the proxy's cost, not admission's.
+Both paths are driven by bench's streaming client (`bench.client.stream_request` over aiohttp)
+in the same run, so machine noise hits both alike. Two measurements, because "concurrency 100"
+means two different things:
 
-    .venv/bin/python benchmarks/bench_gateway.py [--concurrency 100] [--requests 4000]
+- Throughput, closed loop: 100 requests kept in flight on each path in turn (interleaved rounds
+  direct, gateway, direct, gateway…). This saturates the slower process, so it gives the
+  proxied ÷ direct request rate. Its TTFTs are reported too, but they are not the latency the
+  gateway adds: with 100 in flight, latency = 100 / throughput (Little's law), so they measure
+  queueing behind whichever process is slower, a throughput figure in disguise.
+- Added latency, below saturation: 100 open keep-alive connections per path and Poisson
+  arrivals (seeded) at `--rate` requests/s on each path, both paths at the same time from one
+  client, well below either path's capacity. A request then waits for the path itself, so the
+  difference of the TTFT percentiles is what a user of a gateway that is not overloaded pays.
+  Poisson rather than evenly spaced arrivals: bursts are what users send.
 
-Last line (JSON): gateway_ttft_p50_ms through the gateway vs direct, the added TTFT at p50 and
-p99, and the proxied ÷ direct throughput. Targets: added p50 ≤ 1 ms, p99 ≤ 5 ms, fraction ≥ 0.5.
+    .venv/bin/python benchmarks/bench_gateway.py [--concurrency 100] [--requests 4000] [--rate 200]
+
+Last line (JSON): `ours` / `reference` = TTFT p50 through the gateway / direct below saturation,
+`added_ms_p50` / `added_ms_p99` = their difference at p50 / p99, `throughput_fraction` =
+proxied ÷ direct closed-loop rate; `closed_loop` holds the saturated figures. Targets: added
+p50 ≤ 1 ms, p99 ≤ 5 ms, fraction ≥ 0.5. Exit 1 when a request failed.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -176,27 +191,49 @@ async def drive(
     return events, elapsed
 
 
-async def drive_rate(
-    base_url: str, rate: float, requests: int, headers: dict[str, str]
-) -> list[dict[str, Any]]:
-    """Open loop at `rate` requests/s: below saturation, so what a request waits for is the
-    path itself, not the requests ahead of it in the client."""
+async def drive_open(
+    paths: dict[str, tuple[str, dict[str, str]]],
+    connections: int,
+    rate: float,
+    seconds: float,
+    seed: int,
+) -> dict[str, list[dict[str, Any]]]:
+    """Open loop on every path at once: `connections` keep-alive connections opened per path
+    first, then seeded Poisson arrivals at `rate` requests/s per path for `seconds`. Below
+    saturation, what a request waits for is the path itself, not the requests ahead of it."""
     payload = {"model": "instant", "prompt": "x", "max_tokens": CHUNKS}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        tasks = []
+    rng = random.Random(seed)
+    arrivals: list[tuple[float, str]] = []
+    for name in paths:
+        t = rng.expovariate(rate)
+        while t < seconds:
+            arrivals.append((t, name))
+            t += rng.expovariate(rate)
+    arrivals.sort()
+    sessions = {
+        name: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections))
+        for name in paths
+    }
+    try:
+
+        def send(name: str, rid: str) -> Any:
+            url, headers = paths[name]
+            return stream_request(sessions[name], url, COMPLETIONS, payload, rid, headers=headers)
+
+        await asyncio.gather(  # all connections opened (and kept: the pool holds `connections`)
+            *(send(name, f"open-{name}-{i:06d}") for name in paths for i in range(connections))
+        )
+        tasks: dict[str, list[asyncio.Task[dict[str, Any]]]] = {name: [] for name in paths}
         start = time.perf_counter()
-        for seq in range(requests):
-            delay = start + seq / rate - time.perf_counter()
+        for seq, (at, name) in enumerate(arrivals):
+            delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(
-                asyncio.create_task(
-                    stream_request(
-                        session, base_url, COMPLETIONS, payload, f"rate-{seq:06d}", headers=headers
-                    )  # fmt: skip
-                )
-            )
-        return list(await asyncio.gather(*tasks))
+            tasks[name].append(asyncio.create_task(send(name, f"rate-{seq:06d}")))
+        return {name: list(await asyncio.gather(*ts)) for name, ts in tasks.items()}
+    finally:
+        for session in sessions.values():
+            await session.close()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -205,19 +242,20 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", type=int, default=100)
-    parser.add_argument("--requests", type=int, default=4000, help="per path per round")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved direct/gateway rounds")
-    parser.add_argument(
-        "--rate",
-        type=float,
-        default=200.0,
-        help="also an open-loop round at this rate (req/s, below saturation), where the added "
-        "latency is the gateway's own cost rather than client-side queueing; 0 to skip",
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--concurrency", type=int, default=100, help="requests in flight (closed "
+                        "loop) and open connections per path (open loop)")  # fmt: skip
+    parser.add_argument("--requests", type=int, default=4000, help="per path per closed round")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved direct/gateway rounds")
+    parser.add_argument("--rate", type=float, default=200.0, help="open loop: Poisson arrivals "
+                        "per second on each path, well below both paths' capacity")  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=10.0, help="open loop duration")
+    parser.add_argument("--seed", type=int, default=7, help="open loop arrival times")
     args = parser.parse_args()
 
+    load_start = os.getloadavg()[0]
     folder = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     nginx_port, gateway_port = free_port(), free_port()
     nginx = start_nginx(folder, nginx_port)
@@ -244,21 +282,19 @@ def main() -> int:
                     res["ok"] += len(ok)
                     res["n"] += len(events)
                     res["s"] += elapsed
-        at_rate: dict[str, list[float]] = {name: [] for name in paths}
-        if args.rate > 0:
-            n = int(args.rate * 10)
-            for name, (url, headers) in paths.items():
-                events = asyncio.run(drive_rate(url, args.rate, n, headers))
-                at_rate[name] = [e["ttft_ms"] for e in events if e["status"] == "ok"]
+            progress.add_task(f"open loop: {args.rate:g} req/s per path", total=None)
+            opened = asyncio.run(
+                drive_open(paths, args.concurrency, args.rate, args.seconds, args.seed)
+            )
     finally:
         gateway.terminate()
         nginx.terminate()
         gateway.wait(timeout=10)
         nginx.wait(timeout=10)
 
-    figures: dict[str, dict[str, float]] = {}
+    closed: dict[str, dict[str, float]] = {}
     for name, res in results.items():
-        figures[name] = {
+        closed[name] = {
             "requests": res["n"],
             "ok": res["ok"],
             "req_per_s": res["ok"] / res["s"],
@@ -266,12 +302,28 @@ def main() -> int:
             "ttft_p99_ms": percentile(res["ttft"], 99),
             "ttft_mean_ms": statistics.fmean(res["ttft"]),
         }
-        f = figures[name]
+        f = closed[name]
         print(
-            f"{name:8s} {f['ok']:6.0f}/{f['requests']:.0f} ok  {f['req_per_s']:8.1f} req/s  "
-            f"TTFT p50 {f['ttft_p50_ms']:7.3f} ms  p99 {f['ttft_p99_ms']:7.3f} ms"
+            f"closed loop, {args.concurrency} in flight: {name:8s} {f['ok']:6.0f}/"
+            f"{f['requests']:.0f} ok {f['req_per_s']:8.1f} req/s  TTFT p50 "
+            f"{f['ttft_p50_ms']:7.3f} ms  p99 {f['ttft_p99_ms']:7.3f} ms"
         )
-    direct, proxied = figures["direct"], figures["gateway"]
+    below: dict[str, dict[str, float]] = {}
+    for name, events in opened.items():
+        ttft = [e["ttft_ms"] for e in events if e["status"] == "ok" and "ttft_ms" in e]
+        below[name] = {
+            "requests": len(events),
+            "ok": len(ttft),
+            "ttft_p50_ms": percentile(ttft, 50),
+            "ttft_p99_ms": percentile(ttft, 99),
+        }
+        f = below[name]
+        print(
+            f"open loop, {args.rate:g} req/s, {args.concurrency} connections: {name:8s} "
+            f"{f['ok']:5.0f}/{f['requests']:.0f} ok  TTFT p50 {f['ttft_p50_ms']:7.3f} ms  "
+            f"p99 {f['ttft_p99_ms']:7.3f} ms"
+        )
+    direct, proxied = below["direct"], below["gateway"]
     out = {
         "metric": "gateway_ttft_p50_ms",
         "ours": round(proxied["ttft_p50_ms"], 3),
@@ -279,24 +331,27 @@ def main() -> int:
         "ratio": round(proxied["ttft_p50_ms"] / direct["ttft_p50_ms"], 3),
         "added_ms_p50": round(proxied["ttft_p50_ms"] - direct["ttft_p50_ms"], 3),
         "added_ms_p99": round(proxied["ttft_p99_ms"] - direct["ttft_p99_ms"], 3),
-        "throughput_fraction": round(proxied["req_per_s"] / direct["req_per_s"], 3),
+        "throughput_fraction": round(
+            closed["gateway"]["req_per_s"] / closed["direct"]["req_per_s"], 3
+        ),
         "concurrency": args.concurrency,
+        "rate": args.rate,
+        "closed_loop": {
+            "direct_req_per_s": round(closed["direct"]["req_per_s"], 1),
+            "gateway_req_per_s": round(closed["gateway"]["req_per_s"], 1),
+            "ours": round(closed["gateway"]["ttft_p50_ms"], 3),
+            "reference": round(closed["direct"]["ttft_p50_ms"], 3),
+            "added_ms_p50": round(
+                closed["gateway"]["ttft_p50_ms"] - closed["direct"]["ttft_p50_ms"], 3
+            ),
+            "added_ms_p99": round(
+                closed["gateway"]["ttft_p99_ms"] - closed["direct"]["ttft_p99_ms"], 3
+            ),
+        },
         "cpus": os.cpu_count(),
-        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "loadavg_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],  # at start, at end
     }
-    if args.rate > 0 and all(at_rate.values()):
-        d50, g50 = percentile(at_rate["direct"], 50), percentile(at_rate["gateway"], 50)
-        d99, g99 = percentile(at_rate["direct"], 99), percentile(at_rate["gateway"], 99)
-        print(
-            f"open loop at {args.rate:g} req/s: TTFT p50 direct {d50:.3f} ms, gateway "
-            f"{g50:.3f} ms; p99 direct {d99:.3f} ms, gateway {g99:.3f} ms"
-        )
-        out.update(
-            rate=args.rate,
-            added_ms_p50_at_rate=round(g50 - d50, 3),
-            added_ms_p99_at_rate=round(g99 - d99, 3),
-        )
-    failed = any(f["ok"] < f["requests"] for f in figures.values())
+    failed = any(f["ok"] < f["requests"] for f in [*closed.values(), *below.values()])
     print(json.dumps(out))
     return 1 if failed else 0
 
