@@ -106,6 +106,22 @@ class _LogSource:
     state: dict[str, Any]
 
 
+def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[Chunk]:
+    """Consecutive chunks of one file joined: DuckDB's parallel readers pay off on big inputs,
+    and each statement has a fixed cost."""
+    groups: list[list[Chunk]] = []
+    for _source, chunk in chunks:
+        last = groups[-1][-1] if groups else None
+        if last and last.file is chunk.file and last.start + len(last.data) == chunk.start:
+            groups[-1].append(chunk)
+        else:
+            groups.append([chunk])
+    return [
+        g[0] if len(g) == 1 else Chunk(g[0].file, g[0].start, b"".join(c.data for c in g))
+        for g in groups
+    ]
+
+
 def reason_class(reason: str) -> str:
     """A refusal reason without its details, as a bounded metric label."""
     return reason.split(":", 1)[0].split("(", 1)[0].strip()[:60] or "unknown"
@@ -335,7 +351,7 @@ class Collector:
     def _commit(self, batch: _Pending) -> FlushReport:
         report = FlushReport()
         with self.store.write() as con:
-            for _source, chunk in batch.chunks:
+            for chunk in _contiguous(batch.chunks):
                 result = bulk.ingest_lines(
                     self.store,
                     con,

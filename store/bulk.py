@@ -1,15 +1,16 @@
 """Bulk ingestion of `.events.jsonl` lines: DuckDB parses, checks and inserts, Python judges the
 rest.
 
-Decoding a million lines in Python costs seconds before the database sees one; DuckDB's JSON
-reader does it in parallel in native code. A chunk of complete lines is written to a temporary
-file and split, parsed (once per line) and checked by SQL. The SQL checks are deliberately
-stricter than `store.events.check`, so a line they accept is one `check` accepts too, and it
-is a plain insert when its request appears once in the chunk and is not stored yet. Every other
-line (bad JSON, wrong types, a runtime event, a request seen twice or already stored) goes
-through the ordinary path: `parse_line` decides (and names the reason when it refuses) and
-`Store.add_events` merges. The result is the same as feeding every line to `parse_line` and
-`add_events`, only faster.
+Decoding a million lines in Python costs seconds before the database sees one; DuckDB's readers
+split and parse them in parallel in native code. A chunk of complete lines is written to a
+temporary file and inserted by one SQL statement (`queries.BULK_INSERT`) that parses each line
+once and checks it with conditions deliberately stricter than `store.events.check`, so a line
+it takes is one `check` accepts too. It takes a line when its request is not stored yet;
+requests seen on several lines of the chunk are removed again. Every other line (bad JSON, wrong
+types, a runtime event, a request seen twice or already stored) goes through the ordinary path:
+`parse_line` decides (and names the reason when it refuses) and `Store.add_events` merges. The
+result is the same as feeding every line to `parse_line` and `add_events`, only faster; the
+common case (every line new and well-formed) costs one statement and no work in Python.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ if TYPE_CHECKING:
 
 PREFIX = "servescope-bulk-"
 MAX_RAW = 64 * 1024  # bytes of a quarantined line kept in ingest_errors.raw
+MAX_CSV_LINE = 4 * 1024 * 1024  # longest line given to the CSV reader (its buffers scale with it)
 _NUMBER = r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?"
 _EXTRA_KEYS = ("type", "server_ts", "log_ts", "server_outcome")
+_CSV_UNSAFE = (b"\r", b"\x1f")  # a line end to the CSV reader; its delimiter
 
 
 @dataclass
@@ -44,49 +47,43 @@ class BulkResult:
     keys: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _is_null(frag: str) -> str:
-    return f"({frag} IS NULL OR {frag} = 'null')"
-
-
 def _fast_conditions() -> str:
-    """SQL over `s` (the line's top-level fragments) that implies `check(doc)` passes."""
-    ident = r"""regexp_full_match({f}, '"[ !#-\[\]-~]+"')"""
-    conds = [
-        "s IS NOT NULL",
-        ident.format(f="s.request_id"),
-        f"({_is_null('s.run_id')} OR {ident.format(f='s.run_id')})",
-        f"({_is_null('s.type')} OR s.type = '\"request\"')",
+    """SQL over the line's top-level values (raw JSON, NULL when absent or null) that implies
+    `check(doc)` passes. A JSON value's text tells its type: a string starts with a quote, an
+    integer reads back as the same digits, true/false are themselves."""
+    rid = "request_id::VARCHAR"
+    conds = [  # printable ASCII without escapes: the run-id rule reads the same in SQL and Python
+        f"starts_with({rid}, '\"') AND strlen({rid}) > 2 AND NOT contains({rid}, '\\')"
+        f" AND strlen({rid}) = length({rid})",
+        "(type IS NULL OR type::VARCHAR = '\"request\"')",
     ]
     for key, types in CONTRACT_TYPES.items():
-        if key in ("request_id", "run_id"):
+        if key == "request_id":
             continue
-        frag = f"s.{key}"
+        frag = f"{key}::VARCHAR"
         if key == "status":
             allowed = ", ".join(f"'\"{s}\"'" for s in sorted(STATUSES))
             test = f"{frag} IN ({allowed})"
         elif types == (str,):
             test = f"starts_with({frag}, '\"')"
         elif types == (int,):
-            test = f"regexp_full_match({frag}, '-?[0-9]+')"
+            test = f"TRY_CAST({frag} AS BIGINT)::VARCHAR = {frag}"
         elif types == (bool,):
             test = f"{frag} IN ('true', 'false')"
         elif types == (list,):
             item = rf"\s*{_NUMBER}\s*"
             test = rf"regexp_full_match({frag}, '\[({item}(,{item})*|\s*)\]')"
         else:  # numbers
-            test = f"regexp_full_match({frag}, '{_NUMBER}')"
-        conds.append(f"({_is_null(frag)} OR {test})")
+            test = f"TRY_CAST({frag} AS DOUBLE) IS NOT NULL"
+        conds.append(f"({key} IS NULL OR {test})")
     return "\n      AND ".join(conds)
 
 
-def _shape(kind: str) -> str:
-    keys = [*CONTRACT_TYPES, *_EXTRA_KEYS]
-    return json.dumps({k: ("JSON" if kind == "JSON" or k == "itl_ms" else kind) for k in keys})
-
-
-_PARSE_SHAPE = _shape("JSON")
-_VALUE_SHAPE = _shape("VARCHAR")
-_SELECT_FAST = queries.BULK_SELECT_FAST.format(ok=_fast_conditions())
+_SHAPE = json.dumps({key: "JSON" for key in [*CONTRACT_TYPES, *_EXTRA_KEYS]})
+_INSERT = {
+    lines: queries.BULK_INSERT.format(lines=lines, ok=_fast_conditions())
+    for lines in (queries.BULK_LINES_CSV, queries.BULK_LINES_TEXT)
+}
 
 
 def ingest_lines(
@@ -103,30 +100,39 @@ def ingest_lines(
     result = BulkResult()
     if not data:
         return result
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
+    if not data.endswith(b"\n"):
+        data += b"\n"
+    if not _utf8(data):
         _python_path(store, con, _split(data, offset), source, result)
         return result
+    csv = not any(b in data for b in _CSV_UNSAFE) and not _has_long_line(data, MAX_CSV_LINE)
+    lines = queries.BULK_LINES_CSV if csv else queries.BULK_LINES_TEXT
+    params: dict[str, Any] = {"max_line": MAX_CSV_LINE} if csv else {}
     fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".jsonl", dir=_tmp_dir())
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data if data.endswith(b"\n") else data + b"\n")
-        con.execute(queries.BULK_SPLIT, {"path": path, "base": offset})
-        con.execute(queries.BULK_PARSE, {"shape": _PARSE_SHAPE})
-        con.execute(_SELECT_FAST)
-        row = con.execute(queries.BULK_COUNT_FAST).fetchone()
-        fast = int(row[0]) if row else 0
-        if fast:
-            con.execute(queries.BULK_INSERT_EVENTS, {"shape": _VALUE_SHAPE})
-            if want_keys:
-                result.keys = [tuple(k) for k in con.execute(queries.BULK_FAST_KEYS).fetchall()]
-        result.events += fast
-        rest = [(int(o), line.encode()) for o, line in con.execute(queries.BULK_REST).fetchall()]
-        con.execute(queries.BULK_DROP)
+            fh.write(data)
+        params["path"] = path
+        row = con.execute(queries.BULK_LAST_ROWID).fetchone()
+        after = int(row[0]) if row else -1
+        row = con.execute(_INSERT[lines], {**params, "shape": _SHAPE}).fetchone()
+        inserted = int(row[0]) if row else 0
+        if inserted:
+            row = con.execute(queries.BULK_DROP_REPEATED, {"after": after}).fetchone()
+            inserted -= int(row[0]) if row else 0
+        if want_keys and inserted:
+            keys = con.execute(queries.BULK_NEW_KEYS, {"after": after}).fetchall()
+            result.keys = [(run_id, request_id) for run_id, request_id in keys]
+        rest: set[bytes] = set()
+        if inserted < data.count(b"\n"):
+            query = queries.BULK_REST.format(lines=lines)
+            rows = con.execute(query, {**params, "after": after}).fetchall()
+            rest = {line.encode() for (line,) in rows}
     finally:
         os.unlink(path)
-    _python_path(store, con, rest, source, result)
+    result.events += inserted
+    if rest:
+        _python_path(store, con, [x for x in _split(data, offset) if x[1] in rest], source, result)
     return result
 
 
@@ -155,6 +161,25 @@ def _alive(pid: int) -> bool:
 def _tmp_dir() -> str | None:
     """RAM-backed when the machine has one: the chunk is read back at once and then deleted."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def _utf8(data: bytes) -> bool:
+    if data.isascii():  # the common case, without decoding a copy
+        return True
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _has_long_line(data: bytes, limit: int) -> bool:
+    """Whether `data` may hold a line longer than `limit` (every stretch of limit/2 bytes
+    holding a newline proves it does not)."""
+    half = limit // 2
+    return len(data) > half and any(
+        data.find(b"\n", i, i + half) < 0 for i in range(0, len(data) - half, half)
+    )
 
 
 def _split(data: bytes, offset: int) -> list[tuple[int, bytes]]:

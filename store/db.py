@@ -99,8 +99,16 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         con = self._connect(read_only=False)
         try:
+            con.begin()
             for statement in _ddl():
                 con.execute(statement)
+            keyed = con.execute(queries.EVENTS_KEY_INDEX).fetchone()
+            if keyed and keyed[0]:  # a store made before `events` lost its key index
+                con.execute(queries.UNKEY_EVENTS_RENAME)
+                for statement in _ddl():  # creates `events` again, unkeyed
+                    con.execute(statement)
+                con.execute(queries.UNKEY_EVENTS_COPY)
+            con.commit()
         finally:
             con.close()
         self._initialised = True
@@ -174,7 +182,8 @@ class Store:
                 batch[key] = merge_docs(json.loads(doc), batch[key])
             con.execute(queries.STAGE_EVENTS)
             self._fill_stage(con, keys, [json.dumps(batch[k]) for k in keys])
-        con.execute(queries.UPSERT_EVENTS)
+            con.execute(queries.DELETE_STAGED_EVENTS)  # replaced by their merged rows
+        con.execute(queries.INSERT_STAGED_EVENTS)
         con.execute(queries.DROP_STAGE)
         return len(keys)
 

@@ -2,9 +2,10 @@
 
 # The typed columns of `events`, projected from the merged document held in `incoming`.
 # `status` is derived when the record has none: an error class or finish_reason "error" means
-# the request failed, anything else succeeded (seed-format lines carry no status).
-UPSERT_EVENTS = """
-INSERT OR REPLACE INTO events
+# the request failed, anything else succeeded (seed-format lines carry no status). `events` has
+# no key index: stored rows of the staged requests are deleted first (DELETE_STAGED_EVENTS).
+INSERT_STAGED_EVENTS = """
+INSERT INTO events
 SELECT
     run_id,
     request_id,
@@ -55,7 +56,19 @@ EXISTING_FOR_STAGE = """
 SELECT e.run_id, e.request_id, e.doc
 FROM events e JOIN incoming i USING (run_id, request_id)
 """
+DELETE_STAGED_EVENTS = """
+DELETE FROM events e USING incoming i WHERE e.run_id = i.run_id AND e.request_id = i.request_id
+"""
 DROP_STAGE = "DROP TABLE incoming"
+
+# Stores made while `events` had a primary key: the table is rebuilt once without it (the new
+# table comes from the schema's DDL between the two statements).
+EVENTS_KEY_INDEX = """
+SELECT count(*) > 0 FROM duckdb_constraints()
+WHERE table_name = 'events' AND constraint_type = 'PRIMARY KEY'
+"""
+UNKEY_EVENTS_RENAME = "ALTER TABLE events RENAME TO events_keyed"
+UNKEY_EVENTS_COPY = "INSERT INTO events SELECT * FROM events_keyed; DROP TABLE events_keyed"
 
 UPSERT_RUN = """
 INSERT INTO runs AS r (run_id, started_at, ended_at, label, target, model, vllm_version,
@@ -425,73 +438,69 @@ SELECT source, file_key, path, "offset", fp_len, fp, state, updated_at
 FROM checkpoints WHERE source = ? ORDER BY file_key
 """
 
-# A chunk of complete lines, written by store/bulk.py to a temporary file: one row per line
-# with its byte offset in the source file (`$base` is the chunk's own offset).
-BULK_SPLIT = """
-CREATE OR REPLACE TEMP TABLE bulk_lines AS
-WITH parts AS (SELECT string_split(content, chr(10)) AS l FROM read_text($path)),
-lines AS (SELECT unnest(l) AS line, generate_subscripts(l, 1) AS i FROM parts)
-SELECT i, line,
-       $base + sum(strlen(line) + 1) OVER (ORDER BY i ROWS UNBOUNDED PRECEDING)
-             - strlen(line) - 1 AS "offset"
-FROM lines
-"""
+# A chunk of complete lines, written by store/bulk.py to a temporary file, as rows `line`:
+# DuckDB's parallel CSV reader with quoting off and a delimiter the chunk does not contain (an
+# empty line is NULL); or one split of the whole text, on one thread, for a chunk the CSV reader
+# would cut differently (a carriage return is a line end to it; the delimiter; over-long lines).
+BULK_LINES_CSV = """read_csv($path, columns = {'line': 'VARCHAR'}, delim = chr(31),
+    quote = '', escape = '', header = false, auto_detect = false, new_line = '\\n',
+    max_line_size = $max_line)"""
+BULK_LINES_TEXT = "(SELECT unnest(string_split(content, chr(10))) AS line FROM read_text($path))"
 
-# Each line parsed once into raw JSON fragments of the contract keys (NULL when not JSON).
-BULK_PARSE = """
-CREATE OR REPLACE TEMP TABLE bulk_parsed AS
-SELECT i, "offset", line, try(json_transform(line, $shape)) AS s
-FROM bulk_lines WHERE trim(line, chr(32) || chr(9) || chr(13)) <> ''
-"""
+# Rows appended in a transaction get row ids above every row id the table had before, so
+# `rowid > $after` (BULK_LAST_ROWID, read just before) is what one bulk insert wrote.
+BULK_LAST_ROWID = "SELECT COALESCE(max(rowid), -1) FROM events"
 
-# Lines the fast path takes: the conditions (`$ok`, built by store/bulk.py from the contract)
-# are stricter than `store.events.check`, so every line they accept, `check` accepts too; a key
-# seen once in the chunk and not yet stored is a plain insert. Everything else is handed back.
-BULK_SELECT_FAST = """
-CREATE OR REPLACE TEMP TABLE bulk_ok AS
-WITH ok AS (
-    SELECT i, line,
-           COALESCE(NULLIF(s.run_id->>'$', ''),
-                    regexp_replace(s.request_id->>'$', '-[0-9]+$', '')) AS run_id,
-           s.request_id->>'$' AS request_id
-    FROM bulk_parsed WHERE {ok}
-),
-once AS (SELECT * FROM ok QUALIFY count(*) OVER (PARTITION BY run_id, request_id) = 1)
-SELECT o.* FROM once o ANTI JOIN events e USING (run_id, request_id)
-"""
-BULK_REST = """
-SELECT p."offset", p.line FROM bulk_parsed p ANTI JOIN bulk_ok USING (i) ORDER BY p.i
-"""
-# The same projection as UPSERT_EVENTS, from one parse of each document.
-BULK_INSERT_EVENTS = """
+# Each line parsed once, into the raw JSON of each contract key (NULL when absent, null or not
+# an object). `{ok}` (store/bulk.py, from the contract) is stricter than `store.events.check`,
+# so every line it accepts `check` accepts too; such a line is inserted when its request is not
+# stored yet, with the typed columns of INSERT_STAGED_EVENTS computed from the same parse.
+BULK_INSERT = """
 INSERT INTO events
-SELECT run_id, request_id, v.source,
-    timezone('UTC', TRY_CAST(COALESCE(v.ts, v.server_ts, v.log_ts) AS TIMESTAMPTZ)),
-    v.model, v.team, v.workload,
-    TRY_CAST(v.concurrency AS INTEGER), TRY_CAST(v.target_rate AS DOUBLE),
-    TRY_CAST(v.prompt_tokens AS INTEGER), TRY_CAST(v.completion_tokens AS INTEGER),
-    TRY_CAST(v.cached_tokens AS INTEGER),
-    COALESCE(TRY_CAST(v.cache_hit AS BOOLEAN), TRY_CAST(v.cached_tokens AS HUGEINT) > 0),
-    TRY_CAST(v.ttft_ms AS DOUBLE), TRY_CAST(v.tpot_ms AS DOUBLE), TRY_CAST(v.e2e_ms AS DOUBLE),
-    TRY_CAST(v.itl_ms AS DOUBLE[]),
-    TRY_CAST(v.queue_ms AS DOUBLE), TRY_CAST(v.prefill_ms AS DOUBLE),
-    TRY_CAST(v.decode_ms AS DOUBLE),
-    v.finish_reason,
+SELECT run_key, request_key, source->>'$',
+    timezone('UTC', TRY_CAST(COALESCE(ts->>'$', server_ts->>'$', log_ts->>'$') AS TIMESTAMPTZ)),
+    model->>'$', team->>'$', workload->>'$',
+    TRY_CAST(concurrency::VARCHAR AS INTEGER), TRY_CAST(target_rate::VARCHAR AS DOUBLE),
+    TRY_CAST(prompt_tokens::VARCHAR AS INTEGER), TRY_CAST(completion_tokens::VARCHAR AS INTEGER),
+    TRY_CAST(cached_tokens::VARCHAR AS INTEGER),
+    COALESCE(TRY_CAST(cache_hit::VARCHAR AS BOOLEAN),
+             TRY_CAST(cached_tokens::VARCHAR AS HUGEINT) > 0),
+    TRY_CAST(ttft_ms::VARCHAR AS DOUBLE), TRY_CAST(tpot_ms::VARCHAR AS DOUBLE),
+    TRY_CAST(e2e_ms::VARCHAR AS DOUBLE), TRY_CAST(itl_ms AS DOUBLE[]),
+    TRY_CAST(queue_ms::VARCHAR AS DOUBLE), TRY_CAST(prefill_ms::VARCHAR AS DOUBLE),
+    TRY_CAST(decode_ms::VARCHAR AS DOUBLE),
+    finish_reason->>'$',
     COALESCE(
-        v.status,
-        CASE WHEN v.error IS NOT NULL OR v.finish_reason = 'error'
-                  OR v.server_outcome IN ('failed', 'aborted')
+        status->>'$',
+        CASE WHEN error->>'$' IS NOT NULL OR finish_reason->>'$' = 'error'
+                  OR server_outcome->>'$' IN ('failed', 'aborted')
              THEN 'error' ELSE 'ok' END
     ),
-    TRY_CAST(v.http_status AS INTEGER), v.error, v.trace_id, line
-FROM (SELECT run_id, request_id, line, json_transform(line, $shape) AS v FROM bulk_ok)
-"""
-BULK_COUNT_FAST = "SELECT count(*) FROM bulk_ok"
-BULK_FAST_KEYS = "SELECT run_id, request_id FROM bulk_ok ORDER BY i"
-BULK_DROP = (
-    "DROP TABLE IF EXISTS bulk_lines; DROP TABLE IF EXISTS bulk_parsed; "
-    "DROP TABLE IF EXISTS bulk_ok"
+    TRY_CAST(http_status::VARCHAR AS INTEGER), error->>'$', trace_id->>'$', line
+FROM (
+    SELECT *, request_id->>'$' AS request_key,
+           COALESCE(NULLIF(run_id->>'$', ''),
+                    regexp_replace(request_id->>'$', '-[0-9]+$', '')) AS run_key
+    FROM (SELECT line, unnest(try(json_transform(line, $shape))) FROM {lines})
+    WHERE {ok}
+) p
+WHERE NOT EXISTS (
+    SELECT 1 FROM events e WHERE e.run_id = p.run_key AND e.request_id = p.request_key
 )
+"""
+# A request on several lines of one chunk is merged by the ordinary path: its rows go again.
+BULK_DROP_REPEATED = """
+DELETE FROM events WHERE rowid > $after AND (run_id, request_id) IN (
+    SELECT run_id, request_id FROM events WHERE rowid > $after GROUP BY ALL HAVING count(*) > 1
+)
+"""
+BULK_NEW_KEYS = "SELECT run_id, request_id FROM events WHERE rowid > $after ORDER BY rowid"
+# The lines the insert did not take, once each (store/bulk.py finds where they stand).
+BULK_REST = """
+SELECT line FROM {lines} WHERE line <> ''
+EXCEPT
+SELECT doc::VARCHAR FROM events WHERE rowid > $after
+"""
 
 # -- Parquet export (store/parquet.py): hive partitions run_id=…/date=… ------------------------
 # $1 is a run_id, or NULL for every run; $2 the output folder, replaced as a whole. `doc` is

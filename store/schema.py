@@ -20,12 +20,18 @@ class Event(SQLModel, table=True):
 
     `doc` holds the event exactly as it is exported to `.events.jsonl` (unknown keys included,
     original key order and number types kept); the typed columns are projections of it for SQL.
+
+    `(run_id, request_id)` identifies a row, but the table has no key index: the store's writers
+    keep it unique themselves (`Store.add_events` replaces the rows it merges, `store.bulk` inserts
+    only requests not stored yet). An index would cost more than the rest of a bulk insert, and
+    DuckDB rewrites it at every checkpoint, i.e. at every collector flush.
     """
 
     __tablename__ = "events"
+    __mapper_args__ = {"primary_key": ["run_id", "request_id"]}  # the ORM's identity, no index
 
-    run_id: str = Field(primary_key=True)
-    request_id: str = Field(primary_key=True)
+    run_id: str
+    request_id: str
     source: str | None = None
     ts: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=False)))
     model: str | None = None

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from collector import Collector
 from collector.logparse import Piece, parse_line
-from store import InvalidEvent, Store, run_id_of
+from store import InvalidEvent, Store, merge_docs, run_id_of
 from store import parse_line as parse_event
 
+TYPED_COLUMNS = "SELECT * EXCLUDE (doc) FROM events ORDER BY run_id, request_id"
 TEXT_PREFIX = "(APIServer pid=7) INFO 11-22 04:29:59 [request_logger.py:65] "
 ids = st.from_regex(r"[A-Za-z0-9_.:-]{1,40}", fullmatch=True)
 numbers = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True))
@@ -80,7 +81,11 @@ def a_line(draw: st.DrawFn, index: int) -> bytes:
 @st.composite
 def files(draw: st.DrawFn) -> list[bytes]:
     n = draw(st.integers(1, 40))
-    return [draw(a_line(i)) for i in range(n)]
+    lines = [draw(a_line(i)) for i in range(n)]
+    # requests on several lines: a line again, or the same request with other fields
+    for i in draw(st.lists(st.integers(0, n - 1), max_size=4)):
+        lines.append(lines[i] if draw(st.booleans()) else draw(a_line(i)))
+    return lines
 
 
 @settings(max_examples=300, deadline=None)
@@ -136,23 +141,31 @@ def test_events_lines_valid_ingested_invalid_quarantined(lines: list[bytes]) -> 
         path = Path(folder) / "f.events.jsonl"
         path.write_bytes(b"\n".join(lines) + b"\n")
         expected: dict[tuple[str, str], dict[str, Any]] = {}
+        valid = []
         bad_offsets = set()
         offset = 0
         for line in lines:
             if line.strip():
                 try:
                     doc = parse_event(line)
-                    expected[(run_id_of(doc), doc["request_id"])] = doc
+                    key = (run_id_of(doc), doc["request_id"])
+                    expected[key] = merge_docs(expected[key], doc) if key in expected else doc
+                    valid.append(doc)
                 except InvalidEvent:
                     bad_offsets.add(offset)
             offset += len(line) + 1
         store = Store(Path(folder) / "s.duckdb")
         Collector(store, events=[str(path)], once=True).run_once()
+        ordinary = Store(Path(folder) / "o.duckdb")  # every line through the ordinary path
+        ordinary.add_events(valid)
         with store.read() as con:
             rows = con.execute("SELECT run_id, request_id, doc FROM events").fetchall()
             errors = {r[0] for r in con.execute('SELECT "offset" FROM ingest_errors').fetchall()}
+            columns = con.execute(TYPED_COLUMNS).fetchall()
         stored = {(r, q): json.loads(d) for r, q, d in rows}
         assert set(stored) == set(expected)
         for key, doc in expected.items():
             assert json.dumps(stored[key], sort_keys=True) == json.dumps(doc, sort_keys=True)
         assert errors == bad_offsets
+        with ordinary.read() as con:  # the typed columns too, NaN included (compared as text)
+            assert str(columns) == str(con.execute(TYPED_COLUMNS).fetchall())
