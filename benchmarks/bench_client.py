@@ -9,9 +9,9 @@ its best (the highest rate it sustains at any of those concurrencies, in any rou
 reports its TTFT against the instant server (p50, best round) at concurrency 64 and at
 concurrency 1: the clock read right before the request goes to the kernel → the kernel's
 receive stamp of the first token's bytes (`bench.http1`). Against an instant server that is
-all the client adds to a TTFT it measures; the wait of an arrived response for a saturated
-event loop is not in it (it was, 17 ms at 64, when arrivals were read times). The reference's
-TTFT is its own definition (`perf_counter` when its loop handles the chunk).
+an upper bound of what the client adds to a TTFT it measures; the wait of an arrived response
+for a saturated event loop is not in it (it was, 17 ms at 64, when arrivals were read times).
+The reference's TTFT is its own definition (`perf_counter` when its loop handles the chunk).
 
 Usage: .venv/bin/python benchmarks/bench_client.py [--requests 4000] [--concurrency 16,64,256]
 Last line: {"metric": "client_requests_per_s", "ours": X, "reference": Y, "ratio": X/Y, ...}
