@@ -30,30 +30,32 @@ _WS = b" \t\r\n"
 class RelayTiming(StreamTiming):
     """The gateway's feed of the timing rules (see the module docstring)."""
 
-    __slots__ = ("_prefix", "_suffix", "_edges")
+    __slots__ = ("_prefix", "_suffix")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._prefix = b""
+        self._prefix = b""  # empty while there is no template
         self._suffix = b""
-        self._edges = -1  # len(prefix) + len(suffix); -1 while there is no template
 
     def feed(self, data: bytes, now: float) -> Any:
         """Feed every line of `data` (whole lines of one network read, all stamped `now`) as
         `StreamTiming.feed_line` would, lines that are not JSON skipped; returns the `error` of
         the last message that has one (None when none has)."""
         error = None
-        prefix, suffix, edges = self._prefix, self._suffix, self._edges
+        search = _NOT_PLAIN.search
+        prefix, suffix = self._prefix, self._suffix
+        lp, ls = len(prefix), len(suffix)
         for line in data.split(b"\n"):
             if not line:  # the blank line after each message
                 continue
             n = len(line)
             if (
-                n > edges >= 0
+                prefix
+                and n > lp + ls
                 and line.startswith(prefix)
                 and line.endswith(suffix)
-                and _NOT_PLAIN.search(line, len(prefix), n - len(suffix)) is None
-                and (line.isascii() or _utf8(line[len(prefix) : n - len(suffix)]))
+                and search(line, lp, n - ls) is None
+                and (line.isascii() or _utf8(line[lp : n - ls]))
             ):  # the template's message with another plain token: the rules' token case
                 if self.first is None:
                     self.first = now
@@ -70,7 +72,8 @@ class RelayTiming(StreamTiming):
             if "error" in chunk:
                 error = chunk["error"]
             elif self._learn(line, chunk):
-                prefix, suffix, edges = self._prefix, self._suffix, self._edges
+                prefix, suffix = self._prefix, self._suffix
+                lp, ls = len(prefix), len(suffix)
         return error
 
     def _learn(self, line: bytes, chunk: dict[str, Any]) -> bool:
@@ -110,7 +113,6 @@ class RelayTiming(StreamTiming):
         if end < 0 or line[start:end] != value.encode():
             return False
         self._prefix, self._suffix = line[:start], line[end:]
-        self._edges = start + (n - end)
         return True
 
 
