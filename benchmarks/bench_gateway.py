@@ -8,9 +8,11 @@ Both paths are driven by bench's streaming client (`bench.client.stream_request`
 in the same run, so machine noise hits both alike. Two measurements, because "concurrency 100"
 means two different things:
 
-- Throughput, closed loop: 100 requests kept in flight on each path in turn (interleaved rounds
-  direct, gateway, direct, gateway…). This saturates the slower process, so it gives the
-  proxied ÷ direct request rate. Its TTFTs are reported too, but they are not the latency the
+- Throughput, closed loop: 100 requests kept in flight on each path in turn, in short
+  interleaved rounds (8 × 1,000 requests per path: direct, gateway, direct, gateway…, on
+  keep-alive sessions opened once, after a warm-up), so a burst of other work on the machine
+  falls on both paths alike. This saturates the slower process, so it gives the proxied ÷
+  direct request rate. Its TTFTs are reported too, but they are not the latency the
   gateway adds: with 100 in flight, latency = 100 / throughput (Little's law), so they measure
   queueing behind whichever process is slower, a throughput figure in disguise.
 - Added latency, below saturation: 100 open keep-alive connections per path and Poisson
@@ -19,7 +21,7 @@ means two different things:
   difference of the TTFT percentiles is what a user of a gateway that is not overloaded pays.
   Poisson rather than evenly spaced arrivals: bursts are what users send.
 
-    .venv/bin/python benchmarks/bench_gateway.py [--concurrency 100] [--requests 4000] [--rate 200]
+    .venv/bin/python benchmarks/bench_gateway.py [--concurrency 100] [--rounds 8] [--rate 200]
 
 Last line (JSON): `ours` / `reference` = TTFT p50 through the gateway / direct below saturation,
 `added_ms_p50` / `added_ms_p99` = their difference at p50 / p99, `throughput_fraction` =
@@ -163,32 +165,68 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], name: str, log: Path) ->
 
 
 async def drive(
+    session: aiohttp.ClientSession,
     base_url: str,
     concurrency: int,
     requests: int,
     headers: dict[str, str],
-    progress: Any,
-    task: Any,
+    advance: Any,
 ) -> tuple[list[dict[str, Any]], float]:
     """Closed loop: `concurrency` workers send `requests` streaming requests in all."""
     payload = {"model": "instant", "prompt": "x", "max_tokens": CHUNKS}
-    connector = aiohttp.TCPConnector(limit=0)
     events: list[dict[str, Any]] = []
     counter = iter(range(requests))
-    async with aiohttp.ClientSession(connector=connector) as session:
 
-        async def worker() -> None:
-            for seq in counter:
-                event = await stream_request(
-                    session, base_url, COMPLETIONS, payload, f"bench-gw-{seq:06d}", headers=headers
-                )
-                events.append(event)
-                progress.advance(task)
+    async def worker() -> None:
+        for seq in counter:
+            event = await stream_request(
+                session, base_url, COMPLETIONS, payload, f"bench-gw-{seq:06d}", headers=headers
+            )
+            events.append(event)
+            advance()
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - start
-    return events, elapsed
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return events, time.perf_counter() - start
+
+
+async def closed_rounds(
+    paths: dict[str, tuple[str, dict[str, str]]],
+    concurrency: int,
+    requests: int,
+    rounds: int,
+    progress: Any,
+) -> dict[str, dict[str, Any]]:
+    """Warm-up, then `rounds` × (each path in turn, `requests` each) on keep-alive sessions
+    opened once, so short rounds interleave the paths finely without reconnecting."""
+    results: dict[str, dict[str, Any]] = {p: {"ttft": [], "ok": 0, "n": 0, "s": 0.0} for p in paths}
+    sessions = {
+        name: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
+        for name in paths
+    }
+    try:
+        warm = progress.add_task("warm-up", total=len(paths) * 500)
+        for name, (url, headers) in paths.items():
+            await drive(
+                sessions[name], url, concurrency, 500, headers, lambda: progress.advance(warm)
+            )
+        task = progress.add_task("closed loop", total=len(paths) * rounds * requests)
+        for _ in range(rounds):
+            for name, (url, headers) in paths.items():
+                events, elapsed = await drive(
+                    sessions[name], url, concurrency, requests, headers,
+                    lambda: progress.advance(task),
+                )  # fmt: skip
+                res = results[name]
+                ok = [e for e in events if e["status"] == "ok" and "ttft_ms" in e]
+                res["ttft"] += [e["ttft_ms"] for e in ok]
+                res["ok"] += len(ok)
+                res["n"] += len(events)
+                res["s"] += elapsed
+    finally:
+        for session in sessions.values():
+            await session.close()
+    return results
 
 
 async def drive_open(
@@ -247,8 +285,8 @@ def main() -> int:
     )
     parser.add_argument("--concurrency", type=int, default=100, help="requests in flight (closed "
                         "loop) and open connections per path (open loop)")  # fmt: skip
-    parser.add_argument("--requests", type=int, default=4000, help="per path per closed round")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved direct/gateway rounds")
+    parser.add_argument("--requests", type=int, default=1000, help="per path per closed round")
+    parser.add_argument("--rounds", type=int, default=8, help="interleaved direct/gateway rounds")
     parser.add_argument("--rate", type=float, default=200.0, help="open loop: Poisson arrivals "
                         "per second on each path, well below both paths' capacity")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=10.0, help="open loop duration")
@@ -264,24 +302,11 @@ def main() -> int:
         "direct": (f"http://127.0.0.1:{nginx_port}", {}),
         "gateway": (f"http://127.0.0.1:{gateway_port}", {"Authorization": f"Bearer {KEY}"}),
     }
-    results: dict[str, dict[str, Any]] = {p: {"ttft": [], "ok": 0, "n": 0, "s": 0.0} for p in paths}
     try:
         with Progress(transient=True) as progress:
-            warm = progress.add_task("warm-up", total=2 * 500)
-            for url, headers in paths.values():
-                asyncio.run(drive(url, args.concurrency, 500, headers, progress, warm))
-            for r in range(args.rounds):
-                for name, (url, headers) in paths.items():
-                    task = progress.add_task(f"round {r + 1}: {name}", total=args.requests)
-                    events, elapsed = asyncio.run(
-                        drive(url, args.concurrency, args.requests, headers, progress, task)
-                    )
-                    res = results[name]
-                    ok = [e for e in events if e["status"] == "ok" and "ttft_ms" in e]
-                    res["ttft"] += [e["ttft_ms"] for e in ok]
-                    res["ok"] += len(ok)
-                    res["n"] += len(events)
-                    res["s"] += elapsed
+            results = asyncio.run(
+                closed_rounds(paths, args.concurrency, args.requests, args.rounds, progress)
+            )
             progress.add_task(f"open loop: {args.rate:g} req/s per path", total=None)
             opened = asyncio.run(
                 drive_open(paths, args.concurrency, args.rate, args.seconds, args.seed)
