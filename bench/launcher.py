@@ -61,8 +61,32 @@ class Profile:
     servers: list[ServerSpec] = field(default_factory=list)
 
 
+def _lever_name(flag: str) -> str:
+    name = flag[2:].partition("=")[0]
+    return name[3:] if name.startswith("no-") else name
+
+
+def _flag_groups(flags: list[str]) -> list[list[str]]:
+    """Flags split into one group per option: `--x`, `--x=v` or `--x v`."""
+    groups: list[list[str]] = []
+    for token in flags:
+        if token.startswith("--") or not groups:
+            groups.append([token])
+        else:
+            groups[-1].append(token)
+    return groups
+
+
+def extend_flags(base: list[str], own: list[str]) -> list[str]:
+    """The parent's flags, then the child's; a child's flag replaces the parent's flag for the
+    same lever (`--no-enable-x` replaces `--enable-x`), so each lever appears once."""
+    replaced = {_lever_name(g[0]) for g in _flag_groups(own) if g[0].startswith("--")}
+    kept = [g for g in _flag_groups(base) if _lever_name(g[0]) not in replaced]
+    return [token for group in kept for token in group] + own
+
+
 def load_profiles(path: Path = PROFILES_FILE) -> dict[str, Profile]:
-    """Profiles with `extends` resolved: the parent's flags and env come first."""
+    """Profiles with `extends` resolved (`extend_flags`); the parent's env comes first."""
     raw: dict[str, dict[str, Any]] = yaml.safe_load(path.read_text())["profiles"]
 
     def resolve(name: str, seen: tuple[str, ...] = ()) -> Profile:
@@ -83,7 +107,7 @@ def load_profiles(path: Path = PROFILES_FILE) -> dict[str, Profile]:
         ]
         if parent := spec.get("extends"):
             base = resolve(parent, (*seen, name))
-            flags = base.flags + flags
+            flags = extend_flags(base.flags, flags)
             env = {**base.env, **env}
             device = device or base.device
             servers = servers or base.servers

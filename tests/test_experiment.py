@@ -41,7 +41,7 @@ def test_two_runs_with_the_profiles_levers(experiment: dict) -> None:
     off, on = out["runs"]
     assert (off["profile"], on["profile"]) == ("no-prefix-caching", "default")
     assert store.run(off["run_id"])["levers"]["enable_prefix_caching"] is False
-    assert "enable_prefix_caching" not in store.run(on["run_id"])["levers"]
+    assert store.run(on["run_id"])["levers"]["enable_prefix_caching"] is True
     for row in (off, on):
         assert row["status"] == "complete" and row["errors"] == 0
         assert row["requests"] == 16  # 8 per level, concurrency 1 and 4
@@ -78,7 +78,7 @@ def test_the_switch_is_a_lever_flip_and_reports_are_written(experiment: dict) ->
         flips = con.execute(
             "SELECT lever, before, after, run_id FROM lever_flips ORDER BY ts"
         ).fetchall()
-    assert flips == [("enable_prefix_caching", "False", "default", on["run_id"])]
+    assert flips == [("enable_prefix_caching", "False", "True", on["run_id"])]
     (report,) = [Path(p) for p in experiment["out"]["reports"]]
     assert report.exists() and report.parent.name == f"{on['run_id']}-vs-{off['run_id']}"
     diff = json.loads((report.parent / "report.json").read_text())

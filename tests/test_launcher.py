@@ -2,19 +2,36 @@
 
 import sys
 
-from bench.launcher import ALWAYS_FLAGS, levers_of, load_profiles, server_command
+from bench.launcher import ALWAYS_FLAGS, extend_flags, levers_of, load_profiles, server_command
 from tests.conftest import servescope
 
 
 def test_profiles_cover_the_seed_levers() -> None:
     profiles = load_profiles()
     assert {"default", "no-prefix-caching", "no-chunked-prefill"} <= set(profiles)
-    assert "--no-enable-prefix-caching" in profiles["no-prefix-caching"].flags
-    assert (
-        profiles["no-prefix-caching"].flags[: len(profiles["default"].flags)]
-        == profiles["default"].flags
-    )
-    assert "--no-enable-chunked-prefill" in profiles["no-chunked-prefill"].flags
+    default = levers_of(profiles["default"].flags)
+    assert default["enable_prefix_caching"] is True
+    assert default["enable_chunked_prefill"] is True
+    for name, lever in (
+        ("no-prefix-caching", "enable_prefix_caching"),
+        ("no-chunked-prefill", "enable_chunked_prefill"),
+    ):
+        flags = profiles[name].flags
+        assert f"--no-{lever.replace('_', '-')}" in flags
+        assert f"--{lever.replace('_', '-')}" not in flags
+        assert levers_of(flags) == {**default, lever: False}
+
+
+def test_a_child_profiles_flag_replaces_its_parents_for_the_same_lever() -> None:
+    base = ["--dtype", "float32", "--enable-prefix-caching", "--max-num-seqs=4"]
+    assert extend_flags(base, ["--no-enable-prefix-caching", "--max-num-seqs", "8"]) == [
+        "--dtype",
+        "float32",
+        "--no-enable-prefix-caching",
+        "--max-num-seqs",
+        "8",
+    ]
+    assert extend_flags(base, []) == base
 
 
 def test_levers_are_named_like_vllm_args() -> None:
