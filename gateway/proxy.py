@@ -170,7 +170,7 @@ async def _relay(
         data = await upstream.readany()
         if not data:
             break
-        now = time.perf_counter()
+        now, now_loop = time.perf_counter(), loop.time()
         had_first = timing.first is not None
         if pending:
             data = pending + data
@@ -179,10 +179,15 @@ async def _relay(
         if not cut:
             continue
         data = data[:cut]
-        if (error := timing.feed(data, now)) is not None:
+        # The client gets the bytes before the gateway times them (the timing is the slower
+        # part). Except while a prefill deadline waits for the first token: a write that waits
+        # on a slow client must then already run under the decode deadline.
+        timed_first = a.prefill_timeout_s is not None and not had_first
+        if timed_first and (error := timing.feed(data, now)) is not None:
             state.stream_error = error
-        if not had_first and timing.first is not None:
-            deadline.reschedule(loop.time() + a.decode_timeout_s if a.decode_timeout_s else None)
+        # `data` ending in `data: [DONE]` is a stream the rules call done: last bytes and the
+        # end of the chunked body go in one send.
+        ends = timing.done if timed_first else data.endswith(b"data: [DONE]\n\n")
         if state.response is None:
             state.response = _SSEResponse(
                 status=200,
@@ -193,11 +198,18 @@ async def _relay(
                 },
             )
             await _to_client(state.response.prepare(a.request))
-        if timing.done:  # the last bytes and the end of the chunked body in one send
-            await _to_client(state.response.write_eof(data))
+        try:
+            await _to_client(state.response.write_eof(data) if ends else state.response.write(data))
+        finally:  # timed even when the write fails or times out: the bytes were relayed
+            if not timed_first and (error := timing.feed(data, now)) is not None:
+                state.stream_error = error
+        if not had_first and timing.first is not None:
+            deadline.reschedule(now_loop + a.decode_timeout_s if a.decode_timeout_s else None)
+        if timing.done:
+            if not ends:  # [DONE] earlier in the read, or spelt otherwise
+                await _to_client(state.response.write_eof())
             state.end = now
             break
-        await _to_client(state.response.write(data))
     if state.response is None:
         raise UpstreamFailed("disconnect", "upstream closed before sending anything", 502)
     if not timing.done:
