@@ -24,29 +24,75 @@ def _cdfs(sides: list[Side]) -> dict[str, str]:
     return out
 
 
+class _Timeline:
+    """Seconds since the first request, with long idle gaps between the sides folded away.
+
+    Two runs of an experiment are minutes apart (a vLLM restart between them); drawn on one
+    clock, each would be a sliver at an edge. A gap longer than `GAP_SHARE` of the measured
+    time is drawn as that share, and the axis label says how much was left out."""
+
+    GAP_SHARE = 0.05
+
+    def __init__(self, sides: list[Side]) -> None:
+        spans = sorted(
+            (float(np.nanmin(s.samples.t)), float(np.nanmax(s.samples.t)))
+            for s in sides
+            if np.isfinite(s.samples.t).any()
+        )
+        self.origin = spans[0][0] if spans else 0.0
+        measured = sum(end - start for start, end in spans)
+        self.pad = max(self.GAP_SHARE * measured, 1.0)
+        self.cuts: list[tuple[float, float, float]] = []  # (gap start, gap end, cut so far)
+        self.folded = 0.0
+        end = spans[0][1] if spans else 0.0
+        for start, stop in spans[1:]:
+            if start - end > self.pad:
+                self.folded += start - end - self.pad
+                self.cuts.append((end, start, self.folded))
+            end = max(end, stop)
+
+    def x(self, t: float) -> float:
+        cut = 0.0
+        for gap_start, gap_end, total in self.cuts:
+            if t >= gap_end:
+                cut = total
+            elif t > gap_start:  # inside a folded gap: squeezed into its drawn width
+                share = (t - gap_start) / (gap_end - gap_start)
+                return gap_start - cut + share * self.pad - self.origin
+        return t - cut - self.origin
+
+    def xs(self, t: np.ndarray) -> np.ndarray:
+        return np.array([self.x(float(v)) for v in t]) if self.cuts else t - self.origin
+
+    @property
+    def label(self) -> str:
+        if not self.folded:
+            return "seconds since the first request"
+        return f"seconds of measurement ({self.folded:,.0f} s between the runs not drawn)"
+
+
 def _over_time(sides: list[Side], flips: list[dict[str, Any]]) -> dict[str, str]:
-    starts = [np.nanmin(s.samples.t) for s in sides if np.isfinite(s.samples.t).any()]
-    if not starts:
+    if not any(np.isfinite(s.samples.t).any() for s in sides):
         return {}
-    origin = float(min(starts))
+    clock = _Timeline(sides)
     drawn = []
     dots = True
     for side in sides:
         ok = side.samples.ok
         series, raw = time_series(
-            side.name, side.samples.t[ok], side.samples.columns["ttft_ms"][ok], origin
+            side.name, clock.xs(side.samples.t[ok]), side.samples.columns["ttft_ms"][ok], 0.0
         )
         drawn.append(series)
         dots = dots and raw
     markers = [
-        Marker(float(f["t"]) - origin, f"{f['lever']}: {f['before']} → {f['after']}")
+        Marker(clock.x(float(f["t"])), f"{f['lever']}: {f['before']} → {f['after']}")
         for f in flips
         if f.get("t") is not None
     ]
     svg = chart(
         "TTFT over time",
         drawn,
-        x_label="seconds since the first request",
+        x_label=clock.label,
         y_label="TTFT (ms)",
         markers=markers,
         dots=dots,

@@ -21,6 +21,7 @@ LEFT, RIGHT, TOP, BOTTOM = 64, 16, 28, 62
 COLOURS = ("#0969da", "#cf222e", "#1a7f37", "#8250df", "#bf8700", "#57606a")
 CDF_POINTS = 200
 TIME_BUCKETS = 240
+LEGEND_ROW, LEGEND_CHAR = 14, 6  # px per legend row; px per character at font-size 10
 
 
 @dataclass
@@ -84,11 +85,13 @@ def chart(
     def py(y: float) -> float:
         return TOP + plot_h - (y - y0) / (y1 - y0) * plot_h
 
+    legend = _legend_places([s.label for s in drawn])
+    height = HEIGHT + LEGEND_ROW * max(y for _x, y in legend)
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" '
-        f'width="{WIDTH}" height="{HEIGHT}" role="img" aria-label="{escape(title)}">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {height}" '
+        f'width="{WIDTH}" height="{height}" role="img" aria-label="{escape(title)}">',
         f"<title>{escape(title)}</title>",
-        f'<rect x="0" y="0" width="{WIDTH}" height="{HEIGHT}" fill="#ffffff"/>',
+        f'<rect x="0" y="0" width="{WIDTH}" height="{height}" fill="#ffffff"/>',
         f'<text x="{LEFT}" y="18" font-size="13" font-weight="600">{escape(title)}</text>',
     ]
     for t in _ticks(y0, y1):
@@ -114,13 +117,14 @@ def chart(
     )
     for marker in markers:
         x = px(marker.x)
+        # labels of markers in the right half read leftwards, so they stay inside the picture
+        tx, anchor = (x + 3, "start") if x < LEFT + plot_w / 2 else (x - 3, "end")
         out.append(
             f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="#bf8700" '
-            f'stroke-dasharray="4 3"/><text x="{x + 3:.1f}" y="{TOP + 10}" font-size="10" '
-            f'fill="#9a6700">{escape(marker.label)}</text>'
+            f'stroke-dasharray="4 3"/><text x="{tx:.1f}" y="{TOP + 10}" font-size="10" '
+            f'text-anchor="{anchor}" fill="#9a6700">{escape(marker.label)}</text>'
         )
-    legend_x = 0
-    for i, s in enumerate(drawn):
+    for i, (s, (lx, row)) in enumerate(zip(drawn, legend, strict=True)):
         colour = COLOURS[i % len(COLOURS)]
         keep = ~(np.isnan(s.x) | np.isnan(s.y))
         points = [(px(float(x)), py(float(y))) for x, y in zip(s.x[keep], s.y[keep], strict=True)]
@@ -133,14 +137,26 @@ def chart(
             out.append(
                 f'<polyline fill="none" stroke="{colour}" stroke-width="1.6" points="{path}"/>'
             )
-        lx = LEFT + legend_x
+        ly = HEIGHT + LEGEND_ROW * row
         out.append(
-            f'<rect x="{lx}" y="{HEIGHT - 16}" width="10" height="10" fill="{colour}"/>'
-            f'<text x="{lx + 14}" y="{HEIGHT - 7}" font-size="10">{escape(s.label)}</text>'
+            f'<rect x="{lx}" y="{ly - 16}" width="10" height="10" fill="{colour}"/>'
+            f'<text x="{lx + 14}" y="{ly - 7}" font-size="10">{escape(s.label)}</text>'
         )
-        legend_x += 24 + 6 * len(s.label)
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _legend_places(labels: Sequence[str]) -> list[tuple[int, int]]:
+    """(x, row) of each legend entry: side by side while they fit, else on a new row (run ids
+    are long; a legend cut off at the edge names no run)."""
+    places, x, row = [], LEFT, 0
+    for label in labels:
+        width = 24 + LEGEND_CHAR * len(label)
+        if x > LEFT and x + width > WIDTH:
+            x, row = LEFT, row + 1
+        places.append((x, row))
+        x += width
+    return places
 
 
 def cdf_series(label: str, sorted_values: Floats) -> Series:
