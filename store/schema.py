@@ -11,8 +11,19 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Column, DateTime, Double, Text
-from sqlalchemy.types import ARRAY
+from sqlalchemy.types import ARRAY, UserDefinedType
 from sqlmodel import Field, SQLModel
+
+
+class CompressedText(UserDefinedType[str]):
+    """Text kept with zstd and no per-block choice of compression: a record's `doc` is written
+    once, read back whole (export, joins by key), and DuckDB's sampling of every compression
+    for it costs a fifth of a bulk insert. Holds JSON; DuckDB's JSON functions read it as is."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "VARCHAR USING COMPRESSION zstd"
 
 
 class Event(SQLModel, table=True):
@@ -55,7 +66,7 @@ class Event(SQLModel, table=True):
     http_status: int | None = None
     error: str | None = None
     trace_id: str | None = None
-    doc: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    doc: dict[str, Any] = Field(sa_column=Column(CompressedText, nullable=False))
 
 
 class Run(SQLModel, table=True):
