@@ -430,3 +430,5 @@ def test_tail_quantiles_of_small_runs_say_too_few_samples(tmp_path: Path) -> Non
     for metric in ("ttft_ms.p95", "ttft_ms.p99", "tpot_ms.p95", "e2e_ms.p99"):
         assert rows[metric]["verdict"] == "too few samples", metric
         assert rows[metric]["ci95"] is not None  # the interval is still shown
+    headline = json.loads((out / "run-s2-vs-run-s1/report.json").read_text())["headline"]
+    assert ": TTFT p50 −" in headline and "[improved]" in headline  # the tested quantile leads
