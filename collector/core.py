@@ -31,7 +31,7 @@ from store import Store, bulk, checkpoints, run_id_of
 from store.metrics import Sample
 
 log = logging.getLogger("servescope.collector")
-MAX_FLUSH_BYTES = 16 * 1024 * 1024
+MAX_FLUSH_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
@@ -106,9 +106,9 @@ class _LogSource:
     state: dict[str, Any]
 
 
-def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[Chunk]:
-    """Consecutive chunks of one file joined: DuckDB's parallel readers pay off on big inputs,
-    and each statement has a fixed cost."""
+def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[list[Chunk]]:
+    """Consecutive chunks of one file, grouped: one bulk statement takes each group, as DuckDB's
+    parallel readers pay off on big inputs and each statement has a fixed cost."""
     groups: list[list[Chunk]] = []
     for _source, chunk in chunks:
         last = groups[-1][-1] if groups else None
@@ -116,10 +116,7 @@ def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[Chunk]:
             groups[-1].append(chunk)
         else:
             groups.append([chunk])
-    return [
-        g[0] if len(g) == 1 else Chunk(g[0].file, g[0].start, b"".join(c.data for c in g))
-        for g in groups
-    ]
+    return groups
 
 
 def reason_class(reason: str) -> str:
@@ -351,13 +348,13 @@ class Collector:
     def _commit(self, batch: _Pending) -> FlushReport:
         report = FlushReport()
         with self.store.write() as con:
-            for chunk in _contiguous(batch.chunks):
+            for group in _contiguous(batch.chunks):
                 result = bulk.ingest_lines(
                     self.store,
                     con,
-                    chunk.data,
-                    source=chunk.file.error_source,
-                    offset=chunk.start,
+                    [chunk.data for chunk in group],
+                    source=group[0].file.error_source,
+                    offset=group[0].start,
                     want_keys=self.want_keys,
                 )
                 report.events += result.events

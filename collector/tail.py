@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 FP_BYTES = 1024
-CHUNK_BYTES = 8 * 1024 * 1024
+CHUNK_BYTES = 16 * 1024 * 1024
 MAX_LINE = 1024 * 1024
 
 

@@ -89,29 +89,33 @@ _INSERT = {
 def ingest_lines(
     store: Store,
     con: duckdb.DuckDBPyConnection,
-    data: bytes,
+    data: bytes | list[bytes],
     *,
     source: str,
     offset: int,
     want_keys: bool = False,
 ) -> BulkResult:
-    """Ingest `data` (complete `\\n`-terminated lines starting at byte `offset` of `source`) in
-    the caller's transaction. Refused lines go to `ingest_errors` with their offsets."""
+    """Ingest `data` (complete `\\n`-terminated lines starting at byte `offset` of `source`; or
+    consecutive pieces of it, which spares joining them) in the caller's transaction. Refused
+    lines go to `ingest_errors` with their offsets."""
     result = BulkResult()
-    if not data:
+    pieces = [p for p in ([data] if isinstance(data, bytes) else data) if p]
+    if not pieces:
         return result
-    if not data.endswith(b"\n"):
-        data += b"\n"
-    if not _utf8(data):
-        _python_path(store, con, _split(data, offset), source, result)
+    if not pieces[-1].endswith(b"\n"):
+        pieces.append(b"\n")
+    if not all(_utf8(p) for p in pieces):  # pieces end on line ends: none splits a character
+        _python_path(store, con, _split(b"".join(pieces), offset), source, result)
         return result
-    csv = not any(b in data for b in _CSV_UNSAFE) and not _has_long_line(data, MAX_CSV_LINE)
+    csv = not any(b in p for p in pieces for b in _CSV_UNSAFE) and not any(
+        _has_long_line(p, MAX_CSV_LINE) for p in pieces
+    )
     lines = queries.BULK_LINES_CSV if csv else queries.BULK_LINES_TEXT
     params: dict[str, Any] = {"max_line": MAX_CSV_LINE} if csv else {}
     fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".jsonl", dir=_tmp_dir())
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            fh.writelines(pieces)
         params["path"] = path
         row = con.execute(queries.BULK_LAST_ROWID).fetchone()
         after = int(row[0]) if row else -1
@@ -124,7 +128,7 @@ def ingest_lines(
             keys = con.execute(queries.BULK_NEW_KEYS, {"after": after}).fetchall()
             result.keys = [(run_id, request_id) for run_id, request_id in keys]
         rest: set[bytes] = set()
-        if inserted < data.count(b"\n"):
+        if inserted < sum(p.count(b"\n") for p in pieces):
             query = queries.BULK_REST.format(lines=lines)
             rows = con.execute(query, {**params, "after": after}).fetchall()
             rest = {line.encode() for (line,) in rows}
@@ -132,7 +136,8 @@ def ingest_lines(
         os.unlink(path)
     result.events += inserted
     if rest:
-        _python_path(store, con, [x for x in _split(data, offset) if x[1] in rest], source, result)
+        found = [x for x in _split(b"".join(pieces), offset) if x[1] in rest]
+        _python_path(store, con, found, source, result)
     return result
 
 
