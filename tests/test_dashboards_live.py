@@ -278,8 +278,13 @@ def scraped_run(
                 broken.write('{"request_id": "half-written\n')  # for the ingest-error panel
             if i == 3:
                 line = collector.restarts_log.read_text().splitlines()[0]
-                flipped = line.replace(
-                    "non-default args: {", "non-default args: {'enable_prefix_caching': False, "
+                on = "'enable_prefix_caching': True"
+                flipped = (
+                    line.replace(on, "'enable_prefix_caching': False")
+                    if on in line
+                    else line.replace(
+                        "non-default args: {", "non-default args: {'enable_prefix_caching': False, "
+                    )
                 )
                 with collector.restarts_log.open("a") as restarts:
                     restarts.write(flipped + "\n")
