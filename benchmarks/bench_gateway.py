@@ -4,7 +4,7 @@ The instant server is nginx returning a canned SSE completion of 16 chunks (plus
 `[DONE]`), so every millisecond measured is the client's or the gateway's own. The gateway runs
 as a user runs it (`servescope gateway --config …`), in its own process, with one team whose
 limits never bind (events and metrics on), so the figures are the proxy's cost, not admission's.
-Both paths are driven by bench's streaming client (`bench.client.stream_request` over aiohttp)
+Both paths are driven by bench's streaming client (`bench.client.stream_request` over `Http1Pool`,
 in the same run, so machine noise hits both alike. Two measurements, because "concurrency 100"
 means two different things:
 
@@ -46,13 +46,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from rich.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.client import COMPLETIONS, stream_request  # noqa: E402
+from bench.http1 import Http1Pool  # noqa: E402
 
 KEY = "sk-bench-gateway"
 CHUNKS = 16
@@ -165,7 +165,7 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], name: str, log: Path) ->
 
 
 async def drive(
-    session: aiohttp.ClientSession,
+    session: Http1Pool,
     base_url: str,
     concurrency: int,
     requests: int,
@@ -200,10 +200,7 @@ async def closed_rounds(
     """Warm-up, then `rounds` × (each path in turn, `requests` each) on keep-alive sessions
     opened once, so short rounds interleave the paths finely without reconnecting."""
     results: dict[str, dict[str, Any]] = {p: {"ttft": [], "ok": 0, "n": 0, "s": 0.0} for p in paths}
-    sessions = {
-        name: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
-        for name in paths
-    }
+    sessions = {name: Http1Pool(url) for name, (url, _headers) in paths.items()}
     try:
         warm = progress.add_task("warm-up", total=len(paths) * 500)
         for name, (url, headers) in paths.items():
@@ -224,8 +221,8 @@ async def closed_rounds(
                 res["n"] += len(events)
                 res["s"] += elapsed
     finally:
-        for session in sessions.values():
-            await session.close()
+        for pool in sessions.values():
+            pool.close()
     return results
 
 
@@ -248,10 +245,7 @@ async def drive_open(
             arrivals.append((t, name))
             t += rng.expovariate(rate)
     arrivals.sort()
-    sessions = {
-        name: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections))
-        for name in paths
-    }
+    sessions = {name: Http1Pool(url) for name, (url, _headers) in paths.items()}
     try:
 
         def send(name: str, rid: str) -> Any:
@@ -270,8 +264,8 @@ async def drive_open(
             tasks[name].append(asyncio.create_task(send(name, f"rate-{seq:06d}")))
         return {name: list(await asyncio.gather(*ts)) for name, ts in tasks.items()}
     finally:
-        for session in sessions.values():
-            await session.close()
+        for pool in sessions.values():
+            pool.close()
 
 
 def percentile(values: list[float], q: float) -> float:
