@@ -31,7 +31,7 @@ from store import Store, bulk, checkpoints, run_id_of
 from store.metrics import Sample
 
 log = logging.getLogger("servescope.collector")
-MAX_FLUSH_BYTES = 64 * 1024 * 1024
+MAX_FLUSH_BYTES = 256 * 1024 * 1024  # a backlog in few statements: see docs/architecture.md
 
 
 @dataclass
