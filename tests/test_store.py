@@ -9,6 +9,7 @@ import duckdb
 import pytest
 
 from store import Store, export_run, import_file, run_id_of
+from store.db import _ddl
 from store.events import InvalidEvent, parse_line
 from tests.conftest import servescope
 
@@ -113,6 +114,30 @@ def test_pieces_of_one_request_merge_into_one_row(tmp_path: Path) -> None:
         assert con.execute("SELECT ttft_ms, queue_ms, status FROM events").fetchall() == [
             (12.0, 3.0, "ok")
         ]
+
+
+def test_a_store_whose_events_had_a_primary_key_is_rebuilt_without_it(tmp_path: Path) -> None:
+    path = tmp_path / "old.duckdb"
+    with duckdb.connect(str(path)) as con:  # `events` as stores made before had it
+        ddl = _ddl()[0].replace("doc VARCHAR USING COMPRESSION zstd", "doc JSON")
+        con.execute(ddl.rstrip().rstrip(")") + ", PRIMARY KEY (run_id, request_id))")
+        con.execute(
+            "INSERT INTO events (run_id, request_id, ttft_ms, doc) "
+            """VALUES ('run-k', 'run-k-1', 5, '{"request_id": "run-k-1", "ttft_ms": 5}')"""
+        )
+    store = Store(path)
+    store.add_events([{"request_id": "run-k-1", "e2e_ms": 9}, {"request_id": "run-k-2"}])
+    store.add_events([{"request_id": "run-k-2"}])  # a key already stored, by the new table
+    assert store.export_events("run-k") == [
+        {"request_id": "run-k-1", "ttft_ms": 5, "e2e_ms": 9},
+        {"request_id": "run-k-2"},
+    ]
+    with store.read() as con:
+        assert con.execute(
+            "SELECT count(*) FROM duckdb_constraints() "
+            "WHERE constraint_type = 'PRIMARY KEY' "
+            "AND table_name = 'events'"
+        ).fetchone() == (0,)
 
 
 def test_status_is_derived_when_absent(tmp_path: Path) -> None:
