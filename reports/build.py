@@ -3,6 +3,7 @@ split at its lever flip (`--split-at-flip`). Each opens the store once, read-onl
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -36,6 +37,24 @@ def _side(
     samples = load_samples(con, part)
     summary = summarize(con, part, options, samples)
     return Side(part.name, summary, samples), summary
+
+
+def _both_sides(
+    con: duckdb.DuckDBPyConnection, parts: tuple[Slice, Slice], options: ReportOptions
+) -> list[tuple[Side, dict[str, Any]]]:
+    """Both sides at once, each on its own cursor: a quantile's final sort runs on one thread,
+    so two sides side by side use the cores one side alone leaves idle."""
+    cursors = [con.cursor() for _ in parts]
+    try:
+        with ThreadPoolExecutor(max_workers=len(parts)) as pool:
+            futures = [
+                pool.submit(_side, cur, part, options)
+                for cur, part in zip(cursors, parts, strict=True)
+            ]
+            return [f.result() for f in futures]
+    finally:
+        for cur in cursors:
+            cur.close()
 
 
 def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
@@ -111,8 +130,7 @@ def _compare(
 ) -> dict[str, Any]:
     """What `--vs` and `--split-at-flip` share: both sides, the diff rows and the warnings."""
     seed = bootstrap.DEFAULT_SEED if options.seed is None else options.seed
-    b_side, b_summary = _side(con, before, options)
-    a_side, a_summary = _side(con, after, options)
+    (b_side, b_summary), (a_side, a_summary) = _both_sides(con, (before, after), options)
     b_meta = run_meta(runs[0], b_summary["overall"]["models"])
     a_meta = run_meta(runs[1], a_summary["overall"]["models"])
     same_run = before.run_id == after.run_id
