@@ -11,6 +11,9 @@ conventions recommend). What the conventions have no name for is under `servesco
 Ingestion never waits for the backend: `submit` puts records on a bounded queue and returns; one
 worker thread turns them into spans and exports them in batches with the SDK's OTLP exporters
 (HTTP or gRPC; each export retried with exponential backoff by the exporter, up to its timeout).
+Until the endpoint has taken an export (at start, after a failure), a batch is led by a one-span
+probe and the rest is converted only if the probe gets through: an endpoint that is down costs
+one converted span per retry, not a batch of work taken from ingestion.
 A full queue or a batch the backend never took is dropped and counted in
 `servescope_collector_export_dropped_total{reason}`, so memory stays bounded whatever the
 endpoint does. Standard `OTEL_*` variables are honoured: `OTEL_EXPORTER_OTLP_ENDPOINT` (and the
@@ -434,26 +437,36 @@ class OtlpExport:
 
     def _run(self) -> None:
         backoff = 0.0
+        healthy = False  # until the endpoint takes an export, a batch is led by a one-span probe
         while not self._stop.is_set():
             batch = self._take()
             if not batch:
                 continue
+            parts = [batch] if healthy else [batch[:1], batch[1:]]
+            delivered = 0
             try:
-                spans = [self._convert(record) for record in batch]
-                ok = self._exporter.export(spans) == SpanExportResult.SUCCESS
+                for part in parts:
+                    if part and not self._send(part):
+                        break
+                    delivered += len(part)
             except Exception:  # noqa: BLE001 - a bad record or exporter bug must not kill export
-                log.exception("OTLP export of %d spans failed", len(batch))
-                ok = False
-            if ok:
-                self._exported.inc(len(batch))
+                log.exception("OTLP export of %d spans failed", len(batch) - delivered)
+            healthy = delivered == len(batch)
+            if delivered:
+                self._exported.inc(delivered)
+            if healthy:
                 backoff = 0.0
             else:
-                self._dropped.labels(reason="export_failed").inc(len(batch))
+                self._dropped.labels(reason="export_failed").inc(len(batch) - delivered)
                 # the exporter retried already; pause before the next batch, longer each time
                 backoff = min(max(backoff * 2, 0.5), 30.0)
             self._settle(len(batch))
             if backoff:
                 self._stop.wait(backoff * random.uniform(0.8, 1.2))
+
+    def _send(self, records: list[dict[str, Any]]) -> bool:
+        spans = [self._convert(record) for record in records]
+        return self._exporter.export(spans) == SpanExportResult.SUCCESS
 
     def _take(self) -> list[dict[str, Any]]:
         batch: list[dict[str, Any]] = []

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
@@ -26,6 +27,7 @@ from collector.otlp_export import (
     OtlpExport,
     StoredRequestForwarder,
     current_attributes,
+    exporters,
 )
 from store import Store, import_file
 from tests.conftest import servescope
@@ -283,6 +285,42 @@ def test_an_unreachable_endpoint_never_blocks_submit_and_counts_drops(
     export.shutdown(5)
     text = generate_latest(registry).decode()
     assert 'servescope_collector_export_dropped_total{reason="queue_full"}' in text
+
+
+def test_a_down_endpoint_costs_one_converted_span_per_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until the endpoint takes an export, a batch is led by a one-span probe: the rest of the
+    batch is never turned into spans while the endpoint is down (that work would be taken from
+    ingestion), yet every record is still accounted for as dropped."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+    sizes: list[int] = []
+
+    class Counting(OTLPSpanExporter):  # the real exporter, counting what it is handed
+        def export(self, spans: Any) -> Any:
+            sizes.append(len(spans))
+            return super().export(spans)
+
+    registry = CollectorRegistry()
+    export = OtlpExport(
+        registry=registry,
+        batch_size=50,
+        schedule_delay_s=0.05,
+        span_exporter=Counting(endpoint=f"http://127.0.0.1:{closed_port()}/v1/traces"),
+        metric_exporter=exporters(f"http://127.0.0.1:{closed_port()}")[1],
+    )
+    record = stored_records(tmp_path)[0]
+    export.submit([{**record, "request_id": f"{RUN}-{i:06d}"} for i in range(150)])
+    assert export.flush(60)
+    assert sizes and set(sizes) == {1}  # probes only
+    assert export.dropped() == 150 and export.exported() == 0
+    with otlp_http_sink() as sink:  # once an endpoint answers, batches go whole again
+        export = OtlpExport(sink.url, registry=CollectorRegistry(), batch_size=50,
+                            schedule_delay_s=0.05)  # fmt: skip
+        export.submit([{**record, "request_id": f"{RUN}-{i:06d}"} for i in range(150)])
+        assert export.flush(60)
+        assert export.exported() == 150
+        export.shutdown()
 
 
 def test_runtime_events_are_not_exported_as_requests(tmp_path: Path) -> None:
