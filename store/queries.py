@@ -123,15 +123,6 @@ SELECT EXISTS (SELECT 1 FROM runs WHERE run_id = $run_id)
 
 EXPORT_EVENTS = "SELECT doc FROM events WHERE run_id = ? ORDER BY ts NULLS LAST, request_id"
 
-RUN_EVENTS = (
-    "SELECT * EXCLUDE (doc) FROM events WHERE run_id = ? ORDER BY ts NULLS LAST, request_id"
-)
-
-ERRORS_BY_CLASS = """
-SELECT COALESCE(error, status) AS class, count(*) AS n
-FROM events WHERE run_id = ? AND status <> 'ok' GROUP BY 1 ORDER BY 2 DESC
-"""
-
 # Run-scoped counter deltas, reset-aware: per series (target, labels) the sum of positive steps
 # between successive samples; a drop means the server restarted, and the new value counts whole.
 COUNTER_DELTAS = """
