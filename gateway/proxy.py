@@ -27,6 +27,11 @@ from bench.client import Endpoint, usage_into
 from gateway.timing import RelayTiming
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
+# uvloop keeps its clock and its timers in whole milliseconds, so a deadline taken from it can
+# fire up to a tick before the limit measured on `perf_counter` (the clock of TTFT and e2e):
+# phase deadlines get one tick more, so no phase is cut before its limit.
+TICK_S = 0.001
+
 
 class UpstreamFailed(Exception):
     """The upstream failed before the client saw a byte: the request may go to the fallback."""
@@ -85,7 +90,7 @@ async def forward(a: Attempt, event: dict[str, Any]) -> web.StreamResponse:
     """
     state = _Relay()
     loop = asyncio.get_running_loop()
-    prefill_deadline = loop.time() + a.prefill_timeout_s if a.prefill_timeout_s else None
+    prefill_deadline = loop.time() + a.prefill_timeout_s + TICK_S if a.prefill_timeout_s else None
     try:
         async with asyncio.timeout_at(prefill_deadline) as deadline:
             try:
@@ -204,7 +209,8 @@ async def _relay(
             if not timed_first and (error := timing.feed(data, now)) is not None:
                 state.stream_error = error
         if not had_first and timing.first is not None:
-            deadline.reschedule(now_loop + a.decode_timeout_s if a.decode_timeout_s else None)
+            limit = a.decode_timeout_s
+            deadline.reschedule(now_loop + limit + TICK_S if limit else None)
         if timing.done:
             if not ends:  # [DONE] earlier in the read, or spelt otherwise
                 await _to_client(state.response.write_eof())
