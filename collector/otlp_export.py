@@ -31,6 +31,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
@@ -83,15 +84,19 @@ LEGACY_KEYS: dict[str, tuple[str, float]] = {
     "gen_ai.request.id": ("gen_ai.response.id", 1),
 }
 
-_COUNTERS: dict[int, tuple[Counter, Counter]] = {}
+# by the registry itself, weakly: keyed by id(), a new registry that reused a dead one's id got
+# counters registered on the dead one, and its own samples stayed empty
+_COUNTERS: weakref.WeakKeyDictionary[CollectorRegistry, tuple[Counter, Counter]] = (
+    weakref.WeakKeyDictionary()
+)
 _COUNTERS_LOCK = threading.Lock()
 
 
 def export_counters(registry: CollectorRegistry = REGISTRY) -> tuple[Counter, Counter]:
     """(dropped, exported) span counters, created once per registry."""
     with _COUNTERS_LOCK:
-        if id(registry) not in _COUNTERS:
-            _COUNTERS[id(registry)] = (
+        if registry not in _COUNTERS:
+            _COUNTERS[registry] = (
                 Counter(
                     "servescope_collector_export_dropped",
                     "Spans not delivered to the OTLP endpoint: queue_full (the endpoint is "
@@ -105,7 +110,7 @@ def export_counters(registry: CollectorRegistry = REGISTRY) -> tuple[Counter, Co
                     registry=registry,
                 ),
             )
-        return _COUNTERS[id(registry)]
+        return _COUNTERS[registry]
 
 
 def current_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
