@@ -4,13 +4,13 @@ event per request. `gateway.server.Gateway` + `gateway.server.serve` run it; `se
 is the command."""
 
 from gateway.config import ConfigError, GatewayConfig, load_config, parse_config
-from gateway.server import Gateway, build_app, serve
+from gateway.server import Gateway, build_server, serve
 
 __all__ = [
     "ConfigError",
     "Gateway",
     "GatewayConfig",
-    "build_app",
+    "build_server",
     "load_config",
     "parse_config",
     "serve",

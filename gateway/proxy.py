@@ -21,9 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
 from bench.client import Endpoint, usage_into
+from gateway.http1 import Reply, Response, json_response
 from gateway.timing import RelayTiming
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
@@ -47,22 +46,11 @@ class ClientGone(Exception):
     """The client closed its connection; the upstream request is closed to abort it."""
 
 
-class _SSEResponse(web.StreamResponse):
-    """A stream whose status line and headers leave with its first body bytes, in one write.
-
-    aiohttp's `StreamResponse` sends its headers alone at `prepare()`; the relay prepares only
-    when it has bytes to send, so that separate write (and the client's separate read and wake-up
-    for it) is pure cost. `web.Response` opts out the same way.
-    """
-
-    _send_headers_immediately = False
-
-
 @dataclass
 class Attempt:
     """One request to one upstream, and what the gateway measured."""
 
-    request: web.Request
+    reply: Reply  # the client's answer, when it is streamed
     pool: UpstreamPool
     endpoint: Endpoint
     body: bytes
@@ -77,13 +65,13 @@ class Attempt:
 class _Relay:
     """What the stream loop has done so far (read by the failure paths)."""
 
-    response: web.StreamResponse | None = None
+    response: Response | Reply | None = None
     upstream: UpstreamResponse | None = None
     stream_error: Any = None
     end: float = 0.0
 
 
-async def forward(a: Attempt, event: dict[str, Any]) -> web.StreamResponse:
+async def forward(a: Attempt, event: dict[str, Any]) -> Response | Reply:
     """Send the request; fill `event`; return the response already written to the client.
 
     Raises `UpstreamFailed` only while nothing has reached the client.
@@ -140,7 +128,7 @@ async def _drain(upstream: UpstreamResponse) -> None:
         upstream.release()
 
 
-async def _whole(a: Attempt, upstream: UpstreamResponse, event: dict[str, Any]) -> web.Response:
+async def _whole(a: Attempt, upstream: UpstreamResponse, event: dict[str, Any]) -> Response:
     body = await upstream.read()
     event["http_status"] = upstream.status
     event["e2e_ms"] = (time.perf_counter() - a.timing.start) * 1000.0
@@ -156,10 +144,10 @@ async def _whole(a: Attempt, upstream: UpstreamResponse, event: dict[str, Any]) 
     else:
         event.update(status="error", error="http_4xx", finish_reason="error")
         event["error_detail"] = body[:500].decode(errors="replace")
-    return web.Response(
-        body=body,
-        status=upstream.status,
-        headers={"Content-Type": upstream.headers.get("content-type", "application/json")},
+    return Response(
+        upstream.status,
+        body,
+        {"Content-Type": upstream.headers.get("content-type", "application/json")},
     )
 
 
@@ -169,6 +157,7 @@ async def _relay(
     upstream = state.upstream
     assert upstream is not None
     timing = a.timing
+    reply = a.reply
     pending = b""
     loop = asyncio.get_running_loop()
     while True:
@@ -193,18 +182,18 @@ async def _relay(
         # `data` ending in `data: [DONE]` is a stream the rules call done: last bytes and the
         # end of the chunked body go in one send.
         ends = timing.done if timed_first else data.endswith(b"data: [DONE]\n\n")
-        if state.response is None:
-            state.response = _SSEResponse(
-                status=200,
-                headers={
+        if state.response is None:  # status and headers leave with the first bytes
+            state.response = reply
+            reply.start(
+                200,
+                {
                     "Content-Type": upstream.headers.get("content-type", "text/event-stream"),
                     "Cache-Control": "no-cache",
                     "X-Request-Id": a.headers["X-Request-Id"],
                 },
             )
-            await _to_client(state.response.prepare(a.request))
         try:
-            await _to_client(state.response.write_eof(data) if ends else state.response.write(data))
+            await _to_client(reply.write_eof(data) if ends else reply.write(data))
         finally:  # timed even when the write fails or times out: the bytes were relayed
             if not timed_first and (error := timing.feed(data, now)) is not None:
                 state.stream_error = error
@@ -213,7 +202,7 @@ async def _relay(
             deadline.reschedule(now_loop + limit + TICK_S if limit else None)
         if timing.done:
             if not ends:  # [DONE] earlier in the read, or spelt otherwise
-                await _to_client(state.response.write_eof())
+                await _to_client(reply.write_eof())
             state.end = now
             break
     if state.response is None:
@@ -238,7 +227,7 @@ def _error_chunk(message: str, code: int) -> bytes:
 
 async def _fail(
     a: Attempt, state: _Relay, event: dict[str, Any], status: str, kind: str, detail: str, code: int
-) -> web.StreamResponse:
+) -> Response | Reply:
     """End a broken stream cleanly, or raise for the fallback when nothing was sent yet."""
     if state.response is None and kind != "timeout":
         raise UpstreamFailed(kind, detail, code)
@@ -249,15 +238,15 @@ async def _fail(
         event["itl_ms"] = a.timing.gaps
     if state.response is None:  # a timeout before any byte: a plain 504
         event["http_status"] = code
-        state.response = web.json_response(
-            {"error": {"message": detail, "type": "timeout", "param": None, "code": code}},
-            status=code,
+        state.response = json_response(
+            {"error": {"message": detail, "type": "timeout", "param": None, "code": code}}, code
         )
         return state.response
     event["http_status"] = 200
-    await _to_client(state.response.write(_error_chunk(detail, code)))
-    await _to_client(state.response.write_eof())
-    return state.response
+    reply = a.reply
+    await _to_client(reply.write(_error_chunk(detail, code)))
+    await _to_client(reply.write_eof())
+    return reply
 
 
 async def _to_client(write: Any) -> None:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from bench import tracing
@@ -29,6 +28,7 @@ from bench.client import CHAT, COMPLETIONS, Endpoint, utc_now_iso
 from gateway.admission import Rejected, Scheduler, Slot
 from gateway.config import GatewayConfig, Team, Upstream, load_config
 from gateway.events import EventLog
+from gateway.http1 import Reply, Request, Response, Server, json_response
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Attempt, ClientGone, UpstreamFailed, forward
 from gateway.timing import RelayTiming
@@ -40,8 +40,6 @@ log = logging.getLogger("servescope.gateway")
 DOWN_FOR_S = 2.0  # an upstream that refused a connection is skipped this long
 MAX_REQUEST_ID = 200
 PASSED_HEADERS = ("traceparent", "tracestate")
-RAW_BODY = "servescope.raw_body"  # request key: the body as received
-TRACE_HEADERS = "servescope.trace_headers"  # request key: traceparent of the gateway's span
 
 
 @dataclass
@@ -90,12 +88,12 @@ class Gateway:
 
     # --- life cycle -------------------------------------------------------------------------
 
-    async def start(self, app: web.Application) -> None:
+    async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.tokens = TokenCounter(self.session)
 
-    async def stop(self, app: web.Application) -> None:
+    async def stop(self) -> None:
         if self.session is not None:
             await self.session.close()
         for pool in self.pools.values():
@@ -153,25 +151,25 @@ class Gateway:
     def _health(self, name: str) -> UpstreamHealth:
         return self.upstream_health.setdefault(name, UpstreamHealth())
 
-    def team_of(self, request: web.Request) -> Team:
-        header = request.headers.get("Authorization", "")
+    def team_of(self, request: Request) -> Team:
+        header = request.headers.get("authorization", "")
         key = header[7:].strip() if header[:7].lower() == "bearer " else None
-        team = self.config.team_for_key(key or request.headers.get("X-Api-Key"))
+        team = self.config.team_for_key(key or request.headers.get("x-api-key"))
         if team is None:
             raise Rejected("unknown_key", "missing or unknown API key")
         return team
 
     # --- the OpenAI routes ------------------------------------------------------------------
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, COMPLETIONS)
+    async def completions(self, request: Request, reply: Reply) -> Response | Reply:
+        return await self._serve(request, reply, COMPLETIONS)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, CHAT)
+    async def chat_completions(self, request: Request, reply: Reply) -> Response | Reply:
+        return await self._serve(request, reply, CHAT)
 
-    async def _serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    async def _serve(self, request: Request, reply: Reply, endpoint: Endpoint) -> Response | Reply:
         start = time.perf_counter()
-        given = request.headers.get("X-Request-Id", "")[:MAX_REQUEST_ID]
+        given = request.headers.get("x-request-id", "")[:MAX_REQUEST_ID]
         event: dict[str, Any] = {
             "request_id": given or f"gw-{uuid.uuid4().hex}",
             "ts": utc_now_iso(),
@@ -180,9 +178,10 @@ class Gateway:
         if not given:
             event["run_id"] = self._boot_run
         span = None
+        trace_headers: dict[str, str] = {}  # the traceparent of the gateway's own span
         if self.tracer is not None:  # a child of the client's span; vLLM's becomes ours
             operation = "chat" if endpoint.chat else "text_completion"
-            span, request[TRACE_HEADERS] = tracing.start_request_span(
+            span, trace_headers = tracing.start_request_span(
                 self.tracer,
                 f"gateway {operation}",
                 kind=tracing.SpanKind.SERVER,
@@ -195,11 +194,11 @@ class Gateway:
         ):  # untraced clients skip the propagator's work
             event["trace_id"] = trace_id
         slot: Slot | None = None
-        response: web.StreamResponse | None = None
+        response: Response | Reply | None = None
         try:
             team = self.team_of(request)
             event["team"] = team.name
-            body = await self._body(request)
+            body = self._body(request)
             model = body.get("model")
             if not isinstance(model, str) or model not in self.config.routes:
                 raise Rejected(
@@ -228,7 +227,7 @@ class Gateway:
                     {"servescope.team": team.name, "servescope.queue_ms": slot.queue_ms},
                 )
             response = await self._proxy(
-                request, endpoint, team, body, upstreams, slot, event, start
+                request, reply, endpoint, team, body, upstreams, slot, event, start, trace_headers
             )
         except Rejected as rej:
             response = self._reject(rej, event, start)
@@ -246,9 +245,7 @@ class Gateway:
                 error_detail=f"gateway: {exc!r}",
                 http_status=500,
             )
-            response = web.json_response(
-                _error_body("internal gateway error", "internal", 500), status=500
-            )
+            response = json_response(_error_body("internal gateway error", "internal", 500), 500)
         finally:
             if slot is not None:
                 if event.get("status") == "ok" and slot.team.team.token_budget:
@@ -261,16 +258,15 @@ class Gateway:
             if span is not None:
                 tracing.end_request_span(span, event)
         if response is None:  # the client is gone; nothing left to say to it
-            response = web.Response(status=499)
-        if not response.prepared:
+            response = Response(499, b"")
+        if isinstance(response, Response):
             response.headers["X-Request-Id"] = event["request_id"]
         return response
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
-        request[RAW_BODY] = raw
+    @staticmethod
+    def _body(request: Request) -> dict[str, Any]:
         try:
-            body = json.loads(raw)
+            body = json.loads(request.body)
         except ValueError as exc:
             raise Rejected("bad_request", f"request body is not JSON: {exc}") from None
         if not isinstance(body, dict):
@@ -307,7 +303,8 @@ class Gateway:
 
     async def _proxy(
         self,
-        request: web.Request,
+        request: Request,
+        reply: Reply,
         endpoint: Endpoint,
         team: Team,
         body: dict[str, Any],
@@ -315,19 +312,19 @@ class Gateway:
         slot: Slot,
         event: dict[str, Any],
         start: float,
-    ) -> web.StreamResponse:
-        assert self.session is not None
+        trace_headers: dict[str, str],
+    ) -> Response | Reply:
         headers = {"Content-Type": "application/json", "X-Request-Id": event["request_id"]}
         for name in PASSED_HEADERS:
             if value := request.headers.get(name):
                 headers[name] = value
-        headers.update(request.get(TRACE_HEADERS) or {})  # the gateway's own span, if traced
+        headers.update(trace_headers)  # the gateway's own span, if traced
         stream = bool(body.get("stream"))
         options = body.get("stream_options")
         raw = (
             None
             if stream and not (isinstance(options, dict) and options.get("include_usage"))
-            else request.get(RAW_BODY)
+            else request.body
         )  # unchanged bodies go upstream as they came
         if raw is None and stream:  # the gateway needs usage for TPOT and budgets
             body["stream_options"] = {
@@ -346,7 +343,7 @@ class Gateway:
             else:
                 payload_bytes = json.dumps({**body, "model": served}).encode()
             attempt = Attempt(
-                request=request,
+                reply=reply,
                 pool=self._pool(upstream.url),
                 endpoint=endpoint,
                 body=payload_bytes,
@@ -380,14 +377,14 @@ class Gateway:
             http_status=failure.http_status or 502,
         )
         event["e2e_ms"] = (time.perf_counter() - start) * 1000.0
-        return web.json_response(
+        return json_response(
             _error_body(
                 f"upstream failed: {failure.detail}", "upstream_error", failure.http_status or 502
             ),
-            status=failure.http_status or 502,
+            failure.http_status or 502,
         )
 
-    def _reject(self, rej: Rejected, event: dict[str, Any], start: float) -> web.Response:
+    def _reject(self, rej: Rejected, event: dict[str, Any], start: float) -> Response:
         event.update(
             status="rejected",
             error=f"rejected:{rej.reason}",
@@ -400,10 +397,8 @@ class Gateway:
         headers = {}
         if rej.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(rej.retry_after_s)))
-        return web.json_response(
-            _error_body(rej.message, "admission_rejected", rej.reason),
-            status=rej.http_status,
-            headers=headers,
+        return json_response(
+            _error_body(rej.message, "admission_rejected", rej.reason), rej.http_status, headers
         )
 
     def _gone(self, event: dict[str, Any], start: float, detail: str) -> None:
@@ -420,18 +415,18 @@ class Gateway:
 
     # --- the other routes -------------------------------------------------------------------
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request, reply: Reply) -> Response:
         data = [
             {"id": m, "object": "model", "owned_by": "servescope-gateway"}
             for m in sorted(self.config.routes)
         ]
-        return web.json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": data})
 
-    async def passthrough(self, request: web.Request) -> web.Response:
+    async def passthrough(self, request: Request, reply: Reply) -> Response:
         """`/tokenize`, `/detokenize`, `/version`: no generation, no admission; sent to the
         upstream of the body's model (or the first upstream)."""
         assert self.session is not None
-        raw = await request.read() if request.can_read_body else b""
+        raw = request.body
         model = None
         if raw:
             try:
@@ -454,28 +449,26 @@ class Gateway:
                     headers={"Content-Type": "application/json"},
                     timeout=aiohttp.ClientTimeout(total=30),
                 ) as resp:
-                    return web.Response(
-                        body=await resp.read(), status=resp.status, content_type="application/json"
-                    )
+                    body = await resp.read()
+                    return Response(resp.status, body, {"Content-Type": "application/json"})
             except (aiohttp.ClientError, TimeoutError):
                 continue
-        return web.json_response(
+        return json_response(
             _error_body("no upstream reachable", "upstream_error", 503),
-            status=503,
-            headers={"Retry-After": str(int(DOWN_FOR_S))},
+            503,
+            {"Retry-After": str(int(DOWN_FOR_S))},
         )
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request, reply: Reply) -> Response:
         now = time.monotonic()
         ups = {
             n: ("down" if not self._health(n).usable(now) else "up") for n in self.config.upstreams
         }
-        return web.json_response({"status": "ok", "upstreams": ups})
+        return json_response({"status": "ok", "upstreams": ups})
 
-    async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.metrics.registry),
-            headers={"Content-Type": CONTENT_TYPE_LATEST},
+    async def prometheus(self, request: Request, reply: Reply) -> Response:
+        return Response(
+            200, generate_latest(self.metrics.registry), {"Content-Type": CONTENT_TYPE_LATEST}
         )
 
 
@@ -483,28 +476,29 @@ def _error_body(message: str, kind: str, code: str | int) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
-def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(client_max_size=64 * 2**20)
-    app.on_startup.append(gateway.start)
-    app.on_cleanup.append(gateway.stop)
-    app.router.add_post("/v1/completions", gateway.completions)
-    app.router.add_post("/v1/chat/completions", gateway.chat_completions)
-    app.router.add_get("/v1/models", gateway.models)
-    app.router.add_post("/tokenize", gateway.passthrough)
-    app.router.add_post("/detokenize", gateway.passthrough)
-    app.router.add_get("/version", gateway.passthrough)
-    app.router.add_get("/health", gateway.health)
-    app.router.add_get("/metrics", gateway.prometheus)
-    return app
+def build_server(gateway: Gateway) -> Server:
+    server = Server()
+    server.add("POST", "/v1/completions", gateway.completions)
+    server.add("POST", "/v1/chat/completions", gateway.chat_completions)
+    server.add("GET", "/v1/models", gateway.models)
+    server.add("POST", "/tokenize", gateway.passthrough)
+    server.add("POST", "/detokenize", gateway.passthrough)
+    server.add("GET", "/version", gateway.passthrough)
+    server.add("GET", "/health", gateway.health)
+    server.add("GET", "/metrics", gateway.prometheus)
+    return server
 
 
 async def serve(gateway: Gateway, host: str, port: int, ready: asyncio.Event | None = None) -> None:
     """Run until SIGINT/SIGTERM; SIGHUP reloads gateway.yaml. Client disconnects cancel their
     handler, which closes the upstream request."""
-    runner = web.AppRunner(build_app(gateway), access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096)
-    await site.start()
+    await gateway.start()
+    server = build_server(gateway)
+    try:
+        await server.serve(host, port, backlog=4096)
+    except BaseException:
+        await gateway.stop()
+        raise
     # Garbage collection was a tenth of the CPU per proxied request and its full passes paused
     # the loop for ~45 ms: what start-up built (modules, config, metrics) is frozen out of every
     # later scan, and a young collection, which scans every request in flight, runs when 10,000
@@ -530,4 +524,5 @@ async def serve(gateway: Gateway, host: str, port: int, ready: asyncio.Event | N
     finally:
         for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await runner.cleanup()
+        await server.shutdown()
+        await gateway.stop()

@@ -1,0 +1,168 @@
+"""The gateway's lean HTTP/1.1 server (`gateway.http1`) on its own, over real sockets: streams
+that outgrow the socket buffers reach a slow reader whole (flow control), pipelined requests are
+answered in order, a client that leaves cancels its handler, bad input is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from gateway.http1 import Reply, Request, Response, Server, json_response
+
+BIG_CHUNK = b"x" * 65_536
+BIG_CHUNKS = 160  # 10 MiB: far past the transport's high-water mark and the socket buffers
+
+
+@asynccontextmanager
+async def running(server: Server) -> AsyncIterator[int]:
+    await server.serve("127.0.0.1", 0)
+    assert server._server is not None
+    port = server._server.sockets[0].getsockname()[1]
+    try:
+        yield port
+    finally:
+        await server.shutdown(timeout_s=1)
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """Status line + headers, and the body (Content-Length or chunked)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    headers = {
+        k.strip().lower(): v.strip()
+        for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:] if line)
+    }
+    if b"content-length" in headers:
+        return head, await reader.readexactly(int(headers[b"content-length"]))
+    parts = []
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        data = await reader.readexactly(size + 2)
+        if size == 0:
+            return head, b"".join(parts)
+        parts.append(data[:-2])
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request: pytest.FixtureRequest) -> Callable[[Callable[[], Awaitable[None]]], None]:
+    """Each test on both loops: the gateway runs on uvloop when it is installed."""
+    factory = None
+    if request.param == "uvloop":
+        factory = pytest.importorskip("uvloop").new_event_loop
+
+    def go(coro: Callable[[], Awaitable[None]]) -> None:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(asyncio.wait_for(coro(), 30))
+
+    return go
+
+
+def test_a_big_stream_reaches_a_slow_reader_whole(
+    run: Callable[[Callable[[], Awaitable[None]]], None],
+) -> None:
+    async def stream(request: Request, reply: Reply) -> Reply:
+        reply.start(200, {"Content-Type": "text/event-stream"})
+        for _ in range(BIG_CHUNKS - 1):
+            await reply.write(BIG_CHUNK)
+        await reply.write_eof(BIG_CHUNK)
+        return reply
+
+    async def main() -> None:
+        server = Server()
+        server.add("GET", "/big", stream)
+        async with running(server) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2**20)
+            writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n" * 2)  # a second one kept alive
+            await asyncio.sleep(0.3)  # the server fills every buffer and must wait
+            for _ in range(2):
+                head, body = await read_response(reader)
+                assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+                assert len(body) == BIG_CHUNKS * len(BIG_CHUNK)
+                assert (
+                    hashlib.sha256(body).digest() == hashlib.sha256(BIG_CHUNK * BIG_CHUNKS).digest()
+                )
+            writer.close()
+
+    run(main)
+
+
+def test_pipelined_requests_are_answered_in_order(
+    run: Callable[[Callable[[], Awaitable[None]]], None],
+) -> None:
+    async def echo(request: Request, reply: Reply) -> Response:
+        await asyncio.sleep(0.01 if request.body == b"first" else 0)
+        return Response(200, request.body, {"Content-Type": "text/plain"})
+
+    async def main() -> None:
+        server = Server()
+        server.add("POST", "/echo", echo)
+        async with running(server) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"".join(
+                    b"POST /echo HTTP/1.1\r\nContent-Length: %d\r\n\r\n%b" % (len(b), b)
+                    for b in (b"first", b"second", b"third")
+                )
+            )
+            bodies = [(await read_response(reader))[1] for _ in range(3)]
+            assert bodies == [b"first", b"second", b"third"]
+            writer.close()
+
+    run(main)
+
+
+def test_a_client_that_leaves_cancels_its_handler(
+    run: Callable[[Callable[[], Awaitable[None]]], None],
+) -> None:
+    cancelled = asyncio.Event()
+
+    async def wait_forever(request: Request, reply: Reply) -> Response:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return json_response({})
+
+    async def main() -> None:
+        server = Server()
+        server.add("GET", "/wait", wait_forever)
+        async with running(server) as port:
+            _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.sleep(0.1)
+            writer.close()
+            await asyncio.wait_for(cancelled.wait(), 5)
+
+    run(main)
+
+
+def test_bad_requests_and_unknown_routes_are_refused(
+    run: Callable[[Callable[[], Awaitable[None]]], None],
+) -> None:
+    async def ok(request: Request, reply: Reply) -> Response:
+        return json_response({"ok": True})
+
+    async def main() -> None:
+        server = Server()
+        server.add("GET", "/ok", ok)
+        async with running(server) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for request, status in [
+                (b"GET /nope HTTP/1.1\r\n\r\n", b"404"),
+                (b"POST /ok HTTP/1.1\r\nContent-Length: 0\r\n\r\n", b"405"),
+                (b"GET /ok?x=1 HTTP/1.1\r\n\r\n", b"200"),
+            ]:
+                writer.write(request)
+                head, _body = await read_response(reader)
+                assert head.split(b" ")[1] == status, head
+            writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+            head, _body = await read_response(reader)
+            assert head.split(b" ")[1] == b"400"
+            assert await reader.read() == b""  # and the connection is closed
+            writer.close()
+
+    run(main)
