@@ -24,10 +24,10 @@ import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from bench import tracing
-from bench.client import CHAT, COMPLETIONS, Endpoint, utc_now_iso
+from bench.client import CHAT, COMPLETIONS, Endpoint
 from gateway.admission import Rejected, Scheduler, Slot
 from gateway.config import GatewayConfig, Team, Upstream, load_config
-from gateway.events import EventLog
+from gateway.events import EventLog, utc_now_iso
 from gateway.http1 import Reply, Request, Response, Server, json_response
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Attempt, ClientGone, UpstreamFailed, forward
@@ -138,6 +138,8 @@ class Gateway:
     def candidates(self, model: str) -> list[Upstream]:
         """The route's upstream then its fallback, usable ones first."""
         route = self.config.routes[model]
+        if route.fallback is None:  # one candidate: nothing to order
+            return [self.config.upstreams[route.upstream]]
         names = [route.upstream] + ([route.fallback] if route.fallback else [])
         now = time.monotonic()
         ups = [self.config.upstreams[n] for n in names]
