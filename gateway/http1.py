@@ -14,6 +14,9 @@ What the protocol keeps:
   transport's buffer drains (`pause_writing` / `resume_writing`);
 - disconnects: a client that closes its connection (or half-closes it) cancels the handler of
   its request, which is how the proxy aborts the upstream request and logs `disconnect`;
+- bounds: a request head over 64 KiB is refused (431), a body over 64 MiB too (413), and a
+  connection idle (or stuck in a request's head) for `KEEPALIVE_S` is closed by a sweep, not a
+  timer per request;
 - a stream's status line and headers leave with its first body bytes, in one write.
 """
 
@@ -33,6 +36,9 @@ import httptools
 log = logging.getLogger("servescope.gateway.http")
 
 MAX_BODY = 64 * 2**20  # request bodies above this are answered 413
+MAX_HEAD = 64 * 2**10  # request line + headers above this are answered 431
+KEEPALIVE_S = 75.0  # idle connections are closed after this (aiohttp's default)
+SWEEP_S = 5.0  # how often idle connections are looked for
 MAX_PIPELINED = 16  # requests waiting on one connection before reading pauses
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 
@@ -46,6 +52,7 @@ class Request:
     headers: dict[str, str]
     body: bytes
     keep_alive: bool
+    http11: bool = True  # HTTP/1.0 clients get streams unchunked, ended by closing
 
 
 @dataclass(slots=True)
@@ -81,26 +88,35 @@ class Reply:
     the first `write` (chunked transfer-encoding); `write_eof` ends the body. Writes raise
     `ConnectionResetError` once the client is gone."""
 
-    __slots__ = ("_conn", "_head", "prepared", "finished")
+    __slots__ = ("_conn", "_head", "chunked", "prepared", "finished")
 
-    def __init__(self, conn: _Connection) -> None:
+    def __init__(self, conn: _Connection, chunked: bool = True) -> None:
         self._conn = conn
         self._head = b""
+        self.chunked = chunked
         self.prepared = False  # status and headers sent
         self.finished = False  # body ended
 
     def start(self, status: int, headers: dict[str, str]) -> None:
-        self._head = _head(status, headers, "Transfer-Encoding: chunked\r\n\r\n")
+        framing = (
+            "Transfer-Encoding: chunked\r\n\r\n" if self.chunked else "Connection: close\r\n\r\n"
+        )
+        self._head = _head(status, headers, framing)
 
     async def write(self, data: bytes) -> None:
         if data:
-            await self._send(b"%x\r\n%b\r\n" % (len(data), data))
+            await self._send(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self.finished:
             return
         self.finished = True
-        await self._send((b"%x\r\n%b\r\n" % (len(data), data) if data else b"") + b"0\r\n\r\n")
+        if not self.chunked:
+            await self._send(data)
+        elif data:
+            await self._send(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
+        else:
+            await self._send(b"0\r\n\r\n")
 
     async def _send(self, frame: bytes) -> None:
         conn = self._conn
@@ -128,13 +144,16 @@ class _Connection(asyncio.Protocol):
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
         self._size = 0
+        self._head_size = 0
         self._waiting: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None
         self._read_paused = False
+        self.idle_since: float | None = None  # loop time; None while a request is answered
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        self.idle_since = asyncio.get_running_loop().time()
         self.server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -142,10 +161,11 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(400)
-        except httptools.HttpParserError:
-            self._refuse(400)
-        except _TooLarge:
-            self._refuse(413)
+        except httptools.HttpParserError as exc:  # httptools wraps what its callbacks raise
+            cause = exc.__cause__ or exc.__context__
+            self._refuse(cause.status if isinstance(cause, _TooLarge) else 400)
+        except _TooLarge as exc:
+            self._refuse(exc.status)
 
     def eof_received(self) -> bool:
         return False  # a half-close is a client gone: close, which cancels its handler
@@ -190,11 +210,18 @@ class _Connection(asyncio.Protocol):
         self._headers = {}
         self._body = []
         self._size = 0
+        self._head_size = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._head_size += len(url)
+        if self._head_size > MAX_HEAD:
+            raise _TooLarge(431)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value)
+        if self._head_size > MAX_HEAD:
+            raise _TooLarge(431)
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
@@ -204,7 +231,7 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
         if self._size > MAX_BODY:
-            raise _TooLarge
+            raise _TooLarge(413)
         self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -215,6 +242,7 @@ class _Connection(asyncio.Protocol):
             headers=self._headers,
             body=body,
             keep_alive=self.parser.should_keep_alive(),
+            http11=self.parser.get_http_version() != "1.0",
         )
         self._waiting.append(request)
         if self._task is None:
@@ -226,10 +254,11 @@ class _Connection(asyncio.Protocol):
     # answering
     def _next(self) -> None:
         request = self._waiting.popleft()
+        self.idle_since = None
         self._task = asyncio.get_running_loop().create_task(self._answer(request))
 
     async def _answer(self, request: Request) -> None:
-        reply = Reply(self)
+        reply = Reply(self, chunked=request.http11)
         try:
             answer = await self.server.dispatch(request, reply)
         except asyncio.CancelledError:  # the client is gone
@@ -244,7 +273,7 @@ class _Connection(asyncio.Protocol):
                 self.transport.close()
                 return
             self._write_whole(request, answer)
-        elif not reply.finished:  # a stream that did not end cleanly: close, never reuse
+        elif not reply.finished or not reply.chunked:  # ended by closing, or broken: never reused
             self.transport.close()
             return
         self._task = None
@@ -252,9 +281,11 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
         elif self._waiting:
             self._next()
+            return
         elif self._read_paused:
             self._read_paused = False
             self.transport.resume_reading()
+        self.idle_since = asyncio.get_running_loop().time()
 
     def _write_whole(self, request: Request, answer: Response) -> None:
         assert self.transport is not None
@@ -273,7 +304,11 @@ class _Connection(asyncio.Protocol):
 
 
 class _TooLarge(Exception):
-    """Raised inside the parser's body callback: the body is over `MAX_BODY`."""
+    """Raised inside the parser's callbacks: the head or the body is over its limit."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
 
 
 class Server:
@@ -283,6 +318,7 @@ class Server:
         self.routes: dict[tuple[str, str], Handler] = {}
         self.connections: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
 
     def add(self, method: str, path: str, handler: Handler) -> None:
         self.routes[(method, path)] = handler
@@ -302,9 +338,21 @@ class Server:
         self._server = await loop.create_server(
             lambda: _Connection(self), host, port, backlog=backlog
         )
+        self._sweeper = loop.call_later(SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close the connections idle for `KEEPALIVE_S` (one timer for all of them)."""
+        loop = asyncio.get_running_loop()
+        limit = loop.time() - KEEPALIVE_S
+        for conn in list(self.connections):
+            if conn.idle_since is not None and conn.idle_since < limit and conn.transport:
+                conn.transport.close()
+        self._sweeper = loop.call_later(SWEEP_S, self._sweep)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop listening, let requests in flight finish for up to `timeout_s`, then close."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
         tasks = [c._task for c in self.connections if c._task is not None and not c._task.done()]

@@ -11,8 +11,10 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from gateway import http1
 from gateway.http1 import Reply, Request, Response, Server, json_response
 
+Runner = Callable[[Callable[[], Awaitable[None]]], None]
 BIG_CHUNK = b"x" * 65_536
 BIG_CHUNKS = 160  # 10 MiB: far past the transport's high-water mark and the socket buffers
 
@@ -47,7 +49,7 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
 
 
 @pytest.fixture(params=["asyncio", "uvloop"])
-def run(request: pytest.FixtureRequest) -> Callable[[Callable[[], Awaitable[None]]], None]:
+def run(request: pytest.FixtureRequest) -> Runner:
     """Each test on both loops: the gateway runs on uvloop when it is installed."""
     factory = None
     if request.param == "uvloop":
@@ -61,7 +63,7 @@ def run(request: pytest.FixtureRequest) -> Callable[[Callable[[], Awaitable[None
 
 
 def test_a_big_stream_reaches_a_slow_reader_whole(
-    run: Callable[[Callable[[], Awaitable[None]]], None],
+    run: Runner,
 ) -> None:
     async def stream(request: Request, reply: Reply) -> Reply:
         reply.start(200, {"Content-Type": "text/event-stream"})
@@ -90,7 +92,7 @@ def test_a_big_stream_reaches_a_slow_reader_whole(
 
 
 def test_pipelined_requests_are_answered_in_order(
-    run: Callable[[Callable[[], Awaitable[None]]], None],
+    run: Runner,
 ) -> None:
     async def echo(request: Request, reply: Reply) -> Response:
         await asyncio.sleep(0.01 if request.body == b"first" else 0)
@@ -115,7 +117,7 @@ def test_pipelined_requests_are_answered_in_order(
 
 
 def test_a_client_that_leaves_cancels_its_handler(
-    run: Callable[[Callable[[], Awaitable[None]]], None],
+    run: Runner,
 ) -> None:
     cancelled = asyncio.Event()
 
@@ -141,7 +143,7 @@ def test_a_client_that_leaves_cancels_its_handler(
 
 
 def test_bad_requests_and_unknown_routes_are_refused(
-    run: Callable[[Callable[[], Awaitable[None]]], None],
+    run: Runner,
 ) -> None:
     async def ok(request: Request, reply: Reply) -> Response:
         return json_response({"ok": True})
@@ -163,6 +165,63 @@ def test_bad_requests_and_unknown_routes_are_refused(
             head, _body = await read_response(reader)
             assert head.split(b" ")[1] == b"400"
             assert await reader.read() == b""  # and the connection is closed
+            writer.close()
+
+    run(main)
+
+
+def test_http10_streams_unchunked_and_closes(run: Runner) -> None:
+    async def stream(request: Request, reply: Reply) -> Reply:
+        reply.start(200, {"Content-Type": "text/event-stream"})
+        await reply.write(b"data: 1\n\n")
+        await reply.write_eof(b"data: [DONE]\n\n")
+        return reply
+
+    async def main() -> None:
+        server = Server()
+        server.add("GET", "/s", stream)
+        async with running(server) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /s HTTP/1.0\r\n\r\n")
+            answer = await reader.read()  # up to the close that ends the body
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert b"chunked" not in head.lower()
+            assert body == b"data: 1\n\ndata: [DONE]\n\n"
+            writer.close()
+
+    run(main)
+
+
+def test_oversized_heads_and_idle_connections_are_closed(
+    run: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(http1, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(http1, "SWEEP_S", 0.1)
+    monkeypatch.setattr(http1, "MAX_BODY", 1000)
+
+    async def ok(request: Request, reply: Reply) -> Response:
+        return json_response({"ok": True})
+
+    async def main() -> None:
+        server = Server()
+        server.add("GET", "/ok", ok)
+        async with running(server) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /ok HTTP/1.1\r\n" + b"X-Big: " + b"y" * 70_000 + b"\r\n\r\n")
+            head, _body = await read_response(reader)
+            assert head.split(b" ")[1] == b"431"
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /ok HTTP/1.1\r\nContent-Length: 2000\r\n\r\n" + b"z" * 2000)
+            head, _body = await read_response(reader)
+            assert head.split(b" ")[1] == b"413"
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /ok HTTP/1.1\r\n\r\n")
+            head, _body = await read_response(reader)
+            assert head.split(b" ")[1] == b"200"
+            writer.write(b"GET /ok HTTP/1.1\r\n")  # a head never finished
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the sweep
             writer.close()
 
     run(main)
