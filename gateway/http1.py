@@ -225,7 +225,11 @@ class _Connection(asyncio.Protocol):
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        if self._headers.get("expect", "").lower() == "100-continue" and self.transport:
+        if (
+            self._headers.get("expect", "").lower() == "100-continue"
+            and self._task is None  # never inside another request's answer (pipelining)
+            and self.transport is not None
+        ):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -293,8 +297,11 @@ class _Connection(asyncio.Protocol):
         self.transport.write(head if request.method == "HEAD" else head + answer.body)
 
     def _refuse(self, status: int) -> None:
-        """A request that cannot be parsed or is too big: answer and close."""
-        if self.transport is not None and not self.closed:
+        """A request that cannot be parsed or is too big: answer and close (just close while an
+        earlier request is being answered: the answer would land inside that one's)."""
+        if self.transport is not None and self._task is not None:
+            self.transport.close()
+        elif self.transport is not None and not self.closed:
             body = json.dumps({"error": {"message": _REASONS[status], "code": status}}).encode()
             self.transport.write(
                 _head(status, {"Content-Type": "application/json", "Connection": "close"},
