@@ -277,6 +277,11 @@ class _Connection(asyncio.Protocol):
                 self.transport.close()
                 return
             self._write_whole(request, answer)
+            if self.write_paused:  # a client pipelining without reading: answer no more yet
+                try:
+                    await self.drain()
+                except (ConnectionError, asyncio.CancelledError):
+                    return
         elif not reply.finished or not reply.chunked:  # ended by closing, or broken: never reused
             self.transport.close()
             return

@@ -225,3 +225,26 @@ def test_oversized_heads_and_idle_connections_are_closed(
             writer.close()
 
     run(main)
+
+
+def test_a_client_pipelining_without_reading_is_not_buffered_for(run: Runner) -> None:
+    body = b"m" * 2**20
+
+    async def metrics(request: Request, reply: Reply) -> Response:
+        return Response(200, body, {"Content-Type": "text/plain"})
+
+    async def main() -> None:
+        server = Server()
+        server.add("GET", "/metrics", metrics)
+        async with running(server) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2**22)
+            writer.write(b"GET /metrics HTTP/1.1\r\n\r\n" * 50)
+            await asyncio.sleep(0.5)
+            (conn,) = server.connections
+            assert conn.transport is not None
+            assert conn.transport.get_write_buffer_size() <= 2 * len(body)  # not 50 of them
+            for _ in range(50):
+                assert (await read_response(reader))[1] == body
+            writer.close()
+
+    run(main)
