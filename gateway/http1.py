@@ -361,8 +361,10 @@ class Server:
                 conn.transport.close()
         self._sweeper = loop.call_later(SWEEP_S, self._sweep)
 
-    async def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop listening, let requests in flight finish for up to `timeout_s`, then close."""
+    async def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stop listening, let requests in flight finish for up to `timeout_s` (aiohttp's
+        default, which the gateway had), then close: the handlers left are cancelled, so their
+        upstream requests are aborted and their events say `disconnect`."""
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._server is not None:
@@ -370,6 +372,11 @@ class Server:
         tasks = [c._task for c in self.connections if c._task is not None and not c._task.done()]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
+        left = [task for task in tasks if not task.done()]
+        for task in left:  # cancelled here, not when their connections report the close
+            task.cancel()
+        if left:  # their handlers write their events before the event log is closed
+            await asyncio.wait(left, timeout=5.0)
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.close()

@@ -248,3 +248,39 @@ def test_a_client_pipelining_without_reading_is_not_buffered_for(run: Runner) ->
             writer.close()
 
     run(main)
+
+
+def test_shutdown_waits_then_cancels_what_is_left_before_returning(run: Runner) -> None:
+    finished: list[str] = []
+
+    async def quick(request: Request, reply: Reply) -> Response:
+        await asyncio.sleep(0.05)
+        finished.append("quick")
+        return json_response({})
+
+    async def slow(request: Request, reply: Reply) -> Response:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            finished.append("slow cancelled")  # the gateway writes its event here
+        return json_response({})
+
+    async def main() -> None:
+        server = Server()
+        server.add("GET", "/quick", quick)
+        server.add("GET", "/slow", slow)
+        await server.serve("127.0.0.1", 0)
+        assert server._server is not None
+        port = server._server.sockets[0].getsockname()[1]
+        clients = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        for (_reader, writer), path in zip(clients, (b"/quick", b"/slow"), strict=True):
+            writer.write(b"GET %b HTTP/1.1\r\n\r\n" % path)
+        await asyncio.sleep(0.02)
+        await server.shutdown(timeout_s=0.2)
+        assert finished == ["quick", "slow cancelled"]
+        head, _body = await read_response(clients[0][0])
+        assert head.startswith(b"HTTP/1.1 200")
+        for _reader, writer in clients:
+            writer.close()
+
+    run(main)
