@@ -140,9 +140,8 @@ class Gateway:
         route = self.config.routes[model]
         if route.fallback is None:  # one candidate: nothing to order
             return [self.config.upstreams[route.upstream]]
-        names = [route.upstream] + ([route.fallback] if route.fallback else [])
         now = time.monotonic()
-        ups = [self.config.upstreams[n] for n in names]
+        ups = [self.config.upstreams[n] for n in (route.upstream, route.fallback)]
         return sorted(ups, key=lambda u: not self._health(u.name).usable(now))
 
     def _pool(self, url: str) -> UpstreamPool:
