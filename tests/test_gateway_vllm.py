@@ -36,6 +36,7 @@ KEYS = {
     "b": "sk-team-b-0a9e8d7c6b5f",
     "c": "sk-team-c-5e4d3c2b1a09",
 }
+HOLD_TOKENS = 16000  # keeps a slot busy for a minute or more (the server's max_model_len: 16384)
 
 
 @dataclass
@@ -321,13 +322,16 @@ def test_prompt_length_and_token_budget_limits(vllm_server: RunningServer, tmp_p
                 first_429 = answers[codes.index(429)]
                 assert json.loads(first_429[2])["error"]["code"] == "token_budget"
                 assert 1 <= int(first_429[1]["Retry-After"]) <= 60
-                hold = asyncio.create_task(post(s, gw.url, "c", short(4000), "qto-000001"))
+                # While vLLM decodes, this VM can stall other processes for seconds (measured:
+                # 10 ms sleeps woken up to 3–5 s late), so the hold is far longer than the 0.2 s
+                # under test; it is cancelled as soon as the second request has its answer.
+                hold = asyncio.create_task(post(s, gw.url, "c", short(HOLD_TOKENS), "qto-000001"))
                 await until_inflight(gw, 1)  # c's only slot is taken
                 status, headers, text = await post(s, gw.url, "c", short(), "qto-000002")
-                assert not hold.done(), "the 4000-token hold ended before the queue timed out"
+                assert not hold.done(), "the hold ended before the queue timed out"
                 assert status == 503 and int(headers["Retry-After"]) >= 1
                 assert json.loads(text)["error"]["code"] == "queue_timeout"
-                hold.cancel()  # proven admitted and running; no need to decode 4000 tokens
+                hold.cancel()  # proven admitted and running; no need to decode the rest
                 with contextlib.suppress(asyncio.CancelledError):
                     await hold
 
@@ -391,7 +395,8 @@ def test_client_disconnect_aborts_the_upstream_request(
 
         async def scenario() -> None:
             async with aiohttp.ClientSession() as s:
-                resp = await s.post(f"{gw.url}/v1/completions", json=short(4000, stream=True),
+                body = short(HOLD_TOKENS, stream=True)
+                resp = await s.post(f"{gw.url}/v1/completions", json=body,
                                     headers={"X-Request-Id": "dc-000001", **auth("a")})  # fmt: skip
                 chunks = 0
                 async for line in resp.content:
@@ -402,7 +407,7 @@ def test_client_disconnect_aborts_the_upstream_request(
                 resp.close()  # the client goes away mid-stream
 
         asyncio.run(scenario())
-        deadline = time.monotonic() + 5  # 4,000 tokens would take far longer than this
+        deadline = time.monotonic() + 5  # the whole generation would take far longer
         while vllm_running(vllm_server) != 0:
             assert time.monotonic() < deadline, "vLLM still runs the abandoned request"
             time.sleep(0.1)
@@ -482,7 +487,7 @@ def test_upstream_killed_mid_stream(vllm_server: RunningServer, tmp_path: Path) 
                 async with aiohttp.ClientSession() as s:
                     resp = await s.post(
                         f"{gw.url}/v1/completions",
-                        json={**short(4000, stream=True), "model": "tiny-relay"},
+                        json={**short(HOLD_TOKENS, stream=True), "model": "tiny-relay"},
                         headers={"X-Request-Id": "kill-000001", **auth("a")},
                     )
                     lines: list[bytes] = []
