@@ -142,16 +142,22 @@ def test_a_client_that_leaves_cancels_its_handler(
     run(main)
 
 
-def test_bad_requests_and_unknown_routes_are_refused(
-    run: Runner,
-) -> None:
+def ok_server() -> Server:
+    """A server with one route, `GET /ok`, answering `{"ok": true}`."""
+
     async def ok(request: Request, reply: Reply) -> Response:
         return json_response({"ok": True})
 
+    server = Server()
+    server.add("GET", "/ok", ok)
+    return server
+
+
+def test_bad_requests_and_unknown_routes_are_refused(
+    run: Runner,
+) -> None:
     async def main() -> None:
-        server = Server()
-        server.add("GET", "/ok", ok)
-        async with running(server) as port:
+        async with running(ok_server()) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             for request, status in [
                 (b"GET /nope HTTP/1.1\r\n\r\n", b"404"),
@@ -199,13 +205,8 @@ def test_oversized_heads_and_idle_connections_are_closed(
     monkeypatch.setattr(http1, "SWEEP_S", 0.1)
     monkeypatch.setattr(http1, "MAX_BODY", 1000)
 
-    async def ok(request: Request, reply: Reply) -> Response:
-        return json_response({"ok": True})
-
     async def main() -> None:
-        server = Server()
-        server.add("GET", "/ok", ok)
-        async with running(server) as port:
+        async with running(ok_server()) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /ok HTTP/1.1\r\n" + b"X-Big: " + b"y" * 70_000 + b"\r\n\r\n")
             head, _body = await read_response(reader)
