@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
+import uvloop
 
 from gateway import http1
-from gateway.http1 import Reply, Request, Response, Server, json_response
+from gateway.http1 import Handler, Reply, Request, Response, Server, json_response
 
 Runner = Callable[[Callable[[], Awaitable[None]]], None]
 BIG_CHUNK = b"x" * 65_536
@@ -20,7 +21,8 @@ BIG_CHUNKS = 160  # 10 MiB: far past the transport's high-water mark and the soc
 
 
 @asynccontextmanager
-async def running(server: Server) -> AsyncIterator[int]:
+async def serving(server: Server) -> AsyncIterator[int]:
+    """`server` on a free port (yielded), shut down afterwards."""
     await server.serve("127.0.0.1", 0)
     assert server._server is not None
     port = server._server.sockets[0].getsockname()[1]
@@ -28,6 +30,14 @@ async def running(server: Server) -> AsyncIterator[int]:
         yield port
     finally:
         await server.shutdown(timeout_s=1)
+
+
+def routed(*routes: tuple[str, str, Handler]) -> Server:
+    """A server answering `routes`: (method, path, handler)."""
+    server = Server()
+    for method, path, handler in routes:
+        server.add(method, path, handler)
+    return server
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
@@ -51,9 +61,7 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
 @pytest.fixture(params=["asyncio", "uvloop"])
 def run(request: pytest.FixtureRequest) -> Runner:
     """Each test on both loops: the gateway runs on uvloop when it is installed."""
-    factory = None
-    if request.param == "uvloop":
-        factory = pytest.importorskip("uvloop").new_event_loop
+    factory = uvloop.new_event_loop if request.param == "uvloop" else None
 
     def go(coro: Callable[[], Awaitable[None]]) -> None:
         with asyncio.Runner(loop_factory=factory) as runner:
@@ -73,9 +81,7 @@ def test_a_big_stream_reaches_a_slow_reader_whole(
         return reply
 
     async def main() -> None:
-        server = Server()
-        server.add("GET", "/big", stream)
-        async with running(server) as port:
+        async with serving(routed(("GET", "/big", stream))) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2**20)
             writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n" * 2)  # a second one kept alive
             await asyncio.sleep(0.3)  # the server fills every buffer and must wait
@@ -99,9 +105,7 @@ def test_pipelined_requests_are_answered_in_order(
         return Response(200, request.body, {"Content-Type": "text/plain"})
 
     async def main() -> None:
-        server = Server()
-        server.add("POST", "/echo", echo)
-        async with running(server) as port:
+        async with serving(routed(("POST", "/echo", echo))) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(
                 b"".join(
@@ -130,9 +134,7 @@ def test_a_client_that_leaves_cancels_its_handler(
         return json_response({})
 
     async def main() -> None:
-        server = Server()
-        server.add("GET", "/wait", wait_forever)
-        async with running(server) as port:
+        async with serving(routed(("GET", "/wait", wait_forever))) as port:
             _reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
             await asyncio.sleep(0.1)
@@ -142,22 +144,15 @@ def test_a_client_that_leaves_cancels_its_handler(
     run(main)
 
 
-def ok_server() -> Server:
-    """A server with one route, `GET /ok`, answering `{"ok": true}`."""
-
-    async def ok(request: Request, reply: Reply) -> Response:
-        return json_response({"ok": True})
-
-    server = Server()
-    server.add("GET", "/ok", ok)
-    return server
+async def ok(request: Request, reply: Reply) -> Response:
+    return json_response({"ok": True})
 
 
 def test_bad_requests_and_unknown_routes_are_refused(
     run: Runner,
 ) -> None:
     async def main() -> None:
-        async with running(ok_server()) as port:
+        async with serving(routed(("GET", "/ok", ok))) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             for request, status in [
                 (b"GET /nope HTTP/1.1\r\n\r\n", b"404"),
@@ -184,9 +179,7 @@ def test_http10_streams_unchunked_and_closes(run: Runner) -> None:
         return reply
 
     async def main() -> None:
-        server = Server()
-        server.add("GET", "/s", stream)
-        async with running(server) as port:
+        async with serving(routed(("GET", "/s", stream))) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /s HTTP/1.0\r\n\r\n")
             answer = await reader.read()  # up to the close that ends the body
@@ -206,7 +199,7 @@ def test_oversized_heads_and_idle_connections_are_closed(
     monkeypatch.setattr(http1, "MAX_BODY", 1000)
 
     async def main() -> None:
-        async with running(ok_server()) as port:
+        async with serving(routed(("GET", "/ok", ok))) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /ok HTTP/1.1\r\n" + b"X-Big: " + b"y" * 70_000 + b"\r\n\r\n")
             head, _body = await read_response(reader)
@@ -235,9 +228,8 @@ def test_a_client_pipelining_without_reading_is_not_buffered_for(run: Runner) ->
         return Response(200, body, {"Content-Type": "text/plain"})
 
     async def main() -> None:
-        server = Server()
-        server.add("GET", "/metrics", metrics)
-        async with running(server) as port:
+        server = routed(("GET", "/metrics", metrics))
+        async with serving(server) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2**22)
             writer.write(b"GET /metrics HTTP/1.1\r\n\r\n" * 50)
             await asyncio.sleep(0.5)
@@ -267,9 +259,7 @@ def test_shutdown_waits_then_cancels_what_is_left_before_returning(run: Runner) 
         return json_response({})
 
     async def main() -> None:
-        server = Server()
-        server.add("GET", "/quick", quick)
-        server.add("GET", "/slow", slow)
+        server = routed(("GET", "/quick", quick), ("GET", "/slow", slow))
         await server.serve("127.0.0.1", 0)
         assert server._server is not None
         port = server._server.sockets[0].getsockname()[1]
