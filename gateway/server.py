@@ -24,10 +24,10 @@ import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from bench import tracing
-from bench.client import CHAT, COMPLETIONS, Endpoint
+from bench.client import CHAT, COMPLETIONS, Endpoint, utc_now_iso
 from gateway.admission import Rejected, Scheduler, Slot
 from gateway.config import GatewayConfig, Team, Upstream, load_config
-from gateway.events import EventLog, utc_now_iso
+from gateway.events import EventLog
 from gateway.http1 import Reply, Request, Response, Server, json_response
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Attempt, ClientGone, UpstreamFailed, forward
