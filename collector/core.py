@@ -43,6 +43,7 @@ class FlushReport:
     samples: int = 0
     flips: int = 0
     keys: list[tuple[str, str]] = field(default_factory=list)
+    lines: Counter[str] = field(default_factory=Counter)  # lines read, by source
     reasons: Counter[str] = field(default_factory=Counter)
     committed_at: float = 0.0
     lag_s: float = 0.0
@@ -106,16 +107,16 @@ class _LogSource:
     state: dict[str, Any]
 
 
-def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[list[Chunk]]:
+def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[tuple[str, list[Chunk]]]:
     """Consecutive chunks of one file, grouped: one bulk statement takes each group, as DuckDB's
     parallel readers pay off on big inputs and each statement has a fixed cost."""
-    groups: list[list[Chunk]] = []
-    for _source, chunk in chunks:
-        last = groups[-1][-1] if groups else None
+    groups: list[tuple[str, list[Chunk]]] = []
+    for source, chunk in chunks:
+        last = groups[-1][1][-1] if groups else None
         if last and last.file is chunk.file and last.start + len(last.data) == chunk.start:
-            groups[-1].append(chunk)
+            groups[-1][1].append(chunk)
         else:
-            groups.append([chunk])
+            groups.append((source, [chunk]))
     return groups
 
 
@@ -188,7 +189,6 @@ class Collector:
                         self._too_long(name, chunk)
                     else:
                         self._pending.chunks.append((name, chunk))
-                        self._pending.lines[name] += chunk.data.count(b"\n")
                     self._checkpoint(name, tailer.checkpoints())
             self._new_files(name, tailer)
         for source in self.logs:
@@ -346,9 +346,9 @@ class Collector:
         return report
 
     def _commit(self, batch: _Pending) -> FlushReport:
-        report = FlushReport()
+        report = FlushReport(lines=Counter(batch.lines))
         with self.store.write() as con:
-            for group in _contiguous(batch.chunks):
+            for source, group in _contiguous(batch.chunks):
                 result = bulk.ingest_lines(
                     self.store,
                     con,
@@ -357,6 +357,7 @@ class Collector:
                     offset=group[0].start,
                     want_keys=self.want_keys,
                 )
+                report.lines[source] += result.lines
                 report.events += result.events
                 report.keys.extend(result.keys)
                 for _off, reason in result.errors:
@@ -382,7 +383,7 @@ class Collector:
 
     def _account(self, batch: _Pending, report: FlushReport) -> None:
         m = self.metrics
-        for source, n in batch.lines.items():
+        for source, n in report.lines.items():
             m.lines.labels(source).inc(n)
         m.events.inc(report.events)
         for reason, n in report.reasons.items():

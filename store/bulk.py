@@ -40,8 +40,10 @@ _CSV_UNSAFE = (b"\r", b"\x1f")  # a line end to the CSV reader; its delimiter
 
 @dataclass
 class BulkResult:
-    """What a chunk gave: requests written, and the lines refused as (offset, reason)."""
+    """What a chunk gave: its lines, requests written, and the lines refused as (offset,
+    reason)."""
 
+    lines: int = 0
     events: int = 0
     errors: list[tuple[int, str]] = field(default_factory=list)
     keys: list[tuple[str, str]] = field(default_factory=list)
@@ -104,6 +106,7 @@ def ingest_lines(
         return result
     if not pieces[-1].endswith(b"\n"):
         pieces.append(b"\n")
+    result.lines = sum(p.count(b"\n") for p in pieces)
     if not all(_utf8(p) for p in pieces):  # pieces end on line ends: none splits a character
         _python_path(store, con, _split(b"".join(pieces), offset), source, result)
         return result
@@ -128,7 +131,7 @@ def ingest_lines(
             keys = con.execute(queries.BULK_NEW_KEYS, {"after": after}).fetchall()
             result.keys = [(run_id, request_id) for run_id, request_id in keys]
         rest: set[bytes] = set()
-        if inserted < sum(p.count(b"\n") for p in pieces):
+        if inserted < result.lines:
             query = queries.BULK_REST.format(lines=lines)
             rows = con.execute(query, {**params, "after": after}).fetchall()
             rest = {line.encode() for (line,) in rows}

@@ -359,3 +359,7 @@ def test_rotation_deletion_and_partial_lines_in_process(tmp_path: Path) -> None:
     with store.read() as con:
         ids = [r[0] for r in con.execute("SELECT request_id FROM events ORDER BY 1").fetchall()]
     assert ids == [f"run-20261122-rot-{i:04d}" for i in range(5)]
+    source = {"source": f"events:{path}"}
+    read = [c.metrics.registry.get_sample_value("servescope_collector_lines_total", source)
+            for c in (collector, again)]  # fmt: skip
+    assert read == [5.0, None]  # the partial line counted once, when complete
