@@ -5,6 +5,8 @@
     start to the flush that commits the last event;
 (b) reference: `CREATE TABLE t AS SELECT * FROM read_json_auto(file)` into a fresh DuckDB file
     (no key, no validation, no quarantine, no checkpoints).
+And a floor: the same rows, already parsed and typed, copied from ours into a fresh store in one
+transaction — what writing them costs with no reading, parsing or checking at all.
 Then a steady-rate run: a writer appends events at `--rate` per second for `--seconds` while the
 collector tails the file; end-to-end lag (line written → committed) per event, p50/p99, and the
 process's peak RSS.
@@ -108,6 +110,26 @@ def ours(path: Path, folder: Path, n: int) -> float:
     return elapsed
 
 
+def write_floor(folder: Path) -> float:
+    """Seconds to insert the rows `ours` stored (held in memory, nothing left to compute) into a
+    fresh store's `events` table and commit."""
+    mem = duckdb.connect()
+    mem.execute("ATTACH ? AS ours (READ_ONLY)", [str(folder / "ours.duckdb")])
+    mem.execute("CREATE TABLE ready AS SELECT * FROM ours.events")
+    mem.execute("DETACH ours")
+    target = Store(folder / "floor.duckdb")
+    target._ensure_schema()
+    started = time.perf_counter()
+    mem.execute("ATTACH ? AS floor", [str(target.path)])
+    mem.execute("BEGIN")
+    mem.execute("INSERT INTO floor.events SELECT * FROM ready")
+    mem.execute("COMMIT")
+    mem.execute("DETACH floor")
+    elapsed = time.perf_counter() - started
+    mem.close()
+    return elapsed
+
+
 def steady(folder: Path, rate: int, seconds: float) -> dict[str, float]:
     """Lag of each event from its write to its commit, at a steady rate; and peak RSS."""
     path = folder / "steady.events.jsonl"
@@ -198,17 +220,24 @@ def main() -> int:
         with console.status("reference: DuckDB read_json_auto bulk load"):
             ref_s = reference(path, folder)
         ours_s = ours(path, folder, args.events)
+        with console.status("floor: the stored rows written again, nothing to parse"):
+            floor_s = write_floor(folder)
     ours_rate = args.events / ours_s
     ref_rate = args.events / ref_s
     print(f"file: {args.events:,} events, {size_mb:.0f} MB")
     print(f"ours (collector, tailing, checkpoints on): {ours_s:.2f} s = {ours_rate:,.0f} events/s")
     print(f"reference (DuckDB read_json_auto):         {ref_s:.2f} s = {ref_rate:,.0f} events/s")
     print(
+        f"floor (our rows alone, already parsed):    {floor_s:.2f} s = "
+        f"{floor_s / ref_s:.2f} x the reference's whole load"
+    )
+    print(
         f"steady {args.rate}/s for {args.seconds:.0f} s: lag p50 {result['lag_p50_s']:.3f} s, "
         f"p99 {result['lag_p99_s']:.3f} s, max {result['lag_max_s']:.3f} s; "
         f"peak RSS {result['rss_peak_mb']:.0f} MB"
     )
     print(json.dumps({"metric": "steady_lag", "rate": args.rate, **result}))
+    print(json.dumps({"metric": "events_write_floor_s", "floor": floor_s, "reference": ref_s}))
     print(
         json.dumps(
             {
