@@ -22,7 +22,7 @@ from reports.diff import (
     lever_changes,
     workload_warnings,
 )
-from reports.samples import Slice, load_samples
+from reports.samples import Slice, choose_sources, load_samples
 from reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
 from store import Store, queries
 
@@ -34,27 +34,32 @@ class NoLeverFlip(LookupError):
 def _side(
     con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions
 ) -> tuple[Side, dict[str, Any]]:
-    samples = load_samples(con, part)
-    summary = summarize(con, part, options, samples)
-    return Side(part.name, summary, samples), summary
+    return _sides(con, (part,), options)[0]
 
 
-def _both_sides(
-    con: duckdb.DuckDBPyConnection, parts: tuple[Slice, Slice], options: ReportOptions
+def _sides(
+    con: duckdb.DuckDBPyConnection, parts: tuple[Slice, ...], options: ReportOptions
 ) -> list[tuple[Side, dict[str, Any]]]:
-    """Both sides at once, each on its own cursor: a quantile's final sort runs on one thread,
-    so two sides side by side use the cores one side alone leaves idle."""
+    """Every side at once, each on its own cursor (a quantile's final sort runs on one thread,
+    so two sides side by side use the cores one side alone leaves idle), every side reporting
+    TTFT, TPOT and e2e from the same source."""
     cursors = [con.cursor() for _ in parts]
     try:
         with ThreadPoolExecutor(max_workers=len(parts)) as pool:
-            futures = [
-                pool.submit(_side, cur, part, options)
-                for cur, part in zip(cursors, parts, strict=True)
-            ]
-            return [f.result() for f in futures]
+            loaded = list(pool.map(load_samples, cursors, parts))
+            sources = choose_sources(*loaded)
+            for samples in loaded:
+                samples.use(sources)
+            summaries = list(
+                pool.map(lambda c, p, s: summarize(c, p, options, s), cursors, parts, loaded)
+            )
     finally:
         for cur in cursors:
             cur.close()
+    return [
+        (Side(part.name, summary, samples), summary)
+        for part, summary, samples in zip(parts, summaries, loaded, strict=True)
+    ]
 
 
 def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
@@ -130,7 +135,7 @@ def _compare(
 ) -> dict[str, Any]:
     """What `--vs` and `--split-at-flip` share: both sides, the diff rows and the warnings."""
     seed = bootstrap.DEFAULT_SEED if options.seed is None else options.seed
-    (b_side, b_summary), (a_side, a_summary) = _both_sides(con, (before, after), options)
+    (b_side, b_summary), (a_side, a_summary) = _sides(con, (before, after), options)
     b_meta = run_meta(runs[0], b_summary["overall"]["models"])
     a_meta = run_meta(runs[1], a_summary["overall"]["models"])
     same_run = before.run_id == after.run_id
@@ -213,7 +218,7 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         before = Slice(run_id, until=at, label="before flip")
         after = Slice(run_id, since=at, label="after flip")
         whole = Slice(run_id)
-        summary = summarize(con, whole, options, load_samples(con, whole))
+        _whole_side, summary = _side(con, whole, options)
         meta = run_meta(run, summary["overall"]["models"])
         compared = _compare(con, before, after, (run, run), options)
         checks = checklist(con, whole, meta, summary, options)
