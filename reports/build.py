@@ -24,11 +24,60 @@ from reports.diff import (
 )
 from reports.samples import Slice, choose_sources, load_samples
 from reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
+from reports.windows import WHOLE, Window, resolve
+from reports.windows import label as window_label
 from store import Store, queries
 
 
 class NoLeverFlip(LookupError):
     """`--split-at-flip` on a run that has no `lever_flips` row."""
+
+
+class NoPreviousRun(LookupError):
+    """`--vs previous` on a run that follows no other run of its server."""
+
+
+PREVIOUS = "previous"
+
+
+def previous_run(con: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> str:
+    """The run of the same server just before `run`: what `--vs previous` compares with (a
+    server session names the one it followed)."""
+    named = (run.get("notes") or {}).get("previous")
+    if isinstance(named, str) and named:
+        return named
+    if run.get("target") and run.get("started_at"):
+        params = {"target": run["target"], "started": run["started_at"], "run_id": run["run_id"]}
+        row = con.execute(queries.PREVIOUS_RUN, params).fetchone()
+        if row:
+            return str(row[0])
+    raise NoPreviousRun(
+        f"run {run['run_id']!r} follows no other run of its server: give --vs BASE_RUN"
+    )
+
+
+def _slice(
+    con: duckdb.DuckDBPyConnection, run: dict[str, Any], window: Window, label: str = ""
+) -> Slice:
+    """The part of `run` a window selects (the whole run without one)."""
+    if not window:
+        return Slice(run["run_id"], label=label)
+    span = con.execute(queries.RUN_SPAN, {"run_id": run["run_id"]}).fetchone()
+    first, last = span if span else (None, None)
+    start = run.get("started_at") or first
+    end = run.get("ended_at") or last
+    since = resolve(window.since, start, end) if window.since else None
+    until = resolve(window.until, start, end) if window.until else None
+    name = f"{label or run['run_id']} {window_label(since, until)}"
+    return Slice(run["run_id"], since=since, until=until, label=name)
+
+
+def _report_id(part: Slice) -> str:
+    if part.since is None and part.until is None:
+        return part.run_id
+    since = f"{part.since:%Y%m%dT%H%M%SZ}" if part.since else "start"
+    until = f"{part.until:%Y%m%dT%H%M%SZ}" if part.until else "end"
+    return f"{part.run_id}@{since}-{until}"
 
 
 def _side(
@@ -87,6 +136,15 @@ def _flips(con: duckdb.DuckDBPyConnection, run_ids: list[str], sides: list[Side]
     return flips
 
 
+def _window_of(part: Slice) -> dict[str, str | None] | None:
+    if part.since is None and part.until is None:
+        return None
+    return {
+        "since": part.since.isoformat() + "Z" if part.since else None,
+        "until": part.until.isoformat() + "Z" if part.until else None,
+    }
+
+
 def _public(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary[k] for k in ("overall", "groups", "server", "admission")}
 
@@ -100,22 +158,23 @@ def _with_slo(options: ReportOptions | None, run: dict[str, Any]) -> ReportOptio
 
 
 def build_summary(
-    store: Store, run_id: str, options: ReportOptions | None = None
+    store: Store, run_id: str, options: ReportOptions | None = None, window: Window = WHOLE
 ) -> dict[str, Any]:
-    """The report of one run: metadata, overall and per-level numbers, server-side deltas,
-    admission evidence, the seeds' checklist and charts."""
-    part = Slice(run_id)
+    """The report of one run (or of a window of it): metadata, overall and per-level numbers,
+    server-side deltas, admission evidence, the seeds' checklist and charts."""
     with store.read() as con:
         run = require_run(con, run_id)
+        part = _slice(con, run, window)
         options = _with_slo(options, run)
         side, summary = _side(con, part, options)
         meta = run_meta(run, summary["overall"]["models"])
         checks = checklist(con, part, meta, summary, options)
         flips = _flips(con, [run_id], [side])
     return {
-        "report_id": run_id,
+        "report_id": _report_id(part),
         "kind": "run",
         "run_id": run_id,
+        "window": _window_of(part),
         "levers": run.get("levers") or {},
         "run": meta,
         **_public(summary),
@@ -173,26 +232,38 @@ def _compare(
 
 
 def build_diff(
-    store: Store, run_id: str, base_run_id: str, options: ReportOptions | None = None
+    store: Store,
+    run_id: str,
+    base_run_id: str,
+    options: ReportOptions | None = None,
+    window: Window = WHOLE,
+    base_window: Window = WHOLE,
 ) -> dict[str, Any]:
-    """`run_id` (after) against `base_run_id` (before): `run_id`'s own report keys plus
-    `before`, `after`, `diff`, `headline`, `warnings` and `lever_changes`."""
-    before, after = Slice(base_run_id), Slice(run_id)
+    """`run_id` (after) against `base_run_id` (before; `previous` = the run its server ran
+    before), each whole or a window of it: `run_id`'s own report keys plus `before`, `after`,
+    `diff`, `headline`, `warnings` and `lever_changes`."""
     with store.read() as con:
-        base = require_run(con, base_run_id)
         run = require_run(con, run_id)
+        if base_run_id == PREVIOUS:
+            base_run_id = previous_run(con, run)
+        base = require_run(con, base_run_id)
+        same = base_run_id == run_id
+        before = _slice(con, base, base_window, "before" if same else "")
+        after = _slice(con, run, window, "after" if same else "")
         options = _with_slo(options, run)
         compared = _compare(con, before, after, (base, run), options)
         meta = compared["after"]["run"]
         checks = checklist(con, after, meta, compared["after"], options)
     b_side, a_side = compared.pop("sides")
     changes = lever_changes(base.get("levers") or {}, run.get("levers") or {})
-    change = describe_change(changes, f"{run_id} vs {base_run_id}")
+    change = describe_change(changes, f"{after.name} vs {before.name}")
     return {
-        "report_id": f"{run_id}-vs-{base_run_id}",
+        "report_id": f"{_report_id(after)}-vs-{_report_id(before)}",
         "kind": "diff",
         "run_id": run_id,
         "base_run_id": base_run_id,
+        "window": _window_of(after),
+        "base_window": _window_of(before),
         "levers": run.get("levers") or {},
         "run": meta,
         **{k: compared["after"][k] for k in ("overall", "groups", "server", "admission")},

@@ -409,6 +409,24 @@ WHERE list_contains($run_ids, run_id)
 ORDER BY ts, lever
 """
 
+# A run's first and last request (a session's own and those it served for client runs).
+RUN_SPAN = """
+SELECT min(ts), max(ts) FROM events WHERE run_id = $run_id OR vllm_session = $run_id
+"""
+# The run before one on the same server (a session's predecessor when its notes do not say).
+PREVIOUS_RUN = """
+SELECT run_id FROM runs
+WHERE target = $target AND started_at < $started AND run_id <> $run_id
+ORDER BY started_at DESC LIMIT 1
+"""
+# `report flips`: every lever flip, grouped by the change of runs it belongs to.
+FLIP_LIST = """
+SELECT min(ts) AS ts, run_id, before_run_id,
+       list({'lever': lever, 'before': before, 'after': after} ORDER BY lever) AS changes,
+       any_value(note) AS note
+FROM lever_flips GROUP BY run_id, before_run_id ORDER BY min(ts), run_id
+"""
+
 RUN_LEVER_FLIPS = """
 SELECT ts, lever, before, after, note FROM lever_flips WHERE run_id = $run_id ORDER BY ts, lever
 """
