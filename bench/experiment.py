@@ -5,6 +5,10 @@ URLs the servers are the user's and cannot be restarted), warm-up requests, and 
 whose `levers` are the profile's flags. Repeats interleave (A B A B) so slow drift on the
 machine spreads over both sides instead of favouring one. At every switch of profile a
 `lever_flips` row records what changed, which is what reports split on and dashboards annotate.
+
+A sidecar (servescope wires the collector in) can watch the servers from outside: then every
+server of an experiment listens on one port and appends to one log, as a server an operator
+restarts with other flags does, and every bench run is joined with vLLM's own timings.
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
-from bench.launcher import ALWAYS_FLAGS, VllmServer, levers_of, load_profiles, state_for
+from bench.launcher import ALWAYS_FLAGS, LOG_DIR, VllmServer, levers_of, load_profiles, state_for
 from bench.runner import RunResult
 from bench.workload import BenchConfig, WorkloadError, load_config
 from store import Store
@@ -82,12 +86,31 @@ class ExperimentRun:
     server_ready_s: float | None = None
 
 
+class Sidecar(Protocol):
+    """Something that watches the experiment's servers from outside: the vLLM flags and
+    environment it needs, told when a run's requests are all answered, closed at the end."""
+
+    flags: list[str]
+    env: dict[str, str]
+
+    def settle(self, run_id: str) -> None:
+        """Return once what the servers said about the run's requests is stored."""
+
+    def close(self) -> None: ...
+
+
+# (the log every server of the experiment appends to, the URL they all listen on) -> a sidecar
+SidecarFactory = Callable[[Path, str], Sidecar]
+
+
 @dataclass
 class ExperimentHooks:
-    """What a display needs: called before a server starts and when it is ready."""
+    """What a display needs: called before a server starts and when it is ready; and the
+    sidecar to start next to the servers, if any."""
 
     starting: Callable[[str, VllmServer], None] = lambda profile, server: None
     ready: Callable[[str, VllmServer], None] = lambda profile, server: None
+    sidecar: SidecarFactory | None = None
 
 
 # (config, target, store, run options) -> the run's result
@@ -152,9 +175,22 @@ class Experiment:
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         self.experiment_id = f"exp-{stamp}-{spec.name}"
         self._stamp = stamp
+        self._sidecar: Sidecar | None = None
+        self._port: int | None = None
 
     def run(self) -> ExperimentResult:
         """Every (repeat, profile) in order; stops at the first interrupted or failed run."""
+        if self.targets or self.hooks.sidecar is None:
+            return self._runs()
+        self._port = free_port()
+        log = LOG_DIR / f"{self.experiment_id}.log"
+        self._sidecar = self.hooks.sidecar(log, f"http://127.0.0.1:{self._port}")
+        try:
+            return self._runs()
+        finally:
+            self._sidecar.close()
+
+    def _runs(self) -> ExperimentResult:
         result = ExperimentResult(self.spec.name, self.experiment_id)
         previous: ExperimentRun | None = None
         for repeat in range(1, self.repeats + 1):
@@ -203,7 +239,15 @@ class Experiment:
             self._flip(run, previous)
             run.result = self.execute(self.config, run.target, self.store, options)
             return
-        server = VllmServer(self.model, profile=run.profile, port=free_port())
+        sidecar = self._sidecar
+        server = VllmServer(
+            self.model,
+            profile=run.profile,
+            port=self._port or free_port(),
+            extra_flags=sidecar.flags if sidecar else None,
+            env=sidecar.env if sidecar else None,
+            log_path=LOG_DIR / f"{self.experiment_id}.log" if sidecar else None,
+        )
         run.target, run.levers = server.url, server.levers
         self.hooks.starting(run.profile, server)
         try:
@@ -212,6 +256,8 @@ class Experiment:
             self.hooks.ready(run.profile, server)
             self._flip(run, previous)
             run.result = self.execute(self.config, server.url, self.store, options)
+            if sidecar is not None:
+                sidecar.settle(run.run_id)
         finally:
             server.stop()
 

@@ -386,6 +386,12 @@ class Store:
             found = dict(rows.fetchall())
         return {name: found.get(name) for name in names}
 
+    def traced_requests(self, run_id: str) -> tuple[int, int]:
+        """(successful requests of the run, those vLLM's trace has reached)."""
+        with self.read() as con:
+            row = con.execute(queries.TRACED_REQUESTS, {"run_id": run_id}).fetchone()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
     def export_lines(self, run_id: str) -> list[dict[str, Any]]:
         """The run's request records and agent-runtime events, in the order of their file."""
         with self.read() as con:

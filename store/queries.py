@@ -409,6 +409,10 @@ WHERE list_contains($run_ids, run_id)
 ORDER BY ts, lever
 """
 
+# A run's successful requests, and how many of them carry vLLM's own timings (its trace).
+TRACED_REQUESTS = """
+SELECT count(*), count(server_ttft_ms) FROM events WHERE run_id = $run_id AND status = 'ok'
+"""
 # A run's first and last request (a session's own and those it served for client runs).
 RUN_SPAN = """
 SELECT min(ts), max(ts) FROM events WHERE run_id = $run_id OR vllm_session = $run_id
@@ -445,7 +449,8 @@ WITH counted AS (
 )
 SELECT run_id, COALESCE(c.events, 0) AS events, COALESCE(c.ok, 0) AS ok,
        COALESCE(c.errors, 0) AS errors, COALESCE(c.rejected, 0) AS rejected,
-       COALESCE(f.flips, 0) AS flips, r.started_at, r.model, r.levers, r.status
+       COALESCE(f.flips, 0) AS flips, r.started_at, r.ended_at, r.label, r.target, r.model,
+       r.vllm_version, r.levers, r.status
 FROM runs r FULL OUTER JOIN counted c USING (run_id) LEFT JOIN flips f USING (run_id)
 ORDER BY COALESCE(r.started_at, c.first_ts) NULLS LAST, run_id
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.experiment import Experiment, ExperimentHooks, load_experiments
+from bench.experiment import Experiment, load_experiments
 from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model
 from dashboards import build as build_dashboards
 from reports.render import DEFAULT_OUT
@@ -48,7 +48,7 @@ def run_demo(args: argparse.Namespace) -> int:
         store=store,
         execute=experiment.execute,
         model=args.model,
-        hooks=ExperimentHooks(starting=experiment.starting, ready=experiment.ready),
+        hooks=experiment.hooks(store),
     ).run()
     console.print(experiment.outcome_table(experiment.outcome_rows(store, result)))
     paths = experiment.build_reports(store, result, args.out)
