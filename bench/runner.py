@@ -21,6 +21,7 @@ import math
 import os
 import re
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -388,8 +389,11 @@ class BenchRun:
         for turn, plan in enumerate(unit.turns):
             if turn:
                 body = _next_turn(body, output, prepared[turn], state.endpoint.chat)
-            self._seq += 1
-            request_id = f"{self.run_id}-{self._seq:06d}"
+            if record:
+                self._seq += 1
+            # a warm-up goes out as an anonymous client's request (a random id, as vLLM makes
+            # them up): a sidecar counts it in the server's session, not in this run
+            request_id = f"{self.run_id}-{self._seq:06d}" if record else uuid.uuid4().hex
             now = time.perf_counter()
             if record and turn == 0:
                 state.sends.append(now)

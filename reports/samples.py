@@ -105,12 +105,12 @@ def load_samples(con: duckdb.DuckDBPyConnection, part: Slice) -> Samples:
 
 
 def choose_sources(*sides: Samples) -> dict[str, str]:
-    """Per indicator, the one source every side is reported from: the client's figure unless
-    vLLM's own covers more requests on every side (a server nobody benchmarked, clients that
-    time nothing). A comparison never mixes a client figure with a server figure."""
+    """Per indicator, the one source every side is reported from: the client's figure where
+    every side has one, else vLLM's own (a server nobody benchmarked, clients that time
+    nothing). A comparison never mixes a client figure with a server figure."""
     chosen = {}
     for metric, server in SERVER_FIGURES.items():
-        client_n = min(s.measured(f"client_{metric}") for s in sides)
-        server_n = min(s.measured(server) for s in sides)
-        chosen[metric] = SERVER if server_n > client_n else CLIENT
+        client = all(s.measured(f"client_{metric}") for s in sides)
+        traced = all(s.measured(server) for s in sides)
+        chosen[metric] = SERVER if traced and not client else CLIENT
     return chosen
