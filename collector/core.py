@@ -260,6 +260,8 @@ class Collector:
                         self._flip(lever, old, new, ts, f"non-default args in {source.name}")
                 source.state["levers"] = item.levers
                 state_changed = True
+            elif isinstance(item, logparse.KvCache):
+                state_changed |= self._kv_cache(source, item)
         now = datetime.now(UTC).replace(tzinfo=None)
         for (method, path, status), n in access.items():
             labels = {"method": method, "path": path, "status": status}
@@ -270,6 +272,30 @@ class Collector:
             self._checkpoint(
                 source.name, [{"file_key": checkpoints.STATE_KEY, "state": source.state}]
             )
+
+    def _kv_cache(self, source: _LogSource, item: logparse.KvCache) -> bool:
+        """vLLM's start-up KV-cache statement: kept with the source's other start-up facts (its
+        `checkpoints` state row, next to `levers`) and stored as samples `vllm_log:kv_cache_tokens`
+        and `vllm_log:max_concurrency{max_model_len}` at the time it was logged."""
+        stated = dict(item.values)
+        if "kv_cache_tokens" in stated:  # a new start: its statement replaces the last one
+            source.state["kv_cache"] = stated
+        else:
+            source.state.setdefault("kv_cache", {}).update(stated)
+        ts = (item.ts or datetime.now(UTC)).replace(tzinfo=None)
+        device = {"device": str(stated.get("kv_cache_device", ""))}
+        if "kv_cache_tokens" in stated:
+            value = float(stated["kv_cache_tokens"])
+            self._pending.samples.append(
+                (ts, source.name, "vllm_log:kv_cache_tokens", device, None, value)
+            )
+        if "max_concurrency" in stated:
+            labels = {"max_model_len": str(stated["max_model_len"])}
+            value = float(stated["max_concurrency"])
+            self._pending.samples.append(
+                (ts, source.name, "vllm_log:max_concurrency", labels, None, value)
+            )
+        return True
 
     def _flip(self, lever: str, old: Any, new: Any, ts: datetime, note: str) -> None:
         before = None if old is None else json.dumps(old)

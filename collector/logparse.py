@@ -1,5 +1,5 @@
 """One vLLM server log line → what it tells: a piece of a request, metric samples, the server's
-levers, an HTTP access, nothing, or the reason it is bad.
+levers, its KV-cache capacity statement, an HTTP access, nothing, or the reason it is bad.
 
 Both of vLLM's formats are read, detected per line: text (`(APIServer pid=N) INFO MM-DD
 HH:MM:SS [file:line] message`, uvicorn's `INFO:     client - "POST /path HTTP/1.1" 200 OK`) and
@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from collector.ids import UNATTRIBUTED_RUN, client_request_id, is_generated
+from store.startup import kv_cache_statement
 
 SOURCE = "vllm-log"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -70,6 +71,16 @@ class Levers:
 
 
 @dataclass(frozen=True)
+class KvCache:
+    """vLLM's start-up statement of its KV cache (`CPU KV cache size: N tokens, Maximum
+    concurrency for L tokens per request: Xx`): `kv_cache_tokens`, `kv_cache_device`,
+    `max_model_len`, `max_concurrency`, whichever the line states."""
+
+    ts: datetime | None
+    values: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Access:
     method: str
     path: str
@@ -81,7 +92,7 @@ class Bad:
     reason: str
 
 
-Item = Piece | Stats | Levers | Access | Bad | None
+Item = Piece | Stats | Levers | KvCache | Access | Bad | None
 
 
 def parse_line(raw: bytes, *, year: int) -> Item:
@@ -177,6 +188,9 @@ def _message(msg: str, ts: datetime | None) -> Item:
         if not match:
             return Bad("malformed 'non-default args' line")
         return _levers(match["args"], ts)
+    if "KV cache size: " in msg or "Maximum concurrency for " in msg:
+        stated = kv_cache_statement(msg)
+        return KvCache(ts, stated) if stated else None
     return None
 
 
