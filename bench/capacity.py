@@ -331,10 +331,12 @@ def worksheet(
     traffic: Traffic,
     targets: dict[str, Any],
     measured: dict[str, Any] | None,
+    tuning: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The seeds' worksheet (model, parameters, dtype, max_model_len, traffic, targets, tuning)
     filled in, plus the capacity it implies."""
     model, settings = result["model"], result["settings"]
+    tuning = tuning or {}
     return {
         "model": model["name"],
         "parameters": model["parameters"],
@@ -346,8 +348,8 @@ def worksheet(
             "tensor_parallel_size": settings["tensor_parallel_size"],
             "gpu_memory_utilization": settings["gpu_memory_utilization"]
             if settings["gpu_memory_gib"] is not None else None,
-            "enable_prefix_caching": targets.get("enable_prefix_caching"),
-            "speculative_config": targets.get("speculative_config"),
+            "enable_prefix_caching": tuning.get("enable_prefix_caching"),
+            "speculative_config": tuning.get("speculative_config"),
         },
         "capacity": {
             "weight_bytes": model["weight_bytes"],
