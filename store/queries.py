@@ -527,3 +527,15 @@ SELECT count(*) AS requests,
            - epoch(min(ts)) AS seconds
 FROM events WHERE run_id = $run_id AND status = 'ok'
 """
+
+# A slice's request shape, for the diagnosis's workload classification: token quantiles of
+# successful requests and the multi-turn sessions bench records (`session`, `turn` keys).
+SLICE_SHAPE = _sliced(
+    """
+SELECT quantile_cont(prompt_tokens, [0.5, 0.95]) FILTER (WHERE status = 'ok') AS prompt_q,
+       quantile_cont(completion_tokens, [0.5, 0.95]) FILTER (WHERE status = 'ok') AS output_q,
+       max(TRY_CAST(doc->>'turn' AS INTEGER)) AS turns_max,
+       count(DISTINCT doc->>'session') AS sessions
+FROM events WHERE SLICE
+"""
+)
