@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 RULES_FILE = Path(__file__).with_name("diagnosis.yaml")
+SHOWN_OPS = {">=": "≥", "<=": "≤", ">": ">", "<": "<", "==": "="}
 OPS: dict[str, Callable[[Any, Any], bool]] = {
     ">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq,
 }  # fmt: skip
@@ -47,7 +48,11 @@ INDICATORS: dict[str, Indicator] = {
     "tpot_p95_ms": Indicator("TPOT p95", "ms", "events"),
     "itl_p50_ms": Indicator("ITL p50", "ms", "events: chunk gaps"),
     "itl_p99_ms": Indicator("ITL p99", "ms", "events: chunk gaps"),
-    "itl_jitter": Indicator("ITL p99 / p50", "x", "events: chunk gaps"),
+    "tpot_p50_ms": Indicator("TPOT p50", "ms", "events"),
+    "itl_jitter": Indicator(
+        "ITL p99 / TPOT p50", "x",
+        "events: the slowest chunk gaps against the typical per-token time (chunk gaps "
+        "themselves are often 0: several tokens arrive in one read)"),
     "ttft_spread": Indicator("TTFT p95 / p50", "x", "events"),
     "queue_share_of_ttft": Indicator(
         "queue share of TTFT", "ratio",
@@ -165,7 +170,8 @@ def indicators(report: dict[str, Any]) -> dict[str, Any]:
         "tpot_p95_ms": overall["tpot_ms"]["p95"],
         "itl_p50_ms": overall["itl_ms"]["p50"],
         "itl_p99_ms": overall["itl_ms"]["p99"],
-        "itl_jitter": _ratio(overall["itl_ms"]["p99"], overall["itl_ms"]["p50"]),
+        "tpot_p50_ms": overall["tpot_ms"]["p50"],
+        "itl_jitter": _ratio(overall["itl_ms"]["p99"], overall["tpot_ms"]["p50"]),
         "ttft_spread": _ratio(overall["ttft_ms"]["p95"], overall["ttft_ms"]["p50"]),
         "queue_share_of_ttft": _phase_share(overall, server, "queue", "ttft"),
         "prefill_share_of_ttft": _phase_share(overall, server, "prefill", "ttft"),
@@ -206,6 +212,8 @@ def show(name: str, value: Any) -> str:
         return f"{value:,.1f} ms"
     if unit == "x":
         return f"{value:.1f}×"
+    if unit in ("tokens", "count"):
+        return f"{value:,.0f}"
     if isinstance(value, float):
         return f"{value:,.0f}" if value == int(value) else f"{value:,.2f}"
     return str(value)
@@ -254,7 +262,7 @@ def _check(
     if value is None:
         return None, f"{INDICATORS[name].label} not measured"
     ok = OPS[cond["op"]](value, threshold)
-    return ok, f"{INDICATORS[name].label} {show(name, value)} ({cond['op']} {shown})"
+    return ok, f"{INDICATORS[name].label} {show(name, value)} ({SHOWN_OPS[cond['op']]} {shown})"
 
 
 def _targets(report: dict[str, Any], rules: dict[str, Any]) -> dict[str, float]:
@@ -413,8 +421,9 @@ def assess_flip(
             verdict = "still present"
         else:
             verdict = "resolved"
+        changed = [m for m in moved if m["before"] != m["after"]] or moved
         shifts = ", ".join(f"{m['label']} {show(m['indicator'], m['before'])} → "
-                           f"{show(m['indicator'], m['after'])}" for m in moved)  # fmt: skip
+                           f"{show(m['indicator'], m['after'])}" for m in changed)  # fmt: skip
         row.update(rule=target["rule"], symptom=target["symptom"], indicators=moved,
                    verdict=verdict,
                    text=f"{lever} was meant to fix {target['symptom']} ({target['title']}): "

@@ -139,9 +139,9 @@ def test_each_symptom_gets_its_first_lever(store_path: Path, run: str, symptom: 
 
 def test_evidence_carries_the_runs_numbers(store_path: Path) -> None:
     d = diagnose(store_path, "run-errors")
-    assert "failure rate (rejections excluded) 20.0 % (>= 2.0 %)" in d["findings"][0]["evidence"]
+    assert "failure rate (rejections excluded) 20.0 % (≥ 2.0 %)" in d["findings"][0]["evidence"]
     kv = diagnose(store_path, "run-kv")["findings"][0]["evidence"]
-    assert "preemptions 14 (>= 1)" in kv and "KV-cache usage peak 99.0 % (>= 90.0 %)" in kv
+    assert "preemptions 14 (≥ 1)" in kv and "KV-cache usage peak 99.0 % (≥ 90.0 %)" in kv
 
 
 def test_a_healthy_run_gets_no_recommendation(store_path: Path) -> None:

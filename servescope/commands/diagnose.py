@@ -65,7 +65,7 @@ def _levers(levers: list[dict[str, Any]]) -> str:
 
 
 def _print(run_id: str, report: dict[str, Any], d: dict[str, Any]) -> None:
-    out = Console(width=140, soft_wrap=False)
+    out = Console(width=120, soft_wrap=False)
     shape = d["workload_shape"]
     out.print(Text(f"{run_id}: workload shape {shape['shape']} — {shape['why']}"))
     if not d["findings"]:
@@ -74,7 +74,7 @@ def _print(run_id: str, report: dict[str, Any], d: dict[str, Any]) -> None:
         table = Table(show_lines=True)
         for column in ("#", "symptom", "finding", "evidence (this run)", "levers, in order",
                        "experiment"):  # fmt: skip
-            table.add_column(column)
+            table.add_column(column, no_wrap=column == "levers, in order")
         for i, f in enumerate(d["findings"], 1):
             cells = (str(i), f["symptom"], f["title"], "\n".join(f["evidence"]),
                      _levers(f["levers"]), f["experiment"] or "none yet")  # fmt: skip
