@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-_SIZE = re.compile(r"\b(?P<device>[A-Za-z]+(?: \+ host)?) KV cache size: (?P<tokens>\d[\d,]*) tokens")
+_SIZE = re.compile(
+    r"\b(?P<device>[A-Za-z]+(?: \+ host)?) KV cache size: (?P<tokens>\d[\d,]*) tokens"
+)
 _CONCURRENCY = re.compile(
     r"Maximum concurrency for (?P<len>\d[\d,]*) tokens per request: (?P<x>\d[\d.]*)x"
 )
