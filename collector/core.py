@@ -17,21 +17,51 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlparse
+
+import duckdb
 
 from collector import logparse
-from collector.scrape import lever_changes, scrape
+from collector.ids import UNATTRIBUTED_RUN, is_generated
+from collector.scrape import Scrape, lever_changes, scrape, server_version
 from collector.selfmetrics import SelfMetrics
+from collector.sessions import Session, session_run_id
 from collector.tail import Chunk, Tailer
 from store import Store, bulk, checkpoints, run_id_of
 from store.metrics import Sample
 
 log = logging.getLogger("servescope.collector")
 MAX_FLUSH_BYTES = 256 * 1024 * 1024  # a backlog in few statements: see docs/architecture.md
+# Request paths whose refusals are requests that failed (a 4xx/5xx access line with no id).
+INFERENCE_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/embeddings",
+        "/v1/score",
+        "/v1/rerank",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/rerank",
+        "/invocations",
+        "/inference/v1/generate",
+    }
+)
+REMEMBERED_IDS = 200_000  # vLLM-made request ids → their session, for traces that follow the log
+# A server announces itself in its log some seconds after its process started (imports).
+START_SLACK = timedelta(seconds=5)
+START_WINDOW = timedelta(minutes=15)
+HELD_SCRAPE_S = 600.0  # a scrape waits this long for its server's session to appear in the log
 
 
 @dataclass
@@ -42,6 +72,7 @@ class FlushReport:
     errors: int = 0
     samples: int = 0
     flips: int = 0
+    flipped: list[tuple[str, str | None, str | None, datetime]] = field(default_factory=list)
     keys: list[tuple[str, str]] = field(default_factory=list)
     lines: Counter[str] = field(default_factory=Counter)  # lines read, by source
     reasons: Counter[str] = field(default_factory=Counter)
@@ -58,7 +89,7 @@ class _Pending:
     docs: list[dict[str, Any]] = field(default_factory=list)
     errors: list[tuple[str, int, str, bytes]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
-    flips: list[tuple[str, str | None, str | None, datetime, str]] = field(default_factory=list)
+    sessions: dict[str, Session] = field(default_factory=dict)  # runs rows to write, by run
     checkpoints: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     waiters: list[threading.Event] = field(default_factory=list)
     lines: Counter[str] = field(default_factory=Counter)
@@ -71,7 +102,7 @@ class _Pending:
             or self.docs
             or self.errors
             or self.samples
-            or self.flips
+            or self.sessions
             or self.checkpoints
             or self.waiters
         )
@@ -88,7 +119,7 @@ class _Pending:
             self.docs + newer.docs,
             self.errors + newer.errors,
             self.samples + newer.samples,
-            self.flips + newer.flips,
+            {**self.sessions, **newer.sessions},
             {k: dict(v) for k, v in self.checkpoints.items()},
             self.waiters + newer.waiters,
             self.lines + newer.lines,
@@ -105,6 +136,7 @@ class _LogSource:
     name: str
     tailer: Tailer
     state: dict[str, Any]
+    session: Session | None = None  # the server lifetime the log is in now
 
 
 def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[tuple[str, list[Chunk]]]:
@@ -123,6 +155,21 @@ def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[tuple[str, list[Chunk]]
 def reason_class(reason: str) -> str:
     """A refusal reason without its details, as a bounded metric label."""
     return reason.split(":", 1)[0].split("(", 1)[0].strip()[:60] or "unknown"
+
+
+def _json(value: Any) -> str | None:
+    """A lever value in the one spelling every flip uses (JSON: `true`, `128`, `"auto"`)."""
+    return None if value is None else json.dumps(value)
+
+
+def _parse_ts(text: Any) -> datetime | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        ts = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 class Collector:
@@ -162,9 +209,9 @@ class Collector:
             name = f"vllm-log:{path}"
             saved = checkpoints.load(store, name)
             files = [r for r in saved if r["file_key"] != checkpoints.STATE_KEY]
-            self.logs.append(
-                _LogSource(name, Tailer(path, files, once=once), checkpoints.state_of(saved))
-            )
+            state = checkpoints.state_of(saved)
+            session = Session.from_state(state.get("session"))
+            self.logs.append(_LogSource(name, Tailer(path, files, once=once), state, session))
         self.event_files: list[tuple[str, Tailer]] = []
         for pattern in (os.path.abspath(p) for p in events):
             name = f"events:{pattern}"
@@ -174,6 +221,9 @@ class Collector:
             url: checkpoints.state_of(checkpoints.load(store, f"metrics:{url}"))
             for url in metrics_urls
         }
+        self._held: list[tuple[float, Scrape]] = []  # scrapes waiting for their server's session
+        self._ended: dict[str, Session] = {}  # sessions that ended while this process ran
+        self._run_of: OrderedDict[str, str] = OrderedDict()  # vLLM-made request id → its run
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -230,7 +280,7 @@ class Collector:
         lines = chunk.data.split(b"\n")
         if chunk.data.endswith(b"\n"):
             lines.pop()
-        state_changed = False
+        before = source.session.state() if source.session else None
         access: Counter[tuple[str, str, str]] = Counter()
         for line in lines:
             here, offset = offset, offset + len(line) + 1
@@ -238,69 +288,188 @@ class Collector:
                 continue
             self._pending.lines[source.name] += 1
             item = logparse.parse_line(line, year=chunk.year)
+            session = source.session
             if isinstance(item, logparse.Piece):
-                self._pending.docs.append(item.doc)
+                if session is not None:
+                    session.seen(_parse_ts(item.doc.get("log_ts")))
+                self._pending.docs.append(self._attribute(item.doc, session))
+            elif isinstance(item, logparse.Tick):
+                if session is not None:
+                    session.seen(item.ts)
             elif isinstance(item, logparse.Bad):
                 self._pending.errors.append(
                     (chunk.file.error_source, here, item.reason, bulk.clip(line))
                 )
             elif isinstance(item, logparse.Stats):
+                if session is not None:
+                    session.seen(item.ts)
                 ts = (item.ts or datetime.now(UTC)).replace(tzinfo=None)
+                run = session.run_id if session is not None else None
                 for key, value in item.values.items():
                     self._pending.samples.append(
-                        (ts, source.name, f"vllm_log:{key}", {"engine": item.engine}, None, value)
+                        (ts, source.name, f"vllm_log:{key}", {"engine": item.engine}, run, value)
                     )
             elif isinstance(item, logparse.Access):
                 access[(item.method, item.path, str(item.status))] += 1
+                if item.status >= 400 and item.path.split("?", 1)[0] in INFERENCE_PATHS:
+                    self._refused(item, session, chunk, here)
+            elif isinstance(item, logparse.Startup):
+                self._startup(source, item)
             elif isinstance(item, logparse.Levers):
-                before = source.state.get("levers")
-                if before is not None:
-                    ts = (item.ts or datetime.now(UTC)).replace(tzinfo=None)
-                    for lever, old, new in lever_changes(before, item.levers):
-                        self._flip(lever, old, new, ts, f"non-default args in {source.name}")
-                source.state["levers"] = item.levers
-                state_changed = True
+                self._configure(source, item)
             elif isinstance(item, logparse.KvCache):
-                state_changed |= self._kv_cache(source, item)
+                self._kv_cache(source, item)
         now = datetime.now(UTC).replace(tzinfo=None)
+        run = source.session.run_id if source.session else None
         for (method, path, status), n in access.items():
             labels = {"method": method, "path": path, "status": status}
             self._pending.samples.append(
-                (now, source.name, "vllm_log:http_responses", labels, None, float(n))
+                (now, source.name, "vllm_log:http_responses", labels, run, float(n))
             )
-        if state_changed:
+        after = source.session.state() if source.session else None
+        if after != before:
+            source.state["session"] = after
             self._checkpoint(
                 source.name, [{"file_key": checkpoints.STATE_KEY, "state": source.state}]
             )
 
-    def _kv_cache(self, source: _LogSource, item: logparse.KvCache) -> bool:
-        """vLLM's start-up KV-cache statement: kept with the source's other start-up facts (its
-        `checkpoints` state row, next to `levers`) and stored as samples `vllm_log:kv_cache_tokens`
-        and `vllm_log:max_concurrency{max_model_len}` at the time it was logged."""
-        stated = dict(item.values)
-        if "kv_cache_tokens" in stated:  # a new start: its statement replaces the last one
-            source.state["kv_cache"] = stated
-        else:
-            source.state.setdefault("kv_cache", {}).update(stated)
-        ts = (item.ts or datetime.now(UTC)).replace(tzinfo=None)
-        device = {"device": str(stated.get("kv_cache_device", ""))}
-        if "kv_cache_tokens" in stated:
-            value = float(stated["kv_cache_tokens"])
-            self._pending.samples.append(
-                (ts, source.name, "vllm_log:kv_cache_tokens", device, None, value)
-            )
-        if "max_concurrency" in stated:
-            labels = {"max_model_len": str(stated["max_model_len"])}
-            value = float(stated["max_concurrency"])
-            self._pending.samples.append(
-                (ts, source.name, "vllm_log:max_concurrency", labels, None, value)
-            )
-        return True
+    # -- server sessions -----------------------------------------------------------------------
 
-    def _flip(self, lever: str, old: Any, new: Any, ts: datetime, note: str) -> None:
-        before = None if old is None else json.dumps(old)
-        after = None if new is None else json.dumps(new)
-        self._pending.flips.append((lever, before, after, ts, note))
+    def _startup(self, source: _LogSource, item: logparse.Startup) -> None:
+        session = source.session
+        if item.version is not None:
+            self._end(source, item.ts)
+            source.session = Session(version=item.version, source=source.name)
+            source.session.seen(item.ts)
+            source.session.started_at = source.session.last_ts
+        elif session is None:
+            return
+        elif item.url is not None:
+            session.listening(item.url)
+            self._touch(session)
+        elif item.shutdown and session.ended_at is None:
+            session.end(item.ts)
+            self._touch(session)
+
+    def _configure(self, source: _LogSource, item: logparse.Levers) -> None:
+        """`non-default args`: the session's levers and name. A second such line in one
+        session (a log without version banners) is a new session."""
+        if source.session is None or source.session.args or source.session.named:
+            self._end(source, item.ts)
+            source.session = Session(source=source.name)
+        session = source.session
+        previous = source.state.get("previous")
+        if previous:
+            session.previous, session.previous_levers = previous["run_id"], previous["levers"]
+        session.configure(item.levers, item.ts, item.port, item.host)
+        self._touch(session)
+
+    def _kv_cache(self, source: _LogSource, item: logparse.KvCache) -> None:
+        """vLLM's start-up KV-cache statement: into the session's runs row (`notes.kv_cache.vllm`)
+        and stored as samples `vllm_log:kv_cache_tokens{device}` and
+        `vllm_log:max_concurrency{max_model_len}` of the session's run."""
+        session = source.session
+        if session is not None:
+            session.seen(item.ts)
+            session.kv_cache = {**session.kv_cache, **item.values}
+            self._touch(session)
+        run = session.run_id if session is not None else None
+        ts = (item.ts or datetime.now(UTC)).replace(tzinfo=None)
+        if "kv_cache_tokens" in item.values:
+            device = {"device": str(item.values.get("kv_cache_device", ""))}
+            value = float(item.values["kv_cache_tokens"])
+            self._pending.samples.append(
+                (ts, source.name, "vllm_log:kv_cache_tokens", device, run, value)
+            )
+        if "max_concurrency" in item.values:
+            labels = {"max_model_len": str(item.values["max_model_len"])}
+            value = float(item.values["max_concurrency"])
+            self._pending.samples.append(
+                (ts, source.name, "vllm_log:max_concurrency", labels, run, value)
+            )
+
+    def _end(self, source: _LogSource, ts: datetime | None) -> None:
+        """The session of `source` is over (a new one starts): it is kept as the one the next
+        session's levers are compared with."""
+        session = source.session
+        if session is None:
+            return
+        if session.named:
+            if session.ended_at is None:
+                session.end(None)  # its last line: the new start may come much later
+            self._touch(session)
+            self._ended[session.run_id or ""] = session
+            source.state["previous"] = {"run_id": session.run_id, "levers": session.levers}
+        source.session = None
+
+    def _touch(self, session: Session) -> None:
+        """The session's `runs` row (and its flips) go with the next flush."""
+        if session.run_id:
+            self._pending.sessions[session.run_id] = Session.from_state(session.state())  # type: ignore[assignment]
+
+    def _sessions(self) -> list[Session]:
+        """Every session this collector knows of: the current one of each log and each
+        metrics-only target, and those that ended while it ran."""
+        found = {s.run_id: s for s in self._ended.values()}
+        for source in self.logs:
+            if source.session is not None and source.session.named:
+                found[source.session.run_id] = source.session
+        for state in self.targets.values():
+            own = Session.from_state(state.get("session"))
+            if own is not None and own.named:
+                found[own.run_id] = own
+        return list(found.values())
+
+    def _attribute(self, doc: dict[str, Any], session: Session | None) -> dict[str, Any]:
+        """A piece read from a server's log: the request's session, its model, and its run
+        when vLLM made up its id (no client `X-Request-Id`)."""
+        if session is None or not session.named:
+            if is_generated(doc["request_id"]) and "run_id" not in doc:
+                doc["run_id"] = UNATTRIBUTED_RUN
+            return doc
+        assert session.run_id is not None
+        doc["vllm_session"] = session.run_id
+        if session.model and "model" not in doc:
+            doc["model"] = session.model
+        if is_generated(doc["request_id"]):
+            doc["run_id"] = session.run_id
+            self._remember(doc["request_id"], session.run_id)
+        return doc
+
+    def _remember(self, request_id: str, run_id: str) -> None:
+        self._run_of[request_id] = run_id
+        self._run_of.move_to_end(request_id)
+        while len(self._run_of) > REMEMBERED_IDS:
+            self._run_of.popitem(last=False)
+
+    def _refused(
+        self, item: logparse.Access, session: Session | None, chunk: Chunk, offset: int
+    ) -> None:
+        """An access line answering an inference request with 4xx/5xx: vLLM refused or failed
+        a request it logged no id for, and a request that failed still counts. Its id is its
+        place in the log file, so reading the line again gives the same event."""
+        run = session.run_id if session is not None and session.named else UNATTRIBUTED_RUN
+        if item.status == 429:
+            status, error = "rejected", "rejected:http_429"
+        else:
+            status, error = "error", f"http_{item.status // 100}xx"
+        ts = item.ts.isoformat() if item.ts else session.last_ts if session else None
+        doc: dict[str, Any] = {
+            "request_id": f"http-{chunk.file.fp[:8] or 'log'}-{offset}",
+            "run_id": run,
+            "source": logparse.SOURCE,
+            "log_ts": ts,
+            "status": status,
+            "http_status": item.status,
+            "error": error,
+            "http_method": item.method,
+            "http_path": item.path,
+        }
+        if session is not None and session.named:
+            doc["vllm_session"] = session.run_id
+            if session.model:
+                doc["model"] = session.model
+        self._pending.docs.append({k: v for k, v in doc.items() if v is not None})
 
     def submit(
         self, pieces: list[dict[str, Any]], refused: list[tuple[str, str]], source: str = "otlp"
@@ -317,28 +486,112 @@ class Collector:
         return done
 
     def scrape_all(self) -> None:
-        """Scrape every `/metrics` target once into the pending batch."""
+        """Scrape every `/metrics` target once; the samples wait for `flush` to find the
+        server session they belong to."""
         for url, state in self.targets.items():
             result = scrape(url, timeout=min(5.0, max(1.0, self.scrape_interval)))
+            version = None
+            if result.process_start is not None and result.process_start != state.get("start"):
+                version = server_version(url)  # a new server behind the URL
             with self._lock:
                 self._pending.touch()
-                self._pending.samples.extend(result.samples)
                 self._pending.lines[f"metrics:{url}"] += 1
                 if result.error and result.body:
                     self._pending.errors.append(
                         (url, time.time_ns(), result.error, result.body[:65536].encode())
                     )
-                if result.cache_levers is not None:
-                    before = state.get("cache_levers")
-                    if before is not None:
-                        ts = result.samples[-1][0]
-                        for lever, old, new in lever_changes(before, result.cache_levers):
-                            self._flip(lever, old, new, ts, f"vllm:cache_config_info of {url}")
-                    if before != result.cache_levers:
-                        state["cache_levers"] = result.cache_levers
-                        self._checkpoint(
-                            f"metrics:{url}", [{"file_key": checkpoints.STATE_KEY, "state": state}]
-                        )
+                if version is not None:
+                    state["version"] = version
+                self._held.append((time.monotonic(), result))
+
+    def _place_scrapes(self) -> None:
+        """Give held scrapes their server session's run (called under the lock).
+
+        A target is a server whose log this collector tails when their ports agree: its session
+        is the one that started with the process the scrape saw (`process_start_time_seconds`),
+        so samples taken just after a restart wait until the log has shown the new start. A
+        target without a log is its own session, one per process start.
+        """
+        keep: list[tuple[float, Scrape]] = []
+        for held_since, result in self._held:
+            state = self.targets[result.url]
+            waited = time.monotonic() - held_since >= HELD_SCRAPE_S
+            session: Session | None = None
+            if result.process_start is None:  # down, or not a vLLM: the target's last session
+                session = self._target_session(result.url)
+            elif self.logs:
+                port = urlparse(result.url).port
+                session = self._logged_session(port, result.process_start)
+                if session is None and waited:
+                    session = self._own_session(result)
+            else:
+                session = self._own_session(result)
+            if session is None and result.process_start is not None and not waited:
+                keep.append((held_since, result))
+                continue
+            run = session.run_id if session is not None else None
+            if session is not None:
+                state["run_id"], state["start"] = run, result.process_start
+                if result.cache_config is not None and session.cache(result.cache_config):
+                    self._touch(session)
+                if (state.get("session") or {}).get("run_id") == run:
+                    state["session"] = session.state()
+            self._pending.samples.extend(
+                (ts, target, name, labels, run, value)
+                for ts, target, name, labels, _run, value in result.samples
+            )
+            self._checkpoint(
+                f"metrics:{result.url}", [{"file_key": checkpoints.STATE_KEY, "state": state}]
+            )
+        self._held = keep
+
+    def _logged_session(self, port: int | None, process_start: float) -> Session | None:
+        started = datetime.fromtimestamp(process_start, UTC)
+        found = [
+            s
+            for s in self._sessions()
+            if s.source is not None
+            and s.port == port
+            and (start := s.started()) is not None
+            and started - START_SLACK <= start <= started + START_WINDOW
+        ]
+        return min(found, key=lambda s: s.started_at or "") if found else None
+
+    def _target_session(self, url: str) -> Session | None:
+        run = self.targets[url].get("run_id")
+        return next((s for s in self._sessions() if s.run_id == run), None)
+
+    def _own_session(self, result: Scrape) -> Session:
+        """The session of a target no tailed log describes, named from its process start."""
+        state = self.targets[result.url]
+        current = Session.from_state(state.get("session"))
+        assert result.process_start is not None
+        started = datetime.fromtimestamp(result.process_start, UTC)
+        if current is not None and current.started() == started:
+            return current
+        model = next(
+            (labels["model_name"] for _t, _u, _n, labels, _r, _v in result.samples
+             if labels.get("model_name")),
+            None,
+        )  # fmt: skip
+        parsed = urlparse(result.url)
+        port = parsed.port or 80
+        session = Session(
+            run_id=session_run_id(model or "model", port, started),
+            started_at=started.isoformat(),
+            version=state.get("version"),
+            model=model,
+            port=port,
+            target=f"{parsed.scheme}://{parsed.netloc}",
+        )
+        if current is not None:
+            current.end(started)
+            self._touch(current)
+            self._ended[current.run_id or ""] = current
+            session.previous, session.previous_levers = current.run_id, current.levers
+        state["session"] = session.state()
+        self._touch(session)
+        return session
 
     # -- committing ----------------------------------------------------------------------------
 
@@ -352,6 +605,8 @@ class Collector:
         the next flush: nothing read is ever dropped.
         """
         with self._lock:
+            if self._held:
+                self._place_scrapes()
             batch, self._pending = self._pending, _Pending()
         if batch.empty():
             return None
@@ -389,6 +644,7 @@ class Collector:
                 for _off, reason in result.errors:
                     report.reasons[reason_class(reason)] += 1
             if batch.docs:
+                self._place_pieces(batch.docs, con)
                 report.events += self.store.add_events(batch.docs, con)
                 if self.want_keys:
                     report.keys.extend((run_id_of(d), d["request_id"]) for d in batch.docs)
@@ -398,14 +654,88 @@ class Collector:
             report.errors = sum(report.reasons.values())
             self.store.add_metric_samples(batch.samples, con)
             report.samples = len(batch.samples)
-            for lever, before, after, ts, note in batch.flips:
-                self.store.add_lever_flip(lever, before, after, ts=ts, note=note, con=con)
-            report.flips = len(batch.flips)
+            for session in batch.sessions.values():
+                self._write_session(session, con, report)
             for source, rows in batch.checkpoints.items():
                 checkpoints.save(con, source, rows.values())
         report.committed_at = time.time()
         report.lag_s = report.committed_at - (batch.oldest or report.committed_at)
         return report
+
+    def _write_session(
+        self, session: Session, con: duckdb.DuckDBPyConnection, report: FlushReport
+    ) -> None:
+        """A session's `runs` row, and its flips: one row per lever that differs from the
+        session before it, naming both runs (written again whole when its levers change)."""
+        assert session.run_id is not None
+        self.store.upsert_run(session.run_id, con, **session.run_row())
+        if session.previous is None or session.previous_levers is None:
+            return
+        ts = session.started()
+        assert ts is not None
+        at = ts.astimezone(UTC).replace(tzinfo=None)
+        rows = [
+            (lever, _json(old), _json(new))
+            for lever, old, new in lever_changes(session.previous_levers, session.levers)
+        ]
+        note = f"server restarted: {session.previous} -> {session.run_id}"
+        written = self.store.replace_flips(session.run_id, session.previous, rows, at, note, con)
+        report.flips += written
+        report.flipped.extend((lever, before, after, at) for lever, before, after in rows)
+
+    def _place_pieces(self, docs: list[dict[str, Any]], con: duckdb.DuckDBPyConnection) -> None:
+        """Give trace pieces of requests vLLM made the id of their session's run, and take in
+        requests stored before their session was known.
+
+        A trace carries no session: its request is found where the log put it (remembered ids,
+        else the store), else in the one session whose lifetime holds its start. A request kept
+        under `vllm-unattributed` moves to its session when a log line names it.
+        """
+        unknown = [
+            d["request_id"]
+            for d in docs
+            if "run_id" not in d and is_generated(d["request_id"])
+            and d["request_id"] not in self._run_of
+        ]  # fmt: skip
+        found = self.store.runs_of_requests(unknown, con) if unknown else {}
+        sessions = None
+        for doc in docs:
+            rid = doc["request_id"]
+            if "run_id" in doc or not is_generated(rid):
+                if "vllm_session" not in doc and doc.get("source") == "vllm-trace":
+                    sessions = sessions if sessions is not None else self._sessions()
+                    self._in_session(doc, sessions)
+                continue
+            run = self._run_of.get(rid) or found.get(rid)
+            if run is None:
+                sessions = sessions if sessions is not None else self._sessions()
+                session = self._in_session(doc, sessions)
+                run = session.run_id if session is not None else UNATTRIBUTED_RUN
+            doc["run_id"] = run
+        placed = {
+            d["request_id"]: d["run_id"] for d in docs
+            if d.get("run_id") not in (None, UNATTRIBUTED_RUN) and is_generated(d["request_id"])
+        }  # fmt: skip
+        if placed:
+            earlier = self.store.take_events(UNATTRIBUTED_RUN, list(placed), con)
+            for doc in earlier:
+                doc["run_id"] = placed[doc["request_id"]]
+            docs[:0] = earlier
+
+    @staticmethod
+    def _in_session(doc: dict[str, Any], sessions: list[Session]) -> Session | None:
+        """The only session whose lifetime holds the request's server start (trace pieces)."""
+        ts = _parse_ts(doc.get("server_ts"))
+        if ts is None:
+            return None
+        holding = [s for s in sessions if s.covers(ts)]
+        if len(holding) != 1:
+            return None
+        session = holding[0]
+        doc["vllm_session"] = session.run_id
+        if session.model and "model" not in doc:
+            doc["model"] = session.model
+        return session
 
     def _account(self, batch: _Pending, report: FlushReport) -> None:
         m = self.metrics
@@ -414,7 +744,7 @@ class Collector:
         m.events.inc(report.events)
         for reason, n in report.reasons.items():
             m.errors.labels(reason).inc(n)
-        for lever, before, after, ts, _note in batch.flips:
+        for lever, before, after, ts in report.flipped:
             m.flips.labels(lever, before or "", after or "").set(ts.replace(tzinfo=UTC).timestamp())
         m.lag.set(report.lag_s)
         m.last_flush.set(report.committed_at)

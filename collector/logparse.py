@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from collector.ids import UNATTRIBUTED_RUN, client_request_id, is_generated
+from collector.ids import client_request_id
 from store.startup import kv_cache_statement
 
 SOURCE = "vllm-log"
@@ -37,6 +37,12 @@ _ABORTED = re.compile(r"^Request (?P<id>\S+) aborted\.?$")
 _FAILED = re.compile(r"^Request (?P<id>\S+) failed(?P<rest>.*)$")
 _STATS = re.compile(r"^Engine (?P<engine>\d+): (?P<body>.*throughput.*)$")
 _LEVERS = re.compile(r"non-default args: (?P<args>\{.*\})\s*$")
+# The start-up banner (`█▄█▀ … version 0.32.0`), or `vLLM API server version X` (older releases)
+_VERSION = re.compile(
+    r"^(?:vLLM (?:API )?server version |[\s▄█▀]+version\s+)(?P<version>\d[^\s,]*)"
+)
+_LISTENING = re.compile(r"^Starting vLLM (?:API )?server on (?P<url>https?://\S+)")
+_SHUTDOWN = ("[shutdown] API server: shutdown triggered", "Shutting down FastAPI HTTP server")
 _PARAM_INT = re.compile(r"\b(max_tokens|n)=(\d+)")
 _PAIR = re.compile(
     r"^\s*(?P<key>[A-Za-z][A-Za-z0-9 _/-]*?)\s*:\s*(?P<num>-?[0-9.]+)\s*(?P<unit>\S*)"
@@ -68,6 +74,8 @@ class Levers:
 
     ts: datetime | None
     levers: dict[str, Any]
+    port: int | None = None
+    host: str | None = None
 
 
 @dataclass(frozen=True)
@@ -82,9 +90,30 @@ class KvCache:
 
 @dataclass(frozen=True)
 class Access:
+    """A uvicorn access line (text lines carry no time: `ts` is None for them)."""
+
     method: str
     path: str
     status: int
+    ts: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Startup:
+    """A line by which a vLLM server announces itself: its version (the first line of a start),
+    the URL it listens on, or the start of its shutdown."""
+
+    ts: datetime | None
+    version: str | None = None
+    url: str | None = None
+    shutdown: bool = False
+
+
+@dataclass(frozen=True)
+class Tick:
+    """A timestamped line that says nothing else: how far the server's clock has got."""
+
+    ts: datetime
 
 
 @dataclass(frozen=True)
@@ -92,7 +121,7 @@ class Bad:
     reason: str
 
 
-Item = Piece | Stats | Levers | KvCache | Access | Bad | None
+Item = Piece | Stats | Levers | KvCache | Access | Startup | Tick | Bad | None
 
 
 def parse_line(raw: bytes, *, year: int) -> Item:
@@ -127,14 +156,13 @@ def _json_line(line: str) -> Item:
     message: str = obj["message"]
     if obj.get("name") == "uvicorn.access":
         access = _ACCESS.match(message)
-        return _access(access) if access else None
-    asctime = obj.get("asctime")
-    ts = _json_ts(asctime) if isinstance(asctime, str) else None
+        return _access(access, _json_ts(obj.get("asctime"))) if access else None
+    ts = _json_ts(obj.get("asctime"))
     return _message(message, ts)
 
 
-def _access(match: re.Match[str]) -> Access:
-    return Access(match["method"], match["path"], int(match["status"]))
+def _access(match: re.Match[str], ts: datetime | None = None) -> Access:
+    return Access(match["method"], match["path"], int(match["status"]), ts)
 
 
 def _text_ts(year: int, month_day: str, hms: str) -> datetime | None:
@@ -146,7 +174,9 @@ def _text_ts(year: int, month_day: str, hms: str) -> datetime | None:
         return None
 
 
-def _json_ts(asctime: str) -> datetime | None:
+def _json_ts(asctime: Any) -> datetime | None:
+    if not isinstance(asctime, str):
+        return None
     try:
         return datetime.strptime(asctime[:19], "%Y-%m-%d %H:%M:%S").replace(
             microsecond=int(asctime[20:23]) * 1000 if asctime[20:23].isdigit() else 0,
@@ -190,8 +220,15 @@ def _message(msg: str, ts: datetime | None) -> Item:
         return _levers(match["args"], ts)
     if "KV cache size: " in msg or "Maximum concurrency for " in msg:
         stated = kv_cache_statement(msg)
-        return KvCache(ts, stated) if stated else None
-    return None
+        if stated:
+            return KvCache(ts, stated)
+    if "version" in msg and (match := _VERSION.match(msg)):
+        return Startup(ts, version=match["version"])
+    if msg.startswith("Starting vLLM ") and (match := _LISTENING.match(msg)):
+        return Startup(ts, url=match["url"].rstrip("/."))
+    if msg.startswith(_SHUTDOWN):
+        return Startup(ts, shutdown=True)
+    return Tick(ts) if ts is not None else None
 
 
 def _piece(vllm_id: str, fields: dict[str, Any], *, engine: bool) -> Item:
@@ -201,8 +238,6 @@ def _piece(vllm_id: str, fields: dict[str, Any], *, engine: bool) -> Item:
     if not request_id:
         return Bad(f"empty request id in {vllm_id!r}")
     doc: dict[str, Any] = {"request_id": request_id, "source": SOURCE}
-    if is_generated(request_id):
-        doc["run_id"] = UNATTRIBUTED_RUN
     doc.update({k: v for k, v in fields.items() if v is not None})
     return Piece(doc)
 
@@ -234,7 +269,13 @@ def _levers(text: str, ts: datetime | None) -> Item:
     if not isinstance(args, dict):
         return Bad("'non-default args' is not a mapping")
     levers = {str(k): _plain(v) for k, v in args.items() if str(k) not in NOT_LEVERS}
-    return Levers(ts, levers)
+    port, host = args.get("port"), args.get("host")
+    return Levers(
+        ts,
+        levers,
+        port if isinstance(port, int) and not isinstance(port, bool) else None,
+        host if isinstance(host, str) else None,
+    )
 
 
 def _plain(value: Any) -> Any:

@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from collector.ids import UNATTRIBUTED_RUN, client_request_id, is_generated
+from collector.ids import client_request_id
 
 SOURCE = "vllm-trace"
 MAX_BODY = 64 * 1024 * 1024
@@ -127,8 +127,6 @@ def span_piece(span: Span) -> dict[str, Any] | None:
         raise BadPayload("llm_request span without gen_ai.request.id")
     request_id = client_request_id(vllm_id)
     doc: dict[str, Any] = {"request_id": request_id, "source": SOURCE}
-    if is_generated(request_id):
-        doc["run_id"] = UNATTRIBUTED_RUN
     if start_ns:
         doc["server_ts"] = datetime.fromtimestamp(start_ns / 1e9, UTC).isoformat()
     if trace_id and trace_id.strip("0"):

@@ -5,16 +5,20 @@ its lever flip), rendered to self-contained HTML, Markdown and JSON.
     write_report(report, Path("servescope-data/reports"), ("html", "md", "json"))
 """
 
-from reports.build import NoLeverFlip, build_diff, build_split, build_summary
+from reports.build import NoLeverFlip, NoPreviousRun, build_diff, build_split, build_summary
 from reports.render import DEFAULT_OUT, FORMATS, render, write_report
 from reports.summary import ReportOptions, UnknownRun
+from reports.windows import BadWindow, Window
 
 __all__ = [
+    "BadWindow",
     "DEFAULT_OUT",
     "FORMATS",
     "NoLeverFlip",
+    "NoPreviousRun",
     "ReportOptions",
     "UnknownRun",
+    "Window",
     "build_diff",
     "build_split",
     "build_summary",

@@ -23,8 +23,10 @@ from reports.diff import (
     lever_changes,
     workload_warnings,
 )
-from reports.samples import Slice, load_samples
+from reports.samples import Slice, choose_sources, load_samples
 from reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
+from reports.windows import WHOLE, Window, resolve
+from reports.windows import label as window_label
 from store import Store, queries
 
 
@@ -32,30 +34,82 @@ class NoLeverFlip(LookupError):
     """`--split-at-flip` on a run that has no `lever_flips` row."""
 
 
+class NoPreviousRun(LookupError):
+    """`--vs previous` on a run that follows no other run of its server."""
+
+
+PREVIOUS = "previous"
+
+
+def previous_run(con: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> str:
+    """The run of the same server just before `run`: what `--vs previous` compares with (a
+    server session names the one it followed)."""
+    named = (run.get("notes") or {}).get("previous")
+    if isinstance(named, str) and named:
+        return named
+    if run.get("target") and run.get("started_at"):
+        params = {"target": run["target"], "started": run["started_at"], "run_id": run["run_id"]}
+        row = con.execute(queries.PREVIOUS_RUN, params).fetchone()
+        if row:
+            return str(row[0])
+    raise NoPreviousRun(
+        f"run {run['run_id']!r} follows no other run of its server: give --vs BASE_RUN"
+    )
+
+
+def _slice(
+    con: duckdb.DuckDBPyConnection, run: dict[str, Any], window: Window, label: str = ""
+) -> Slice:
+    """The part of `run` a window selects (the whole run without one)."""
+    if not window:
+        return Slice(run["run_id"], label=label)
+    span = con.execute(queries.RUN_SPAN, {"run_id": run["run_id"]}).fetchone()
+    first, last = span if span else (None, None)
+    start = run.get("started_at") or first
+    end = run.get("ended_at") or last
+    since = resolve(window.since, start, end) if window.since else None
+    until = resolve(window.until, start, end) if window.until else None
+    name = f"{label or run['run_id']} {window_label(since, until)}"
+    return Slice(run["run_id"], since=since, until=until, label=name)
+
+
+def _report_id(part: Slice) -> str:
+    if part.since is None and part.until is None:
+        return part.run_id
+    since = f"{part.since:%Y%m%dT%H%M%SZ}" if part.since else "start"
+    until = f"{part.until:%Y%m%dT%H%M%SZ}" if part.until else "end"
+    return f"{part.run_id}@{since}-{until}"
+
+
 def _side(
     con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions
 ) -> tuple[Side, dict[str, Any]]:
-    samples = load_samples(con, part)
-    summary = summarize(con, part, options, samples)
-    return Side(part.name, summary, samples), summary
+    return _sides(con, (part,), options)[0]
 
 
-def _both_sides(
-    con: duckdb.DuckDBPyConnection, parts: tuple[Slice, Slice], options: ReportOptions
+def _sides(
+    con: duckdb.DuckDBPyConnection, parts: tuple[Slice, ...], options: ReportOptions
 ) -> list[tuple[Side, dict[str, Any]]]:
-    """Both sides at once, each on its own cursor: a quantile's final sort runs on one thread,
-    so two sides side by side use the cores one side alone leaves idle."""
+    """Every side at once, each on its own cursor (a quantile's final sort runs on one thread,
+    so two sides side by side use the cores one side alone leaves idle), every side reporting
+    TTFT, TPOT and e2e from the same source."""
     cursors = [con.cursor() for _ in parts]
     try:
         with ThreadPoolExecutor(max_workers=len(parts)) as pool:
-            futures = [
-                pool.submit(_side, cur, part, options)
-                for cur, part in zip(cursors, parts, strict=True)
-            ]
-            return [f.result() for f in futures]
+            loaded = list(pool.map(load_samples, cursors, parts))
+            sources = choose_sources(*loaded)
+            for samples in loaded:
+                samples.use(sources)
+            summaries = list(
+                pool.map(lambda c, p, s: summarize(c, p, options, s), cursors, parts, loaded)
+            )
     finally:
         for cur in cursors:
             cur.close()
+    return [
+        (Side(part.name, summary, samples), summary)
+        for part, summary, samples in zip(parts, summaries, loaded, strict=True)
+    ]
 
 
 def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
@@ -83,6 +137,15 @@ def _flips(con: duckdb.DuckDBPyConnection, run_ids: list[str], sides: list[Side]
     return flips
 
 
+def _window_of(part: Slice) -> dict[str, str | None] | None:
+    if part.since is None and part.until is None:
+        return None
+    return {
+        "since": part.since.isoformat() + "Z" if part.since else None,
+        "until": part.until.isoformat() + "Z" if part.until else None,
+    }
+
+
 def _public(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary[k] for k in ("overall", "groups", "server", "admission")}
 
@@ -96,22 +159,23 @@ def _with_slo(options: ReportOptions | None, run: dict[str, Any]) -> ReportOptio
 
 
 def build_summary(
-    store: Store, run_id: str, options: ReportOptions | None = None
+    store: Store, run_id: str, options: ReportOptions | None = None, window: Window = WHOLE
 ) -> dict[str, Any]:
-    """The report of one run: metadata, overall and per-level numbers, server-side deltas,
-    admission evidence, the seeds' checklist and charts."""
-    part = Slice(run_id)
+    """The report of one run (or of a window of it): metadata, overall and per-level numbers,
+    server-side deltas, admission evidence, the seeds' checklist and charts."""
     with store.read() as con:
         run = require_run(con, run_id)
+        part = _slice(con, run, window)
         options = _with_slo(options, run)
         side, summary = _side(con, part, options)
         meta = run_meta(run, summary["overall"]["models"])
         checks = checklist(con, part, meta, summary, options)
         flips = _flips(con, [run_id], [side])
     report = {
-        "report_id": run_id,
+        "report_id": _report_id(part),
         "kind": "run",
         "run_id": run_id,
+        "window": _window_of(part),
         "levers": run.get("levers") or {},
         "run": meta,
         **_public(summary),
@@ -143,7 +207,7 @@ def _compare(
 ) -> dict[str, Any]:
     """What `--vs` and `--split-at-flip` share: both sides, the diff rows and the warnings."""
     seed = bootstrap.DEFAULT_SEED if options.seed is None else options.seed
-    (b_side, b_summary), (a_side, a_summary) = _both_sides(con, (before, after), options)
+    (b_side, b_summary), (a_side, a_summary) = _sides(con, (before, after), options)
     b_meta = run_meta(runs[0], b_summary["overall"]["models"])
     a_meta = run_meta(runs[1], a_summary["overall"]["models"])
     same_run = before.run_id == after.run_id
@@ -181,28 +245,40 @@ def _compare(
 
 
 def build_diff(
-    store: Store, run_id: str, base_run_id: str, options: ReportOptions | None = None
+    store: Store,
+    run_id: str,
+    base_run_id: str,
+    options: ReportOptions | None = None,
+    window: Window = WHOLE,
+    base_window: Window = WHOLE,
 ) -> dict[str, Any]:
-    """`run_id` (after) against `base_run_id` (before): `run_id`'s own report keys plus
-    `before`, `after`, `diff`, `headline`, `warnings` and `lever_changes`."""
-    before, after = Slice(base_run_id), Slice(run_id)
+    """`run_id` (after) against `base_run_id` (before; `previous` = the run its server ran
+    before), each whole or a window of it: `run_id`'s own report keys plus `before`, `after`,
+    `diff`, `headline`, `warnings` and `lever_changes`."""
     with store.read() as con:
-        base = require_run(con, base_run_id)
         run = require_run(con, run_id)
+        if base_run_id == PREVIOUS:
+            base_run_id = previous_run(con, run)
+        base = require_run(con, base_run_id)
+        same = base_run_id == run_id
+        before = _slice(con, base, base_window, "before" if same else "")
+        after = _slice(con, run, window, "after" if same else "")
         options = _with_slo(options, run)
         compared = _compare(con, before, after, (base, run), options)
         meta = compared["after"]["run"]
         checks = checklist(con, after, meta, compared["after"], options)
     b_side, a_side = compared.pop("sides")
     changes = lever_changes(base.get("levers") or {}, run.get("levers") or {})
-    change = describe_change(changes, f"{run_id} vs {base_run_id}")
+    change = describe_change(changes, f"{after.name} vs {before.name}")
     diagnosis = _compared_diagnosis(compared, changes, options.slo or None)
     return {
         "diagnosis": diagnosis,
-        "report_id": f"{run_id}-vs-{base_run_id}",
+        "report_id": f"{_report_id(after)}-vs-{_report_id(before)}",
         "kind": "diff",
         "run_id": run_id,
         "base_run_id": base_run_id,
+        "window": _window_of(after),
+        "base_window": _window_of(before),
         "levers": run.get("levers") or {},
         "run": meta,
         **{k: compared["after"][k] for k in ("overall", "groups", "server", "admission")},
@@ -228,7 +304,7 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         before = Slice(run_id, until=at, label="before flip")
         after = Slice(run_id, since=at, label="after flip")
         whole = Slice(run_id)
-        summary = summarize(con, whole, options, load_samples(con, whole))
+        _whole_side, summary = _side(con, whole, options)
         meta = run_meta(run, summary["overall"]["models"])
         compared = _compare(con, before, after, (run, run), options)
         checks = checklist(con, whole, meta, summary, options)

@@ -17,7 +17,7 @@ import numpy as np
 
 from reports import bootstrap
 from reports.bootstrap import Draws, Floats
-from reports.samples import Samples
+from reports.samples import FIXED_SOURCES, SERVER, Samples
 
 LOWER, HIGHER = "lower", "higher"
 IMPROVED, REGRESSED, UNCHANGED = "improved", "regressed", "unchanged"
@@ -183,9 +183,11 @@ def diff_rows(before: Side, after: Side, seed: int) -> list[dict[str, Any]]:
         verdict = _verdict(b, a, ci if measured else None, better)
         if measured and _too_few(metric, before, after):
             verdict = TOO_FEW
+        column = metric.rpartition(".")[0]
         rows.append(
             {
                 "metric": metric,
+                "source": {**FIXED_SOURCES, **before.samples.sources}.get(column),
                 "better": better,
                 "before": b,
                 "after": a,
@@ -226,7 +228,8 @@ def headline(change: str, rows: list[dict[str, Any]], before: Side, after: Side)
     if ttft["delta_pct"] is not None:
         ci = ttft["ci95_pct"]
         interval = f" ({_signed_pct(ci[0])[:-2]} … {_signed_pct(ci[1])})" if ci else ""
-        parts.append(f"TTFT {q} {_signed_pct(ttft['delta_pct'])}{interval} [{ttft['verdict']}]")
+        name = f"TTFT {q}" + (" (server)" if ttft["source"] == SERVER else "")
+        parts.append(f"{name} {_signed_pct(ttft['delta_pct'])}{interval} [{ttft['verdict']}]")
     hit = by["server.prefix_cache_hit_ratio"]
     if hit["before"] is None or hit["after"] is None:
         hit = by["cached_token_ratio"]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from markupsafe import Markup
 
-from reports.summary import LATENCY_METRICS
+from reports.summary import LATENCY_METRICS, SERVER_METRICS
 
 if TYPE_CHECKING:
     from jinja2 import Environment
@@ -104,7 +104,7 @@ def render(report: dict[str, Any], fmt_name: str) -> str:
     env = _environment()
     charts = {k: Markup(v) for k, v in report.get("charts", {}).items()}  # escaped in svg.py
     return env.get_template(f"report.{fmt_name}.j2").render(
-        r=report, charts=charts, metrics=LATENCY_METRICS
+        r=report, charts=charts, metrics=LATENCY_METRICS, server_metrics=SERVER_METRICS
     )
 
 

@@ -13,12 +13,15 @@ from typing import Any
 import duckdb
 
 from reports.bootstrap import quantile
-from reports.samples import Samples, Slice
+from reports.samples import CLIENT, FIXED_SOURCES, SERVER, SERVER_FIGURES, Samples, Slice
 from store import queries
 from store.metrics import prefix_cache_hit_ratio
 
 PERCENTILES = ("p50", "p90", "p95", "p99", "mean")
 LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms")
+# vLLM's own TTFT, TPOT and e2e, shown beside the client's when a run has both
+SERVER_METRICS = tuple(SERVER_FIGURES.values())
+
 SLO_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 # Server series a report reads from `metric_samples` (counters are per-slice deltas).
@@ -104,19 +107,27 @@ def _percentiles(q: list[float] | None, mean: float | None) -> dict[str, float |
     return {**dict(zip(QUANTILES, q or [None] * 4, strict=True)), "mean": mean}
 
 
-def _shape(row: dict[str, Any], itl: dict[str, Any] | None, slo: dict[str, float]) -> dict:
-    """One summary row of SQL into the report's nested shape."""
+def _shape(
+    row: dict[str, Any], itl: dict[str, Any] | None, slo: dict[str, float], sources: dict
+) -> dict:
+    """One summary row of SQL into the report's nested shape; TTFT, TPOT and e2e from the
+    source `sources` names, vLLM's own figures beside them when the client's are shown."""
     out: dict[str, Any] = {
         "requests": row["requests"],
         "errors": row["errors"],
         "error_rate": row["error_rate"],
         "rejected": row["rejected"],
+        "sources": {**FIXED_SOURCES, **sources},
     }
     for metric in LATENCY_METRICS:
         if metric == "itl_ms":
             out[metric] = _percentiles((itl or {}).get("q"), (itl or {}).get("mean"))
-        else:
-            out[metric] = _percentiles(row[f"{metric}_q"], row[f"{metric}_mean"])
+            continue
+        column = SERVER_FIGURES[metric] if sources.get(metric) == SERVER else metric
+        out[metric] = _percentiles(row[f"{column}_q"], row[f"{column}_mean"])
+    for metric, server in SERVER_FIGURES.items():
+        if sources.get(metric) == CLIENT and row[f"{server}_q"] is not None:
+            out[server] = _percentiles(row[f"{server}_q"], row[f"{server}_mean"])
     out["throughput"] = _throughput(row)
     out["goodput"] = _goodput(row, out["throughput"]["duration_s"], slo)
     out["cache_hit_request_ratio"] = row["cache_hit_request_ratio"]
@@ -207,7 +218,7 @@ def _shape_of(con: duckdb.DuckDBPyConnection, params: dict[str, Any]) -> dict[st
 def _overall_quantiles(row: dict[str, Any], samples: Samples) -> dict[str, Any]:
     """The slice's latency quantiles from its sorted per-request samples (what SQL's
     `quantile_cont` gives, without a second pass over the events)."""
-    for metric in queries.REPORT_LATENCY_METRICS:
+    for metric in (*queries.REPORT_LATENCY_METRICS, *queries.SERVER_LATENCY):
         values = samples.successful(metric)
         found = len(values) > 0
         row[f"{metric}_q"] = (
@@ -236,7 +247,7 @@ def summarize(
     errors_all = dict(sorted(errors_all.items(), key=lambda kv: (-kv[1], kv[0])))
     return {
         "overall": {
-            **_shape(overall, itl_all, options.slo),
+            **_shape(overall, itl_all, options.slo, samples.sources),
             "errors_by_class": errors_all,
             "first_ts": _iso(overall["first_ts"]),
             "models": overall["models"],
@@ -247,7 +258,7 @@ def summarize(
                 "workload": g["workload"],
                 "concurrency": g["concurrency"],
                 "target_rate": g["target_rate"],
-                **_shape(g, itl.get(_level(g)), options.slo),
+                **_shape(g, itl.get(_level(g)), options.slo, samples.sources),
                 "errors_by_class": errors.get(_level(g), {}),
             }
             for g in groups

@@ -34,7 +34,10 @@ PREFIX = "servescope-bulk-"
 MAX_RAW = 64 * 1024  # bytes of a quarantined line kept in ingest_errors.raw
 MAX_CSV_LINE = 4 * 1024 * 1024  # longest line given to the CSV reader (its buffers scale with it)
 _NUMBER = r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?"
-_EXTRA_KEYS = ("type", "server_ts", "log_ts", "server_outcome")
+_EXTRA_KEYS = (
+    "type", "server_ts", "log_ts", "server_outcome", "server_ttft_ms", "server_e2e_ms",
+    "vllm_session",
+)  # fmt: skip
 _CSV_UNSAFE = (b"\r", b"\x1f")  # a line end to the CSV reader; its delimiter
 
 

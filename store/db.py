@@ -49,6 +49,11 @@ def _ddl() -> list[str]:
     return statements
 
 
+# Kept from the record first seen: where the request was first seen from, and the model name the
+# client asked for (a server log names the same model by its served name).
+FIRST_WINS = frozenset({"source", "model"})
+
+
 def merge_docs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """Field-by-field merge of two records of one request, whatever order they arrive in.
 
@@ -59,7 +64,7 @@ def merge_docs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     for key, value in new.items():
         if value is None and merged.get(key) is not None:
             continue
-        if key == "source" and merged.get("source") is not None:
+        if key in FIRST_WINS and merged.get(key) is not None:
             continue
         merged[key] = value
     return merged
@@ -102,6 +107,7 @@ class Store:
             con.begin()
             for statement in _ddl():
                 con.execute(statement)
+            self._add_columns(con)
             keyed = con.execute(queries.EVENTS_KEY_INDEX).fetchone()
             if keyed and keyed[0]:  # a store made before `events` lost its key index
                 con.execute(queries.UNKEY_EVENTS_RENAME)
@@ -112,6 +118,22 @@ class Store:
         finally:
             con.close()
         self._initialised = True
+
+    @staticmethod
+    def _missing_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
+        added = queries.ADDED_COLUMNS
+        params = {"tables": [a[0] for a in added], "columns": [a[1] for a in added]}
+        return [tuple(row) for row in con.execute(queries.MISSING_COLUMNS, params).fetchall()]
+
+    def _add_columns(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Columns newer than the store: added, and filled from the rows' documents."""
+        missing = set(self._missing_columns(con))
+        for table, column, kind, fill in queries.ADDED_COLUMNS:
+            if (table, column) not in missing:
+                continue
+            con.execute(f'ALTER TABLE {table} ADD COLUMN "{column}" {kind}')
+            if fill:
+                con.execute(f'UPDATE {table} SET "{column}" = {fill}')  # noqa: S608 - constants
 
     @contextmanager
     def write(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -134,6 +156,10 @@ class Store:
         if not self.path.exists():
             self._ensure_schema()
         con = self._connect(read_only=True)
+        if not self._initialised and self._missing_columns(con):  # a store of an older version
+            con.close()
+            self._ensure_schema()
+            con = self._connect(read_only=True)
         try:
             yield con
         finally:
@@ -255,14 +281,53 @@ class Store:
         run_id: str | None = None,
         ts: datetime | None = None,
         note: str | None = None,
+        before_run_id: str | None = None,
         con: duckdb.DuckDBPyConnection | None = None,
     ) -> None:
-        row = (ts or datetime.now(UTC).replace(tzinfo=None), lever, run_id, before, after, note)
+        now = datetime.now(UTC).replace(tzinfo=None)
+        row = (ts or now, lever, run_id, before, after, note, before_run_id)
         if con is None:
             with self.write() as tx:
                 tx.execute(queries.INSERT_LEVER_FLIP, row)
         else:
             con.execute(queries.INSERT_LEVER_FLIP, row)
+
+    def replace_flips(
+        self,
+        run_id: str,
+        before_run_id: str,
+        rows: Sequence[tuple[str, str | None, str | None]],
+        ts: datetime,
+        note: str,
+        con: duckdb.DuckDBPyConnection,
+    ) -> int:
+        """The flips from run `before_run_id` to run `run_id` (a server restarted with other
+        levers), as (lever, before, after) JSON values; returns how many are new."""
+        params = {"run_id": run_id, "before": before_run_id}
+        stored = {tuple(r) for r in con.execute(queries.SESSION_FLIPS, params).fetchall()}
+        if stored == set(rows):
+            return 0
+        con.execute(queries.DELETE_SESSION_FLIPS, params)
+        for lever, old, new in rows:
+            self.add_lever_flip(
+                lever, old, new, run_id=run_id, ts=ts, note=note, before_run_id=before_run_id,
+                con=con,
+            )  # fmt: skip
+        return len(set(rows) - stored)
+
+    def runs_of_requests(
+        self, request_ids: Sequence[str], con: duckdb.DuckDBPyConnection
+    ) -> dict[str, str]:
+        """The run each of these requests is stored under (ids vLLM made are unique)."""
+        found = con.execute(queries.RUNS_OF_REQUESTS, {"ids": list(request_ids)}).fetchall()
+        return dict(found)
+
+    def take_events(
+        self, run_id: str, request_ids: Sequence[str], con: duckdb.DuckDBPyConnection
+    ) -> list[dict[str, Any]]:
+        """Remove these requests of `run_id` and return their records, to store them again."""
+        params = {"run_id": run_id, "ids": list(request_ids)}
+        return [json.loads(doc) for (doc,) in con.execute(queries.TAKE_EVENTS, params).fetchall()]
 
     def add_ingest_error(
         self,

@@ -42,7 +42,10 @@ SELECT
     TRY_CAST(doc->>'http_status' AS INTEGER),
     doc->>'error',
     doc->>'trace_id',
-    doc
+    doc,
+    TRY_CAST(doc->>'server_ttft_ms' AS DOUBLE),
+    TRY_CAST(doc->>'server_e2e_ms' AS DOUBLE),
+    doc->>'vllm_session'
 FROM incoming
 """
 
@@ -66,6 +69,18 @@ DROP_STAGE = "DROP TABLE incoming"
 EVENTS_KEY_INDEX = """
 SELECT count(*) > 0 FROM duckdb_constraints()
 WHERE table_name = 'events' AND constraint_type = 'PRIMARY KEY'
+"""
+# Columns added since the first stores: (table, column, type, how existing rows get it).
+ADDED_COLUMNS = (
+    ("events", "server_ttft_ms", "DOUBLE", "TRY_CAST(doc->>'server_ttft_ms' AS DOUBLE)"),
+    ("events", "server_e2e_ms", "DOUBLE", "TRY_CAST(doc->>'server_e2e_ms' AS DOUBLE)"),
+    ("events", "vllm_session", "VARCHAR", "doc->>'vllm_session'"),
+    ("lever_flips", "before_run_id", "VARCHAR", None),
+)
+MISSING_COLUMNS = """
+SELECT t.name, t.col FROM (SELECT unnest($tables) AS name, unnest($columns) AS col) t
+WHERE NOT EXISTS (SELECT 1 FROM duckdb_columns() c
+                  WHERE c.table_name = t.name AND c.column_name = t.col)
 """
 UNKEY_EVENTS_RENAME = "ALTER TABLE events RENAME TO events_keyed"
 UNKEY_EVENTS_COPY = "INSERT INTO events SELECT * FROM events_keyed; DROP TABLE events_keyed"
@@ -95,8 +110,26 @@ SELECT * FROM (SELECT unnest(?) AS ts, unnest(?) AS target, unnest(?) AS name,
 """
 
 INSERT_LEVER_FLIP = """
-INSERT OR IGNORE INTO lever_flips (ts, lever, run_id, before, after, note)
-VALUES (?, ?, ?, ?, ?, ?)
+INSERT OR IGNORE INTO lever_flips (ts, lever, run_id, before, after, note, before_run_id)
+VALUES (?, ?, ?, ?, ?, ?, ?)
+"""
+# A restart's flips are written whole each time the session's levers are known better.
+DELETE_SESSION_FLIPS = "DELETE FROM lever_flips WHERE run_id = $run_id AND before_run_id = $before"
+SESSION_FLIPS = """
+SELECT lever, before, after FROM lever_flips
+WHERE run_id = $run_id AND before_run_id = $before ORDER BY lever
+"""
+
+# Requests by id alone (vLLM's own ids are random, unique across runs): where each is stored.
+RUNS_OF_REQUESTS = """
+SELECT DISTINCT e.request_id, e.run_id FROM events e
+JOIN (SELECT unnest($ids) AS request_id) k USING (request_id)
+"""
+# Requests of one run, taken out to be stored again under another run.
+TAKE_EVENTS = """
+DELETE FROM events e USING (SELECT unnest($ids) AS request_id) k
+WHERE e.run_id = $run_id AND e.request_id = k.request_id
+RETURNING e.doc
 """
 
 INSERT_INGEST_ERROR = """
@@ -155,16 +188,31 @@ SELECT name, max(value) AS peak FROM per_ts GROUP BY name
 # Every report query takes $run_id, $since and $until (NULL = unbounded; events without a `ts`
 # belong only to an unbounded slice), so one set of queries serves `--vs` and `--split-at-flip`.
 # `_sliced` pastes this constant condition where a query says SLICE; all values stay parameters.
-_IN_SLICE = """run_id = $run_id
+_IN_WINDOW = """
     AND (CAST($since AS TIMESTAMP) IS NULL OR ts >= CAST($since AS TIMESTAMP))
     AND (CAST($until AS TIMESTAMP) IS NULL OR ts < CAST($until AS TIMESTAMP))"""
+# A server session's run also holds the requests it served for client runs (`vllm_session`).
+_IN_SLICE = "(run_id = $run_id OR vllm_session = $run_id)" + _IN_WINDOW
+_SAMPLES_IN_SLICE = "run_id = $run_id" + _IN_WINDOW
 
 
 def _sliced(sql: str) -> str:
     return sql.replace("SLICE", _IN_SLICE)
 
 
+def _samples_sliced(sql: str) -> str:
+    return sql.replace("SLICE", _SAMPLES_IN_SLICE)
+
+
 REPORT_LATENCY_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms")
+# vLLM's own figures of the client's indicators (name → SQL): TTFT and e2e from its trace, TPOT
+# as vLLM defines it (decode time over the output tokens after the first).
+SERVER_LATENCY = {
+    "server_ttft_ms": "server_ttft_ms",
+    "server_tpot_ms": "decode_ms / NULLIF(completion_tokens - 1, 0)",
+    "server_e2e_ms": "server_e2e_ms",
+}
+_LATENCY_SQL = {**{m: m for m in REPORT_LATENCY_METRICS}, **SERVER_LATENCY}
 
 # A slice's counts, tokens and goodput (SLICE_OVERALL), and the same per load level with the
 # latency quantiles (SLICE_LEVELS). One list-quantile aggregate per metric (p50, p90, p95, p99
@@ -177,7 +225,8 @@ _SUMMARY_COLUMNS = """
     (count(*) FILTER (WHERE status <> 'ok'))::DOUBLE / NULLIF(count(*), 0) AS error_rate,
     count(*) FILTER (WHERE status = 'rejected') AS rejected,
     min(ts) AS first_ts,
-    max(ts + to_microseconds(CAST(COALESCE(e2e_ms, 0) * 1000 AS BIGINT))) AS last_end_ts,
+    max(ts + to_microseconds(CAST(COALESCE(e2e_ms, server_e2e_ms, 0) * 1000 AS BIGINT)))
+        AS last_end_ts,
     sum(prompt_tokens) FILTER (WHERE status = 'ok') AS input_tokens,
     sum(completion_tokens) FILTER (WHERE status = 'ok') AS output_tokens,
     avg(CASE WHEN cache_hit THEN 1.0 WHEN NOT cache_hit THEN 0.0 END) AS cache_hit_request_ratio,
@@ -210,9 +259,9 @@ ORDER BY workload NULLS FIRST, concurrency NULLS FIRST, target_rate NULLS FIRST
 """
 )
 _LEVEL_LATENCY = ",\n    ".join(
-    f"quantile_cont({m}, [0.5, 0.9, 0.95, 0.99]) FILTER (WHERE status = 'ok') AS {m}_q, "
-    f"avg({m}) FILTER (WHERE status = 'ok') AS {m}_mean"
-    for m in REPORT_LATENCY_METRICS
+    f"quantile_cont({sql}, [0.5, 0.9, 0.95, 0.99]) FILTER (WHERE status = 'ok') AS {m}_q, "
+    f"avg({sql}) FILTER (WHERE status = 'ok') AS {m}_mean"
+    for m, sql in _LATENCY_SQL.items()
 )
 SLICE_LEVELS = SLICE_LEVELS.replace("COLUMNS", _SUMMARY_COLUMNS).replace("LATENCY", _LEVEL_LATENCY)
 
@@ -280,12 +329,16 @@ SELECT COALESCE(epoch(ts), 'NaN'::DOUBLE) AS t, COALESCE(status = 'ok', false) A
        COALESCE(queue_ms, 'NaN'::DOUBLE) AS queue_ms,
        COALESCE(prefill_ms, 'NaN'::DOUBLE) AS prefill_ms,
        COALESCE(decode_ms, 'NaN'::DOUBLE) AS decode_ms,
+       SERVER_COLUMNS,
        COALESCE(prompt_tokens::DOUBLE, 'NaN'::DOUBLE) AS prompt_tokens,
        COALESCE(completion_tokens::DOUBLE, 'NaN'::DOUBLE) AS completion_tokens,
        CASE WHEN cache_hit THEN 1.0 WHEN NOT cache_hit THEN 0.0 ELSE 'NaN'::DOUBLE END
            AS cache_hit
 FROM events WHERE SLICE
 """
+).replace(
+    "SERVER_COLUMNS",
+    ",\n       ".join(f"COALESCE({e}, 'NaN'::DOUBLE) AS {m}" for m, e in SERVER_LATENCY.items()),
 )
 
 # The seeds' pass criteria that need the events themselves. Chat calls are the requests of the
@@ -318,7 +371,7 @@ WHERE status <> 'ok' AND SLICE
 )
 
 # Server counters and gauges over a slice (same reset-aware rule as COUNTER_DELTAS).
-SLICE_COUNTER_DELTAS = _sliced(
+SLICE_COUNTER_DELTAS = _samples_sliced(
     """
 WITH s AS (
     SELECT target, labels, name, ts, value,
@@ -335,7 +388,7 @@ FROM s GROUP BY name
 """
 )
 
-SLICE_GAUGE_PEAKS = _sliced(
+SLICE_GAUGE_PEAKS = _samples_sliced(
     """
 WITH per_ts AS (
     SELECT name, ts, sum(value) AS value
@@ -354,6 +407,24 @@ FROM lever_flips
 WHERE list_contains($run_ids, run_id)
    OR (run_id IS NULL AND ts BETWEEN CAST($start AS TIMESTAMP) AND CAST($end AS TIMESTAMP))
 ORDER BY ts, lever
+"""
+
+# A run's first and last request (a session's own and those it served for client runs).
+RUN_SPAN = """
+SELECT min(ts), max(ts) FROM events WHERE run_id = $run_id OR vllm_session = $run_id
+"""
+# The run before one on the same server (a session's predecessor when its notes do not say).
+PREVIOUS_RUN = """
+SELECT run_id FROM runs
+WHERE target = $target AND started_at < $started AND run_id <> $run_id
+ORDER BY started_at DESC LIMIT 1
+"""
+# `report flips`: every lever flip, grouped by the change of runs it belongs to.
+FLIP_LIST = """
+SELECT min(ts) AS ts, run_id, before_run_id,
+       list({'lever': lever, 'before': before, 'after': after} ORDER BY lever) AS changes,
+       any_value(note) AS note
+FROM lever_flips GROUP BY run_id, before_run_id ORDER BY min(ts), run_id
 """
 
 RUN_LEVER_FLIPS = """
@@ -467,7 +538,9 @@ SELECT run_key, request_key, source->>'$',
                   OR server_outcome->>'$' IN ('failed', 'aborted')
              THEN 'error' ELSE 'ok' END
     ),
-    TRY_CAST(http_status::VARCHAR AS INTEGER), error->>'$', trace_id->>'$', line
+    TRY_CAST(http_status::VARCHAR AS INTEGER), error->>'$', trace_id->>'$', line,
+    TRY_CAST(server_ttft_ms::VARCHAR AS DOUBLE), TRY_CAST(server_e2e_ms::VARCHAR AS DOUBLE),
+    vllm_session->>'$'
 FROM (
     SELECT *, request_id->>'$' AS request_key,
            COALESCE(NULLIF(run_id->>'$', ''),

@@ -67,6 +67,11 @@ class Event(SQLModel, table=True):
     error: str | None = None
     trace_id: str | None = None
     doc: dict[str, Any] = Field(sa_column=Column(CompressedText, nullable=False))
+    # vLLM's own timings from its trace (`gen_ai.latency.*`), next to the client's; last, so a
+    # store made before them gains them with ALTER TABLE … ADD COLUMN
+    server_ttft_ms: float | None = Field(default=None, sa_column=Column(Double))
+    server_e2e_ms: float | None = Field(default=None, sa_column=Column(Double))
+    vllm_session: str | None = None  # the server session's run that served the request
 
 
 class Run(SQLModel, table=True):
@@ -114,6 +119,7 @@ class LeverFlip(SQLModel, table=True):
     before: str | None = None
     after: str | None = None
     note: str | None = None
+    before_run_id: str | None = None  # a restart's flip: the server session it came from
 
 
 class IngestError(SQLModel, table=True):

@@ -141,18 +141,22 @@ def test_tiny_model_matches_what_real_vllm_states(
 
 
 def test_the_collector_records_the_statement(vllm_server: RunningServer, tmp_path: Path) -> None:
+    """The collector's log parser reads the statement into the server session's run: its
+    `notes.kv_cache.vllm`, and samples of that run."""
     store = tmp_path / "s.duckdb"
     servescope("collect", "--once", "--vllm-log", str(vllm_server.log), "--store", str(store),
                "--metrics-port", "0", check=True)  # fmt: skip
     stated = kv_cache_from_log(vllm_server.log.read_text(errors="replace"))
     assert stated is not None
     with duckdb.connect(str(store), read_only=True) as con:
-        samples = dict(con.execute(
-            "SELECT name, value FROM metric_samples WHERE name LIKE 'vllm_log:%' "
-            "AND name IN ('vllm_log:kv_cache_tokens', 'vllm_log:max_concurrency')"
-        ).fetchall())  # fmt: skip
-        states = [json.loads(s) if isinstance(s, str) else s for (s,) in con.execute(
-            "SELECT state FROM checkpoints WHERE file_key = ''").fetchall()]  # fmt: skip
-    assert samples["vllm_log:kv_cache_tokens"] == stated["kv_cache_tokens"]
-    assert samples["vllm_log:max_concurrency"] == stated["max_concurrency"]
-    assert any((s or {}).get("kv_cache") == stated for s in states)
+        samples = {name: (value, run) for name, value, run in con.execute(
+            "SELECT name, value, run_id FROM metric_samples "
+            "WHERE name IN ('vllm_log:kv_cache_tokens', 'vllm_log:max_concurrency')"
+        ).fetchall()}  # fmt: skip
+        notes = [json.loads(n) for (n,) in con.execute(
+            "SELECT notes FROM runs WHERE run_id = $run", {"run": samples[
+                "vllm_log:kv_cache_tokens"][1]}).fetchall()]  # fmt: skip
+    assert samples["vllm_log:kv_cache_tokens"][0] == stated["kv_cache_tokens"]
+    assert samples["vllm_log:max_concurrency"][0] == stated["max_concurrency"]
+    (session,) = notes
+    assert session["kind"] == "vllm-session" and session["kv_cache"]["vllm"] == stated

@@ -21,7 +21,7 @@ from pythonjsonlogger.jsonlogger import JsonFormatter  # the class vLLM's JSON l
 
 from collector import Collector
 from collector.ids import client_request_id
-from collector.logparse import Access, Bad, Levers, Piece, Stats, parse_line
+from collector.logparse import Access, Bad, Levers, Piece, Stats, Tick, parse_line
 from collector.otlp import OtlpReceiver
 from store import Store
 from tests.conftest import free_port, servescope
@@ -99,9 +99,8 @@ def test_text_lines() -> None:
     aborted = parse_line(b"(APIServer pid=1) INFO 11-22 04:29:59 [a.py:1] Request chatcmpl-q "
                          b"aborted.", year=2026)  # fmt: skip
     assert isinstance(aborted, Piece) and aborted.doc["server_outcome"] == "aborted"
-    assert (
-        parse_line(b"(APIServer pid=1) INFO 11-22 04:28:42 [x.py:1] Route: /v1", year=2026) is None
-    )
+    route = parse_line(b"(APIServer pid=1) INFO 11-22 04:28:42 [x.py:1] Route: /v1", year=2026)
+    assert isinstance(route, Tick) and route.ts.hour == 4  # says nothing but the server's time
 
 
 def test_json_lines() -> None:
@@ -117,7 +116,9 @@ def test_json_lines() -> None:
         '%s - "%s %s HTTP/%s" %d', "127.0.0.1:1", "POST", "/v1/chat/completions", "1.1", 503,
         name="uvicorn.access",
     )  # fmt: skip
-    assert parse_line(access.encode(), year=2000) == Access("POST", "/v1/chat/completions", 503)
+    parsed = parse_line(access.encode(), year=2000)
+    assert isinstance(parsed, Access) and parsed.ts is not None  # JSON access lines are timed
+    assert (parsed.method, parsed.path, parsed.status) == ("POST", "/v1/chat/completions", 503)
     assert isinstance(parse_line(b'{"asctime": "2026-11-22 04', year=2026), Bad)
     assert isinstance(parse_line(b"\xff\xfe\x00garbage", year=2026), Bad)
 
@@ -205,13 +206,16 @@ def test_server_restart_with_other_levers_is_a_lever_flip(tmp_path: Path) -> Non
 
 class _ChangingMetrics(http.server.BaseHTTPRequestHandler):
     """A stand-in for a vLLM restarted with other flags between two scrapes (a real restart
-    costs 90 s): serves `vllm:cache_config_info` with the labels of `CONFIG`, legacy names."""
+    costs 90 s): serves `vllm:cache_config_info` with the labels of `CONFIG` and the process
+    start `STARTED`, legacy names."""
 
     CONFIG = {"enable_prefix_caching": "True", "block_size": "16"}
+    STARTED = 1795500000.0
 
     def do_GET(self) -> None:  # noqa: N802
         labels = ",".join(f'{k}="{v}"' for k, v in self.CONFIG.items())
         body = (
+            f"process_start_time_seconds {self.STARTED}\n"
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{engine="0",model_name="tiny",{labels}}} 1.0\n'
             "# TYPE vllm:gpu_cache_usage_perc gauge\n"
@@ -235,6 +239,7 @@ def test_scrapes_record_down_targets_legacy_names_and_cache_lever_flips(tmp_path
     try:
         Collector(store, metrics_urls=[url, down], once=True).run_once()
         _ChangingMetrics.CONFIG = {"enable_prefix_caching": "False", "block_size": "16"}
+        _ChangingMetrics.STARTED += 120
         Collector(store, metrics_urls=[url, down], once=True).run_once()
     finally:
         server.shutdown()
@@ -245,10 +250,19 @@ def test_scrapes_record_down_targets_legacy_names_and_cache_lever_flips(tmp_path
         kv = con.execute(
             "SELECT count(*) FROM metric_samples WHERE name = 'vllm:kv_cache_usage_perc'"
         ).fetchone()
-        flips = con.execute("SELECT lever, before, after FROM lever_flips").fetchall()
+        flips = con.execute(
+            "SELECT lever, before, after, before_run_id, run_id FROM lever_flips"
+        ).fetchall()
+        runs = con.execute("SELECT run_id, model, levers FROM runs ORDER BY started_at").fetchall()
     assert up == {url: 1.0, down: 0.0}
     assert kv == (2,)
-    assert flips == [("enable_prefix_caching", '"True"', '"False"')]
+    port = server.server_address[1]
+    first, second = f"vllm-tiny-{port}-20261124T060000Z", f"vllm-tiny-{port}-20261124T060200Z"
+    assert [(r[0], r[1], json.loads(r[2])["enable_prefix_caching"]) for r in runs] == [
+        (first, "tiny", True),
+        (second, "tiny", False),
+    ]  # each process start is a session of the target; the labels in the flags' spelling
+    assert flips == [("enable_prefix_caching", "true", "false", first, second)]
 
 
 def _llm_request_span(tracer_provider: TracerProvider, request_id: str) -> None:

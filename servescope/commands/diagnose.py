@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from reports import ReportOptions, UnknownRun, build_summary
+from reports import BadWindow, ReportOptions, UnknownRun, Window, build_summary
 from servescope.commands.common import add_store_option, console, open_store
 from servescope.commands.report import _slo
 
@@ -21,7 +21,7 @@ DESCRIPTION = (
     "numbers; vLLM levers in order; why; the servescope experiment that tests it), levers not "
     "recommended because the run already has them, and what could not be judged. The rules "
     "are data: reports/diagnosis.yaml. The same diagnosis is in every run report. Exit codes: "
-    "0 done (with or without findings), 2 an unknown run or bad options."
+    "0 done (with or without findings), 2 an unknown run, a bad window or bad options."
 )
 
 
@@ -36,6 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="ttft_ms=…,tpot_ms=…",
         help="targets in ms (default: the run's recorded SLOs, else the rules')",
     )
+    p.add_argument(
+        "--since",
+        metavar="TIME",
+        help="diagnose RUN from this time on (ISO, '2h ago', start+1h, end-30m)",
+    )
+    p.add_argument("--until", metavar="TIME", help="diagnose RUN up to this time")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     add_store_option(p)
     p.set_defaults(func=run)  # fmt: skip
@@ -44,13 +50,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     store = open_store(args)
     try:
-        report = build_summary(store, args.run_id, ReportOptions(slo=args.slo, charts=False))
-    except UnknownRun as exc:
+        options = ReportOptions(slo=args.slo, charts=False)
+        report = build_summary(store, args.run_id, options, Window(args.since, args.until))
+    except (UnknownRun, BadWindow) as exc:
         console.print(str(exc), markup=False, style="red")
         return 2
     diagnosis = report["diagnosis"]
     if args.json:
-        print(json.dumps({"run_id": args.run_id, **diagnosis}, indent=2, default=str))
+        out = {"run_id": args.run_id, "window": report.get("window"), **diagnosis}
+        print(json.dumps(out, indent=2, default=str))
         return 0
     _print(args.run_id, report, diagnosis)
     return 0

@@ -15,9 +15,12 @@ from rich.text import Text
 from reports import (
     DEFAULT_OUT,
     FORMATS,
+    BadWindow,
     NoLeverFlip,
+    NoPreviousRun,
     ReportOptions,
     UnknownRun,
+    Window,
     build_diff,
     build_split,
     build_summary,
@@ -61,18 +64,34 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         "server-side, KV-cache peak, preemptions, admission rejections, the lab's pass "
         "criteria, charts), or compare it with --vs BASE (or before/after its lever flip with "
         "--split-at-flip): before, after, Δ, Δ %, a seeded bootstrap 95 % CI and a verdict per "
-        "indicator. The report folder is RUN, RUN-vs-BASE or RUN-at-flip. Exit codes: 0 written, "
-        "2 an unknown run (the known ones are named), a run with no lever flip to split at, "
-        "or bad options.",
+        "indicator. TTFT, TPOT and e2e come from the client where it timed them, else from "
+        "vLLM's own trace; each indicator names its source and a diff never compares a client "
+        "figure with a server figure. --since/--until report a window of a long-lived run. "
+        "The report folder is RUN, RUN-vs-BASE or RUN-at-flip (with @FROM-TO for a window). "
+        "Exit codes: 0 written, 2 an unknown run (the known ones are named), no run before RUN "
+        "for --vs previous, a run with no lever flip to split at, or bad options.",
+        epilog="Times (--since, --until, --vs-since, --vs-until): an ISO time "
+        "(2026-11-24T20:00:00Z), a duration ago (90s, 30m, 2h, 1d, 1w), or one from the run's "
+        "start or end (start+1h, end-30m). The hour before a restart that flipped a lever vs "
+        "the hour after: report build AFTER --until start+1h --vs previous --vs-since end-1h",
     )
     build.add_argument("run_id", metavar="RUN", help="the run to report (the 'after' side)")
     mode = build.add_mutually_exclusive_group()
-    mode.add_argument("--vs", metavar="BASE_RUN", help="compare RUN (after) with BASE_RUN (before)")
+    mode.add_argument(
+        "--vs",
+        metavar="BASE_RUN",
+        help="compare RUN (after) with BASE_RUN (before); 'previous' = the run the same server "
+        "ran before RUN (a server session's predecessor: a restart that flipped a lever)",
+    )
     mode.add_argument(
         "--split-at-flip",
         action="store_true",
         help="compare the parts of RUN before and after its lever_flips row",
     )
+    build.add_argument("--since", metavar="TIME", help="report RUN from this time on")
+    build.add_argument("--until", metavar="TIME", help="report RUN up to this time")
+    build.add_argument("--vs-since", metavar="TIME", help="the base side from this time on")
+    build.add_argument("--vs-until", metavar="TIME", help="the base side up to this time")
     build.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, metavar="DIR", help=f"(default {DEFAULT_OUT})"
     )
@@ -97,6 +116,17 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     add_store_option(build)
     build.set_defaults(func=run_build)
 
+    flips = reports.add_parser(
+        "flips",
+        help="lever flips and the command that reports each",
+        description="Every lever flip in the store (a restart of a server with other levers, "
+        "or an experiment's switch), grouped by the runs it goes between, with the report "
+        "command that compares them.",
+    )
+    flips.add_argument("--json", action="store_true", help="print the flips as JSON")
+    add_store_option(flips)
+    flips.set_defaults(func=run_flips)
+
     listing = reports.add_parser(
         "list",
         help="stored runs with their levers and event counts",
@@ -120,17 +150,25 @@ def run_build(args: argparse.Namespace) -> int:
         seed=args.seed,
         charts="html" in formats,
     )
+    window = Window(args.since, args.until)
+    base_window = Window(args.vs_since, args.vs_until)
+    if base_window and not args.vs:
+        console.print("[red]--vs-since/--vs-until need --vs")
+        return 2
+    if window and args.split_at_flip:
+        console.print("[red]--split-at-flip splits the whole run: drop --since/--until")
+        return 2
     store = open_store(args)
     try:
         with console.status("building the report…"):
             if args.vs:
-                report = build_diff(store, args.run_id, args.vs, options)
+                report = build_diff(store, args.run_id, args.vs, options, window, base_window)
             elif args.split_at_flip:
                 report = build_split(store, args.run_id, options)
             else:
-                report = build_summary(store, args.run_id, options)
+                report = build_summary(store, args.run_id, options, window)
             paths = write_report(report, args.out, formats)
-    except (UnknownRun, NoLeverFlip) as exc:
+    except (UnknownRun, NoLeverFlip, NoPreviousRun, BadWindow) as exc:
         console.print(str(exc), markup=False, style="red")
         return 2
     for warning in report.get("warnings", []):
@@ -153,6 +191,37 @@ def _brief(report: dict[str, Any], paths: list[Path]) -> dict[str, Any]:
         "warnings": report.get("warnings", []),
         "verdicts": {d["metric"]: d["verdict"] for d in report.get("diff", [])},
     }
+
+
+def run_flips(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    with store.read() as con:
+        cursor = con.execute(queries.FLIP_LIST)
+        names = [d[0] for d in cursor.description]
+        flips = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    for flip in flips:
+        before = flip["before_run_id"]
+        flip["report"] = (
+            f"report build {flip['run_id']} --vs {before}"
+            if before
+            else f"report build {flip['run_id']} --split-at-flip"
+        )
+    if args.json:
+        print(json.dumps(flips, default=str))
+        return 0
+    table = Table(title=f"lever flips in {store.path}")
+    for column in ("when (UTC)", "from run", "to run", "levers", "report"):
+        table.add_column(column)
+    for flip in flips:
+        levers = "\n".join(
+            f"{c['lever']} {c['before'] or 'unset'} → {c['after'] or 'unset'}"
+            for c in flip["changes"]
+        )
+        cells = (flip["ts"], flip["before_run_id"] or "", flip["run_id"] or "", levers,
+                 flip["report"])  # fmt: skip
+        table.add_row(*(Text(str(c)) for c in cells))
+    Console(width=None if sys.stdout.isatty() else 240).print(table)
+    return 0
 
 
 def run_list(args: argparse.Namespace) -> int:

@@ -1,0 +1,208 @@
+"""vLLM server sessions: one run per server lifetime, from its start-up lines to its shutdown.
+
+A log file appended across restarts holds several sessions; each start is announced by the
+version banner, then `non-default args: {…}` (the levers, the served model, the port), then
+`Starting vLLM server on URL`. A session is named once its model and port are known:
+`vllm-<served model>-<port>-<UTC start>` (the port keeps two servers of one model apart, as on
+MIG slices started together). Requests vLLM gave its own id belong to the session's run; a
+restart with other levers is one `lever_flips` row per changed lever, between the two runs.
+
+Everything a session knows is plain data (`Session.state()`), checkpointed with the log offsets
+it was read up to, so a collector killed and restarted resumes the same session.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import PurePath
+from typing import Any
+from urllib.parse import urlparse
+
+DEFAULT_PORT = 8000
+LABEL = "vLLM server session"
+KIND = "vllm-session"
+# `vllm:cache_config_info` labels that are server flags (label → flag name); the other labels
+# are consequences (KV-cache size, block counts) kept in the run's notes, not levers.
+CACHE_LEVERS = {
+    "enable_prefix_caching": "enable_prefix_caching",
+    "block_size": "block_size",
+    "cache_dtype": "kv_cache_dtype",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "prefix_caching_hash_algo": "prefix_caching_hash_algo",
+    "num_gpu_blocks_override": "num_gpu_blocks_override",
+    "kv_offloading_backend": "kv_offloading_backend",
+    "kv_offloading_size": "kv_offloading_size",
+}
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE][-+]?\d+)?$")
+
+
+def label_value(text: str) -> Any:
+    """A Prometheus label value in the spelling of `non-default args`: "True" → true,
+    "128" → 128, "None" → null; anything else stays a string."""
+    if text in ("True", "False"):
+        return text == "True"
+    if text == "None":
+        return None
+    if _NUMBER.match(text):
+        number = float(text)
+        return int(number) if number.is_integer() and "." not in text else number
+    return text
+
+
+def cache_levers(labels: dict[str, str]) -> dict[str, Any]:
+    """The levers `vllm:cache_config_info` shows (flag names, JSON values, unset ones left out)."""
+    out = {}
+    for label, flag in CACHE_LEVERS.items():
+        if label in labels and (value := label_value(labels[label])) is not None:
+            out[flag] = value
+    return out
+
+
+def _stamp(ts: datetime) -> str:
+    return ts.astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def session_run_id(model: str, port: int, started: datetime) -> str:
+    name = _UNSAFE.sub("-", model).strip("-") or "model"
+    return f"vllm-{name}-{port}-{_stamp(started)}"
+
+
+def served_model(args: dict[str, Any]) -> str | None:
+    """The name clients use: `--served-model-name` (its first), else the model path's name."""
+    served = args.get("served_model_name")
+    if isinstance(served, list) and served:
+        served = served[0]
+    if isinstance(served, str) and served:
+        return served
+    model = args.get("model") or args.get("model_tag")
+    return PurePath(model).name if isinstance(model, str) and model else None
+
+
+@dataclass
+class Session:
+    """One server lifetime as far as it has been read."""
+
+    run_id: str | None = None  # None until the model and port are known
+    started_at: str | None = None  # ISO, UTC
+    last_ts: str | None = None
+    ended_at: str | None = None
+    version: str | None = None
+    model: str | None = None
+    model_path: str | None = None
+    port: int | None = None
+    target: str | None = None
+    args: dict[str, Any] = field(default_factory=dict)  # `non-default args`, secrets left out
+    cache_config: dict[str, str] = field(default_factory=dict)
+    kv_cache: dict[str, Any] = field(default_factory=dict)  # vLLM's start-up KV statement
+    previous: str | None = None  # the run of the session this one followed, on the same log
+    previous_levers: dict[str, Any] | None = None
+    source: str | None = None
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any] | None) -> Session | None:
+        if not state:
+            return None
+        known = {k: v for k, v in state.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def state(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def named(self) -> bool:
+        return self.run_id is not None
+
+    @property
+    def levers(self) -> dict[str, Any]:
+        """The configuration: every non-default arg, plus the cache levers only the server's
+        `/metrics` shows (a default left implicit, e.g. prefix caching on)."""
+        return {**cache_levers(self.cache_config), **self.args}
+
+    @property
+    def status(self) -> str:
+        return "ended" if self.ended_at else "running"
+
+    def started(self) -> datetime | None:
+        return _parse(self.started_at)
+
+    def ended(self) -> datetime | None:
+        return _parse(self.ended_at)
+
+    def seen(self, ts: datetime | None) -> None:
+        if ts is not None:
+            self.last_ts = _iso(ts)
+
+    def configure(
+        self, args: dict[str, Any], ts: datetime | None, port: int | None, host: str | None
+    ) -> None:
+        """What `non-default args` says: the levers, the model, the port; names the run."""
+        self.args = dict(args)
+        self.model = served_model(args) or self.model
+        model_path = args.get("model") or args.get("model_tag")
+        self.model_path = model_path if isinstance(model_path, str) else self.model_path
+        self.port = port or DEFAULT_PORT
+        if not self.target:
+            shown = host if isinstance(host, str) and host not in ("", "0.0.0.0", "::") else None
+            self.target = f"http://{shown or '127.0.0.1'}:{self.port}"
+        if self.started_at is None:
+            self.started_at = _iso(ts or datetime.now(UTC))
+        start = self.started()
+        assert start is not None
+        self.run_id = session_run_id(self.model or "model", self.port, start)
+
+    def listening(self, url: str) -> None:
+        parsed = urlparse(url)
+        host = parsed.hostname if parsed.hostname not in (None, "0.0.0.0", "::") else "127.0.0.1"
+        port = parsed.port or self.port or DEFAULT_PORT
+        self.target = f"{parsed.scheme or 'http'}://{host}:{port}"
+
+    def cache(self, labels: dict[str, str]) -> bool:
+        """The server's `vllm:cache_config_info`; True when it changed the levers."""
+        before = self.levers
+        self.cache_config = dict(labels)
+        return self.levers != before
+
+    def end(self, ts: datetime | None) -> None:
+        self.ended_at = _iso(ts) if ts else (self.last_ts or self.started_at)
+
+    def run_row(self) -> dict[str, Any]:
+        """The session's `runs` row."""
+        notes: dict[str, Any] = {"kind": KIND, "log": self.source, "previous": self.previous}
+        if self.model_path:
+            notes["model_path"] = self.model_path
+        if self.cache_config:
+            notes["cache_config"] = self.cache_config
+        if self.kv_cache:
+            notes["kv_cache"] = {"vllm": self.kv_cache, "servescope": None}
+        return {
+            "started_at": _naive(self.started()),
+            "ended_at": _naive(self.ended()),
+            "label": LABEL,
+            "target": self.target,
+            "model": self.model,
+            "vllm_version": self.version,
+            "levers": self.levers,
+            "status": self.status,
+            "notes": notes,
+        }
+
+    def covers(self, ts: datetime) -> bool:
+        start, end = self.started(), self.ended()
+        return start is not None and start <= ts and (end is None or ts <= end)
+
+
+def _iso(ts: datetime) -> str:
+    if ts.tzinfo is None:
+        ts = ts.replace(tzinfo=UTC)
+    return ts.astimezone(UTC).isoformat()
+
+
+def _parse(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text) if text else None
+
+
+def _naive(ts: datetime | None) -> datetime | None:
+    return ts.astimezone(UTC).replace(tzinfo=None) if ts else None
