@@ -217,3 +217,13 @@ def test_every_rule_names_its_source_and_levers() -> None:
     symptoms = {"queue", "prefill", "decode", "streaming", "memory", "api", "cache"}
     for rule in rules["rules"]:
         assert rule["symptom"] in symptoms and rule["source"] and rule["levers"], rule["id"]
+
+
+def test_a_window_of_a_run_is_diagnosed_alone(store_path: Path) -> None:
+    result = servescope("diagnose", "run-errors", "--since", "start+5s", "--json", "--store",
+                        str(store_path), check=True)  # fmt: skip
+    d = json.loads(result.stdout)
+    assert d["window"] is not None and d["indicators"]["requests"]["value"] == 20
+    bad = servescope("diagnose", "run-errors", "--since", "yesterday-ish", "--store",
+                     str(store_path))  # fmt: skip
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.strip()
