@@ -28,6 +28,9 @@ from typing import Any
 import psutil
 import yaml
 
+from bench.capacity import from_levers
+from store.startup import kv_cache_from_log
+
 PROFILES_FILE = Path(__file__).with_name("profiles.yaml")
 STATE_DIR = Path("servescope-data") / "servers"
 LOG_DIR = Path("servescope-data") / "logs"
@@ -233,6 +236,7 @@ class ServerState:
     log: str
     started_at: str
     ready_s: float | None = None
+    kv_cache: dict[str, Any] | None = None
 
 
 def state_for(url: str) -> ServerState | None:
@@ -295,6 +299,8 @@ class VllmServer:
         self.ready_timeout_s = ready_timeout_s
         self.process: subprocess.Popen[bytes] | None = None
         self.ready_s: float | None = None
+        self.kv_cache: dict[str, Any] | None = None
+        self._log_start = 0
         self._state_path = STATE_DIR / f"{port}.json"
 
     @property
@@ -308,6 +314,7 @@ class VllmServer:
     def start(self) -> VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
+        self._log_start = log.tell()  # the log may hold earlier starts: read only this one's
         started = time.monotonic()
         self.process = subprocess.Popen(
             self.command,
@@ -324,8 +331,25 @@ class VllmServer:
             self.stop()
             raise
         self.ready_s = time.monotonic() - started
+        self.kv_cache = self._kv_cache()
         self._write_state()
         return self
+
+    def _kv_cache(self) -> dict[str, Any]:
+        """vLLM's start-up statement of its KV cache (`CPU KV cache size: N tokens, Maximum
+        concurrency for L tokens per request: Xx`) next to servescope's arithmetic for the same
+        model, flags and KV space (`bench.capacity`); either is None when unknown."""
+        try:
+            with self.log_path.open("rb") as fh:
+                fh.seek(self._log_start)
+                text = fh.read().decode("utf-8", errors="replace")
+        except OSError:
+            text = ""
+        env = {**self.base_env, **self.profile.env, **self.extra_env}
+        return {
+            "vllm": kv_cache_from_log(text),
+            "servescope": from_levers(Path(self.model), self.levers, env),
+        }
 
     def _wait_healthy(self) -> None:
         assert self.process is not None
@@ -368,6 +392,7 @@ class VllmServer:
             log=str(self.log_path),
             started_at=datetime.now(UTC).isoformat(),
             ready_s=self.ready_s,
+            kv_cache=self.kv_cache,
         )
         self._state_path.parent.mkdir(parents=True, exist_ok=True)
         self._state_path.write_text(json.dumps(asdict(state), indent=2))

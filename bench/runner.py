@@ -169,6 +169,7 @@ class BenchRun:
         self.levers = levers if levers is not None else (state.levers if state else None)
         self.server_pid = server_pid or (state.pid if state else None)
         self.server_ready_s = state.ready_s if state else None
+        self.kv_cache = state.kv_cache if state else None
         self.events_path = events_dir / f"{self.run_id}.events.jsonl"
         self.request_timeout_s = request_timeout_s
         self.tracer = tracer_from_env("servescope-bench")  # one trace per request, if asked
@@ -291,6 +292,7 @@ class BenchRun:
             **self.extra_notes,
             "memory_peak_gb": result.memory_peak_gb,
             "server_ready_s": self.server_ready_s,
+            "kv_cache": self.kv_cache,
             "events_file": str(self.events_path),
             "scale": self.config.scale,
             "server": result.server,

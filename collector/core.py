@@ -317,6 +317,8 @@ class Collector:
                 self._startup(source, item)
             elif isinstance(item, logparse.Levers):
                 self._configure(source, item)
+            elif isinstance(item, logparse.KvCache):
+                self._kv_cache(source, item)
         now = datetime.now(UTC).replace(tzinfo=None)
         run = source.session.run_id if source.session else None
         for (method, path, status), n in access.items():
@@ -361,6 +363,30 @@ class Collector:
             session.previous, session.previous_levers = previous["run_id"], previous["levers"]
         session.configure(item.levers, item.ts, item.port, item.host)
         self._touch(session)
+
+    def _kv_cache(self, source: _LogSource, item: logparse.KvCache) -> None:
+        """vLLM's start-up KV-cache statement: into the session's runs row (`notes.kv_cache.vllm`)
+        and stored as samples `vllm_log:kv_cache_tokens{device}` and
+        `vllm_log:max_concurrency{max_model_len}` of the session's run."""
+        session = source.session
+        if session is not None:
+            session.seen(item.ts)
+            session.kv_cache = {**session.kv_cache, **item.values}
+            self._touch(session)
+        run = session.run_id if session is not None else None
+        ts = (item.ts or datetime.now(UTC)).replace(tzinfo=None)
+        if "kv_cache_tokens" in item.values:
+            device = {"device": str(item.values.get("kv_cache_device", ""))}
+            value = float(item.values["kv_cache_tokens"])
+            self._pending.samples.append(
+                (ts, source.name, "vllm_log:kv_cache_tokens", device, run, value)
+            )
+        if "max_concurrency" in item.values:
+            labels = {"max_model_len": str(item.values["max_model_len"])}
+            value = float(item.values["max_concurrency"])
+            self._pending.samples.append(
+                (ts, source.name, "vllm_log:max_concurrency", labels, run, value)
+            )
 
     def _end(self, source: _LogSource, ts: datetime | None) -> None:
         """The session of `source` is over (a new one starts): it is kept as the one the next

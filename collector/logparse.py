@@ -1,5 +1,5 @@
 """One vLLM server log line → what it tells: a piece of a request, metric samples, the server's
-levers, an HTTP access, nothing, or the reason it is bad.
+levers, its KV-cache capacity statement, an HTTP access, nothing, or the reason it is bad.
 
 Both of vLLM's formats are read, detected per line: text (`(APIServer pid=N) INFO MM-DD
 HH:MM:SS [file:line] message`, uvicorn's `INFO:     client - "POST /path HTTP/1.1" 200 OK`) and
@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from collector.ids import client_request_id
+from store.startup import kv_cache_statement
 
 SOURCE = "vllm-log"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -78,6 +79,16 @@ class Levers:
 
 
 @dataclass(frozen=True)
+class KvCache:
+    """vLLM's start-up statement of its KV cache (`CPU KV cache size: N tokens, Maximum
+    concurrency for L tokens per request: Xx`): `kv_cache_tokens`, `kv_cache_device`,
+    `max_model_len`, `max_concurrency`, whichever the line states."""
+
+    ts: datetime | None
+    values: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Access:
     """A uvicorn access line (text lines carry no time: `ts` is None for them)."""
 
@@ -110,7 +121,7 @@ class Bad:
     reason: str
 
 
-Item = Piece | Stats | Levers | Access | Startup | Tick | Bad | None
+Item = Piece | Stats | Levers | KvCache | Access | Startup | Tick | Bad | None
 
 
 def parse_line(raw: bytes, *, year: int) -> Item:
@@ -207,6 +218,10 @@ def _message(msg: str, ts: datetime | None) -> Item:
         if not match:
             return Bad("malformed 'non-default args' line")
         return _levers(match["args"], ts)
+    if "KV cache size: " in msg or "Maximum concurrency for " in msg:
+        stated = kv_cache_statement(msg)
+        if stated:
+            return KvCache(ts, stated)
     if "version" in msg and (match := _VERSION.match(msg)):
         return Startup(ts, version=match["version"])
     if msg.startswith("Starting vLLM ") and (match := _LISTENING.match(msg)):

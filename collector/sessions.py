@@ -96,6 +96,7 @@ class Session:
     target: str | None = None
     args: dict[str, Any] = field(default_factory=dict)  # `non-default args`, secrets left out
     cache_config: dict[str, str] = field(default_factory=dict)
+    kv_cache: dict[str, Any] = field(default_factory=dict)  # vLLM's start-up KV statement
     previous: str | None = None  # the run of the session this one followed, on the same log
     previous_levers: dict[str, Any] | None = None
     source: str | None = None
@@ -174,6 +175,8 @@ class Session:
             notes["model_path"] = self.model_path
         if self.cache_config:
             notes["cache_config"] = self.cache_config
+        if self.kv_cache:
+            notes["kv_cache"] = {"vllm": self.kv_cache, "servescope": None}
         return {
             "started_at": _naive(self.started()),
             "ended_at": _naive(self.ended()),

@@ -14,6 +14,7 @@ import numpy as np
 from reports import bootstrap
 from reports.charts import charts
 from reports.checklist import checklist
+from reports.diagnosis import assess_flip, diagnose
 from reports.diff import (
     Side,
     describe_change,
@@ -170,7 +171,7 @@ def build_summary(
         meta = run_meta(run, summary["overall"]["models"])
         checks = checklist(con, part, meta, summary, options)
         flips = _flips(con, [run_id], [side])
-    return {
+    report = {
         "report_id": _report_id(part),
         "kind": "run",
         "run_id": run_id,
@@ -183,6 +184,18 @@ def build_summary(
         "flips": flips,
         "charts": charts([side], flips) if options.charts else {},
     }
+    report["diagnosis"] = diagnose(report)
+    return report
+
+
+def _compared_diagnosis(
+    compared: dict[str, Any], changes: list[dict[str, Any]], slo: dict[str, float] | None
+) -> dict[str, Any]:
+    """The after side's diagnosis, the before side's first finding, and whether each lever
+    change moved the symptom it was meant to move."""
+    before = diagnose({**compared["before"], "slo": slo})
+    after = diagnose({**compared["after"], "slo": slo})
+    return {**after, "before_first": before["first"], "flip": assess_flip(before, after, changes)}
 
 
 def _compare(
@@ -257,7 +270,9 @@ def build_diff(
     b_side, a_side = compared.pop("sides")
     changes = lever_changes(base.get("levers") or {}, run.get("levers") or {})
     change = describe_change(changes, f"{after.name} vs {before.name}")
+    diagnosis = _compared_diagnosis(compared, changes, options.slo or None)
     return {
+        "diagnosis": diagnosis,
         "report_id": f"{_report_id(after)}-vs-{_report_id(before)}",
         "kind": "diff",
         "run_id": run_id,
@@ -303,7 +318,9 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
             0, f"the run has {len(flips)} lever flips; split at the first ({at.isoformat()}Z)"
         )
     change = describe_change(changes, f"{run_id} at {at.isoformat()}Z")
+    diagnosis = _compared_diagnosis(compared, changes, options.slo or None)
     return {
+        "diagnosis": diagnosis,
         "report_id": f"{run_id}-at-flip",
         "kind": "split",
         "run_id": run_id,

@@ -28,6 +28,11 @@ def fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
+def count(value: float | None) -> str:
+    """A whole number with thousands separators; 'n/a' when not stated."""
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
 def pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.1f} %"
 
@@ -81,6 +86,7 @@ def _environment() -> Environment:
     )
     env.filters["fmt"] = fmt
     env.filters["pct"] = pct
+    env.filters["count"] = count
     env.filters["signed"] = signed
     env.filters["interval"] = interval
     env.filters["value_of"] = value_of

@@ -28,7 +28,17 @@ SLO_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 PREEMPTIONS, REJECTED = "vllm:num_preemptions_total", "admission_rejected_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
-COUNTERS = (HITS, QUERIES, PREEMPTIONS, REJECTED, PROMPT_TOKENS)
+# vLLM's phase histograms: Δ_sum / Δ_count over the slice is the server-side mean of each phase
+# (the tuning matrix's evidence: vllm:request_queue_time_seconds, …_prefill_time_seconds).
+PHASES = {
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+    "ttft": "vllm:time_to_first_token_seconds",
+    "e2e": "vllm:e2e_request_latency_seconds",
+}
+PHASE_SERIES = tuple(f"{h}_{part}" for h in PHASES.values() for part in ("sum", "count"))
+COUNTERS = (HITS, QUERIES, PREEMPTIONS, REJECTED, PROMPT_TOKENS, *PHASE_SERIES)
 GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
@@ -180,6 +190,28 @@ def _server(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any]:
         "kv_cache_usage_peak": peaks.get(GAUGES[0]),
         "running_peak": peaks.get(GAUGES[1]),
         "waiting_peak": peaks.get(GAUGES[2]),
+        "phase_means_ms": _phase_means(deltas),
+    }
+
+
+def _phase_means(deltas: dict[str, float | None]) -> dict[str, float | None]:
+    """Server-side mean time per phase in ms (None where not scraped or no request finished)."""
+    means: dict[str, float | None] = {}
+    for phase, histogram in PHASES.items():
+        total, count = deltas.get(f"{histogram}_sum"), deltas.get(f"{histogram}_count")
+        means[phase] = total / count * 1000.0 if total is not None and count else None
+    return means
+
+
+def _shape_of(con: duckdb.DuckDBPyConnection, params: dict[str, Any]) -> dict[str, Any]:
+    """Token quantiles and multi-turn sessions: what the workload looked like."""
+    row = _dicts(con.execute(queries.SLICE_SHAPE, params))[0]
+    prompt, output = row["prompt_q"] or [None, None], row["output_q"] or [None, None]
+    return {
+        "prompt_tokens": {"p50": prompt[0], "p95": prompt[1]},
+        "output_tokens": {"p50": output[0], "p95": output[1]},
+        "turns_max": row["turns_max"],
+        "sessions": row["sessions"],
     }
 
 
@@ -219,6 +251,7 @@ def summarize(
             "errors_by_class": errors_all,
             "first_ts": _iso(overall["first_ts"]),
             "models": overall["models"],
+            "shape": _shape_of(con, params),
         },
         "groups": [
             {
@@ -251,6 +284,7 @@ def run_meta(run: dict[str, Any], models: str | None) -> dict[str, Any]:
         "workload": run.get("workload"),
         "memory_peak_gb": notes.get("memory_peak_gb"),
         "server_ready_s": notes.get("server_ready_s"),
+        "kv_cache": notes.get("kv_cache"),
         "notes": notes,
     }
 

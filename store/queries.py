@@ -590,3 +590,30 @@ EVENTS_BY_KEYS = """
 SELECT e.doc FROM events e
 JOIN (SELECT unnest($1) AS run_id, unnest($2) AS request_id) k USING (run_id, request_id)
 """
+
+# `servescope capacity --from-run`: a run's request shape and measured speed (successful requests).
+RUN_TRAFFIC = """
+SELECT count(*) AS requests,
+       quantile_cont(prompt_tokens, [0.5, 0.95]) AS prompt_q,
+       quantile_cont(completion_tokens, [0.5, 0.95]) AS output_q,
+       quantile_cont(ttft_ms, 0.95) AS ttft_p95,
+       (SELECT quantile_cont(gap, 0.95)
+        FROM (SELECT unnest(itl_ms) AS gap FROM events
+              WHERE run_id = $run_id AND status = 'ok')) AS itl_p95,
+       sum(COALESCE(prompt_tokens, 0) + COALESCE(completion_tokens, 0)) AS tokens,
+       epoch(max(ts + to_microseconds(CAST(COALESCE(e2e_ms, 0) * 1000 AS BIGINT))))
+           - epoch(min(ts)) AS seconds
+FROM events WHERE run_id = $run_id AND status = 'ok'
+"""
+
+# A slice's request shape, for the diagnosis's workload classification: token quantiles of
+# successful requests and the multi-turn sessions bench records (`session`, `turn` keys).
+SLICE_SHAPE = _sliced(
+    """
+SELECT quantile_cont(prompt_tokens, [0.5, 0.95]) FILTER (WHERE status = 'ok') AS prompt_q,
+       quantile_cont(completion_tokens, [0.5, 0.95]) FILTER (WHERE status = 'ok') AS output_q,
+       max(TRY_CAST(doc->>'turn' AS INTEGER)) AS turns_max,
+       count(DISTINCT doc->>'session') AS sessions
+FROM events WHERE SLICE
+"""
+)

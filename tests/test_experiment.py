@@ -83,3 +83,33 @@ def test_the_switch_is_a_lever_flip_and_reports_are_written(experiment: dict) ->
     assert report.exists() and report.parent.name == f"{on['run_id']}-vs-{off['run_id']}"
     diff = json.loads((report.parent / "report.json").read_text())
     assert diff["base_run_id"] == off["run_id"] and diff["run_id"] == on["run_id"]
+
+
+def test_diagnosis_recommends_prefix_caching_only_for_the_off_run(experiment: dict) -> None:
+    """The seeds' first practicum diagnosed: with caching off the Ralph loop's shared prefix is
+    recomputed every turn (prefix caching first); with it on that recommendation never comes,
+    and the diff says the flip resolved the symptom it targeted."""
+    store: Store = experiment["store"]
+    off, on = experiment["out"]["runs"]
+
+    def diagnose(run_id: str) -> dict:
+        result = servescope("diagnose", run_id, "--json", "--store", str(store.path))
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout)
+
+    before = diagnose(off["run_id"])
+    assert before["first"]["lever"] == "enable_prefix_caching", before["findings"]
+    assert before["first"]["symptom"] == "prefill"
+    assert before["findings"][0]["experiment"] == "servescope experiment run prefix-caching"
+    after = diagnose(on["run_id"])
+    offered = {lever["lever"] for f in after["findings"] for lever in f["levers"]}
+    assert "enable_prefix_caching" not in offered
+    assert after["workload_shape"]["shape"] == before["workload_shape"]["shape"] == "agent"
+    (report,) = [Path(p) for p in experiment["out"]["reports"]]
+    diff = json.loads((report.parent / "report.json").read_text())
+    (flip,) = diff["diagnosis"]["flip"]
+    assert flip["lever"] == "enable_prefix_caching" and flip["verdict"] == "resolved"
+    # vLLM's start-up statement of its KV cache, recorded with the run next to ours
+    kv = store.run(on["run_id"])["notes"]["kv_cache"]
+    assert kv["vllm"]["kv_cache_tokens"] == kv["servescope"]["kv_tokens"]
+    assert kv["vllm"]["max_concurrency"] == kv["servescope"]["max_concurrency"]

@@ -19,6 +19,8 @@ NAMES = [
     "demo",
     "gateway",
     "dashboards",
+    "capacity",
+    "diagnose",
 ]
 
 

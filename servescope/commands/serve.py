@@ -91,6 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 f"vLLM ready at {server.url} after {server.ready_s:.0f} s (log {server.log_path})"
             )
             console.print(f"levers: {server.levers}")
+            console.print(_kv_line(server.kv_cache), markup=False)
         while all(s.process is not None and s.process.poll() is None for s in servers):
             time.sleep(0.5)
         for server in servers:
@@ -106,3 +107,22 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         for server in servers:
             server.stop()
+
+
+def _kv_line(kv: dict | None) -> str:
+    """vLLM's start-up KV-cache statement next to servescope's arithmetic for the same flags."""
+    kv = kv or {}
+    parts = []
+    for who, stated, key in (
+        ("vLLM", kv.get("vllm"), "kv_cache_tokens"),
+        ("servescope", kv.get("servescope"), "kv_tokens"),
+    ):
+        if stated and stated.get(key) is not None and stated.get("max_concurrency") is not None:
+            parts.append(
+                f"{who}: {stated[key]:,} tokens, max concurrency "
+                f"{stated['max_concurrency']:.2f}x at {stated.get('max_model_len') or 0:,} "
+                "tokens per request"
+            )
+        else:
+            parts.append(f"{who}: not stated")
+    return "KV cache — " + "; ".join(parts)

@@ -1,0 +1,405 @@
+"""The seeds' capacity worksheet and KV-cache memory math, from a model's `config.json`.
+
+KV bytes per token = 2 (K, V) × layers × KV heads (per GPU) × head dim × bytes per value. vLLM
+then cuts its KV space into blocks of `block_size` tokens (one page per layer), and states its
+capacity as a request of `max_model_len` tokens needs ceil(max_model_len / block_size) blocks:
+max concurrency = blocks / that, KV tokens = int(max concurrency × max_model_len)
+(`vllm/v1/core/kv_cache_utils.py`, `get_kv_cache_capacity`). This module does the same sums, so
+its numbers can be checked against the line vLLM logs at start-up (`store.startup`).
+
+With tensor parallelism each GPU holds max(1, KV heads / TP) heads of every layer (vLLM replicates
+KV heads when TP exceeds them) and its own KV space: per-GPU numbers are what bound concurrency.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from store import Store
+
+GIB = 1 << 30
+DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float": 4,
+    "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "int8": 1, "uint8": 1,
+}  # fmt: skip
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
+CPU_BLOCK_SIZE = 128  # vLLM-CPU's default block size
+GPU_BLOCK_SIZE = 16  # vLLM's default on CUDA
+
+
+class CapacityError(ValueError):
+    """A model folder or config that cannot be read, or settings that cannot be sized."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV cache and the weights depend on, read from `config.json`."""
+
+    name: str
+    layers: int
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int
+    dtype: str | None
+    parameters: int | None
+    parameters_basis: str
+    max_position_embeddings: int | None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The serving flags the arithmetic needs (vLLM's names), and where the KV space comes from:
+    `kv_cache_gib` (vLLM-CPU's `VLLM_CPU_KVCACHE_SPACE`) or GPU memory × utilization − weights
+    per GPU − `overhead_gib` (the activation peak vLLM profiles at start-up; 0 gives an upper
+    bound)."""
+
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    kv_cache_gib: float | None = None
+    gpu_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
+    overhead_gib: float = 0.0
+    block_size: int | None = None
+
+
+def _config_path(model: Path) -> Path:
+    path = model / "config.json" if model.is_dir() else model
+    if not path.is_file():
+        raise CapacityError(f"no config.json at {path}")
+    return path
+
+
+def _int(config: dict[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def weights_parameters(folder: Path) -> int | None:
+    """Parameters counted from the `*.safetensors` headers (no tensor is loaded); None without
+    weight files."""
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    total = 0
+    for path in files:
+        with path.open("rb") as fh:
+            raw = fh.read(8)
+            if len(raw) != 8:
+                raise CapacityError(f"{path} is not a safetensors file")
+            (size,) = struct.unpack("<Q", raw)
+            if size > 100 * 1024 * 1024:
+                raise CapacityError(f"{path}: safetensors header of {size} bytes")
+            try:
+                header = json.loads(fh.read(size))
+            except ValueError as exc:
+                raise CapacityError(f"{path}: unreadable safetensors header ({exc})") from None
+        for name, tensor in header.items():
+            if name != "__metadata__" and isinstance(tensor, dict):
+                total += math.prod(int(d) for d in tensor.get("shape", []))
+    return total
+
+
+def config_parameters(config: dict[str, Any], shape: ModelShape) -> int | None:
+    """A Llama-style count from the config: embeddings, attention, gated MLP (times the experts
+    of a mixture-of-experts model), norms, and an untied LM head."""
+    vocab = _int(config, "vocab_size")
+    inter = _int(config, "intermediate_size")
+    if vocab is None or inter is None:
+        return None
+    h, hd = shape.hidden_size, shape.head_dim
+    attention = h * shape.attention_heads * hd * 2 + h * shape.kv_heads * hd * 2
+    experts = _int(config, "num_local_experts", "num_experts") or 1
+    mlp = 3 * h * inter * experts + (h * experts if experts > 1 else 0)
+    per_layer = attention + mlp + 2 * h
+    head = 0 if config.get("tie_word_embeddings") else vocab * h
+    return vocab * h + shape.layers * per_layer + h + head
+
+
+def load_shape(model: Path) -> ModelShape:
+    """The shape of the model in a folder (or of a bare `config.json`); parameters from the
+    weights when the folder has them, else estimated from the config."""
+    path = _config_path(model)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CapacityError(f"cannot read {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise CapacityError(f"{path} is not a JSON object")
+    config = config.get("text_config") or config
+    layers = _int(config, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _int(config, "num_attention_heads", "n_head")
+    hidden = _int(config, "hidden_size", "n_embd", "d_model")
+    if layers is None or heads is None or hidden is None:
+        raise CapacityError(f"{path} lacks num_hidden_layers, num_attention_heads or hidden_size")
+    kv_heads = _int(config, "num_key_value_heads", "num_kv_heads") or heads
+    head_dim = _int(config, "head_dim") or hidden // heads
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    shape = ModelShape(
+        name=model.name if model.is_dir() else model.parent.name,
+        layers=layers,
+        attention_heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        dtype=str(dtype) if dtype else None,
+        parameters=None,
+        parameters_basis="unknown",
+        max_position_embeddings=_int(config, "max_position_embeddings", "n_positions"),
+    )
+    counted = weights_parameters(path.parent)
+    if counted:
+        return _with_params(shape, counted, "weights (safetensors headers)")
+    estimated = config_parameters(config, shape)
+    if estimated:
+        return _with_params(shape, estimated, "config.json (Llama-style estimate)")
+    return shape
+
+
+def _with_params(shape: ModelShape, parameters: int, basis: str) -> ModelShape:
+    return ModelShape(**{**asdict(shape), "parameters": parameters, "parameters_basis": basis})
+
+
+def dtype_bytes(name: str, what: str) -> int:
+    size = DTYPE_BYTES.get(name.lower().removeprefix("torch."))
+    if size is None:
+        raise CapacityError(f"unknown {what} {name!r}; known: {', '.join(sorted(DTYPE_BYTES))}")
+    return size
+
+
+def kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:
+    """vLLM's `get_num_kv_heads`: heads split across TP ranks, at least one per rank."""
+    return max(1, shape.kv_heads // tp)
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_bytes: int, tp: int = 1) -> int:
+    """2 (K, V) × layers × KV heads per GPU × head dim × bytes per value: one GPU's share."""
+    return 2 * shape.layers * kv_heads_per_gpu(shape, tp) * shape.head_dim * kv_bytes
+
+
+def concurrency(blocks: int, tokens_per_request: float, block_size: int) -> float:
+    """Requests of this many tokens that fit at once (vLLM: blocks / ceil(tokens / block))."""
+    need = math.ceil(tokens_per_request / block_size)
+    return blocks / need if need > 0 else math.inf
+
+
+def _resolved(shape: ModelShape, settings: Settings) -> tuple[str, str, int]:
+    dtype = settings.dtype
+    if dtype == "auto":
+        dtype = shape.dtype or "bfloat16"
+    kv_dtype = dtype if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype
+    max_len = settings.max_model_len or shape.max_position_embeddings
+    if not max_len:
+        raise CapacityError("give --max-model-len (the config has no max_position_embeddings)")
+    return dtype, kv_dtype, max_len
+
+
+def _kv_space(settings: Settings, weight_bytes_per_gpu: int | None) -> tuple[int | None, str]:
+    if settings.kv_cache_gib is not None:
+        return int(settings.kv_cache_gib * GIB), "--kv-cache-gib (VLLM_CPU_KVCACHE_SPACE)"
+    if settings.gpu_memory_gib is not None:
+        if weight_bytes_per_gpu is None:
+            raise CapacityError("the weights' size is unknown: give --kv-cache-gib instead")
+        budget = settings.gpu_memory_gib * GIB * settings.gpu_memory_utilization
+        space = int(budget - weight_bytes_per_gpu - settings.overhead_gib * GIB)
+        basis = (
+            "GPU memory × gpu_memory_utilization − weights per GPU − overhead "
+            f"({settings.overhead_gib:g} GiB"
+            + ("; vLLM also subtracts the activation peak it profiles: an upper bound)"
+               if not settings.overhead_gib else ")")
+        )  # fmt: skip
+        return max(space, 0), basis
+    return None, "not given (--kv-cache-gib, or --gpu-memory-gib)"
+
+
+@dataclass(frozen=True)
+class Traffic:
+    p50_prompt_tokens: float | None = None
+    p95_prompt_tokens: float | None = None
+    p50_output_tokens: float | None = None
+    p95_output_tokens: float | None = None
+
+
+def compute(
+    shape: ModelShape,
+    settings: Settings,
+    traffic: Traffic | None = None,
+    *,
+    block_size_default: int | None = None,
+) -> dict[str, Any]:
+    """The filled worksheet's numbers: weights, KV bytes per token, blocks, KV tokens, max
+    concurrency at `max_model_len` (vLLM's statement) and at the p50/p95 request shapes."""
+    tp = settings.tensor_parallel_size
+    if tp < 1:
+        raise CapacityError("--tensor-parallel-size must be at least 1")
+    dtype, kv_dtype, max_len = _resolved(shape, settings)
+    kv_size = dtype_bytes(kv_dtype, "--kv-cache-dtype")
+    weight_bytes = shape.parameters * dtype_bytes(dtype, "--dtype") if shape.parameters else None
+    per_gpu_weights = math.ceil(weight_bytes / tp) if weight_bytes else None
+    per_token = kv_bytes_per_token(shape, kv_size, tp)
+    default_block = CPU_BLOCK_SIZE if settings.kv_cache_gib is not None else GPU_BLOCK_SIZE
+    block = settings.block_size or block_size_default or default_block
+    space, basis = _kv_space(settings, per_gpu_weights)
+    out: dict[str, Any] = {
+        "model": {**asdict(shape), "weight_bytes": weight_bytes,
+                  "weight_bytes_per_gpu": per_gpu_weights,
+                  "kv_heads_per_gpu": kv_heads_per_gpu(shape, tp)},
+        "settings": {**asdict(settings), "dtype": dtype, "kv_cache_dtype": kv_dtype,
+                     "max_model_len": max_len, "block_size": block},
+        "kv_bytes_per_token": per_token,
+        "kv_bytes_per_token_all_gpus": per_token * tp,
+        "kv_bytes_per_sequence_at_max_model_len": per_token * max_len,
+        "kv_cache_bytes": space,
+        "kv_cache_bytes_basis": basis,
+        "kv_blocks": None,
+        "kv_tokens": None,
+        "max_concurrency": None,
+        "max_model_len_fits": None,
+        "concurrency_at": {},
+    }  # fmt: skip
+    if space is None:
+        return out
+    blocks = space // (per_token * block)  # one page of `block` tokens in every layer
+    conc = concurrency(blocks, max_len, block)
+    out.update(
+        kv_blocks=blocks,
+        kv_tokens=int(conc * max_len),
+        max_concurrency=round(conc, 4),
+        max_model_len_fits=blocks * block >= max_len,
+    )
+    if traffic is not None:
+        for q in ("p50", "p95"):
+            prompt = getattr(traffic, f"{q}_prompt_tokens")
+            output = getattr(traffic, f"{q}_output_tokens")
+            if prompt is not None and output is not None:
+                shape_tokens = prompt + output
+                out["concurrency_at"][q] = {
+                    "tokens_per_request": shape_tokens,
+                    "max_concurrency": round(concurrency(blocks, shape_tokens, block), 4),
+                }
+    return out
+
+
+# -- from a stored run ---------------------------------------------------------------------------
+
+
+def run_traffic(store: Store, run_id: str) -> dict[str, Any]:
+    """A stored run's request shape and measured speed: p50/p95 prompt and output tokens,
+    TTFT p95, ITL p95, tokens per second (successful requests)."""
+    from store import queries
+
+    with store.read() as con:
+        row = con.execute(queries.RUN_TRAFFIC, {"run_id": run_id}).fetchone()
+    assert row is not None
+    names = ("requests", "prompt_q", "output_q", "ttft_p95", "itl_p95", "tokens", "seconds")
+    found = dict(zip(names, row, strict=True))
+    if not found["requests"]:
+        raise CapacityError(f"run {run_id!r} has no successful requests in the store")
+    prompt, output = found["prompt_q"] or [None, None], found["output_q"] or [None, None]
+    seconds = found["seconds"]
+    return {
+        "run_id": run_id,
+        "requests": found["requests"],
+        "traffic": Traffic(prompt[0], prompt[1], output[0], output[1]),
+        "ttft_p95_ms": found["ttft_p95"],
+        "itl_p95_ms": found["itl_p95"],
+        "tokens_per_s": found["tokens"] / seconds if found["tokens"] and seconds else None,
+    }
+
+
+def cost_per_1k_tokens(gpu_hour_usd: float, gpus: int, tokens_per_s: float | None) -> float | None:
+    """What 1,000 tokens (prompt + output) cost at the measured throughput on `gpus` GPUs."""
+    if not tokens_per_s:
+        return None
+    return gpu_hour_usd * gpus / 3600.0 / tokens_per_s * 1000.0
+
+
+def worksheet(
+    result: dict[str, Any],
+    traffic: Traffic,
+    targets: dict[str, Any],
+    measured: dict[str, Any] | None,
+    tuning: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The seeds' worksheet (model, parameters, dtype, max_model_len, traffic, targets, tuning)
+    filled in, plus the capacity it implies."""
+    model, settings = result["model"], result["settings"]
+    tuning = tuning or {}
+    return {
+        "model": model["name"],
+        "parameters": model["parameters"],
+        "dtype": settings["dtype"],
+        "max_model_len": settings["max_model_len"],
+        "traffic": asdict(traffic),
+        "targets": targets,
+        "tuning": {
+            "tensor_parallel_size": settings["tensor_parallel_size"],
+            "gpu_memory_utilization": settings["gpu_memory_utilization"]
+            if settings["gpu_memory_gib"] is not None else None,
+            "enable_prefix_caching": tuning.get("enable_prefix_caching"),
+            "speculative_config": tuning.get("speculative_config"),
+        },
+        "capacity": {
+            "weight_bytes": model["weight_bytes"],
+            "kv_bytes_per_token": result["kv_bytes_per_token"],
+            "kv_tokens": result["kv_tokens"],
+            "kv_blocks": result["kv_blocks"],
+            "block_size": settings["block_size"],
+            "max_concurrency": result["max_concurrency"],
+            "max_model_len_fits": result["max_model_len_fits"],
+            "concurrency_at": result["concurrency_at"],
+        },
+        "measured": measured,
+    }  # fmt: skip
+
+
+def from_levers(model: Path, levers: dict[str, Any], env: dict[str, str]) -> dict[str, Any] | None:
+    """servescope's numbers for a server the launcher started (its flags and environment), to
+    record next to vLLM's own statement; None when the model is not a local folder."""
+    if not _config_path_exists(model):
+        return None
+
+    def num(key: str, cast: type) -> Any:
+        value = levers.get(key)
+        try:
+            return cast(value) if value not in (None, True, False) else None
+        except (TypeError, ValueError):
+            return None
+
+    space = env.get("VLLM_CPU_KVCACHE_SPACE")
+    settings = Settings(
+        dtype=str(levers.get("dtype") or "auto"),
+        kv_cache_dtype=str(levers.get("kv_cache_dtype") or "auto"),
+        max_model_len=num("max_model_len", int),
+        tensor_parallel_size=num("tensor_parallel_size", int) or 1,
+        kv_cache_gib=float(space) if space else None,
+        block_size=num("block_size", int),
+    )
+    try:
+        result = compute(load_shape(model), settings)
+    except (CapacityError, ValueError):
+        return None
+    return {
+        "kv_bytes_per_token": result["kv_bytes_per_token"],
+        "kv_tokens": result["kv_tokens"],
+        "max_concurrency": result["max_concurrency"],
+        "max_model_len": result["settings"]["max_model_len"],
+        "block_size": result["settings"]["block_size"],
+        "kv_cache_bytes": result["kv_cache_bytes"],
+    }
+
+
+def _config_path_exists(model: Path) -> bool:
+    return (model / "config.json").is_file() if model.is_dir() else model.is_file()

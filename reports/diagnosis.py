@@ -1,0 +1,432 @@
+"""From a run's indicators to the lever to flip first: the seeds' decision tables as data.
+
+The rules are rows of `diagnosis.yaml` (the vLLM Tuning Matrix, the Tuning Decision Tree, the
+Week 11 workload table, split by symptom as the Serving Incident Flow does), each with its
+thresholds and its source; this engine only measures indicators and checks conditions, so a rule
+is audited and changed in the YAML without reading code. `diagnose(report)` reads a report dict
+(`build_summary`'s, or one side of a diff) and returns the workload's shape, findings in the
+rules' order (symptom, evidence with the run's numbers, levers in order, why, the experiment that
+tests the first lever), recommendations withheld because the run's levers already hold them, and
+what could not be judged. `assess_flip` says whether a diff's lever change moved the symptom it
+was meant to move.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RULES_FILE = Path(__file__).with_name("diagnosis.yaml")
+SHOWN_OPS = {">=": "≥", "<=": "≤", ">": ">", "<": "<", "==": "="}
+OPS: dict[str, Callable[[Any, Any], bool]] = {
+    ">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Indicator:
+    label: str
+    unit: str  # "ratio" (shown in %), "ms", "tokens", "count", "x" (a multiple), "text"
+    source: str
+
+
+INDICATORS: dict[str, Indicator] = {
+    "requests": Indicator("requests", "count", "events"),
+    "failure_rate": Indicator("failure rate (rejections excluded)", "ratio", "events: status"),
+    "rejection_rate": Indicator("rejection rate", "ratio", "events: status = rejected"),
+    "errors_top_class": Indicator("most common error", "text", "events: error class"),
+    "rejections_top_reason": Indicator(
+        "most common rejection", "text", "events: rejected:<reason>"),
+    "ttft_p50_ms": Indicator("TTFT p50", "ms", "events"),
+    "ttft_p95_ms": Indicator("TTFT p95", "ms", "events"),
+    "tpot_p95_ms": Indicator("TPOT p95", "ms", "events"),
+    "itl_p50_ms": Indicator("ITL p50", "ms", "events: chunk gaps"),
+    "itl_p99_ms": Indicator("ITL p99", "ms", "events: chunk gaps"),
+    "tpot_p50_ms": Indicator("TPOT p50", "ms", "events"),
+    "itl_jitter": Indicator(
+        "ITL p99 / TPOT p50", "x",
+        "events: the slowest chunk gaps against the typical per-token time (chunk gaps "
+        "themselves are often 0: several tokens arrive in one read)"),
+    "ttft_spread": Indicator("TTFT p95 / p50", "x", "events"),
+    "queue_share_of_ttft": Indicator(
+        "queue share of TTFT", "ratio",
+        "mean queue_ms / mean ttft_ms (traces), else vLLM's queue/TTFT histograms"),
+    "prefill_share_of_ttft": Indicator(
+        "prefill share of TTFT", "ratio",
+        "mean prefill_ms / mean ttft_ms (traces), else vLLM's prefill/TTFT histograms"),
+    "decode_share_of_e2e": Indicator(
+        "decode share of e2e", "ratio",
+        "mean decode_ms / mean e2e_ms (traces), else vLLM's decode/e2e histograms"),
+    "prompt_tokens_p50": Indicator("prompt tokens p50", "tokens", "events"),
+    "prompt_tokens_p95": Indicator("prompt tokens p95", "tokens", "events"),
+    "output_tokens_p50": Indicator("output tokens p50", "tokens", "events"),
+    "output_tokens_p95": Indicator("output tokens p95", "tokens", "events"),
+    "prompt_spread": Indicator("prompt tokens p95 / p50", "x", "events"),
+    "output_to_prompt": Indicator("output / prompt tokens (p50)", "x", "events"),
+    "shared_prefix_share": Indicator(
+        "shared-prefix share of the prompt", "ratio", "workload spec: prefix_tokens / prompt"),
+    "prefix_cache_hit_ratio": Indicator(
+        "prefix-cache hit ratio", "ratio",
+        "server Δhits/Δqueries, else client cached/prompt tokens"),
+    "cached_token_ratio": Indicator("cached / prompt tokens (client)", "ratio", "events: usage"),
+    "kv_cache_usage_peak": Indicator("KV-cache usage peak", "ratio", "vllm:kv_cache_usage_perc"),
+    "preemptions": Indicator("preemptions", "count", "Δ vllm:num_preemptions_total"),
+    "waiting_peak": Indicator("waiting peak", "count", "vllm:num_requests_waiting"),
+    "running_peak": Indicator("running peak", "count", "vllm:num_requests_running"),
+    "concurrency_max": Indicator("concurrency", "count", "workload levels"),
+    "turns_max": Indicator("turns per session", "count", "events: turn"),
+    "workload_classes": Indicator("request classes", "count", "workload spec"),
+    "chat_share": Indicator("chat-endpoint share of workloads", "ratio", "workload spec"),
+}  # fmt: skip
+
+
+@cache
+def load_rules(path: Path = RULES_FILE) -> dict[str, Any]:
+    """The rules file, checked: every condition names a known indicator and operator."""
+    rules = yaml.safe_load(path.read_text())
+    for rule in rules["rules"]:
+        for cond in rule["when"]:
+            if "lever" in cond:
+                continue
+            if cond["indicator"] not in INDICATORS or cond["op"] not in OPS:
+                raise ValueError(f"{path}: rule {rule['id']}: bad condition {cond}")
+    return rules
+
+
+# -- indicators ----------------------------------------------------------------------------------
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def _tokens_mean(spec: Any) -> float | None:
+    """The mean of a workload's token spec: a number, or {dist, min, max, mean}."""
+    if isinstance(spec, int | float) and not isinstance(spec, bool):
+        return float(spec)
+    if isinstance(spec, dict):
+        if spec.get("mean") is not None:
+            return float(spec["mean"])
+        if spec.get("min") is not None and spec.get("max") is not None:
+            return (float(spec["min"]) + float(spec["max"])) / 2
+    return None
+
+
+def _prefix_share(workloads: list[dict[str, Any]]) -> float | None:
+    """Mean over the spec's workloads of prefix / (prefix + rest of the prompt)."""
+    shares = []
+    for w in workloads:
+        prefix = _tokens_mean(w.get("prefix_tokens")) or 0.0
+        classes = [c for c in w.get("classes") or [] if isinstance(c, dict)]
+        inputs = [_tokens_mean(c.get("input_tokens")) for c in classes] or [
+            _tokens_mean(w.get("input_tokens"))
+        ]
+        rest = [x for x in inputs if x is not None]
+        if rest:
+            body = sum(rest) / len(rest)
+            shares.append(prefix / (prefix + body) if prefix + body else 0.0)
+    return sum(shares) / len(shares) if shares else None
+
+
+def _phase_share(
+    overall: dict[str, Any], server: dict[str, Any], part: str, whole: str
+) -> float | None:
+    """A phase's share of a whole, from per-request traces, else vLLM's histograms."""
+    traced = _ratio(overall[f"{part}_ms"]["mean"], overall[f"{whole}_ms"]["mean"])
+    if traced is not None:
+        return traced
+    means = server.get("phase_means_ms") or {}
+    return _ratio(means.get(part), means.get(whole))
+
+
+def indicators(report: dict[str, Any]) -> dict[str, Any]:
+    """Every indicator the rules read, measured from one report (side); None = not measured."""
+    overall, server = report["overall"], report.get("server") or {}
+    shape = overall.get("shape") or {}
+    prompt, output = shape.get("prompt_tokens") or {}, shape.get("output_tokens") or {}
+    run = report.get("run") or {}
+    spec = run.get("workload") or {}
+    workloads = [w for w in spec.get("workloads") or [] if isinstance(w, dict)]
+    requests = overall["requests"]
+    failed = overall["errors"] - overall["rejected"]
+    classes = {k: v for k, v in overall["errors_by_class"].items() if not k.startswith("rejected")}
+    reasons = report.get("admission", {}).get("rejections") or []
+    hit = server.get("prefix_cache_hit_ratio")
+    levels = [g["concurrency"] for g in report.get("groups", []) if g.get("concurrency")]
+    values: dict[str, Any] = {
+        "requests": requests,
+        "failure_rate": _ratio(failed, requests),
+        "rejection_rate": _ratio(overall["rejected"], requests),
+        "errors_top_class": max(classes, key=classes.__getitem__) if classes else None,
+        "rejections_top_reason": max(reasons, key=lambda r: r["n"])["reason"] if reasons else None,
+        "ttft_p50_ms": overall["ttft_ms"]["p50"],
+        "ttft_p95_ms": overall["ttft_ms"]["p95"],
+        "tpot_p95_ms": overall["tpot_ms"]["p95"],
+        "itl_p50_ms": overall["itl_ms"]["p50"],
+        "itl_p99_ms": overall["itl_ms"]["p99"],
+        "tpot_p50_ms": overall["tpot_ms"]["p50"],
+        "itl_jitter": _ratio(overall["itl_ms"]["p99"], overall["tpot_ms"]["p50"]),
+        "ttft_spread": _ratio(overall["ttft_ms"]["p95"], overall["ttft_ms"]["p50"]),
+        "queue_share_of_ttft": _phase_share(overall, server, "queue", "ttft"),
+        "prefill_share_of_ttft": _phase_share(overall, server, "prefill", "ttft"),
+        "decode_share_of_e2e": _phase_share(overall, server, "decode", "e2e"),
+        "prompt_tokens_p50": prompt.get("p50"),
+        "prompt_tokens_p95": prompt.get("p95"),
+        "output_tokens_p50": output.get("p50"),
+        "output_tokens_p95": output.get("p95"),
+        "prompt_spread": _ratio(prompt.get("p95"), prompt.get("p50")),
+        "output_to_prompt": _ratio(output.get("p50"), prompt.get("p50")),
+        "shared_prefix_share": _prefix_share(workloads),
+        "prefix_cache_hit_ratio": hit if hit is not None else overall.get("cached_token_ratio"),
+        "cached_token_ratio": overall.get("cached_token_ratio"),
+        "kv_cache_usage_peak": server.get("kv_cache_usage_peak"),
+        "preemptions": server.get("preemptions"),
+        "waiting_peak": server.get("waiting_peak"),
+        "running_peak": server.get("running_peak"),
+        "concurrency_max": max(levels) if levels else None,
+        "turns_max": shape.get("turns_max"),
+        "workload_classes": sum(len(w.get("classes") or []) for w in workloads) if workloads
+        else None,
+        "chat_share": _ratio(sum(w.get("endpoint") == "chat" for w in workloads), len(workloads)),
+    }  # fmt: skip
+    return values
+
+
+# -- conditions ----------------------------------------------------------------------------------
+
+
+def show(name: str, value: Any) -> str:
+    """An indicator's value in its unit, for evidence lines."""
+    if value is None:
+        return "not measured"
+    unit = INDICATORS[name].unit if name in INDICATORS else ""
+    if unit == "ratio":
+        return f"{value * 100:.1f} %"
+    if unit == "ms":
+        return f"{value:,.1f} ms"
+    if unit == "x":
+        return f"{value:.1f}×"
+    if unit in ("tokens", "count"):
+        return f"{value:,.0f}"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if value == int(value) else f"{value:,.2f}"
+    return str(value)
+
+
+def lever_value(levers: dict[str, Any] | None, name: str, defaults: dict[str, Any]) -> Any:
+    """What a lever was on the run: its recorded value, vLLM's default when the run's levers were
+    recorded but leave it unset, None when the run recorded no levers (unknown)."""
+    if not levers:
+        return None
+    if name in levers:
+        value = levers[name]
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        return value
+    return defaults.get(name)
+
+
+def holds(value: Any, want: Any) -> bool:
+    """Does the run's lever already have the value a rule wants (`fp8` holds `fp8_e4m3`)?"""
+    if value is None or want is None:
+        return False
+    if isinstance(want, bool):
+        return value is want
+    return str(value).lower().startswith(str(want).lower())
+
+
+def _check(
+    cond: dict[str, Any],
+    values: dict[str, Any],
+    targets: dict[str, float],
+    levers: dict[str, Any] | None,
+    defaults: dict[str, Any],
+) -> tuple[bool | None, str]:
+    """(holds, evidence) of one condition; holds is None when it cannot be judged."""
+    if "lever" in cond:
+        current = lever_value(levers, cond["lever"], defaults)
+        if current is None:
+            return None, f"{cond['lever']} not recorded"
+        return holds(current, cond["is"]), f"{cond['lever']} = {current}"
+    name, threshold = cond["indicator"], cond["value"]
+    if isinstance(threshold, str) and threshold.startswith("@"):
+        threshold = targets[threshold[1:]]
+    value = values.get(name)
+    shown = show(name, threshold) if INDICATORS[name].unit != "text" else threshold
+    if value is None:
+        return None, f"{INDICATORS[name].label} not measured"
+    ok = OPS[cond["op"]](value, threshold)
+    return ok, f"{INDICATORS[name].label} {show(name, value)} ({SHOWN_OPS[cond['op']]} {shown})"
+
+
+def _targets(report: dict[str, Any], rules: dict[str, Any]) -> dict[str, float]:
+    """The rules' targets, replaced by the run's SLOs where it has them."""
+    targets = dict(rules["targets"])
+    slo = report.get("slo") or {}
+    for metric in ("ttft", "tpot"):
+        if slo.get(f"{metric}_ms") is not None:
+            targets[f"{metric}_p95_ms"] = float(slo[f"{metric}_ms"])
+    return targets
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+
+def classify(values: dict[str, Any], rules: dict[str, Any]) -> dict[str, Any]:
+    """The workload's shape (chat / batch / rag / agent / mixed): the first `shapes` row whose
+    conditions hold, with the evidence; `unclassified` when none does."""
+    for row in rules["shapes"]:
+        conds = row.get("all") or row.get("any") or []
+        checks = [_check(c, values, {}, None, {}) for c in conds]
+        verdicts = [ok for ok, _ in checks]
+        matched = all(verdicts) if "all" in row else any(v is True for v in verdicts)
+        if matched and verdicts:
+            evidence = [text for ok, text in checks if ok]
+            return {"shape": row["shape"], "why": row["why"], "evidence": evidence}
+    return {"shape": "unclassified", "why": "no shape's conditions held", "evidence": []}
+
+
+def diagnose(report: dict[str, Any], rules: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Findings, withheld recommendations and unjudged rules of one report (or diff side)."""
+    rules = rules or load_rules()
+    values = indicators(report)
+    targets = _targets(report, rules)
+    defaults = rules.get("defaults") or {}
+    levers = report.get("levers") or None
+    findings: list[dict[str, Any]] = []
+    already: list[dict[str, Any]] = []
+    unjudged: list[dict[str, Any]] = []
+    if not values["requests"]:
+        return _result(values, targets, {"shape": "unclassified", "why": "no requests",
+                                         "evidence": []}, [], [], [
+            {"rule": "*", "symptom": None, "reason": "the run has no events: nothing measured"}
+        ])  # fmt: skip
+    for rule in rules["rules"]:
+        checks = [_check(c, values, targets, levers, defaults) for c in rule["when"]]
+        if any(ok is False for ok, _ in checks):
+            continue
+        if any(ok is None for ok, _ in checks):
+            missing = [text for ok, text in checks if ok is None]
+            unjudged.append({"rule": rule["id"], "symptom": rule["symptom"],
+                             "reason": "; ".join(missing)})  # fmt: skip
+            continue
+        evidence = [text for _, text in checks]
+        evidence += [f"{INDICATORS[n].label} {show(n, values.get(n))}"
+                     for n in rule.get("context", []) if values.get(n) is not None]  # fmt: skip
+        offered, held = _levers(rule, levers, defaults, rules.get("levers") or {})
+        if held:
+            already.append({"rule": rule["id"], "symptom": rule["symptom"], "levers": held})
+        if not offered:
+            continue
+        findings.append({
+            "rule": rule["id"],
+            "symptom": rule["symptom"],
+            "title": rule["title"],
+            "evidence": evidence,
+            "levers": offered,
+            "why": " ".join(rule["why"].split()),
+            "source": rule["source"],
+            "experiment": offered[0].get("experiment"),
+            "levers_recorded": levers is not None,
+        })  # fmt: skip
+    return _result(values, targets, classify(values, rules), findings, already, unjudged)
+
+
+def _levers(
+    rule: dict[str, Any],
+    levers: dict[str, Any] | None,
+    defaults: dict[str, Any],
+    registry: dict[str, Any],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rule's levers split into those to offer and those the run already holds."""
+    offered, held = [], []
+    for entry in rule["levers"]:
+        name = entry["lever"]
+        current = lever_value(levers, name, defaults)
+        if "want" in entry and holds(current, entry["want"]):
+            held.append({"lever": name, "value": current, "want": entry["want"]})
+            continue
+        info = registry.get(name) or {}
+        offered.append({
+            "lever": name,
+            "want": entry.get("want"),
+            "direction": entry.get("direction"),
+            "current": current,
+            "note": entry.get("note"),
+            "kind": info.get("kind", "vLLM flag"),
+            "experiment": info.get("experiment"),
+        })  # fmt: skip
+    return offered, held
+
+
+def _result(values: dict[str, Any], targets: dict[str, float], shape: dict[str, Any],
+            findings: list[dict[str, Any]], already: list[dict[str, Any]],
+            unjudged: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    first = findings[0] if findings else None
+    return {
+        "workload_shape": shape,
+        "first": {"symptom": first["symptom"], "lever": first["levers"][0]["lever"],
+                  "rule": first["rule"]} if first else None,
+        "findings": findings,
+        "already_set": already,
+        "not_judged": unjudged,
+        "indicators": {k: {"value": v, "label": INDICATORS[k].label, "source": INDICATORS[k].source}
+                       for k, v in values.items()},
+        "targets": targets,
+        "rules_file": "reports/diagnosis.yaml",
+    }  # fmt: skip
+
+
+def assess_flip(
+    before: dict[str, Any],
+    after: dict[str, Any],
+    changes: list[dict[str, Any]],
+    rules: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """For each lever change of a diff: the finding of the before side it was meant to fix, and
+    whether that rule still holds after (its condition indicators before → after)."""
+    rules = rules or load_rules()
+    by_id = {r["id"]: r for r in rules["rules"]}
+    after_rules = {f["rule"] for f in after["findings"]} | {a["rule"] for a in after["already_set"]}
+    after_unjudged = {u["rule"] for u in after["not_judged"]}
+    out = []
+    for change in changes:
+        lever = change["lever"]
+        target = next((f for f in before["findings"]
+                       if any(x["lever"] == lever for x in f["levers"])), None)  # fmt: skip
+        row: dict[str, Any] = {"lever": lever, "before": change.get("before"),
+                               "after": change.get("after")}  # fmt: skip
+        if target is None:
+            row.update(
+                rule=None,
+                symptom=None,
+                verdict="no diagnosed symptom",
+                text=f"{lever}: the before run had no finding this lever addresses",
+            )
+            out.append(row)
+            continue
+        names = [c["indicator"] for c in by_id[target["rule"]]["when"] if "indicator" in c]
+        moved = [{"indicator": n, "label": INDICATORS[n].label,
+                  "before": before["indicators"][n]["value"],
+                  "after": after["indicators"][n]["value"]} for n in names]  # fmt: skip
+        if target["rule"] in after_unjudged:
+            verdict = "not judged after"
+        elif target["rule"] in after_rules:
+            verdict = "still present"
+        else:
+            verdict = "resolved"
+        changed = [m for m in moved if m["before"] != m["after"]] or moved
+        shifts = ", ".join(f"{m['label']} {show(m['indicator'], m['before'])} → "
+                           f"{show(m['indicator'], m['after'])}" for m in changed)  # fmt: skip
+        row.update(rule=target["rule"], symptom=target["symptom"], indicators=moved,
+                   verdict=verdict,
+                   text=f"{lever} was meant to fix {target['symptom']} ({target['title']}): "
+                   f"{verdict}; {shifts}")  # fmt: skip
+        out.append(row)
+    return out

@@ -1,0 +1,218 @@
+"""`servescope capacity MODEL`: the seeds' capacity worksheet, filled from the model's config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.capacity import (
+    CapacityError,
+    Settings,
+    Traffic,
+    compute,
+    cost_per_1k_tokens,
+    load_shape,
+    run_traffic,
+    worksheet,
+)
+from servescope.commands.common import add_store_option, console, open_store
+
+DESCRIPTION = (
+    "Fill the seeds' capacity worksheet for a model: weight bytes, KV bytes per token (per GPU "
+    "with tensor parallelism), KV blocks and tokens that fit, the largest concurrency at "
+    "max_model_len (as vLLM states it at start-up) and at the p50/p95 request shape, whether "
+    "max_model_len fits at all, and the cost per 1K tokens at a stored run's measured "
+    "throughput. The KV space is --kv-cache-gib (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE) or "
+    "--gpu-memory-gib × --gpu-memory-utilization − weights per GPU − --overhead-gib. "
+    "Prints Markdown (--json or --yaml for scripts; --out DIR writes capacity.yaml and "
+    "capacity.md). Exit codes: 0 done, 2 bad input (unreadable config, unknown dtype, "
+    "unknown run)."
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("capacity", help="KV-cache math and the capacity worksheet",
+                       description=DESCRIPTION)  # fmt: skip
+    p.add_argument("model", type=Path, metavar="MODEL", help="a model folder or its config.json")
+    p.add_argument("--dtype", default="auto", help="weights dtype (default: the config's)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (= --dtype), fp8, …")
+    p.add_argument("--max-model-len", type=int, help="default: max_position_embeddings")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="TP")
+    space = p.add_mutually_exclusive_group()
+    space.add_argument("--kv-cache-gib", type=float, help="KV space per GPU/node in GiB")
+    space.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU in GiB")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--overhead-gib",
+        type=float,
+        default=0.0,
+        help="activation peak and runtime buffers per GPU (default 0: an upper bound)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        help="tokens per KV block (default 128 with --kv-cache-gib as on vLLM-CPU, "
+        "else 16 as on CUDA)",
+    )
+    for q in ("p50", "p95"):
+        for kind in ("prompt", "output"):
+            p.add_argument(f"--{q}-{kind}-tokens", type=float, metavar="N")
+    p.add_argument(
+        "--from-run", metavar="RUN", help="traffic, TTFT/ITL p95 and throughput from a stored run"
+    )
+    p.add_argument("--ttft-p95-ms", type=float, help="target")
+    p.add_argument("--itl-p95-ms", type=float, help="target")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="the worksheet's tuning entry (no effect on the arithmetic)",
+    )
+    p.add_argument("--speculative-config", help="the worksheet's tuning entry, as JSON text")
+    p.add_argument("--gpu-hour-usd", type=float, help="price of one GPU hour, for cost per 1K")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print everything as JSON")
+    out.add_argument("--yaml", action="store_true", help="print the filled worksheet as YAML")
+    p.add_argument("--out", type=Path, metavar="DIR", help="also write DIR/capacity.{yaml,md}")
+    add_store_option(p)
+    p.set_defaults(func=run)  # fmt: skip
+
+
+def _positive(args: argparse.Namespace) -> str | None:
+    for name in ("max_model_len", "tensor_parallel_size", "block_size", "kv_cache_gib",
+                 "gpu_memory_gib"):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            return f"--{name.replace('_', '-')} must be positive, got {value}"
+    if not 0 < args.gpu_memory_utilization <= 1:
+        return "--gpu-memory-utilization must be in (0, 1]"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    if problem := _positive(args):
+        console.print(problem, style="red", markup=False)
+        return 2
+    settings = Settings(
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_gib=args.kv_cache_gib,
+        gpu_memory_gib=args.gpu_memory_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        overhead_gib=args.overhead_gib,
+        block_size=args.block_size,
+    )
+    traffic = Traffic(args.p50_prompt_tokens, args.p95_prompt_tokens,
+                      args.p50_output_tokens, args.p95_output_tokens)  # fmt: skip
+    measured: dict[str, Any] | None = None
+    try:
+        shape = load_shape(args.model)
+        if args.from_run:
+            stored = _from_run(args)
+            if stored is None:
+                return 2
+            traffic = replace(stored.pop("traffic"), **{
+                k: v for k, v in vars(traffic).items() if v is not None})  # fmt: skip
+            measured = stored
+        result = compute(shape, settings, traffic)
+    except CapacityError as exc:
+        console.print(str(exc), style="red", markup=False)
+        return 2
+    if measured is not None and args.gpu_hour_usd is not None:
+        measured["cost_per_1k_tokens"] = cost_per_1k_tokens(
+            args.gpu_hour_usd, settings.tensor_parallel_size, measured["tokens_per_s"]
+        )
+    targets = {"ttft_p95": args.ttft_p95_ms, "itl_p95": args.itl_p95_ms,
+               "cost_per_1k_tokens": (measured or {}).get("cost_per_1k_tokens")}  # fmt: skip
+    tuning = {"enable_prefix_caching": args.enable_prefix_caching,
+              "speculative_config": args.speculative_config}  # fmt: skip
+    sheet = worksheet(result, traffic, targets, measured, tuning)
+    result["worksheet"] = sheet
+    text = markdown(result, sheet)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "capacity.yaml").write_text(yaml.safe_dump(sheet, sort_keys=False))
+        (args.out / "capacity.md").write_text(text)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif args.yaml:
+        print(yaml.safe_dump(sheet, sort_keys=False), end="")
+    else:
+        print(text, end="")
+    return 0
+
+
+def _from_run(args: argparse.Namespace) -> dict[str, Any] | None:
+    from reports import UnknownRun
+    from reports.summary import require_run
+
+    store = open_store(args)
+    try:
+        with store.read() as con:
+            require_run(con, args.from_run)
+    except UnknownRun as exc:
+        console.print(str(exc), style="red", markup=False)
+        return None
+    return run_traffic(store, args.from_run)
+
+
+def _n(value: Any, digits: int = 0) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _bytes(value: int | None) -> str:
+    return "n/a" if value is None else f"{value:,} B ({value / 2**30:,.2f} GiB)"
+
+
+def markdown(result: dict[str, Any], sheet: dict[str, Any]) -> str:
+    """The worksheet for people: what was read, what it implies."""
+    m, s = result["model"], result["settings"]
+    lines = [
+        f"# Capacity worksheet: {m['name']}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| parameters | {_n(m['parameters'])} (from {m['parameters_basis']}) |",
+        f"| layers / attention heads / KV heads / head dim | {m['layers']} / "
+        f"{m['attention_heads']} / {m['kv_heads']} / {m['head_dim']} |",
+        f"| dtype / KV-cache dtype | {s['dtype']} / {s['kv_cache_dtype']} |",
+        f"| tensor parallel size | {s['tensor_parallel_size']} "
+        f"({m['kv_heads_per_gpu']} KV heads per GPU) |",
+        f"| weights | {_bytes(m['weight_bytes'])}; per GPU {_bytes(m['weight_bytes_per_gpu'])} |",
+        f"| KV bytes per token (per GPU) | {_n(result['kv_bytes_per_token'])} |",
+        f"| KV bytes per sequence at max_model_len {_n(s['max_model_len'])} | "
+        f"{_bytes(result['kv_bytes_per_sequence_at_max_model_len'])} |",
+        f"| KV space | {_bytes(result['kv_cache_bytes'])}: {result['kv_cache_bytes_basis']} |",
+        f"| KV blocks ({s['block_size']} tokens) | {_n(result['kv_blocks'])} |",
+        f"| KV tokens | {_n(result['kv_tokens'])} |",
+        f"| max concurrency at {_n(s['max_model_len'])} tokens per request | "
+        f"{_n(result['max_concurrency'], 2)}x |",
+        f"| max_model_len fits | {_n(result['max_model_len_fits'])} |",
+    ]
+    for q, at in result["concurrency_at"].items():
+        lines.append(
+            f"| max concurrency at the {q} request ({_n(at['tokens_per_request'])} tokens) | "
+            f"{_n(at['max_concurrency'], 2)}x |"
+        )
+    measured = sheet.get("measured")
+    if measured:
+        lines += [
+            f"| measured in `{measured['run_id']}` | TTFT p95 {_n(measured['ttft_p95_ms'], 1)} ms, "
+            f"ITL p95 {_n(measured['itl_p95_ms'], 1)} ms, {_n(measured['tokens_per_s'], 1)} "
+            f"tokens/s |",
+            f"| cost per 1K tokens | {_n(measured.get('cost_per_1k_tokens'), 5)} USD |",
+        ]
+    lines += ["", "```yaml", yaml.safe_dump(sheet, sort_keys=False).rstrip(), "```", ""]
+    return "\n".join(lines)

@@ -1,0 +1,162 @@
+"""`servescope capacity`: the KV-cache arithmetic against hand computations on three public model
+configs, and against what a real vLLM states at start-up for the tiny model (the session's
+server, whose log holds the line); the launcher and the collector record that statement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+
+from store.startup import kv_cache_from_log, kv_cache_statement
+from tests.conftest import ROOT, RunningServer, servescope
+
+GIB = 1 << 30
+# Public configs, as their config.json files say (the keys the arithmetic reads).
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+             "intermediate_size": 14336, "max_position_embeddings": 8192,
+             "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+             "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+             "vocab_size": 128256}  # fmt: skip
+LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
+              "num_attention_heads": 64, "num_hidden_layers": 80}  # fmt: skip
+MISTRAL_NEMO = {"architectures": ["MistralForCausalLM"], "head_dim": 128, "hidden_size": 5120,
+                "intermediate_size": 14336, "max_position_embeddings": 1024000,
+                "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8,
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                "vocab_size": 131072}  # fmt: skip
+
+
+def capacity(config: dict[str, Any] | Path, tmp_path: Path, *args: str) -> dict[str, Any]:
+    if isinstance(config, dict):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(config))
+    else:
+        path = config
+    result = servescope("capacity", str(path), *args, "--json", check=True)
+    return json.loads(result.stdout)
+
+
+def test_llama3_8b_on_one_80gb_gpu(tmp_path: Path) -> None:
+    out = capacity(LLAMA3_8B, tmp_path, "--gpu-memory-gib", "80", "--max-model-len", "8192")
+    # parameters: embeddings + 32 × (q,o 4096×4096 + k,v 4096×1024 + MLP 3×4096×14336 + 2 norms)
+    # + final norm + untied head = the published 8,030,261,248
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    params = 128256 * 4096 * 2 + 32 * per_layer + 4096
+    assert params == 8_030_261_248 == out["model"]["parameters"]
+    assert out["model"]["weight_bytes"] == params * 2
+    assert out["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 131_072  # 128 KiB
+    space = int(80 * GIB * 0.9) - params * 2
+    blocks = space // (131_072 * 16)
+    assert out["kv_cache_bytes"] == space and out["kv_blocks"] == blocks == 29_205
+    assert out["kv_tokens"] == blocks * 16 == 467_280
+    assert out["max_concurrency"] == pytest.approx(blocks / (8192 / 16), abs=1e-4)  # 57.04x
+    assert out["max_model_len_fits"] is True
+
+
+def test_llama3_70b_gqa_with_tensor_parallel_4(tmp_path: Path) -> None:
+    out = capacity(LLAMA3_70B, tmp_path, "--tensor-parallel-size", "4", "--kv-cache-gib", "20",
+                   "--block-size", "16", "--max-model-len", "8192")  # fmt: skip
+    # 8 KV heads over 4 GPUs: 2 per GPU; each GPU holds every layer's share
+    assert out["model"]["kv_heads_per_gpu"] == 2
+    assert out["kv_bytes_per_token"] == 2 * 80 * 2 * 128 * 2 == 81_920
+    assert out["kv_bytes_per_token_all_gpus"] == 327_680
+    blocks = 20 * GIB // (81_920 * 16)
+    assert out["kv_blocks"] == blocks == 16_384
+    assert out["kv_tokens"] == 262_144 and out["max_concurrency"] == 32.0
+    params = out["model"]["parameters"]
+    assert out["model"]["weight_bytes_per_gpu"] == -(-params * 2 // 4)
+    assert 70.0e9 < params < 71.0e9  # the published 70.6 B
+
+
+def test_head_dim_not_hidden_over_heads(tmp_path: Path) -> None:
+    out = capacity(MISTRAL_NEMO, tmp_path, "--kv-cache-gib", "8", "--block-size", "16",
+                   "--max-model-len", "16384", "--p50-prompt-tokens", "2000",
+                   "--p50-output-tokens", "200", "--p95-prompt-tokens", "8000",
+                   "--p95-output-tokens", "1000")  # fmt: skip
+    # head_dim 128 from the config, not 5120 / 32 = 160
+    assert out["model"]["head_dim"] == 128
+    assert out["kv_bytes_per_token"] == 2 * 40 * 8 * 128 * 2 == 163_840
+    blocks = 8 * GIB // (163_840 * 16)
+    assert out["kv_blocks"] == blocks == 3_276
+    assert out["max_concurrency"] == pytest.approx(blocks / 1024, abs=1e-4)
+    assert out["kv_tokens"] == int(blocks / 1024 * 16384) == 52_416
+    assert out["concurrency_at"]["p50"]["max_concurrency"] == pytest.approx(blocks / 138, abs=1e-4)
+    assert out["concurrency_at"]["p95"]["max_concurrency"] == pytest.approx(blocks / 563, abs=1e-4)
+    too_long = capacity(MISTRAL_NEMO, tmp_path, "--kv-cache-gib", "8", "--block-size", "16",
+                        "--max-model-len", "128000")  # fmt: skip
+    assert too_long["max_model_len_fits"] is False and too_long["max_concurrency"] < 1
+
+
+def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
+    broken = tmp_path / "config.json"
+    broken.write_text("{not json")
+    for args in ([str(broken)], [str(tmp_path / "nope")],
+                 [str(ROOT / "servescope-data" / "models" / "tiny"), "--kv-cache-dtype", "fp7",
+                  "--kv-cache-gib", "1"],
+                 [str(broken), "--tensor-parallel-size", "0"]):  # fmt: skip
+        result = servescope("capacity", *args)
+        assert result.returncode == 2 and result.stderr.strip(), args
+        assert "Traceback" not in result.stderr
+
+
+def test_statement_parser_reads_both_forms() -> None:
+    line = (
+        "(EngineCore pid=9) INFO 11-24 20:39:12 [kv_cache_utils.py:2328] CPU KV cache size: "
+        "524,288 tokens, Maximum concurrency for 4,096 tokens per request: 128.00x"
+    )
+    expected = {"kv_cache_device": "CPU", "kv_cache_tokens": 524_288, "max_model_len": 4096,
+                "max_concurrency": 128.0}  # fmt: skip
+    assert kv_cache_statement(line) == expected
+    older = (
+        "GPU KV cache size: 1,234 tokens\nMaximum concurrency for 2,048 tokens per request: 0.60x"
+    )
+    assert kv_cache_from_log(older) == {"kv_cache_device": "GPU", "kv_cache_tokens": 1234,
+                                        "max_model_len": 2048, "max_concurrency": 0.6}  # fmt: skip
+    assert kv_cache_statement("Engine 000: Avg prompt throughput: 1.0 tokens/s") is None
+
+
+def test_tiny_model_matches_what_real_vllm_states(
+    vllm_server: RunningServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    stated = kv_cache_from_log(vllm_server.log.read_text(errors="replace"))
+    assert stated is not None, "vLLM logged no KV-cache statement"
+    # the session server: the default profile (float32, max-model-len 16384, 1 GiB of KV space)
+    ours = capacity(tiny_model, tmp_path, "--dtype", "float32", "--kv-cache-gib", "1",
+                    "--max-model-len", str(stated["max_model_len"]))  # fmt: skip
+    assert stated["max_model_len"] == 16384
+    assert ours["kv_bytes_per_token"] == 2 * 2 * 2 * 64 * 4 == 2048
+    assert ours["kv_tokens"] == stated["kv_cache_tokens"] == 524_288
+    assert ours["max_concurrency"] == pytest.approx(stated["max_concurrency"], abs=0.005)
+
+    state = json.loads((ROOT / "servescope-data" / "servers" / f"{vllm_server.port}.json")
+                       .read_text())  # fmt: skip
+    assert state["kv_cache"]["vllm"] == stated
+    recorded = state["kv_cache"]["servescope"]
+    assert recorded["kv_tokens"] == stated["kv_cache_tokens"]
+    assert recorded["max_concurrency"] == pytest.approx(stated["max_concurrency"], abs=0.005)
+
+
+def test_the_collector_records_the_statement(vllm_server: RunningServer, tmp_path: Path) -> None:
+    """The collector's log parser reads the statement into the server session's run: its
+    `notes.kv_cache.vllm`, and samples of that run."""
+    store = tmp_path / "s.duckdb"
+    servescope("collect", "--once", "--vllm-log", str(vllm_server.log), "--store", str(store),
+               "--metrics-port", "0", check=True)  # fmt: skip
+    stated = kv_cache_from_log(vllm_server.log.read_text(errors="replace"))
+    assert stated is not None
+    with duckdb.connect(str(store), read_only=True) as con:
+        samples = {name: (value, run) for name, value, run in con.execute(
+            "SELECT name, value, run_id FROM metric_samples "
+            "WHERE name IN ('vllm_log:kv_cache_tokens', 'vllm_log:max_concurrency')"
+        ).fetchall()}  # fmt: skip
+        notes = [json.loads(n) for (n,) in con.execute(
+            "SELECT notes FROM runs WHERE run_id = $run", {"run": samples[
+                "vllm_log:kv_cache_tokens"][1]}).fetchall()]  # fmt: skip
+    assert samples["vllm_log:kv_cache_tokens"][0] == stated["kv_cache_tokens"]
+    assert samples["vllm_log:max_concurrency"][0] == stated["max_concurrency"]
+    (session,) = notes
+    assert session["kind"] == "vllm-session" and session["kv_cache"]["vllm"] == stated
