@@ -13,7 +13,7 @@ from rich.table import Table
 from bench.experiment import Experiment, ExperimentHooks, ExperimentResult, load_experiments
 from bench.launcher import VllmServer
 from bench.runner import parse_slo, percentile
-from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model
+from bench.tiny_model import DIRS, is_built, make_tiny_model
 from bench.workload import BenchConfig, WorkloadError
 from reports import DEFAULT_OUT, build_diff, build_summary, write_report
 from servescope.commands import bench
@@ -55,7 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="use a running server for a profile instead of launching one (caches stay warm)",
     )
     run.add_argument(
-        "--model", type=Path, default=DEFAULT_DIR, help=f"model dir (default {DEFAULT_DIR})"
+        "--model",
+        type=Path,
+        default=None,
+        help="model dir (default: the tiny model of the experiment's kind, "
+        + ", ".join(f"{k} {d}" for k, d in DIRS.items())
+        + "; built when missing)",
     )
     run.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"(default {DEFAULT_OUT})")
     run.add_argument("--json", action="store_true", help="print the outcome as JSON")
@@ -86,13 +91,18 @@ def run_experiment(args: argparse.Namespace) -> int:
     if args.name not in experiments:
         console.print(f"[red]unknown experiment {args.name!r}; built in: {', '.join(experiments)}")
         return 2
+    spec = experiments[args.name]
+    model = args.model or DIRS.get(spec.model)
+    if model is None:
+        console.print(f"[red]experiment {args.name}: unknown model kind {spec.model!r}")
+        return 2
     store = open_store(args)
     try:
         experiment = Experiment(
-            experiments[args.name],
+            spec,
             store=store,
             execute=execute,
-            model=args.model,
+            model=model,
             targets=_targets(args.target),
             repeats=args.repeats,
             scale=args.scale,
@@ -103,9 +113,9 @@ def run_experiment(args: argparse.Namespace) -> int:
     except (WorkloadError, ValueError) as exc:
         console.print(f"[red]{exc}")
         return 2
-    if not args.target and not is_built(args.model):
-        with console.status(f"building the tiny model in {args.model}"):
-            make_tiny_model(args.model)
+    if not args.target and not is_built(model):
+        with console.status(f"building the {spec.model} tiny model in {model}"):
+            make_tiny_model(model, kind=spec.model)
     result = experiment.run()
     paths = build_reports(store, result, args.out)
     rows = outcome_rows(store, result)
