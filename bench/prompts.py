@@ -1,10 +1,11 @@
 """Prompts of an exact token count, as the target server counts them.
 
 Text is drawn from a seeded word stream (or, for a workload's `text: passage | decoy`, from the
-predictable tiny model's passage, see `passage_text` and `decoy_text`), tokenized by the server's own `/tokenize`, cut to the
-wanted length, detokenized, and re-counted; the cut is corrected until the server counts exactly
-`n` tokens. Should the text never settle (a tokenizer whose round trip drifts), the prompt is
-sent as the token ids themselves, which every OpenAI-compatible vLLM endpoint accepts.
+predictable tiny model's passage: `passage_text`, `decoy_text`), tokenized by the server's own
+`/tokenize`, cut to the wanted length, detokenized, and re-counted; the cut is corrected until
+the server counts exactly `n` tokens. Should the text never settle (a tokenizer whose round trip
+drifts), the prompt is sent as the token ids themselves, which every OpenAI-compatible vLLM
+endpoint accepts.
 """
 
 from __future__ import annotations

@@ -66,19 +66,18 @@ document, answers a question, and plans the next step of an agent loop with tool
 
 # What the predictable model recites, in a cycle: words of CORPUS that the tokenizer keeps as one
 # token each with their leading space (checked when the model is built).
-PASSAGE = (
-    "the scheduler holds each request in waiting queue until cache has room preemption evicts "
-    "sequences when memory runs out prefix caching reuses blocks of shared prompt so time to "
-    "first token falls prefill splits long pieces that share step with decoding keeps steady "
-    "while summarization admitted gateway protects server team limit rejection boundary "
-    "protection event rather than failure model writes code reviews diff reads answers "
-    "question plans next agent loop tools"
-).split()
+_PASSAGE_TEXT = """
+the scheduler holds each request in waiting queue until cache has room preemption evicts
+sequences when memory runs out prefix caching reuses blocks of shared prompt so time to first
+token falls prefill splits long pieces that share step with decoding keeps steady while
+summarization admitted gateway protects server team limit rejection boundary protection event
+rather than failure model writes code reviews diff reads answers question plans next agent loop
+tools
+"""
+PASSAGE = _PASSAGE_TEXT.split()
 
 
-def make_tiny_model(
-    out_dir: Path = DEFAULT_DIR, *, seed: int = SEED, kind: str = "random"
-) -> Path:
+def make_tiny_model(out_dir: Path = DEFAULT_DIR, *, seed: int = SEED, kind: str = "random") -> Path:
     """Build the model of `kind` (see the module docstring) into `out_dir` (created or
     overwritten) and return it."""
     import torch

@@ -13,7 +13,7 @@ workloads:
     requests_per_level: 12               # or duration_s
     warmup: 2                            # requests sent before measuring, not stored
     endpoint: completions                # or chat
-    text: words                          # words | passage | decoy (prompt text, see bench/prompts.py)
+    text: words                          # or passage | decoy (bench/prompts.py)
     team: lab10
     seed: 7
 metrics: [ttft_ms, tpot_ms, qps, tokens_per_second, memory_peak_gb]

@@ -46,12 +46,13 @@ def shape(rows: list[tuple[str, str | None, float, int]]) -> dict[str, Any] | No
     drafts = totals[DRAFTS]
     draft_tokens = totals.get(DRAFT_TOKENS)
     accepted = totals.get(ACCEPTED)
+    measured = accepted is not None
     return {
         "drafts": drafts,
         "draft_tokens": draft_tokens,
         "accepted_tokens": accepted,
-        "acceptance_rate": accepted / draft_tokens if accepted is not None and draft_tokens else None,
-        "accepted_per_draft": accepted / drafts if accepted is not None and drafts else None,
+        "acceptance_rate": accepted / draft_tokens if measured and draft_tokens else None,
+        "accepted_per_draft": accepted / drafts if measured and drafts else None,
         "per_position": [
             {"position": p, "accepted": n, "rate": n / drafts if drafts else None}
             for p, n in sorted(positions.items())

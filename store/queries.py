@@ -566,6 +566,6 @@ s AS (
 )
 SELECT workload, name, CAST(labels AS JSON)->>'position' AS position, DELTA
 FROM s GROUP BY ALL
-ORDER BY workload
+ORDER BY min(ts), workload
 """.replace("DELTA", _SPEC_DELTA)
 )

@@ -174,6 +174,7 @@ def outcome_rows(store: Store, result: ExperimentResult) -> list[dict[str, Any]]
         events = store.export_events(run.run_id)
         ok = [e for e in events if e.get("status") == "ok"]
         ttft = [e["ttft_ms"] for e in ok if e.get("ttft_ms") is not None]
+        tpot = [e["tpot_ms"] for e in ok if e.get("tpot_ms") is not None]
         probes = [e["ttft_ms"] for e in ok if e.get("request_class") == "probe" and "ttft_ms" in e]
         rows.append(
             {
@@ -186,9 +187,11 @@ def outcome_rows(store: Store, result: ExperimentResult) -> list[dict[str, Any]]
                 "ttft_ms_p50": percentile(ttft, 0.5),
                 "ttft_ms_p95": percentile(ttft, 0.95),
                 "probe_ttft_ms_p50": percentile(probes, 0.5),
+                "tpot_ms_p50": percentile(tpot, 0.5),
                 "server_prefix_cache_hit_ratio": run.result.server.get("prefix_cache_hit_ratio"),
                 "client_cached_token_ratio": run.result.client.get("cached_token_ratio"),
                 "preemptions": run.result.server.get("preemptions"),
+                "spec_decode_acceptance_rate": run.result.server.get("spec_decode_acceptance_rate"),
                 "server_ready_s": run.server_ready_s,
             }
         )
@@ -208,7 +211,10 @@ def outcome_table(rows: list[dict[str, Any]]) -> Table:
         "probe TTFT p50",
         "server hit ratio",
         "client cached ratio",
-        title="runs (server hit ratio: Δhits/Δqueries; client: cached_tokens/prompt_tokens)",
+        "TPOT p50 ms",
+        "draft acceptance",
+        title="runs (server hit ratio: Δhits/Δqueries; client: cached_tokens/prompt_tokens; "
+        "draft acceptance: accepted/draft tokens)",
     )
     for row in rows:
         table.add_row(
@@ -220,6 +226,8 @@ def outcome_table(rows: list[dict[str, Any]]) -> Table:
             num(row["probe_ttft_ms_p50"]),
             num(row["server_prefix_cache_hit_ratio"], ".1%"),
             num(row["client_cached_token_ratio"], ".1%"),
+            num(row["tpot_ms_p50"], ".1f"),
+            num(row["spec_decode_acceptance_rate"], ".1%"),
         )
     return table
 
