@@ -154,7 +154,7 @@ def _compare(
             **_public(a_summary),
         },
         "diff": rows,
-        "spec_decode": spec_diff(b_summary, a_summary, rows),
+        "spec_decode": spec_diff(con, (before, after), (b_summary, a_summary), rows, seed),
         "warnings": workload_warnings(
             b_side, a_side, b_meta["workload"], a_meta["workload"], same_run
         ),

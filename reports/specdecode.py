@@ -19,7 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 import duckdb
+import numpy as np
 
+from reports import bootstrap
 from reports.samples import Slice
 from store import queries
 
@@ -93,33 +95,70 @@ def _by_workload(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return groups
 
 
+def _tpots(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, np.ndarray]:
+    rows = con.execute(queries.SLICE_WORKLOAD_TPOT, part.params()).fetchall()
+    return {name: np.asarray(values, dtype=np.float64) for name, values in rows}
+
+
+def _tpot_test(before: np.ndarray | None, after: np.ndarray | None, seed: int, key: str) -> dict:
+    """TPOT p50 of one workload on both sides, with the diff's bootstrap interval and verdict."""
+    from reports.diff import LOWER, TOO_FEW, _verdict
+
+    b = bootstrap.quantile(before, 0.5) if before is not None else None
+    a = bootstrap.quantile(after, 0.5) if after is not None else None
+    ci, ci_pct = bootstrap.delta_interval(
+        bootstrap.quantile_draws(before, 0.5) if before is not None else None,
+        bootstrap.quantile_draws(after, 0.5) if after is not None else None,
+        seed,
+        key,
+    )
+    verdict = _verdict(b, a, ci if b is not None and a is not None else None, LOWER)
+    if before is not None and after is not None and min(len(before), len(after)) * 0.5 < 3:
+        verdict = TOO_FEW
+    return {
+        "tpot_ms_p50_before": b,
+        "tpot_ms_p50_after": a,
+        "tpot_ms_p50_change_pct": _change(b, a),
+        "tpot_ms_p50_ci95_pct": list(ci_pct) if ci_pct else None,
+        "tpot_verdict": verdict,
+    }
+
+
 def spec_diff(
-    before: dict[str, Any], after: dict[str, Any], rows: list[dict[str, Any]]
+    con: duckdb.DuckDBPyConnection,
+    parts: tuple[Slice, Slice],
+    summaries: tuple[dict[str, Any], dict[str, Any]],
+    rows: list[dict[str, Any]],
+    seed: int,
 ) -> dict[str, Any] | None:
-    """The diff's speculative-decoding section: per workload (and overall) the acceptance on each
-    side next to TPOT and ITL p50 before/after; overall TPOT rows keep their bootstrap verdict.
-    None when neither side ran with speculation."""
+    """The diff's speculative-decoding section: per workload the acceptance on each side next
+    to TPOT p50 (with a bootstrap interval and verdict, as the diff's rows) and ITL p50; overall,
+    the diff's own TPOT rows. None when neither side ran with speculation."""
+    before, after = summaries
     b_spec, a_spec = before["server"].get("spec_decode"), after["server"].get("spec_decode")
     if b_spec is None and a_spec is None:
         return None
     by_metric = {r["metric"]: r for r in rows}
     b_groups, a_groups = _by_workload(before), _by_workload(after)
+    b_tpot, a_tpot = _tpots(con, parts[0]), _tpots(con, parts[1])
     b_accept = {w["workload"]: w for w in (b_spec or {}).get("workloads", [])}
     a_accept = {w["workload"]: w for w in (a_spec or {}).get("workloads", [])}
     workloads = []
     for name in [*a_groups, *(n for n in b_groups if n not in a_groups)]:
         b_group, a_group = b_groups.get(name), a_groups.get(name)
-        entry: dict[str, Any] = {
-            "workload": name,
-            "acceptance_before": (b_accept.get(name) or {}).get("acceptance_rate"),
-            "acceptance_after": (a_accept.get(name) or {}).get("acceptance_rate"),
-            "accepted_per_draft_after": (a_accept.get(name) or {}).get("accepted_per_draft"),
-        }
-        for metric in ("tpot_ms", "itl_ms"):
-            b, a = _p(b_group, metric, "p50"), _p(a_group, metric, "p50")
-            entry[f"{metric}_p50_before"], entry[f"{metric}_p50_after"] = b, a
-            entry[f"{metric}_p50_change_pct"] = _change(b, a)
-        workloads.append(entry)
+        itl_b, itl_a = _p(b_group, "itl_ms", "p50"), _p(a_group, "itl_ms", "p50")
+        workloads.append(
+            {
+                "workload": name,
+                "acceptance_before": (b_accept.get(name) or {}).get("acceptance_rate"),
+                "acceptance_after": (a_accept.get(name) or {}).get("acceptance_rate"),
+                "accepted_per_draft_after": (a_accept.get(name) or {}).get("accepted_per_draft"),
+                **_tpot_test(b_tpot.get(name), a_tpot.get(name), seed, f"spec.tpot.{name}"),
+                "itl_ms_p50_before": itl_b,
+                "itl_ms_p50_after": itl_a,
+                "itl_ms_p50_change_pct": _change(itl_b, itl_a),
+            }
+        )
     return {
         "on_before": b_spec is not None,
         "on_after": a_spec is not None,
@@ -132,6 +171,11 @@ def spec_diff(
     }
 
 
+def _pct(value: float) -> str:
+    change = round(value)
+    return f"{'±' if change == 0 else ('−' if change < 0 else '+')}{abs(change)} %"
+
+
 def headline_part(section: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str | None:
     """E.g. "TPOT p50 −31 % [improved], draft acceptance off → 62 %" for the headline."""
     if section is None:
@@ -140,9 +184,13 @@ def headline_part(section: dict[str, Any] | None, rows: list[dict[str, Any]]) ->
     parts = []
     tpot = by.get("tpot_ms.p50")
     if tpot and tpot["delta_pct"] is not None:
-        change = round(tpot["delta_pct"])
-        sign = "±" if change == 0 else ("−" if change < 0 else "+")
-        parts.append(f"TPOT p50 {sign}{abs(change)} % [{tpot['verdict']}]")
+        parts.append(f"TPOT p50 {_pct(tpot['delta_pct'])} [{tpot['verdict']}]")
+    for w in section["workloads"]:
+        if w["tpot_ms_p50_change_pct"] is not None and w["acceptance_after"] is not None:
+            parts.append(
+                f"{w['workload']}: TPOT p50 {_pct(w['tpot_ms_p50_change_pct'])} "
+                f"[{w['tpot_verdict']}] at {w['acceptance_after'] * 100:.0f} % acceptance"
+            )
 
     def share(value: float | None, on: bool) -> str:
         if not on:

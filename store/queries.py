@@ -569,3 +569,14 @@ FROM s GROUP BY ALL
 ORDER BY min(ts), workload
 """.replace("DELTA", _SPEC_DELTA)
 )
+
+# Each workload's successful TPOTs, sorted: the speculative-decoding diff tests TPOT per workload
+# (drafts accepted on one, rejected on another: a pooled TPOT hides both).
+SLICE_WORKLOAD_TPOT = _sliced(
+    """
+SELECT workload, list(tpot_ms ORDER BY tpot_ms) AS tpot_ms
+FROM events
+WHERE SLICE AND status = 'ok' AND tpot_ms IS NOT NULL AND workload IS NOT NULL
+GROUP BY workload
+"""
+)
