@@ -40,6 +40,7 @@ class ExperimentSpec:
     workloads: list[str] = field(default_factory=list)
     scale: float = 1.0
     requests: int | None = None
+    model: str = "random"  # the tiny model kind (bench/tiny_model.py KINDS) the servers load
 
 
 def load_experiments(path: Path = EXPERIMENTS_FILE) -> dict[str, ExperimentSpec]:
@@ -53,6 +54,7 @@ def load_experiments(path: Path = EXPERIMENTS_FILE) -> dict[str, ExperimentSpec]
             workloads=[str(w) for w in spec.get("workloads") or []],
             scale=float(spec.get("scale", 1.0)),
             requests=spec.get("requests"),
+            model=str(spec.get("model", "random")),
         )
         for name, spec in raw.items()
     }

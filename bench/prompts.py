@@ -1,9 +1,11 @@
 """Prompts of an exact token count, as the target server counts them.
 
-Text is drawn from a seeded word stream, tokenized by the server's own `/tokenize`, cut to the
-wanted length, detokenized, and re-counted; the cut is corrected until the server counts exactly
-`n` tokens. Should the text never settle (a tokenizer whose round trip drifts), the prompt is
-sent as the token ids themselves, which every OpenAI-compatible vLLM endpoint accepts.
+Text is drawn from a seeded word stream (or, for a workload's `text: passage | decoy`, from the
+predictable tiny model's passage: `passage_text`, `decoy_text`), tokenized by the server's own
+`/tokenize`, cut to the wanted length, detokenized, and re-counted; the cut is corrected until
+the server counts exactly `n` tokens. Should the text never settle (a tokenizer whose round trip
+drifts), the prompt is sent as the token ids themselves, which every OpenAI-compatible vLLM
+endpoint accepts.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
 from bench.client import get_json
 from bench.plan import RequestPlan, prefix_size, rng_for
+from bench.tiny_model import PASSAGE
 from bench.workload import Workload
 
 WORDS = [
@@ -98,6 +102,33 @@ def seeded_text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+def passage_text(rng: random.Random, words: int) -> str:
+    """The predictable model's passage, quoted in a cycle from a seeded word: the model's
+    continuation is text the prompt already holds (what the n-gram drafter looks up)."""
+    start = rng.randrange(len(PASSAGE))
+    return " ".join(PASSAGE[(start + i) % len(PASSAGE)] for i in range(words))
+
+
+def decoy_text(rng: random.Random, words: int) -> str:
+    """Triples `w[i] w[i+1] X` of passage words, shuffled, with X never the passage's w[i+2]:
+    every word pair the model will say is in the prompt (so drafts are proposed), but followed
+    by another word (so they are rejected)."""
+    n = len(PASSAGE)
+    out: list[str] = []
+    while len(out) < words:
+        for i in rng.sample(range(n), n):
+            wrong = (i + rng.randrange(3, n)) % n  # any word but w[i+2]
+            out += [PASSAGE[i], PASSAGE[(i + 1) % n], PASSAGE[wrong]]
+    return " ".join(out[:words])
+
+
+TEXTS: dict[str, Callable[[random.Random, int], str]] = {
+    "words": seeded_text,
+    "passage": passage_text,
+    "decoy": decoy_text,
+}
+
+
 class PromptMaker:
     """Exact-length prompts for one served model, using that server's tokenizer."""
 
@@ -124,12 +155,19 @@ class PromptMaker:
             self._specials = len(with_) - len(without)
         return self._specials
 
-    async def exact(self, n: int, rng: random.Random, prefix: str = "") -> Prompt:
-        """A prompt of exactly `n` tokens starting with `prefix` (which must be shorter)."""
+    async def exact(
+        self,
+        n: int,
+        rng: random.Random,
+        prefix: str = "",
+        text: Callable[[random.Random, int], str] = seeded_text,
+    ) -> Prompt:
+        """A prompt of exactly `n` tokens starting with `prefix` (which must be shorter), the
+        rest drawn from `text` (one of TEXTS)."""
         specials = await self.specials()
         words = max(8, n)
         while True:
-            ids = await self.count(prefix + seeded_text(rng, words), special=False)
+            ids = await self.count(prefix + text(rng, words), special=False)
             if len(ids) >= n:
                 break
             words *= 2
@@ -142,7 +180,7 @@ class PromptMaker:
             keep += n - counted
             if not 0 < keep <= len(ids):
                 break
-        return (await self.count(prefix + seeded_text(rng, words)))[:n]
+        return (await self.count(prefix + text(rng, words)))[:n]
 
 
 def payload_for(prompt: Prompt, model: str, output_tokens: int, *, chat: bool) -> dict[str, Any]:
@@ -176,6 +214,7 @@ class PromptBook:
         self.workload = workload
         self.prefix_tokens = prefix_size(workload, scale)
         self.chat = workload.endpoint == "chat"
+        self.text = TEXTS[workload.text]
         self._prefix: str | None = None
 
     async def prefix(self) -> str:
@@ -183,13 +222,15 @@ class PromptBook:
             self._prefix = ""
             if self.prefix_tokens:
                 rng = rng_for(self.workload, "prefix", "text")
-                made = await self.maker.exact(self.prefix_tokens, rng)
+                made = await self.maker.exact(self.prefix_tokens, rng, text=self.text)
                 self._prefix = made if isinstance(made, str) else await self.maker.detokenize(made)
         return self._prefix
 
     async def part(self, plan: RequestPlan) -> str:
         """The request's own text (an agent turn's new user message)."""
-        made = await self.maker.exact(plan.input_tokens, random.Random(plan.text_seed))
+        made = await self.maker.exact(
+            plan.input_tokens, random.Random(plan.text_seed), text=self.text
+        )
         return made if isinstance(made, str) else await self.maker.detokenize(made)
 
     async def body(self, plan: RequestPlan, model: str) -> dict[str, Any]:
@@ -203,8 +244,8 @@ class PromptBook:
             return body
         if prefix:
             prompt = await self.maker.exact(
-                self.prefix_tokens + plan.input_tokens, rng, prefix=prefix + "\n"
+                self.prefix_tokens + plan.input_tokens, rng, prefix=prefix + "\n", text=self.text
             )
         else:
-            prompt = await self.maker.exact(plan.input_tokens, rng)
+            prompt = await self.maker.exact(plan.input_tokens, rng, text=self.text)
         return payload_for(prompt, model, plan.output_tokens, chat=False)

@@ -235,6 +235,9 @@ class BenchRun:
                                 all_events.extend(state.events)
                                 await self._store_events(state.events)
                         result.levels.extend(self._level_stats(s) for s in states)
+                        # a page at each level's end: counters (speculative-decoding drafts…)
+                        # split exactly between levels that run one after another
+                        await scraper.scrape()
             except (asyncio.CancelledError, KeyboardInterrupt):
                 result.status = "partial"
             except (TimeoutError, aiohttp.ClientError) as exc:

@@ -28,6 +28,8 @@ COUNTERS = (
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
     "vllm:request_success_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
 )
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
@@ -118,6 +120,8 @@ class MetricsScraper:
         queries = deltas["vllm:prefix_cache_queries_total"]
         prompt = deltas["vllm:prompt_tokens_total"]
         ratio, basis = prefix_cache_hit_ratio(hits, queries, prompt)
+        drafted = deltas["vllm:spec_decode_num_draft_tokens_total"]
+        accepted = deltas["vllm:spec_decode_num_accepted_tokens_total"]
         return {
             "prefix_cache_hit_ratio": ratio,
             "prefix_cache_hit_ratio_basis": basis,
@@ -127,6 +131,12 @@ class MetricsScraper:
             "prompt_tokens": deltas["vllm:prompt_tokens_total"],
             "generation_tokens": deltas["vllm:generation_tokens_total"],
             "requests_finished": deltas["vllm:request_success_total"],
+            # None without speculative decoding (the server exports no spec_decode counters)
+            "spec_decode_draft_tokens": drafted,
+            "spec_decode_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / drafted
+            if accepted is not None and drafted
+            else None,
             "peak_running": peaks["vllm:num_requests_running"],
             "peak_waiting": peaks["vllm:num_requests_waiting"],
             "kv_cache_usage_peak": peaks["vllm:kv_cache_usage_perc"],

@@ -13,6 +13,7 @@ workloads:
     requests_per_level: 12               # or duration_s
     warmup: 2                            # requests sent before measuring, not stored
     endpoint: completions                # or chat
+    text: words                          # or passage | decoy (bench/prompts.py)
     team: lab10
     seed: 7
 metrics: [ttft_ms, tpot_ms, qps, tokens_per_second, memory_peak_gb]
@@ -37,6 +38,10 @@ DEFAULT_REQUESTS_PER_LEVEL = 32
 WORKLOADS_DIR = Path(__file__).with_name("workloads")
 ARRIVALS = ("constant", "poisson", "gamma")
 ENDPOINTS = ("completions", "chat")
+# Prompt text: a seeded word stream; the predictable tiny model's passage (its outputs repeat the
+# prompt: n-gram drafts accepted); or decoys (the passage's word pairs continued otherwise: drafts
+# proposed and rejected). See bench/prompts.py and bench/tiny_model.py.
+TEXTS = ("words", "passage", "decoy")
 DISTRIBUTIONS = ("uniform", "normal", "lognormal")
 
 
@@ -98,6 +103,7 @@ class Workload:
     duration_s: float | None = None
     warmup: int = 0
     endpoint: str = "completions"
+    text: str = "words"
     team: str | None = None
     seed: int = 0
     prefix_tokens: Tokens | None = None
@@ -272,6 +278,9 @@ def parse_workload(raw: Any, defaults: dict[str, Any], where: str) -> Workload:
     endpoint = raw.get("endpoint", "completions")
     if endpoint not in ENDPOINTS:
         raise WorkloadError(f"{where}: endpoint must be completions or chat, got {endpoint!r}")
+    text = raw.get("text", "words")
+    if text not in TEXTS:
+        raise WorkloadError(f"{where}: text must be one of {TEXTS}, got {text!r}")
     duration = raw.get("duration_s")
     prefix = raw.get("prefix_tokens")
     return Workload(
@@ -289,6 +298,7 @@ def parse_workload(raw: Any, defaults: dict[str, Any], where: str) -> Workload:
         duration_s=None if duration is None else _positive_number(duration, f"{where}: duration_s"),
         warmup=_non_negative_int(raw.get("warmup", 0), f"{where}: warmup"),
         endpoint=endpoint,
+        text=text,
         team=None if raw.get("team") is None else str(raw["team"]),
         seed=int(raw.get("seed", 0)),
         prefix_tokens=None if not prefix else parse_tokens(prefix, f"{where}: prefix_tokens"),

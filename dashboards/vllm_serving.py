@@ -1,6 +1,7 @@
 """The vLLM serving dashboard: the five core indicators first (TTFT, TPOT/ITL, queue time and
 depth, prefix-cache hit ratio, error rate), then throughput, latency detail, KV cache and
-preemptions, and prompt/generation length heatmaps. Metric names are vLLM's (0.32, V1 engine).
+preemptions, prompt/generation length heatmaps, and speculative decoding (draft acceptance).
+Metric names are vLLM's (0.32, V1 engine).
 """
 
 from __future__ import annotations
@@ -247,13 +248,65 @@ def memory_and_lengths() -> list:
     ]
 
 
+SPEC = "vllm:spec_decode_num_"
+
+
+def speculative_decoding() -> list:
+    """Draft acceptance: what the seeds' row "speculative decoding disappoints" asks for. The
+    series exist only on servers started with `--speculative-config`; elsewhere these panels
+    stay empty."""
+    return [
+        row("Speculative decoding"),
+        timeseries(
+            "Draft acceptance rate",
+            "Accepted draft tokens / proposed draft tokens (speculative decoding). Bad: a low or "
+            "falling rate means drafts are verified and thrown away - every decode step pays for "
+            "k extra tokens and TPOT gets worse, not better; lower num_speculative_tokens, pick "
+            "a draft method that fits the traffic (n-gram needs outputs that repeat the prompt), "
+            "or turn speculation off. Compare with TPOT before/after the flip.",
+            "percentunit",
+            [
+                Query(
+                    f"{_rate(SPEC + 'accepted_tokens_total')} "
+                    f"/ {_rate(SPEC + 'draft_tokens_total')}",
+                    "acceptance {{model_name}}",
+                ),
+                Query(
+                    f"sum by (model_name, position) "
+                    f"(rate({SPEC}accepted_tokens_per_pos_total{{{MODEL}}}[{RATE}])) "
+                    f"/ on (model_name) group_left {_rate(SPEC + 'drafts_total')}",
+                    "position {{position}} {{model_name}}",
+                ),
+            ],
+            max_value=1,
+        ),
+        timeseries(
+            "Accepted and proposed draft tokens/s",
+            "Draft tokens the target model accepted per second (tokens speculation saved a "
+            "decode step for), next to the draft tokens proposed. Bad: proposed far above "
+            "accepted - speculation costs verification compute for little gain; accepted near "
+            "0 while tokens are generated - the drafter finds no matches in this traffic.",
+            TOKENS_PER_SECOND,
+            [
+                Query(_rate(SPEC + "accepted_tokens_total"), "accepted {{model_name}}"),
+                Query(_rate(SPEC + "draft_tokens_total"), "proposed {{model_name}}"),
+            ],
+        ),
+    ]
+
+
 def build() -> Dashboard:
     return dashboard(
         UID,
         "vLLM serving",
         "The five core indicators of a vLLM server (TTFT, TPOT/ITL, queue time, prefix-cache "
-        "hit ratio, error rate), then throughput, KV cache and request lengths. Lever flips are "
-        "annotated on every time series.",
-        [*core_indicators(), *throughput_and_latency(), *memory_and_lengths()],
+        "hit ratio, error rate), then throughput, KV cache, request lengths and speculative "
+        "decoding. Lever flips are annotated on every time series.",
+        [
+            *core_indicators(),
+            *throughput_and_latency(),
+            *memory_and_lengths(),
+            *speculative_decoding(),
+        ],
         [label_variable("model_name", "vllm:num_requests_running", "Model")],
     )

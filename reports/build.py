@@ -24,6 +24,7 @@ from reports.diff import (
     workload_warnings,
 )
 from reports.samples import Slice, choose_sources, load_samples
+from reports.specdecode import headline_part, spec_diff
 from reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
 from reports.windows import WHOLE, Window, resolve
 from reports.windows import label as window_label
@@ -230,6 +231,7 @@ def _compare(
             **_public(a_summary),
         },
         "diff": rows,
+        "spec_decode": spec_diff(con, (before, after), (b_summary, a_summary), rows, seed),
         "warnings": workload_warnings(
             b_side, a_side, b_meta["workload"], a_meta["workload"], same_run
         ),
@@ -242,6 +244,13 @@ def _compare(
         },
         "slo": options.slo or None,
     }
+
+
+def _headline(change: str, compared: dict[str, Any], before: Side, after: Side) -> str:
+    """The diff's headline, with TPOT and draft acceptance when speculation ran on a side."""
+    line = headline(change, compared["diff"], before, after)
+    spec = headline_part(compared["spec_decode"], compared["diff"])
+    return f"{line}; {spec}" if spec else line
 
 
 def build_diff(
@@ -282,7 +291,7 @@ def build_diff(
         "levers": run.get("levers") or {},
         "run": meta,
         **{k: compared["after"][k] for k in ("overall", "groups", "server", "admission")},
-        "headline": headline(change, compared["diff"], b_side, a_side),
+        "headline": _headline(change, compared, b_side, a_side),
         "lever_changes": changes,
         **compared,
         "checklist": checks,
@@ -328,7 +337,7 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         "run": meta,
         **_public(summary),
         "split_at": at.isoformat() + "Z",
-        "headline": headline(change, compared["diff"], b_side, a_side),
+        "headline": _headline(change, compared, b_side, a_side),
         "lever_changes": changes,
         "warnings": warnings,
         **compared,

@@ -9,6 +9,7 @@ to resample, so it gets no interval and the verdict `not tested`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,11 @@ def _cached_token_ratio(side: Side) -> tuple[float | None, Draws | None]:
     return side.summary["overall"]["cached_token_ratio"], None
 
 
+def _acceptance_rate(side: Side) -> tuple[float | None, Draws | None]:
+    spec = side.summary["server"].get("spec_decode")
+    return (spec or {}).get("acceptance_rate"), None
+
+
 # (metric name in report.json, better direction, how to estimate it on one side)
 INDICATORS: list[tuple[str, str, Estimator]] = [
     *[
@@ -145,6 +151,7 @@ INDICATORS: list[tuple[str, str, Estimator]] = [
     ("cache_hit_request_ratio", HIGHER, _cache_hit_share),
     ("cached_token_ratio", HIGHER, _cached_token_ratio),
     ("server.prefix_cache_hit_ratio", HIGHER, _server_ratio),
+    ("server.spec_decode_acceptance_ratio", HIGHER, _acceptance_rate),
 ]
 
 
@@ -312,13 +319,32 @@ def describe_change(changes: list[dict[str, Any]], fallback: str) -> str:
     if not changes:
         return fallback
     return "; ".join(
-        f"{c['lever']} {_value(c['before'])} → {_value(c['after'])}" for c in changes[:4]
+        f"{c['lever']} {_value(c['before'], c['lever'])} → {_value(c['after'], c['lever'])}"
+        for c in changes[:4]
     ) + (f"; … {len(changes) - 4} more" if len(changes) > 4 else "")
 
 
-def _value(value: Any) -> str:
+def _value(value: Any, lever: str = "") -> str:
+    if lever == "speculative_config":
+        return speculation_name(value)
     if value is None:
         return "unset"
     if isinstance(value, bool):
         return "on" if value else "off"
     return str(value)
+
+
+def speculation_name(value: Any) -> str:
+    """`--speculative-config` as people say it: unset → `off`, `{"method": "ngram",
+    "num_speculative_tokens": 3, …}` → `ngram k=3`; anything unparsable as given."""
+    if value in (None, "default", False):
+        return "off"
+    try:
+        config = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        return str(value)
+    if not isinstance(config, dict):
+        return str(value)
+    method = config.get("method") or config.get("model") or "speculation"
+    k = config.get("num_speculative_tokens")
+    return f"{method} k={k}" if k is not None else str(method)

@@ -14,6 +14,7 @@ import duckdb
 
 from reports.bootstrap import quantile
 from reports.samples import CLIENT, FIXED_SOURCES, SERVER, SERVER_FIGURES, Samples, Slice
+from reports.specdecode import spec_decode
 from store import queries
 from store.metrics import prefix_cache_hit_ratio
 
@@ -263,7 +264,7 @@ def summarize(
             }
             for g in groups
         ],
-        "server": _server(con, part),
+        "server": {**_server(con, part), "spec_decode": spec_decode(con, part)},
         "admission": {
             "rejections": _dicts(con.execute(queries.SLICE_REJECTIONS, params)),
             "teams": _dicts(con.execute(queries.SLICE_TEAMS, params)),

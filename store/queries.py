@@ -617,3 +617,71 @@ SELECT quantile_cont(prompt_tokens, [0.5, 0.95]) FILTER (WHERE status = 'ok') AS
 FROM events WHERE SLICE
 """
 )
+
+# -- speculative decoding: vLLM's spec_decode counters over a slice, and per workload ----------
+# `position` is the label of vllm:spec_decode_num_accepted_tokens_per_pos_total (NULL for the
+# other counters). Same reset-aware rule as COUNTER_DELTAS.
+_SPEC_DELTA = """sum(CASE WHEN prev IS NULL THEN 0
+                WHEN value >= prev THEN value - prev
+                ELSE value END) AS delta,
+       count(*) AS samples"""
+
+SLICE_SPEC_DECODE = _samples_sliced(
+    """
+WITH s AS (
+    SELECT target, labels, name, ts, value,
+           lag(value) OVER (PARTITION BY target, name, labels ORDER BY ts) AS prev
+    FROM metric_samples
+    WHERE starts_with(name, 'vllm:spec_decode_') AND SLICE
+)
+SELECT name, CAST(labels AS JSON)->>'position' AS position, DELTA
+FROM s GROUP BY ALL
+""".replace("DELTA", _SPEC_DELTA)
+)
+
+# Per workload of a slice: from the run's last sample at or before the workload's first request
+# to its first sample at or after the workload's last request ended. The bench scrapes at each
+# level's end, so workloads that run one after another split exactly; with samples only every
+# second (a collector's scrape) a window may take in up to a second of its neighbours.
+SLICE_SPEC_DECODE_BY_WORKLOAD = _sliced(
+    """
+WITH w AS (
+    SELECT workload, min(ts) AS first_ts,
+           max(ts + to_microseconds(CAST(COALESCE(e2e_ms, 0) * 1000 AS BIGINT))) AS last_end
+    FROM events
+    WHERE SLICE AND workload IS NOT NULL
+    GROUP BY workload
+),
+m AS (
+    SELECT target, labels, name, ts, value
+    FROM metric_samples
+    WHERE run_id = $run_id AND starts_with(name, 'vllm:spec_decode_')
+),
+b AS (
+    SELECT workload,
+           (SELECT max(ts) FROM m WHERE m.ts <= w.first_ts) AS lo,
+           (SELECT min(ts) FROM m WHERE m.ts >= w.last_end) AS hi
+    FROM w
+),
+s AS (
+    SELECT b.workload, m.target, m.labels, m.name, m.ts, m.value,
+           lag(m.value) OVER (PARTITION BY b.workload, m.target, m.name, m.labels
+                              ORDER BY m.ts) AS prev
+    FROM b JOIN m ON m.ts BETWEEN b.lo AND b.hi
+)
+SELECT workload, name, CAST(labels AS JSON)->>'position' AS position, DELTA
+FROM s GROUP BY ALL
+ORDER BY min(ts), workload
+""".replace("DELTA", _SPEC_DELTA)
+)
+
+# Each workload's successful TPOTs, sorted: the speculative-decoding diff tests TPOT per workload
+# (drafts accepted on one, rejected on another: a pooled TPOT hides both).
+SLICE_WORKLOAD_TPOT = _sliced(
+    """
+SELECT workload, list(tpot_ms ORDER BY tpot_ms) AS tpot_ms
+FROM events
+WHERE SLICE AND status = 'ok' AND tpot_ms IS NOT NULL AND workload IS NOT NULL
+GROUP BY workload
+"""
+)

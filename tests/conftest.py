@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model
+from bench.tiny_model import DEFAULT_DIR, PREDICTABLE_DIR, is_built, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVESCOPE = [sys.executable, "-m", "servescope.cli"]
@@ -90,9 +90,51 @@ def vllm_server(
 ) -> Iterator[RunningServer]:
     """A real vLLM for the session, via `servescope serve`. At the end it is stopped with SIGTERM
     and the teardown asserts that the launcher exits 0 and leaves no engine process behind."""
-    port = free_port()
     otlp_port = free_port()  # the collector's OTLP receiver binds it in tests/test_collector_e2e.py
-    folder = tmp_path_factory.mktemp("vllm")
+    yield from _served(
+        tiny_model,
+        "tiny",
+        tmp_path_factory.mktemp("vllm"),
+        extra=["--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_port}/v1/traces"],
+        otlp_port=otlp_port,
+    )
+
+
+@pytest.fixture(scope="session")
+def predictable_model() -> Path:
+    model = ROOT / PREDICTABLE_DIR
+    if not is_built(model):
+        make_tiny_model(model, kind="predictable")
+    return model
+
+
+@pytest.fixture(scope="session")
+def spec_vllm_server(
+    predictable_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """A second real vLLM, for speculative decoding: the predictable tiny model (its outputs
+    repeat prompts that quote its passage) with the `ngram-speculation` profile. Shared by the
+    speculative-decoding experiment test and the live dashboard test (one start per session)."""
+    yield from _served(
+        predictable_model,
+        "tiny-predictable",
+        tmp_path_factory.mktemp("vllm-spec"),
+        profile="ngram-speculation",
+    )
+
+
+def _served(
+    model: Path,
+    served_name: str,
+    folder: Path,
+    *,
+    profile: str | None = None,
+    extra: list[str] | None = None,
+    otlp_port: int = 0,
+) -> Iterator[RunningServer]:
+    """`servescope serve` until the session ends; then SIGTERM, and the teardown asserts that the
+    launcher exits 0 and leaves no engine process behind."""
+    port = free_port()
     log = folder / "vllm.log"
     launcher_out = (folder / "serve.out").open("w")
     process = subprocess.Popen(
@@ -100,16 +142,15 @@ def vllm_server(
             *SERVESCOPE,
             "serve",
             "--model",
-            str(tiny_model),
+            str(model),
             "--served-model-name",
-            "tiny",
+            served_name,
             "--port",
             str(port),
             "--log",
             str(log),
-            "--",
-            "--otlp-traces-endpoint",
-            f"http://127.0.0.1:{otlp_port}/v1/traces",
+            *(["--profile", profile] if profile else []),
+            *(["--", *extra] if extra else []),
         ],
         cwd=ROOT,
         stdout=launcher_out,
@@ -131,7 +172,9 @@ def vllm_server(
     while not state.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
-    yield RunningServer(url=url, port=port, log=log, process=process, otlp_port=otlp_port)
+    yield RunningServer(
+        url=url, port=port, log=log, process=process, served_name=served_name, otlp_port=otlp_port
+    )
 
     process.send_signal(signal.SIGTERM)
     code = process.wait(timeout=90)

@@ -2,7 +2,9 @@
 here on loopback with its own TSDB) that scraped, every second, the session's real vLLM, a real
 servescope gateway and a real servescope collector while a short bench ran: prompts sharing a
 prefix straight at vLLM, streaming requests of two teams through the gateway (some rejected),
-a half-written line for the collector. A panel whose query returns nothing fails by its title.
+a half-written line for the collector, and prompts that quote the predictable model's passage
+at a second real vLLM with n-gram speculative decoding (drafts proposed and accepted). A panel
+whose query returns nothing fails by its title.
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ workloads:
     concurrency: [1, 3]
     requests_per_level: 5
   - {name: plain, input_tokens: 64, output_tokens: 24, concurrency: [2], requests_per_level: 4}
+"""
+# At the speculative-decoding vLLM (predictable model): outputs that repeat the prompt.
+SPEC_WORKLOAD = """
+workloads:
+  - {name: repeat, text: passage, input_tokens: 128, output_tokens: 32, concurrency: [1],
+     requests_per_level: 6}
 """
 GATEWAY_KEYS = {"alpha": "sk-dash-alpha-7f3c", "beta": "sk-dash-beta-91d2"}
 
@@ -186,6 +194,7 @@ def collector(
 @pytest.fixture(scope="module")
 def prometheus(
     vllm_server: RunningServer,
+    spec_vllm_server: RunningServer,
     gateway: str,
     collector: Collector,
     tmp_path_factory: pytest.TempPathFactory,
@@ -195,6 +204,7 @@ def prometheus(
     folder = tmp_path_factory.mktemp("prometheus")
     targets = {
         "vllm": vllm_server.url,
+        "vllm-speculative": spec_vllm_server.url,
         "servescope-gateway": gateway,
         "servescope-collector": collector.url,
     }
@@ -252,16 +262,20 @@ def _through_gateway(gateway: str, team: str, prompt: str) -> int | str:
 def scraped_run(
     prometheus: Prometheus,
     vllm_server: RunningServer,
+    spec_vllm_server: RunningServer,
     gateway: str,
     collector: Collector,
     events_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Prometheus, float, float]:
-    """Bench at vLLM and traffic through the gateway, all while Prometheus scrapes every second.
-    Returns (prometheus, start, end) of the traffic, as unix seconds."""
+    """Bench at vLLM and traffic through the gateway, then repeating prompts at the speculative
+    vLLM, all while Prometheus scrapes every second. Returns (prometheus, start, end) of the
+    traffic, as unix seconds."""
     folder = tmp_path_factory.mktemp("dash-bench")
     config = folder / "workload.yaml"
     config.write_text(WORKLOAD)
+    spec_config = folder / "speculative.yaml"
+    spec_config.write_text(SPEC_WORKLOAD)
     start = time.time()
     statuses: dict[str, list[int | str]] = {"alpha": [], "beta": []}
     done = threading.Event()
@@ -303,6 +317,10 @@ def scraped_run(
         traffic.join()
     assert result.returncode == 0, result.stderr[-3000:]
     assert set(statuses["alpha"]) == {200} and set(statuses["beta"]) == {413}, statuses
+    spec_run = servescope(
+        *bench_args(spec_config, spec_vllm_server.url, "run-20261122-spec", folder / "s.duckdb")
+    )
+    assert spec_run.returncode == 0, spec_run.stderr[-3000:]
     time.sleep(5)  # a few more scrapes, so the last requests are in every rate window
     return prometheus, start, time.time()
 
@@ -347,8 +365,23 @@ def test_recording_and_alert_rules_load_and_evaluate(
     prom, _, _ = scraped_run
     groups = prom.get("/api/v1/rules")["groups"]
     rules = [r for g in groups for r in g["rules"]]
-    assert len(rules) == 13
+    assert len(rules) == 15
     assert not [(r["name"], r.get("lastError")) for r in rules if r.get("health") == "err"]
+
+
+def test_drafts_were_accepted(scraped_run: tuple[Prometheus, float, float]) -> None:
+    """The speculative vLLM proposed drafts during this run and accepted most of them: the
+    acceptance panel shows a real rate, not a 0/0."""
+    prom, start, end = scraped_run
+    window = f"{math.ceil(end - start)}s"
+
+    def total(metric: str) -> float:
+        found = prom.get("/api/v1/query", query=f"sum(increase({metric}[{window}]))", time=end)
+        return float(found["result"][0]["value"][1])
+
+    drafted = total("vllm:spec_decode_num_draft_tokens_total")
+    assert drafted > 0
+    assert total("vllm:spec_decode_num_accepted_tokens_total") / drafted > 0.5
 
 
 def test_lever_flip_annotation_marks_the_flip(

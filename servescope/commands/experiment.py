@@ -23,7 +23,7 @@ from bench.experiment import (
 )
 from bench.launcher import VllmServer
 from bench.runner import parse_slo, percentile
-from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model
+from bench.tiny_model import DIRS, is_built, make_tiny_model
 from bench.workload import BenchConfig, WorkloadError
 from reports import DEFAULT_OUT, build_diff, build_summary, write_report
 from servescope.commands import bench
@@ -65,7 +65,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="use a running server for a profile instead of launching one (caches stay warm)",
     )
     run.add_argument(
-        "--model", type=Path, default=DEFAULT_DIR, help=f"model dir (default {DEFAULT_DIR})"
+        "--model",
+        type=Path,
+        default=None,
+        help="model dir (default: the tiny model of the experiment's kind, "
+        + ", ".join(f"{k} {d}" for k, d in DIRS.items())
+        + "; built when missing)",
     )
     run.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"(default {DEFAULT_OUT})")
     run.add_argument("--json", action="store_true", help="print the outcome as JSON")
@@ -96,13 +101,18 @@ def run_experiment(args: argparse.Namespace) -> int:
     if args.name not in experiments:
         console.print(f"[red]unknown experiment {args.name!r}; built in: {', '.join(experiments)}")
         return 2
+    spec = experiments[args.name]
+    model = args.model or DIRS.get(spec.model)
+    if model is None:
+        console.print(f"[red]experiment {args.name}: unknown model kind {spec.model!r}")
+        return 2
     store = open_store(args)
     try:
         experiment = Experiment(
-            experiments[args.name],
+            spec,
             store=store,
             execute=execute,
-            model=args.model,
+            model=model,
             targets=_targets(args.target),
             repeats=args.repeats,
             scale=args.scale,
@@ -113,9 +123,9 @@ def run_experiment(args: argparse.Namespace) -> int:
     except (WorkloadError, ValueError) as exc:
         console.print(f"[red]{exc}")
         return 2
-    if not args.target and not is_built(args.model):
-        with console.status(f"building the tiny model in {args.model}"):
-            make_tiny_model(args.model)
+    if not args.target and not is_built(model):
+        with console.status(f"building the {spec.model} tiny model in {model}"):
+            make_tiny_model(model, kind=spec.model)
     result = experiment.run()
     paths = build_reports(store, result, args.out)
     rows = outcome_rows(store, result)
@@ -241,6 +251,7 @@ def outcome_rows(store: Store, result: ExperimentResult) -> list[dict[str, Any]]
         events = store.export_events(run.run_id)
         ok = [e for e in events if e.get("status") == "ok"]
         ttft = [e["ttft_ms"] for e in ok if e.get("ttft_ms") is not None]
+        tpot = [e["tpot_ms"] for e in ok if e.get("tpot_ms") is not None]
         probes = [e["ttft_ms"] for e in ok if e.get("request_class") == "probe" and "ttft_ms" in e]
         rows.append(
             {
@@ -253,9 +264,11 @@ def outcome_rows(store: Store, result: ExperimentResult) -> list[dict[str, Any]]
                 "ttft_ms_p50": percentile(ttft, 0.5),
                 "ttft_ms_p95": percentile(ttft, 0.95),
                 "probe_ttft_ms_p50": percentile(probes, 0.5),
+                "tpot_ms_p50": percentile(tpot, 0.5),
                 "server_prefix_cache_hit_ratio": run.result.server.get("prefix_cache_hit_ratio"),
                 "client_cached_token_ratio": run.result.client.get("cached_token_ratio"),
                 "preemptions": run.result.server.get("preemptions"),
+                "spec_decode_acceptance_rate": run.result.server.get("spec_decode_acceptance_rate"),
                 "server_ready_s": run.server_ready_s,
             }
         )
@@ -275,7 +288,10 @@ def outcome_table(rows: list[dict[str, Any]]) -> Table:
         "probe TTFT p50",
         "server hit ratio",
         "client cached ratio",
-        title="runs (server hit ratio: Δhits/Δqueries; client: cached_tokens/prompt_tokens)",
+        "TPOT p50 ms",
+        "draft acceptance",
+        title="runs (server hit ratio: Δhits/Δqueries; client: cached_tokens/prompt_tokens; "
+        "draft acceptance: accepted/draft tokens)",
     )
     for row in rows:
         table.add_row(
@@ -287,6 +303,8 @@ def outcome_table(rows: list[dict[str, Any]]) -> Table:
             num(row["probe_ttft_ms_p50"]),
             num(row["server_prefix_cache_hit_ratio"], ".1%"),
             num(row["client_cached_token_ratio"], ".1%"),
+            num(row["tpot_ms_p50"], ".1f"),
+            num(row["spec_decode_acceptance_rate"], ".1%"),
         )
     return table
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.tiny_model import DEFAULT_DIR, checksum, is_built, make_tiny_model
+from bench.tiny_model import DIRS, KINDS, checksum, is_built, make_tiny_model
 from servescope.commands.common import console
 
 
@@ -15,21 +15,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     make = models.add_parser(
         "make-tiny",
         help="build a 1.5M-parameter Llama model and tokenizer, deterministically",
-        description="Build a tiny Llama model (random weights, fixed seed) and a byte-level BPE "
-        "tokenizer with a chat template. Two builds are byte-identical.",
+        description="Build a tiny Llama model and a byte-level BPE tokenizer with a chat "
+        "template. Kind `random` (the default): random weights (fixed seed), gibberish output. "
+        "Kind `predictable`: hand-set weights whose greedy output recites a fixed passage, so "
+        "n-gram speculative decoding proposes and accepts drafts on prompts that quote it (the "
+        "`speculative-decoding` experiment). Two builds of a kind are byte-identical.",
     )
     make.add_argument(
-        "dir", nargs="?", type=Path, default=DEFAULT_DIR, help=f"(default {DEFAULT_DIR})"
+        "dir",
+        nargs="?",
+        type=Path,
+        default=None,
+        help=", ".join(f"default {d} for {k}" for k, d in DIRS.items()),
     )
+    make.add_argument("--kind", choices=KINDS, default="random", help="(default random)")
     make.add_argument("--force", action="store_true", help="rebuild even when the model exists")
     make.set_defaults(func=run_make_tiny)
 
 
 def run_make_tiny(args: argparse.Namespace) -> int:
-    if is_built(args.dir) and not args.force:
-        console.print(f"tiny model already at {args.dir} (use --force to rebuild)")
+    target = args.dir or DIRS[args.kind]
+    if is_built(target) and not args.force:
+        console.print(f"tiny model already at {target} (use --force to rebuild)")
     else:
-        with console.status(f"building the tiny model in {args.dir}"):
-            make_tiny_model(args.dir)
-    print(f"{args.dir}  sha256:{checksum(args.dir)}")
+        with console.status(f"building the {args.kind} tiny model in {target}"):
+            make_tiny_model(target, kind=args.kind)
+    print(f"{target}  sha256:{checksum(target)}")
     return 0

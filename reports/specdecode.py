@@ -1,0 +1,203 @@
+"""Speculative decoding in a report: how many drafts vLLM proposed, how many of their tokens the
+target model accepted, and where in a draft acceptance stops; in a diff, TPOT and ITL next to it.
+
+All of it comes from the run's scraped `/metrics` counters (deltas over the slice, and over each
+workload's window): `vllm:spec_decode_num_drafts_total`, `…_num_draft_tokens_total`,
+`…_num_accepted_tokens_total` and `…_num_accepted_tokens_per_pos_total{position}`. A server
+without speculation exports none of them, and the section is then None ("off"), not zeros.
+
+- acceptance rate = accepted tokens / draft tokens (vLLM's "draft acceptance rate");
+- accepted per draft = accepted tokens / drafts: the mean accepted length of a draft, 0…k
+  (vLLM logs 1 + this as "mean acceptance length": each verify step also yields one token of
+  the target model's own);
+- per position i = accepted at position i / drafts: the share of drafts whose first i+1 tokens
+  were all accepted (a draft is accepted up to its first wrong token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import duckdb
+import numpy as np
+
+from reports import bootstrap
+from reports.samples import Slice
+from store import queries
+
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def shape(rows: list[tuple[str, str | None, float, int]]) -> dict[str, Any] | None:
+    """(name, position, delta, samples) rows into the report's numbers; None when the server
+    exported no spec-decode counter (speculation off) or they were sampled fewer than twice."""
+    totals: dict[str, float] = {}
+    positions: dict[int, float] = {}
+    for name, position, delta, samples in rows:
+        if samples < 2:
+            continue
+        if name == PER_POSITION and position is not None:
+            positions[int(position)] = positions.get(int(position), 0.0) + float(delta)
+        else:
+            totals[name] = totals.get(name, 0.0) + float(delta)
+    if DRAFTS not in totals:
+        return None
+    drafts = totals[DRAFTS]
+    draft_tokens = totals.get(DRAFT_TOKENS)
+    accepted = totals.get(ACCEPTED)
+    measured = accepted is not None
+    return {
+        "drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / draft_tokens if measured and draft_tokens else None,
+        "accepted_per_draft": accepted / drafts if measured and drafts else None,
+        "per_position": [
+            {"position": p, "accepted": n, "rate": n / drafts if drafts else None}
+            for p, n in sorted(positions.items())
+        ],
+    }
+
+
+def spec_decode(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any] | None:
+    """The slice's speculative-decoding numbers, overall and per workload (None: not on)."""
+    params = part.params()
+    overall = shape(con.execute(queries.SLICE_SPEC_DECODE, params).fetchall())
+    if overall is None:
+        return None
+    by_workload: dict[str, list[tuple[str, str | None, float, int]]] = {}
+    for workload, *row in con.execute(queries.SLICE_SPEC_DECODE_BY_WORKLOAD, params).fetchall():
+        by_workload.setdefault(workload, []).append(tuple(row))  # type: ignore[arg-type]
+    workloads = [
+        {"workload": name, **numbers}
+        for name, rows in by_workload.items()
+        if (numbers := shape(rows)) is not None
+    ]
+    return {**overall, "workloads": workloads}
+
+
+def _p(group: dict[str, Any] | None, metric: str, q: str) -> float | None:
+    return None if group is None else group[metric][q]
+
+
+def _change(before: float | None, after: float | None) -> float | None:
+    return (after - before) / before * 100.0 if before and after is not None else None
+
+
+def _by_workload(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each workload's latency group (the first level of it: speculation runs at one level)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for group in summary["groups"]:
+        groups.setdefault(group["workload"], group)
+    return groups
+
+
+def _tpots(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, np.ndarray]:
+    rows = con.execute(queries.SLICE_WORKLOAD_TPOT, part.params()).fetchall()
+    return {name: np.asarray(values, dtype=np.float64) for name, values in rows}
+
+
+def _tpot_test(before: np.ndarray | None, after: np.ndarray | None, seed: int, key: str) -> dict:
+    """TPOT p50 of one workload on both sides, with the diff's bootstrap interval and verdict."""
+    from reports.diff import LOWER, TOO_FEW, _verdict
+
+    b = bootstrap.quantile(before, 0.5) if before is not None else None
+    a = bootstrap.quantile(after, 0.5) if after is not None else None
+    ci, ci_pct = bootstrap.delta_interval(
+        bootstrap.quantile_draws(before, 0.5) if before is not None else None,
+        bootstrap.quantile_draws(after, 0.5) if after is not None else None,
+        seed,
+        key,
+    )
+    verdict = _verdict(b, a, ci if b is not None and a is not None else None, LOWER)
+    if before is not None and after is not None and min(len(before), len(after)) * 0.5 < 3:
+        verdict = TOO_FEW
+    return {
+        "tpot_ms_p50_before": b,
+        "tpot_ms_p50_after": a,
+        "tpot_ms_p50_change_pct": _change(b, a),
+        "tpot_ms_p50_ci95_pct": list(ci_pct) if ci_pct else None,
+        "tpot_verdict": verdict,
+    }
+
+
+def spec_diff(
+    con: duckdb.DuckDBPyConnection,
+    parts: tuple[Slice, Slice],
+    summaries: tuple[dict[str, Any], dict[str, Any]],
+    rows: list[dict[str, Any]],
+    seed: int,
+) -> dict[str, Any] | None:
+    """The diff's speculative-decoding section: per workload the acceptance on each side next
+    to TPOT p50 (with a bootstrap interval and verdict, as the diff's rows) and ITL p50; overall,
+    the diff's own TPOT rows. None when neither side ran with speculation."""
+    before, after = summaries
+    b_spec, a_spec = before["server"].get("spec_decode"), after["server"].get("spec_decode")
+    if b_spec is None and a_spec is None:
+        return None
+    by_metric = {r["metric"]: r for r in rows}
+    b_groups, a_groups = _by_workload(before), _by_workload(after)
+    b_tpot, a_tpot = _tpots(con, parts[0]), _tpots(con, parts[1])
+    b_accept = {w["workload"]: w for w in (b_spec or {}).get("workloads", [])}
+    a_accept = {w["workload"]: w for w in (a_spec or {}).get("workloads", [])}
+    workloads = []
+    for name in [*a_groups, *(n for n in b_groups if n not in a_groups)]:
+        b_group, a_group = b_groups.get(name), a_groups.get(name)
+        itl_b, itl_a = _p(b_group, "itl_ms", "p50"), _p(a_group, "itl_ms", "p50")
+        workloads.append(
+            {
+                "workload": name,
+                "acceptance_before": (b_accept.get(name) or {}).get("acceptance_rate"),
+                "acceptance_after": (a_accept.get(name) or {}).get("acceptance_rate"),
+                "accepted_per_draft_after": (a_accept.get(name) or {}).get("accepted_per_draft"),
+                **_tpot_test(b_tpot.get(name), a_tpot.get(name), seed, f"spec.tpot.{name}"),
+                "itl_ms_p50_before": itl_b,
+                "itl_ms_p50_after": itl_a,
+                "itl_ms_p50_change_pct": _change(itl_b, itl_a),
+            }
+        )
+    return {
+        "on_before": b_spec is not None,
+        "on_after": a_spec is not None,
+        "acceptance_before": (b_spec or {}).get("acceptance_rate"),
+        "acceptance_after": (a_spec or {}).get("acceptance_rate"),
+        "tpot": [by_metric[m] for m in ("tpot_ms.p50", "tpot_ms.p95") if m in by_metric],
+        "itl_ms_p50_before": before["overall"]["itl_ms"]["p50"],
+        "itl_ms_p50_after": after["overall"]["itl_ms"]["p50"],
+        "workloads": workloads,
+    }
+
+
+def _pct(value: float) -> str:
+    change = round(value)
+    return f"{'±' if change == 0 else ('−' if change < 0 else '+')}{abs(change)} %"
+
+
+def headline_part(section: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str | None:
+    """E.g. "TPOT p50 −31 % [improved], draft acceptance off → 62 %" for the headline."""
+    if section is None:
+        return None
+    by = {r["metric"]: r for r in rows}
+    parts = []
+    tpot = by.get("tpot_ms.p50")
+    if tpot and tpot["delta_pct"] is not None:
+        parts.append(f"TPOT p50 {_pct(tpot['delta_pct'])} [{tpot['verdict']}]")
+    for w in section["workloads"]:
+        if w["tpot_ms_p50_change_pct"] is not None and w["acceptance_after"] is not None:
+            parts.append(
+                f"{w['workload']}: TPOT p50 {_pct(w['tpot_ms_p50_change_pct'])} "
+                f"[{w['tpot_verdict']}] at {w['acceptance_after'] * 100:.0f} % acceptance"
+            )
+
+    def share(value: float | None, on: bool) -> str:
+        if not on:
+            return "off"
+        return "n/a" if value is None else f"{value * 100:.0f} %"
+
+    before = share(section["acceptance_before"], section["on_before"])
+    after = share(section["acceptance_after"], section["on_after"])
+    parts.append(f"draft acceptance {before} → {after}")
+    return ", ".join(parts)
