@@ -362,6 +362,8 @@ class Collector:
         if previous:
             session.previous, session.previous_levers = previous["run_id"], previous["levers"]
         session.configure(item.levers, item.ts, item.port, item.host)
+        if previous and session.run_id == previous["run_id"]:  # two starts in one second
+            session.run_id = f"{session.run_id}-2"
         self._touch(session)
 
     def _kv_cache(self, source: _LogSource, item: logparse.KvCache) -> None:
@@ -745,7 +747,8 @@ class Collector:
         for reason, n in report.reasons.items():
             m.errors.labels(reason).inc(n)
         for lever, before, after, ts in report.flipped:
-            m.flips.labels(lever, before or "", after or "").set(ts.replace(tzinfo=UTC).timestamp())
+            when = ts.replace(tzinfo=UTC).timestamp()
+            m.flips.labels(lever, before or "unset", after or "unset").set(when)
         m.lag.set(report.lag_s)
         m.last_flush.set(report.committed_at)
         self.totals["events"] += report.events

@@ -185,6 +185,10 @@ def headline_part(section: dict[str, Any] | None, rows: list[dict[str, Any]]) ->
     tpot = by.get("tpot_ms.p50")
     if tpot and tpot["delta_pct"] is not None:
         parts.append(f"TPOT p50 {_pct(tpot['delta_pct'])} [{tpot['verdict']}]")
+    elif tpot and tpot["before"] is not None and tpot["after"] is not None:  # from 0: no %
+        parts.append(
+            f"TPOT p50 {tpot['before']:.2f} → {tpot['after']:.2f} ms [{tpot['verdict']}]"
+        )
     for w in section["workloads"]:
         if w["tpot_ms_p50_change_pct"] is not None and w["acceptance_after"] is not None:
             parts.append(

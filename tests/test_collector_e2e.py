@@ -238,4 +238,5 @@ def test_json_log_traces_and_bench_make_one_event_per_request(
     levers = con.execute("SELECT state FROM checkpoints WHERE file_key = ''").fetchone()
     con.close()
     assert ids == [f"{run_id}-{i:06d}" for i in range(1, N + 1)]  # this server served only these
-    assert levers is not None and json.loads(levers[0])["levers"]["served_model_name"] == ["tiny"]
+    session = json.loads(levers[0])["session"] if levers else {}
+    assert session["args"]["served_model_name"] == ["tiny"] and session["model"] == "tiny"

@@ -76,9 +76,23 @@ def test_the_switch_is_a_lever_flip_and_reports_are_written(experiment: dict) ->
     off, on = experiment["out"]["runs"]
     with store.read() as con:
         flips = con.execute(
-            "SELECT lever, before, after, run_id FROM lever_flips ORDER BY ts"
+            "SELECT lever, before, after, run_id, before_run_id FROM lever_flips ORDER BY ts"
         ).fetchall()
-    assert flips == [("enable_prefix_caching", "False", "True", on["run_id"])]
+        sessions = con.execute(
+            "SELECT run_id FROM runs WHERE label = 'vLLM server session' ORDER BY started_at"
+        ).fetchall()
+        traced = con.execute(
+            "SELECT count(*) FILTER (WHERE server_ttft_ms IS NULL OR vllm_session IS NULL) "
+            "FROM events WHERE run_id IN (?, ?)", [off["run_id"], on["run_id"]]
+        ).fetchone()
+    # the experiment's switch, and the collector sidecar's view of it: one session per server
+    # (one log, one port), the restart one flip between them, every request joined with its trace
+    (first, second) = [r[0] for r in sessions]
+    assert sorted(flips, key=str) == sorted([
+        ("enable_prefix_caching", "False", "True", on["run_id"], None),
+        ("enable_prefix_caching", "false", "true", second, first),
+    ], key=str)  # fmt: skip
+    assert traced == (0,)
     (report,) = [Path(p) for p in experiment["out"]["reports"]]
     assert report.exists() and report.parent.name == f"{on['run_id']}-vs-{off['run_id']}"
     diff = json.loads((report.parent / "report.json").read_text())
