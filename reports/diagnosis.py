@@ -75,6 +75,15 @@ INDICATORS: dict[str, Indicator] = {
         "prefix-cache hit ratio", "ratio",
         "server Δhits/Δqueries, else client cached/prompt tokens"),
     "cached_token_ratio": Indicator("cached / prompt tokens (client)", "ratio", "events: usage"),
+    "spec_draft_tokens": Indicator(
+        "speculative draft tokens", "count",
+        "Δ vllm:spec_decode_num_draft_tokens_total (0 when /metrics was scraped and shows none)"),
+    "spec_acceptance_rate": Indicator(
+        "draft acceptance rate", "ratio",
+        "Δ vllm:spec_decode_num_accepted_tokens_total / Δ …_num_draft_tokens_total"),
+    "spec_accepted_per_draft": Indicator(
+        "accepted tokens per draft", "x",
+        "Δ accepted tokens / Δ vllm:spec_decode_num_drafts_total"),
     "kv_cache_usage_peak": Indicator("KV-cache usage peak", "ratio", "vllm:kv_cache_usage_perc"),
     "preemptions": Indicator("preemptions", "count", "Δ vllm:num_preemptions_total"),
     "waiting_peak": Indicator("waiting peak", "count", "vllm:num_requests_waiting"),
@@ -159,6 +168,8 @@ def indicators(report: dict[str, Any]) -> dict[str, Any]:
     reasons = report.get("admission", {}).get("rejections") or []
     hit = server.get("prefix_cache_hit_ratio")
     levels = [g["concurrency"] for g in report.get("groups", []) if g.get("concurrency")]
+    spec = server.get("spec_decode") or {}
+    scraped = server.get("prefix_cache_queries") is not None  # /metrics was read for the slice
     values: dict[str, Any] = {
         "requests": requests,
         "failure_rate": _ratio(failed, requests),
@@ -185,6 +196,9 @@ def indicators(report: dict[str, Any]) -> dict[str, Any]:
         "shared_prefix_share": _prefix_share(workloads),
         "prefix_cache_hit_ratio": hit if hit is not None else overall.get("cached_token_ratio"),
         "cached_token_ratio": overall.get("cached_token_ratio"),
+        "spec_draft_tokens": spec.get("draft_tokens") if spec else (0 if scraped else None),
+        "spec_acceptance_rate": spec.get("acceptance_rate"),
+        "spec_accepted_per_draft": spec.get("accepted_per_draft"),
         "kv_cache_usage_peak": server.get("kv_cache_usage_peak"),
         "preemptions": server.get("preemptions"),
         "waiting_peak": server.get("waiting_peak"),
@@ -233,9 +247,12 @@ def lever_value(levers: dict[str, Any] | None, name: str, defaults: dict[str, An
 
 
 def holds(value: Any, want: Any) -> bool:
-    """Does the run's lever already have the value a rule wants (`fp8` holds `fp8_e4m3`)?"""
+    """Does the run's lever already have the value a rule wants (`fp8` holds `fp8_e4m3`;
+    `set` holds any value but off)?"""
     if value is None or want is None:
         return False
+    if want == "set":
+        return value not in (False, "", "None", "null")
     if isinstance(want, bool):
         return value is want
     return str(value).lower().startswith(str(want).lower())

@@ -61,6 +61,22 @@ def _gauges(run: str, kv: float, preemptions: tuple[float, float], waiting: floa
     return rows
 
 
+def _spec_counters(run: str, drafts: float, draft_tokens: float, accepted: float) -> list:
+    """vLLM's speculative-decoding counters at the start and end of the run."""
+    names = ("drafts", "draft_tokens", "accepted_tokens")
+    return [
+        (T0 + timedelta(seconds=10 * k), f"vllm:{run}", f"vllm:spec_decode_num_{name}_total",
+         {"engine": "0"}, run, value * k)
+        for k in (0, 1)
+        for name, value in zip(names, (drafts, draft_tokens, accepted), strict=True)
+    ]  # fmt: skip
+
+
+SPEC_LEVERS = {**BASE_LEVERS,
+               "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+DECODE_BOUND = {"tpot_ms": lambda i: 180.0 + i, "e2e_ms": 120.0 + 255 * 190.0,
+                "completion_tokens": 256, "decode_ms": 255 * 190.0, "itl_ms": [180.0, 190.0]}
+
 RUNS: dict[str, dict[str, Any]] = {
     "run-healthy": {"events": {}, "spec": _spec(), "levers": BASE_LEVERS,
                     "gauges": (0.3, (0.0, 0.0), 0.0)},
@@ -89,6 +105,12 @@ RUNS: dict[str, dict[str, Any]] = {
                               "itl_ms": [180.0, 190.0, 200.0]},
                    "spec": _spec(outputs=256), "levers": BASE_LEVERS,
                    "gauges": (0.4, (0.0, 0.0), 0.0)},
+    "run-spec-rejected": {"events": DECODE_BOUND, "spec": _spec(outputs=256),
+                          "levers": SPEC_LEVERS, "gauges": (0.4, (0.0, 0.0), 0.0),
+                          "spec_counters": (1000.0, 3000.0, 300.0)},
+    "run-spec-accepted": {"events": DECODE_BOUND, "spec": _spec(outputs=256),
+                          "levers": SPEC_LEVERS, "gauges": (0.4, (0.0, 0.0), 0.0),
+                          "spec_counters": (1000.0, 3000.0, 2700.0)},
     "run-kv": {"events": {"ttft_ms": lambda i: 900.0 + i, "queue_ms": 300.0},
                "spec": _spec(concurrency=32), "levers": BASE_LEVERS,
                "gauges": (0.99, (3.0, 17.0), 6.0)},
@@ -108,6 +130,8 @@ def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
         store.upsert_run(run, model="tiny", levers=spec["levers"], workload=spec["spec"],
                          status="complete")  # fmt: skip
         store.add_metric_samples(_gauges(run, *spec["gauges"]))
+        if "spec_counters" in spec:
+            store.add_metric_samples(_spec_counters(run, *spec["spec_counters"]))
     store.add_lever_flip("enable_prefix_caching", "False", "True", run_id="run-prefix-on")
     return path
 
@@ -126,6 +150,7 @@ def diagnose(store: Path, run: str) -> dict[str, Any]:
         ("run-kv", "memory", "max_num_seqs"),
         ("run-errors", "api", "max_model_len"),
         ("run-prefix-missed", "cache", "stable_prefix"),
+        ("run-spec-rejected", "decode", "speculative_config"),
     ],
 )
 def test_each_symptom_gets_its_first_lever(store_path: Path, run: str, symptom: str,
@@ -227,3 +252,17 @@ def test_a_window_of_a_run_is_diagnosed_alone(store_path: Path) -> None:
     bad = servescope("diagnose", "run-errors", "--since", "yesterday-ish", "--store",
                      str(store_path))  # fmt: skip
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.strip()
+
+
+def test_speculation_is_judged_by_its_acceptance(store_path: Path) -> None:
+    rejected = diagnose(store_path, "run-spec-rejected")
+    assert rejected["first"]["rule"] == "speculation-disappoints"
+    assert any("draft acceptance rate 10.0 %" in e for e in rejected["findings"][0]["evidence"])
+    accepted = diagnose(store_path, "run-spec-accepted")
+    rules = [f["rule"] for f in accepted["findings"]]
+    assert "speculation-disappoints" not in rules
+    decode = next(f for f in accepted["findings"] if f["rule"] == "decode-bound")
+    assert "speculative_config" not in [lever["lever"] for lever in decode["levers"]]
+    assert {"rule": "decode-bound", "symptom": "decode"}.items() <= next(
+        a for a in accepted["already_set"] if a["rule"] == "decode-bound"
+    ).items()
