@@ -97,6 +97,11 @@ def test_the_switch_is_a_lever_flip_and_reports_are_written(experiment: dict) ->
     assert report.exists() and report.parent.name == f"{on['run_id']}-vs-{off['run_id']}"
     diff = json.loads((report.parent / "report.json").read_text())
     assert diff["base_run_id"] == off["run_id"] and diff["run_id"] == on["run_id"]
+    for side in ("before", "after"):  # the sidecar's traces: vLLM's phases, both TTFT sources
+        overall = diff[side]["overall"]
+        assert overall["sources"]["ttft_ms"] == "client" and overall["server_ttft_ms"]["p50"]
+        for phase in ("queue_ms", "prefill_ms", "decode_ms"):
+            assert overall[phase]["p50"] is not None and overall[phase]["p95"] is not None
 
 
 def test_diagnosis_recommends_prefix_caching_only_for_the_off_run(experiment: dict) -> None:

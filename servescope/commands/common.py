@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -24,3 +25,20 @@ def add_store_option(parser: argparse.ArgumentParser) -> None:
 
 def open_store(args: argparse.Namespace) -> Store:
     return Store(args.store)
+
+
+def add_window_options(parser: argparse.ArgumentParser, what: str = "RUN") -> None:
+    """`--since`/`--until`: a window of a long-lived run (see reports.windows)."""
+    parser.add_argument(
+        "--since",
+        metavar="TIME",
+        help=f"{what} from this time on: ISO (2026-11-24T20:00:00Z), a duration ago (2h, 30m), "
+        "or from the run's start or end (start+1h, end-30m)",
+    )
+    parser.add_argument("--until", metavar="TIME", help=f"{what} up to this time")
+
+
+def rows(cursor: Any) -> list[dict[str, Any]]:
+    """A query's rows as dicts by column name."""
+    names = [d[0] for d in cursor.description]
+    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from reports import BadWindow, ReportOptions, UnknownRun, Window, build_summary
-from servescope.commands.common import add_store_option, console, open_store
+from servescope.commands.common import add_store_option, add_window_options, console, open_store
 from servescope.commands.report import _slo
 
 DESCRIPTION = (
@@ -36,12 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="ttft_ms=…,tpot_ms=…",
         help="targets in ms (default: the run's recorded SLOs, else the rules')",
     )
-    p.add_argument(
-        "--since",
-        metavar="TIME",
-        help="diagnose RUN from this time on (ISO, '2h ago', start+1h, end-30m)",
-    )
-    p.add_argument("--until", metavar="TIME", help="diagnose RUN up to this time")
+    add_window_options(p, "diagnose RUN")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     add_store_option(p)
     p.set_defaults(func=run)  # fmt: skip

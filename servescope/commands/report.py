@@ -27,7 +27,13 @@ from reports import (
     write_report,
 )
 from reports.summary import SLO_METRICS
-from servescope.commands.common import add_store_option, console, open_store
+from servescope.commands.common import (
+    add_store_option,
+    add_window_options,
+    console,
+    open_store,
+    rows,
+)
 from store import queries
 
 DESCRIPTION = "Render stored runs as self-contained HTML, Markdown and JSON reports."
@@ -88,8 +94,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compare the parts of RUN before and after its lever_flips row",
     )
-    build.add_argument("--since", metavar="TIME", help="report RUN from this time on")
-    build.add_argument("--until", metavar="TIME", help="report RUN up to this time")
+    add_window_options(build, "report RUN")
     build.add_argument("--vs-since", metavar="TIME", help="the base side from this time on")
     build.add_argument("--vs-until", metavar="TIME", help="the base side up to this time")
     build.add_argument(
@@ -196,9 +201,7 @@ def _brief(report: dict[str, Any], paths: list[Path]) -> dict[str, Any]:
 def run_flips(args: argparse.Namespace) -> int:
     store = open_store(args)
     with store.read() as con:
-        cursor = con.execute(queries.FLIP_LIST)
-        names = [d[0] for d in cursor.description]
-        flips = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        flips = rows(con.execute(queries.FLIP_LIST))
     for flip in flips:
         before = flip["before_run_id"]
         flip["report"] = (
@@ -227,9 +230,7 @@ def run_flips(args: argparse.Namespace) -> int:
 def run_list(args: argparse.Namespace) -> int:
     store = open_store(args)
     with store.read() as con:
-        cursor = con.execute(queries.REPORT_RUN_LIST)
-        names = [d[0] for d in cursor.description]
-        runs = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        runs = rows(con.execute(queries.REPORT_RUN_LIST))
     for run in runs:
         if isinstance(run["levers"], str):
             run["levers"] = json.loads(run["levers"])
