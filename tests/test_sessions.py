@@ -1,0 +1,134 @@
+"""Server sessions from logs written the way vLLM 0.32 writes them (lines copied from a real
+server started by hand): each server lifetime is a run named from its model, port and start;
+several servers tailed by one collector (one per MIG slice) are separate sessions; requests
+without a client id and refused requests land in their session; a restart is one flip per lever
+between two runs; the reports of such runs say where each indicator comes from, and can be cut
+to a window of a long-lived session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import duckdb
+
+from tests.conftest import servescope
+
+
+def _server_log(port: int, minute: int, caching: bool, requests: list[str]) -> list[str]:
+    """One server lifetime: banner, args, listening line, requests, refusals, shutdown."""
+    at = f"11-24 20:{minute:02d}"
+    head = f"(APIServer pid={port}) INFO {at}"
+    lines = [
+        f"{head}:01 [api_utils.py:347]   █▄█▀ █     █     █     █  version 0.32.0",
+        f"{head}:01 [api_utils.py:286] non-default args: {{'port': {port}, 'model': "
+        f"'/models/tiny', 'served_model_name': ['tiny'], 'enable_prefix_caching': {caching}, "
+        "'api_key': 'sk-secret'}",
+        f"{head}:30 [entry.py:140] Starting vLLM server on http://0.0.0.0:{port}",
+    ]
+    for i, rid in enumerate(requests):
+        lines += [
+            f"{head}:{40 + i:02d} [request_logger.py:65] Received request cmpl-{rid}-0: params: "
+            "SamplingParams(n=1, max_tokens=8), lora_request: None.",
+            f"{head}:{40 + i:02d} [async_llm.py:578] Added request cmpl-{rid}-0-0a1b2c3d.",
+            f'INFO:     127.0.0.1:5{i:04d} - "POST /v1/completions HTTP/1.1" 200 OK',
+        ]
+    lines += [
+        'INFO:     127.0.0.1:41000 - "POST /v1/completions HTTP/1.1" 400 Bad Request',
+        'INFO:     127.0.0.1:41001 - "GET /metrics HTTP/1.1" 404 Not Found',  # not a request
+        f"{head}:59 [launcher.py:254] [shutdown] API server: shutdown triggered",
+    ]
+    return lines
+
+
+def _rows(store: Path, sql: str) -> list[tuple]:
+    with duckdb.connect(str(store), read_only=True) as con:
+        return con.execute(sql).fetchall()
+
+
+def test_a_log_across_a_restart_and_two_slices_give_their_sessions(tmp_path: Path) -> None:
+    slice_a, slice_b = tmp_path / "mig-a.log", tmp_path / "mig-b.log"
+    slice_a.write_text("\n".join(
+        _server_log(8001, 10, False, ["1b2c3d4e5f6a7b8c", "run-x-000001"])
+        + _server_log(8001, 20, True, ["2b2c3d4e5f6a7b8c"])
+    ) + "\n")  # fmt: skip
+    slice_b.write_text("\n".join(_server_log(8002, 10, True, ["3b2c3d4e5f6a7b8c"])) + "\n")
+    store = tmp_path / "s.duckdb"
+    servescope("collect", "--once", "--vllm-log", str(slice_a), "--vllm-log", str(slice_b),
+               "--store", str(store), check=True)  # fmt: skip
+    runs = _rows(store, "SELECT run_id, target, model, vllm_version, status, levers FROM runs "
+                        "ORDER BY run_id")  # fmt: skip
+    first, second, other = (
+        "vllm-tiny-8001-20261124T201001Z",
+        "vllm-tiny-8001-20261124T202001Z",
+        "vllm-tiny-8002-20261124T201001Z",
+    )
+    assert [r[:5] for r in runs] == [
+        (first, "http://127.0.0.1:8001", "tiny", "0.32.0", "ended"),
+        (second, "http://127.0.0.1:8001", "tiny", "0.32.0", "ended"),
+        (other, "http://127.0.0.1:8002", "tiny", "0.32.0", "ended"),
+    ]
+    levers = json.loads(runs[0][5])
+    assert levers["enable_prefix_caching"] is False and "api_key" not in levers
+    assert "port" not in levers  # identity, not configuration
+    events = _rows(store, "SELECT run_id, request_id, status, http_status, vllm_session, model "
+                          "FROM events ORDER BY run_id, request_id")  # fmt: skip
+    assert [(e[0], e[1]) for e in events if e[2] == "ok"] == [
+        ("run-x", "run-x-000001"),  # a client's id keeps the client's run…
+        (first, "1b2c3d4e5f6a7b8c"),
+        (second, "2b2c3d4e5f6a7b8c"),
+        (other, "3b2c3d4e5f6a7b8c"),
+    ]
+    assert events[-1][4] == other  # …and every request names the session that served it
+    assert {e[4] for e in events if e[0] == "run-x"} == {first}
+    refused = [(e[0], e[3]) for e in events if e[2] == "error"]
+    assert sorted(refused) == [(first, 400), (second, 400), (other, 400)]
+    assert all(e[5] == "tiny" for e in events)
+    flips = _rows(store, "SELECT lever, before, after, before_run_id, run_id FROM lever_flips")
+    assert flips == [("enable_prefix_caching", "false", "true", first, second)]
+
+    # reading again changes nothing; the reports of the sessions
+    servescope("collect", "--once", "--vllm-log", str(slice_a), "--vllm-log", str(slice_b),
+               "--store", str(store), check=True)  # fmt: skip
+    assert len(_rows(store, "SELECT * FROM events")) == len(events)
+    listing = servescope("report", "flips", "--json", "--store", str(store), check=True)
+    (flip,) = json.loads(listing.stdout)
+    assert flip["report"] == f"report build {second} --vs {first}"
+    out = tmp_path / "reports"
+    built = servescope("report", "build", second, "--vs", "previous", "--format", "json",
+                       "--out", str(out), "--store", str(store), "--json", check=True)  # fmt: skip
+    report = json.loads(Path(json.loads(built.stdout)["paths"][0]).read_text())
+    assert report["base_run_id"] == first
+    assert report["before"]["overall"]["requests"] == 3  # its own 2 + the client's 1 it served
+    assert report["before"]["overall"]["errors_by_class"] == {"http_4xx": 1}
+    assert report["after"]["overall"]["error_rate"] == 0.5
+
+
+def test_windows_of_a_session(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    ids = [f"{i:016x}" for i in range(1, 11)]
+    log.write_text("\n".join(_server_log(8001, 10, True, ids)) + "\n")
+    store = tmp_path / "s.duckdb"
+    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(store), check=True)
+    run = "vllm-tiny-8001-20261124T201001Z"
+
+    def requests(*window: str) -> int:
+        built = servescope(
+            "report", "build", run, *window, "--format", "json", "--out", str(tmp_path / "r"),
+            "--store", str(store), "--json", check=True,
+        )  # fmt: skip
+        path = Path(json.loads(built.stdout)["paths"][0])
+        return json.loads(path.read_text())["overall"]["requests"]
+
+    assert requests() == 11  # 10 requests, 1 refused (at the last line's time, 20:10:49)
+    assert requests("--since", "2026-11-24T20:10:45Z") == 6
+    assert requests("--until", "start+43s") == 4  # started 20:10:01: requests 20:10:40 … :43
+    assert requests("--since", "end-10s", "--until", "end") == 2  # ended 20:10:59: :49 and refused
+    same = servescope("report", "build", run, "--until", "start+44s", "--vs", run,
+                      "--vs-since", "start+44s", "--format", "json", "--out", str(tmp_path / "r"),
+                      "--store", str(store), "--json", check=True)  # fmt: skip
+    assert "@" in json.loads(same.stdout)["report_id"]
+    bad = servescope("report", "build", run, "--since", "yesterday", "--store", str(store))
+    assert bad.returncode == 2 and "not a time" in bad.stderr and "Traceback" not in bad.stderr
+    none = servescope("report", "build", run, "--vs", "previous", "--store", str(store))
+    assert none.returncode == 2 and "follows no other run" in none.stderr
