@@ -4,12 +4,12 @@ split at its lever flip (`--split-at-flip`). Each opens the store once, read-onl
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, closing
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import duckdb
-import numpy as np
 
 from reports import bootstrap
 from reports.charts import charts
@@ -22,7 +22,7 @@ from reports.diff import (
     lever_changes,
     workload_warnings,
 )
-from reports.samples import Slice, load_samples
+from reports.samples import Samples, Slice
 from reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
 from store import Store, queries
 
@@ -34,36 +34,35 @@ class NoLeverFlip(LookupError):
 def _side(
     con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions
 ) -> tuple[Side, dict[str, Any]]:
-    samples = load_samples(con, part)
+    """One side's summary; its samples stay readable on `con` (the caller keeps it open until
+    the report is built)."""
+    samples = Samples(con, part)
     summary = summarize(con, part, options, samples)
     return Side(part.name, summary, samples), summary
 
 
 def _both_sides(
-    con: duckdb.DuckDBPyConnection, parts: tuple[Slice, Slice], options: ReportOptions
+    con: duckdb.DuckDBPyConnection,
+    parts: tuple[Slice, Slice],
+    options: ReportOptions,
+    stack: ExitStack,
 ) -> list[tuple[Side, dict[str, Any]]]:
-    """Both sides at once, each on its own cursor: a quantile's final sort runs on one thread,
-    so two sides side by side use the cores one side alone leaves idle."""
-    cursors = [con.cursor() for _ in parts]
-    try:
-        with ThreadPoolExecutor(max_workers=len(parts)) as pool:
-            futures = [
-                pool.submit(_side, cur, part, options)
-                for cur, part in zip(cursors, parts, strict=True)
-            ]
-            return [f.result() for f in futures]
-    finally:
-        for cur in cursors:
-            cur.close()
+    """Both sides at once, each on its own cursor (closed by `stack`): a quantile's final sort
+    runs on one thread, so two sides side by side use the cores one side alone leaves idle."""
+    cursors = [stack.enter_context(closing(con.cursor())) for _ in parts]
+    with ThreadPoolExecutor(max_workers=len(parts)) as pool:
+        futures = [
+            pool.submit(_side, cur, part, options) for cur, part in zip(cursors, parts, strict=True)
+        ]
+        return [f.result() for f in futures]
 
 
 def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
-    times = [s.samples.t[np.isfinite(s.samples.t)] for s in sides]
-    times = [t for t in times if len(t)]
-    if not times:
+    spans = [span for s in sides if (span := s.samples.span) is not None]
+    if not spans:
         return None, None
-    lo = min(float(t.min()) for t in times)
-    hi = max(float(t.max()) for t in times)
+    lo = min(first for first, _ in spans)
+    hi = max(last for _, last in spans)
     return (
         datetime.fromtimestamp(lo, UTC).replace(tzinfo=None),
         datetime.fromtimestamp(hi, UTC).replace(tzinfo=None),
@@ -107,6 +106,7 @@ def build_summary(
         meta = run_meta(run, summary["overall"]["models"])
         checks = checklist(con, part, meta, summary, options)
         flips = _flips(con, [run_id], [side])
+        drawn = charts([side], flips) if options.charts else {}
     return {
         "report_id": run_id,
         "kind": "run",
@@ -117,7 +117,7 @@ def build_summary(
         "slo": options.slo or None,
         "checklist": checks,
         "flips": flips,
-        "charts": charts([side], flips) if options.charts else {},
+        "charts": drawn,
     }
 
 
@@ -127,10 +127,12 @@ def _compare(
     after: Slice,
     runs: tuple[dict[str, Any], dict[str, Any]],
     options: ReportOptions,
+    stack: ExitStack,
 ) -> dict[str, Any]:
-    """What `--vs` and `--split-at-flip` share: both sides, the diff rows and the warnings."""
+    """What `--vs` and `--split-at-flip` share: both sides, the diff rows, the warnings and the
+    charts (the sides' cursors are closed by `stack`)."""
     seed = bootstrap.DEFAULT_SEED if options.seed is None else options.seed
-    (b_side, b_summary), (a_side, a_summary) = _both_sides(con, (before, after), options)
+    (b_side, b_summary), (a_side, a_summary) = _both_sides(con, (before, after), options, stack)
     b_meta = run_meta(runs[0], b_summary["overall"]["models"])
     a_meta = run_meta(runs[1], a_summary["overall"]["models"])
     same_run = before.run_id == after.run_id
@@ -164,6 +166,7 @@ def _compare(
             "goodput resample windows of completions (1 s, or 1/20 of a shorter run)",
         },
         "slo": options.slo or None,
+        "charts": charts([b_side, a_side], flips) if options.charts else {},
     }
 
 
@@ -173,14 +176,15 @@ def build_diff(
     """`run_id` (after) against `base_run_id` (before): `run_id`'s own report keys plus
     `before`, `after`, `diff`, `headline`, `warnings` and `lever_changes`."""
     before, after = Slice(base_run_id), Slice(run_id)
-    with store.read() as con:
+    with store.read() as con, ExitStack() as stack:
         base = require_run(con, base_run_id)
         run = require_run(con, run_id)
         options = _with_slo(options, run)
-        compared = _compare(con, before, after, (base, run), options)
+        compared = _compare(con, before, after, (base, run), options, stack)
         meta = compared["after"]["run"]
         checks = checklist(con, after, meta, compared["after"], options)
     b_side, a_side = compared.pop("sides")
+    drawn = compared.pop("charts")
     changes = lever_changes(base.get("levers") or {}, run.get("levers") or {})
     change = describe_change(changes, f"{run_id} vs {base_run_id}")
     return {
@@ -195,13 +199,13 @@ def build_diff(
         "lever_changes": changes,
         **compared,
         "checklist": checks,
-        "charts": charts([b_side, a_side], compared["flips"]) if options.charts else {},
+        "charts": drawn,
     }
 
 
 def build_split(store: Store, run_id: str, options: ReportOptions | None = None) -> dict[str, Any]:
     """One run, before and after its (first) `lever_flips` row."""
-    with store.read() as con:
+    with store.read() as con, ExitStack() as stack:
         run = require_run(con, run_id)
         options = _with_slo(options, run)
         flips = con.execute(queries.RUN_LEVER_FLIPS, {"run_id": run_id}).fetchall()
@@ -213,11 +217,12 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         before = Slice(run_id, until=at, label="before flip")
         after = Slice(run_id, since=at, label="after flip")
         whole = Slice(run_id)
-        summary = summarize(con, whole, options, load_samples(con, whole))
+        summary = summarize(con, whole, options, Samples(con, whole))
         meta = run_meta(run, summary["overall"]["models"])
-        compared = _compare(con, before, after, (run, run), options)
+        compared = _compare(con, before, after, (run, run), options, stack)
         checks = checklist(con, whole, meta, summary, options)
     b_side, a_side = compared.pop("sides")
+    drawn = compared.pop("charts")
     warnings = compared.pop("warnings")
     parts = compared["before"]["overall"]["requests"] + compared["after"]["overall"]["requests"]
     if (unplaced := summary["overall"]["requests"] - parts) > 0:
@@ -240,5 +245,5 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         "warnings": warnings,
         **compared,
         "checklist": checks,
-        "charts": charts([b_side, a_side], compared["flips"]) if options.charts else {},
+        "charts": drawn,
     }
