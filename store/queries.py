@@ -242,8 +242,8 @@ SLICE_LEVELS = (
 # monotone function of it, so a bucket's gaps are exactly those between its min and max. (NaN
 # gaps, which only a hand-written file could hold, sort last as in DuckDB.)
 _GAPS = """
-SELECT LEVEL_KEY AS level_key, gap
-FROM (SELECT workload, concurrency, target_rate, unnest(itl_ms) AS gap
+SELECT level_key, gap
+FROM (SELECT LEVEL_KEY AS level_key, unnest(itl_ms) AS gap
       FROM events WHERE status = 'ok' AND SLICE)
 WHERE gap IS NOT NULL
 """.replace("LEVEL_KEY", _LEVEL_KEY)
@@ -254,8 +254,9 @@ QUANTILE_PROBE = "SELECT quantile_cont(x, $qs) FROM (SELECT unnest($rows::DOUBLE
 _ITL_STATS = """count(gap) AS n,
        min(gap) FILTER (WHERE NOT isnan(gap)) AS lo, max(gap) FILTER (WHERE NOT isnan(gap)) AS hi,
        avg(gap) AS mean"""
-# (overall and per level as two plain aggregations, as the means were always computed: one
-# with grouping sets sums the overall mean in another order, a last-digit difference)
+# (overall and per level as two plain aggregations, as the means were always computed: grouping
+# sets sum a mean in another order, a last-digit difference; the level key is hashed once per
+# request, before the gaps are unnested)
 SLICE_ITL_STATS = _sliced(
     """
 SELECT STATS
@@ -264,10 +265,10 @@ FROM (SELECT unnest(itl_ms) AS gap FROM events WHERE status = 'ok' AND SLICE)
 )
 SLICE_GROUP_ITL_STATS = _sliced(
     """
-SELECT LEVEL_KEY AS level_key, STATS
-FROM (SELECT workload, concurrency, target_rate, unnest(itl_ms) AS gap
+SELECT level_key, STATS
+FROM (SELECT LEVEL_KEY AS level_key, unnest(itl_ms) AS gap
       FROM events WHERE status = 'ok' AND SLICE)
-GROUP BY workload, concurrency, target_rate
+GROUP BY level_key
 """.replace("STATS", _ITL_STATS).replace("LEVEL_KEY", _LEVEL_KEY)
 )
 SLICE_ITL_HISTOGRAM = _sliced(
