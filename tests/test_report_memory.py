@@ -63,14 +63,17 @@ def db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _duckdb_itl(con: Any) -> tuple[Any, dict[tuple[Any, Any], Any]]:
     """What the report's ITL query was before: DuckDB's quantile aggregate over every gap."""
-    gaps = """(SELECT workload, concurrency, unnest(itl_ms) AS gap FROM events
-               WHERE status = 'ok' AND run_id = ?)"""
-    overall = con.execute(
-        f"SELECT quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) FROM {gaps}", [RUN]
-    ).fetchone()[0]
+    gaps = """FROM (SELECT workload, concurrency, unnest(itl_ms) AS gap FROM events
+                    WHERE status = 'ok' AND run_id = ?)"""
+    q = "quantile_cont(gap, [0.5, 0.9, 0.95, 0.99])"
+    row = con.execute("SELECT " + q + " " + gaps, [RUN]).fetchone()
+    overall = row[0]
     levels = con.execute(
-        f"SELECT hash(workload, concurrency, NULL::DOUBLE), "
-        f"quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) FROM {gaps} GROUP BY workload, concurrency",
+        "SELECT hash(workload, concurrency, NULL::DOUBLE), "
+        + q
+        + " "
+        + gaps
+        + " GROUP BY workload, concurrency",
         [RUN],
     ).fetchall()
     return overall, dict(levels)
