@@ -10,7 +10,8 @@ at two ranks per quantile are needed, so:
 * `pooled_itl`: the ITL gaps are never fetched whole. A histogram of equal buckets per level
   (`store.queries.SLICE_ITL_HISTOGRAM`) finds the bucket holding each wanted rank, and only
   those buckets' gaps are fetched (`SLICE_ITL_GAPS`); a bucket too full to fetch is split the
-  same way over its own range. Three passes over the gaps, a few megabytes held.
+  same way over its own range. Four passes over the gaps (counts and means overall and per
+  level, the histogram, the wanted buckets), a few megabytes held.
 
 `quantile_cont` turns the two order statistics into the value with DuckDB's own ranks and
 arithmetic, so every number is the double `quantile_cont` gave.
@@ -40,7 +41,7 @@ OVERALL = None  # the group of every level pooled
 
 
 def _ranks(n: int) -> list[int]:
-    """The 0-based ranks `quantile` reads for QUANTILES of n sorted values."""
+    """The 0-based ranks `quantile_cont` reads for QUANTILES of n sorted values."""
     ranks = set()
     for q in QUANTILES:
         lo = int(math.floor((n - 1) * q))

@@ -11,6 +11,7 @@ timeline are aggregated in SQL. Peak memory is one metric's column on each side 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -76,7 +77,7 @@ class Sorted:
     reads them. Indexes like the full sorted array (an int or an array of ints); an index outside
     what is kept fetches the column again (exact, only slower)."""
 
-    def __init__(self, values: Floats, fetch: Any) -> None:
+    def __init__(self, values: Floats, fetch: Callable[[], Floats]) -> None:
         self.n = len(values)
         self.mean = float(values.mean()) if self.n else None
         self.quantiles = [quantile(values, q) for q in QUANTILES] if self.n else None
@@ -89,7 +90,9 @@ class Sorted:
 
     def __getitem__(self, index: Any) -> Any:
         at = np.asarray(index)
-        lo, hi = (int(at), int(at)) if at.ndim == 0 else (int(at.min()), int(at.max()))
+        if at.size == 0:
+            return np.zeros(at.shape)
+        lo, hi = int(at.min()), int(at.max())
         for start, part in self._parts:
             if start <= lo and hi < start + len(part):
                 return part[at - start]
