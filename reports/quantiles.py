@@ -7,7 +7,8 @@ at two ranks per quantile are needed, so:
 
 * `by_level`: a metric column already fetched (one value per request, with its level key) gives
   each level's order statistics by a partial sort of that level's values (`np.partition`).
-* `pooled_itl`: the ITL gaps are never fetched whole. A histogram of equal buckets per level
+* `pooled_itl`: up to SMALL gaps, DuckDB's own aggregate (fastest, and little to hold). Beyond,
+  the gaps are never fetched whole: a histogram of equal buckets per level
   (`store.queries.SLICE_ITL_HISTOGRAM`) finds the bucket holding each wanted rank, and only
   those buckets' gaps are fetched (`SLICE_ITL_GAPS`); a bucket too full to fetch is split the
   same way over its own range. Four passes over the gaps (counts and means overall and per
@@ -36,6 +37,7 @@ from store import queries
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 BUCKETS = 1 << 16  # per histogram pass
 FETCH_LIMIT = 1 << 20  # gaps of one bucket fetched at most; a fuller bucket is split again
+SMALL = 1 << 22  # gaps a quantile aggregate may hold (~80 MiB): fewer take DuckDB's own
 MAX_SPLITS = 4  # (a bucket still full after four splits holds copies of a few values)
 OVERALL = None  # the group of every level pooled
 
@@ -91,18 +93,22 @@ def _quantiles(n: int, values: dict[int, float]) -> list[float | None]:
     return [quantile_cont(n, values.__getitem__, q) for q in QUANTILES]
 
 
+def _order_quantiles(values: Floats) -> list[float | None]:
+    """[p50, p90, p95, p99] of values, by a partial sort of them (in place)."""
+    ranks = _ranks(len(values))
+    values.partition(ranks)
+    return _quantiles(len(values), {r: float(values[r]) for r in ranks})
+
+
 def by_level(
     values: Floats, keys: NDArray[np.uint64], levels: Iterable[int]
 ) -> dict[int, list[float | None]]:
     """[p50, p90, p95, p99] of `values` per level key (levels without values are left out)."""
     out = {}
     for level in levels:
-        mine = values[keys == np.uint64(level)]
-        if not len(mine):
-            continue
-        ranks = _ranks(len(mine))
-        mine.partition(ranks)  # a copy already: sorting it in place costs nothing else
-        out[level] = _quantiles(len(mine), {r: float(mine[r]) for r in ranks})
+        mine = values[keys == np.uint64(level)]  # a copy: partially sorted in place
+        if len(mine):
+            out[level] = _order_quantiles(mine)
     return out
 
 
@@ -117,10 +123,18 @@ class _Want:
 
 
 def pooled_itl(
-    con: duckdb.DuckDBPyConnection, params: dict[str, Any]
+    con: duckdb.DuckDBPyConnection, params: dict[str, Any], gaps: int
 ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    """The pooled ITL of a slice: {"q": [p50, p90, p95, p99] or None, "mean": …} overall and
-    per level key."""
+    """The pooled ITL of a slice with at most `gaps` gaps: {"q": [p50, p90, p95, p99] or None,
+    "mean": …} overall and per level key."""
+    if gaps <= SMALL:  # DuckDB's own aggregate holds them all: little, and fastest
+        row = con.execute(queries.SLICE_ITL, params).fetchone()
+        overall = {"q": row[0], "mean": row[1]} if row else {"q": None, "mean": None}
+        levels = {
+            int(key): {"q": q, "mean": mean}
+            for key, q, mean in con.execute(queries.SLICE_GROUP_ITL, params).fetchall()
+        }
+        return overall, levels
     groups: dict[int | None, tuple[int, float | None, float | None, float | None]] = {}
     for n, lo, hi, mean in con.execute(queries.SLICE_ITL_STATS, params).fetchall():
         groups[OVERALL] = (n, lo, hi, mean)

@@ -114,6 +114,7 @@ class Counts:
     input_tokens: float
     output_tokens: float
     level_keys: list[int]  # of the levels with a successful request
+    itl_gaps: int  # ITL gaps of successful requests (an upper bound: NULL gaps included)
 
 
 @dataclass

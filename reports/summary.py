@@ -200,7 +200,7 @@ def summarize(
         by_level = samples.level_quantiles(metric)
         for g in groups:
             g[f"{metric}_q"] = by_level.get(g["level_key"])
-    itl_all, itl = pooled_itl(con, params)
+    itl_all, itl = pooled_itl(con, params, samples.counts.itl_gaps)
     errors: dict[tuple[Any, Any, Any], dict[str, int]] = {}
     errors_all: dict[str, int] = {}
     for row in _dicts(con.execute(queries.SLICE_ERRORS_BY_CLASS, params)):

@@ -233,14 +233,29 @@ SLICE_LEVELS = (
 )
 
 # ITL as `vllm bench serve` pools it: every gap between content chunks of successful requests,
-# overall and per level. Its quantiles are exact order statistics found in bounded memory (a
-# quantile aggregate would hold every gap: tens of millions in a long run), by
-# `reports.quantiles`: the count, range and mean overall and per level (SLICE_ITL_STATS,
-# SLICE_GROUP_ITL_STATS), a
-# histogram of $buckets equal buckets over [$lo, $hi] per level (SLICE_ITL_HISTOGRAM), then
-# only the gaps of the buckets holding a wanted rank (SLICE_ITL_GAPS). The bucket of a gap is a
-# monotone function of it, so a bucket's gaps are exactly those between its min and max. (NaN
-# gaps, which only a hand-written file could hold, sort last as in DuckDB.)
+# overall and per level. A slice with few gaps (`reports.quantiles.SMALL`) takes DuckDB's
+# quantile aggregate (SLICE_ITL, SLICE_GROUP_ITL: two plain aggregations, faster than grouping
+# sets over the gaps). A larger one is not held whole: `reports.quantiles` finds the exact
+# order statistics from the count, range and mean overall and per level (SLICE_ITL_STATS,
+# SLICE_GROUP_ITL_STATS), a histogram of $buckets equal buckets over [$lo, $hi] per level
+# (SLICE_ITL_HISTOGRAM) and the gaps of the buckets holding a wanted rank (SLICE_ITL_GAPS).
+# The bucket of a gap is a monotone function of it, so a bucket's gaps are exactly those
+# between its min and max. (NaN gaps, which only a hand-written file could hold, sort last as
+# in DuckDB.) The level key is hashed once per request, before the gaps are unnested.
+SLICE_ITL = _sliced(
+    """
+SELECT quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, avg(gap) AS mean
+FROM (SELECT unnest(itl_ms) AS gap FROM events WHERE status = 'ok' AND SLICE)
+"""
+)
+SLICE_GROUP_ITL = _sliced(
+    """
+SELECT level_key, quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, avg(gap) AS mean
+FROM (SELECT LEVEL_KEY AS level_key, unnest(itl_ms) AS gap
+      FROM events WHERE status = 'ok' AND SLICE)
+GROUP BY level_key
+""".replace("LEVEL_KEY", _LEVEL_KEY)
+)
 _GAPS = """
 SELECT level_key, gap
 FROM (SELECT LEVEL_KEY AS level_key, unnest(itl_ms) AS gap
@@ -254,9 +269,8 @@ QUANTILE_PROBE = "SELECT quantile_cont(x, $qs) FROM (SELECT unnest($rows::DOUBLE
 _ITL_STATS = """count(gap) AS n,
        min(gap) FILTER (WHERE NOT isnan(gap)) AS lo, max(gap) FILTER (WHERE NOT isnan(gap)) AS hi,
        avg(gap) AS mean"""
-# (overall and per level as two plain aggregations, as the means were always computed: grouping
-# sets sum a mean in another order, a last-digit difference; the level key is hashed once per
-# request, before the gaps are unnested)
+# (two plain aggregations, as SLICE_ITL and SLICE_GROUP_ITL compute the means: grouping sets
+# sum a mean in another order, a last-digit difference)
 SLICE_ITL_STATS = _sliced(
     """
 SELECT STATS
@@ -341,7 +355,8 @@ WHERE v IS NOT NULL AND NOT isnan(v)
 }
 
 # What the diff needs of a slice besides latencies: request and success counts, cache-hit
-# flags, tokens of successful requests (and whether any was measured), the span of start times.
+# flags, tokens of successful requests (and whether any was measured), the span of start times;
+# and for the summary, the levels and how many ITL gaps there are (NULL ones too).
 SLICE_SAMPLE_COUNTS = _sliced(
     """
 SELECT count(*) AS requests,
@@ -354,7 +369,8 @@ SELECT count(*) AS requests,
        count(completion_tokens) FILTER (WHERE status = 'ok') AS output_known,
        COALESCE(sum(prompt_tokens) FILTER (WHERE status = 'ok'), 0)::DOUBLE AS input_tokens,
        COALESCE(sum(completion_tokens) FILTER (WHERE status = 'ok'), 0)::DOUBLE AS output_tokens,
-       COALESCE(list(DISTINCT LEVEL_KEY) FILTER (WHERE status = 'ok'), []) AS level_keys
+       COALESCE(list(DISTINCT LEVEL_KEY) FILTER (WHERE status = 'ok'), []) AS level_keys,
+       COALESCE(sum(len(itl_ms)) FILTER (WHERE status = 'ok'), 0) AS itl_gaps
 FROM events WHERE SLICE
 """
 ).replace("LEVEL_KEY", _LEVEL_KEY)

@@ -79,16 +79,21 @@ def _duckdb_itl(con: Any) -> tuple[Any, dict[tuple[Any, Any], Any]]:
     return overall, dict(levels)
 
 
-@pytest.mark.parametrize(("buckets", "fetch_limit"), [(1 << 16, 1 << 20), (8, 40)])
+@pytest.mark.parametrize(
+    ("small", "buckets", "fetch_limit"), [(1 << 22, 0, 0), (0, 1 << 16, 1 << 20), (0, 8, 40)]
+)
 def test_pooled_itl_is_duckdbs_quantile_to_the_last_digit(
-    db: Path, monkeypatch: pytest.MonkeyPatch, buckets: int, fetch_limit: int
+    db: Path, monkeypatch: pytest.MonkeyPatch, small: int, buckets: int, fetch_limit: int
 ) -> None:
-    # tiny buckets and fetches force every path: buckets split again, fetches in batches
+    # past SMALL gaps, the histogram path; tiny buckets and fetches force every part of it:
+    # buckets split again, fetches in batches
+    monkeypatch.setattr(quantiles, "SMALL", small)
     monkeypatch.setattr(quantiles, "BUCKETS", buckets)
     monkeypatch.setattr(quantiles, "FETCH_LIMIT", fetch_limit)
     with Store(db).read() as con:
         want_overall, want_levels = _duckdb_itl(con)
-        overall, levels = quantiles.pooled_itl(con, Slice(RUN).params())
+        gaps = Samples(con, Slice(RUN)).counts.itl_gaps
+        overall, levels = quantiles.pooled_itl(con, Slice(RUN).params(), gaps)
     assert overall["q"] == want_overall
     assert {k: v["q"] for k, v in levels.items()} == want_levels
     assert len(levels) == len(LEVELS)
