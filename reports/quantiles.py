@@ -35,7 +35,7 @@ from reports.bootstrap import Floats
 from store import queries
 
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
-BUCKETS = 1 << 16  # per histogram pass
+BUCKETS = 1 << 12  # per histogram pass (more: a bigger hash table costs more than the fetch saves)
 FETCH_LIMIT = 1 << 20  # gaps of one bucket fetched at most; a fuller bucket is split again
 SMALL = 1 << 22  # gaps a quantile aggregate may hold (~80 MiB): fewer take DuckDB's own
 MAX_SPLITS = 4  # (a bucket still full after four splits holds copies of a few values)
