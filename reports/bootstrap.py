@@ -17,6 +17,7 @@ The same seed gives the same draws, so a report is reproducible to the last digi
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -28,7 +29,16 @@ Floats = NDArray[np.float64]
 Draws = Callable[[np.random.Generator], Floats]
 
 
-def quantile(sorted_values: Floats, q: float) -> float | None:
+class SortedValues(Protocol):
+    """Sorted values indexed by rank (an int or an array of ints): a numpy array, or
+    `reports.samples.Sorted`, which keeps only the ranks a report reads."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: Any) -> Any: ...
+
+
+def quantile(sorted_values: SortedValues, q: float) -> float | None:
     """The linear-interpolated quantile of sorted values (None for no values)."""
     n = len(sorted_values)
     if n == 0:
@@ -39,7 +49,7 @@ def quantile(sorted_values: Floats, q: float) -> float | None:
     return float(sorted_values[lo] + (h - lo) * (sorted_values[hi] - sorted_values[lo]))
 
 
-def quantile_draws(sorted_values: Floats, q: float, draws: int = DRAWS) -> Draws | None:
+def quantile_draws(sorted_values: SortedValues, q: float, draws: int = DRAWS) -> Draws | None:
     """Bootstrap draws of `quantile(sorted_values, q)`; None when there are no values."""
     n = len(sorted_values)
     if n == 0:

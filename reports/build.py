@@ -4,12 +4,12 @@ split at its lever flip (`--split-at-flip`). Each opens the store once, read-onl
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, closing
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import duckdb
-import numpy as np
 
 from reports import bootstrap
 from reports.charts import charts
@@ -23,7 +23,7 @@ from reports.diff import (
     lever_changes,
     workload_warnings,
 )
-from reports.samples import Slice, choose_sources, load_samples
+from reports.samples import Samples, Slice, choose_sources
 from reports.specdecode import headline_part, spec_diff
 from reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
 from reports.windows import WHOLE, Window, resolve
@@ -85,41 +85,44 @@ def _report_id(part: Slice) -> str:
 def _side(
     con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions
 ) -> tuple[Side, dict[str, Any]]:
-    return _sides(con, (part,), options)[0]
+    """One side alone (from its own sources); its samples stay readable on `con` (the caller
+    keeps it open until the report is built)."""
+    samples = Samples(con, part)
+    samples.use(choose_sources(samples))
+    summary = summarize(con, part, options, samples)
+    return Side(part.name, summary, samples), summary
 
 
-def _sides(
-    con: duckdb.DuckDBPyConnection, parts: tuple[Slice, ...], options: ReportOptions
+def _both_sides(
+    con: duckdb.DuckDBPyConnection,
+    parts: tuple[Slice, Slice],
+    options: ReportOptions,
+    stack: ExitStack,
 ) -> list[tuple[Side, dict[str, Any]]]:
-    """Every side at once, each on its own cursor (a quantile's final sort runs on one thread,
-    so two sides side by side use the cores one side alone leaves idle), every side reporting
-    TTFT, TPOT and e2e from the same source."""
-    cursors = [con.cursor() for _ in parts]
-    try:
-        with ThreadPoolExecutor(max_workers=len(parts)) as pool:
-            loaded = list(pool.map(load_samples, cursors, parts))
-            sources = choose_sources(*loaded)
-            for samples in loaded:
-                samples.use(sources)
-            summaries = list(
-                pool.map(lambda c, p, s: summarize(c, p, options, s), cursors, parts, loaded)
-            )
-    finally:
-        for cur in cursors:
-            cur.close()
+    """Both sides at once, each on its own cursor (closed by `stack`): a quantile's final sort
+    runs on one thread, so two sides side by side use the cores one side alone leaves idle.
+    Both report TTFT, TPOT and e2e from the same source."""
+    cursors = [stack.enter_context(closing(con.cursor())) for _ in parts]
+    samples = [Samples(cur, part) for cur, part in zip(cursors, parts, strict=True)]
+    sources = choose_sources(*samples)
+    for side in samples:
+        side.use(sources)
+    with ThreadPoolExecutor(max_workers=len(parts)) as pool:
+        summaries = list(
+            pool.map(lambda c, p, s: summarize(c, p, options, s), cursors, parts, samples)
+        )
     return [
-        (Side(part.name, summary, samples), summary)
-        for part, summary, samples in zip(parts, summaries, loaded, strict=True)
+        (Side(part.name, summary, side), summary)
+        for part, summary, side in zip(parts, summaries, samples, strict=True)
     ]
 
 
 def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
-    times = [s.samples.t[np.isfinite(s.samples.t)] for s in sides]
-    times = [t for t in times if len(t)]
-    if not times:
+    spans = [span for s in sides if (span := s.samples.span) is not None]
+    if not spans:
         return None, None
-    lo = min(float(t.min()) for t in times)
-    hi = max(float(t.max()) for t in times)
+    lo = min(first for first, _ in spans)
+    hi = max(last for _, last in spans)
     return (
         datetime.fromtimestamp(lo, UTC).replace(tzinfo=None),
         datetime.fromtimestamp(hi, UTC).replace(tzinfo=None),
@@ -172,6 +175,7 @@ def build_summary(
         meta = run_meta(run, summary["overall"]["models"])
         checks = checklist(con, part, meta, summary, options)
         flips = _flips(con, [run_id], [side])
+        drawn = charts([side], flips) if options.charts else {}
     report = {
         "report_id": _report_id(part),
         "kind": "run",
@@ -183,7 +187,7 @@ def build_summary(
         "slo": options.slo or None,
         "checklist": checks,
         "flips": flips,
-        "charts": charts([side], flips) if options.charts else {},
+        "charts": drawn,
     }
     report["diagnosis"] = diagnose(report)
     return report
@@ -205,10 +209,12 @@ def _compare(
     after: Slice,
     runs: tuple[dict[str, Any], dict[str, Any]],
     options: ReportOptions,
+    stack: ExitStack,
 ) -> dict[str, Any]:
-    """What `--vs` and `--split-at-flip` share: both sides, the diff rows and the warnings."""
+    """What `--vs` and `--split-at-flip` share: both sides, the diff rows, the warnings and the
+    charts (the sides' cursors are closed by `stack`)."""
     seed = bootstrap.DEFAULT_SEED if options.seed is None else options.seed
-    (b_side, b_summary), (a_side, a_summary) = _sides(con, (before, after), options)
+    (b_side, b_summary), (a_side, a_summary) = _both_sides(con, (before, after), options, stack)
     b_meta = run_meta(runs[0], b_summary["overall"]["models"])
     a_meta = run_meta(runs[1], a_summary["overall"]["models"])
     same_run = before.run_id == after.run_id
@@ -243,6 +249,7 @@ def _compare(
             "goodput resample windows of completions (1 s, or 1/20 of a shorter run)",
         },
         "slo": options.slo or None,
+        "charts": charts([b_side, a_side], flips) if options.charts else {},
     }
 
 
@@ -264,7 +271,7 @@ def build_diff(
     """`run_id` (after) against `base_run_id` (before; `previous` = the run its server ran
     before), each whole or a window of it: `run_id`'s own report keys plus `before`, `after`,
     `diff`, `headline`, `warnings` and `lever_changes`."""
-    with store.read() as con:
+    with store.read() as con, ExitStack() as stack:
         run = require_run(con, run_id)
         if base_run_id == PREVIOUS:
             base_run_id = previous_run(con, run)
@@ -273,10 +280,11 @@ def build_diff(
         before = _slice(con, base, base_window, "before" if same else "")
         after = _slice(con, run, window, "after" if same else "")
         options = _with_slo(options, run)
-        compared = _compare(con, before, after, (base, run), options)
+        compared = _compare(con, before, after, (base, run), options, stack)
         meta = compared["after"]["run"]
         checks = checklist(con, after, meta, compared["after"], options)
     b_side, a_side = compared.pop("sides")
+    drawn = compared.pop("charts")
     changes = lever_changes(base.get("levers") or {}, run.get("levers") or {})
     change = describe_change(changes, f"{after.name} vs {before.name}")
     diagnosis = _compared_diagnosis(compared, changes, options.slo or None)
@@ -295,13 +303,13 @@ def build_diff(
         "lever_changes": changes,
         **compared,
         "checklist": checks,
-        "charts": charts([b_side, a_side], compared["flips"]) if options.charts else {},
+        "charts": drawn,
     }
 
 
 def build_split(store: Store, run_id: str, options: ReportOptions | None = None) -> dict[str, Any]:
     """One run, before and after its (first) `lever_flips` row."""
-    with store.read() as con:
+    with store.read() as con, ExitStack() as stack:
         run = require_run(con, run_id)
         options = _with_slo(options, run)
         flips = con.execute(queries.RUN_LEVER_FLIPS, {"run_id": run_id}).fetchall()
@@ -315,9 +323,10 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         whole = Slice(run_id)
         _whole_side, summary = _side(con, whole, options)
         meta = run_meta(run, summary["overall"]["models"])
-        compared = _compare(con, before, after, (run, run), options)
+        compared = _compare(con, before, after, (run, run), options, stack)
         checks = checklist(con, whole, meta, summary, options)
     b_side, a_side = compared.pop("sides")
+    drawn = compared.pop("charts")
     warnings = compared.pop("warnings")
     parts = compared["before"]["overall"]["requests"] + compared["after"]["overall"]["requests"]
     if (unplaced := summary["overall"]["requests"] - parts) > 0:
@@ -342,5 +351,5 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         "warnings": warnings,
         **compared,
         "checklist": checks,
-        "charts": charts([b_side, a_side], compared["flips"]) if options.charts else {},
+        "charts": drawn,
     }

@@ -3,12 +3,13 @@ markers, and TTFT p95 and throughput against the load level (concurrency or requ
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from reports.diff import Side
-from reports.svg import Marker, Series, cdf_series, chart, time_series
+from reports.svg import TIME_BUCKETS, Marker, Series, chart
 
 CDF_METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end latency"))
 
@@ -16,7 +17,7 @@ CDF_METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end 
 def _cdfs(sides: list[Side]) -> dict[str, str]:
     out = {}
     for metric, title in CDF_METRICS:
-        series = [cdf_series(s.name, s.samples.successful(metric)) for s in sides]
+        series = [replace(s.samples.successful(metric).cdf, label=s.name) for s in sides]
         if svg := chart(
             f"{title}: cumulative distribution", series, x_label="ms", y_label="share of requests"
         ):
@@ -33,12 +34,9 @@ class _Timeline:
 
     GAP_SHARE = 0.05
 
-    def __init__(self, sides: list[Side]) -> None:
-        spans = sorted(
-            (float(np.nanmin(s.samples.t)), float(np.nanmax(s.samples.t)))
-            for s in sides
-            if np.isfinite(s.samples.t).any()
-        )
+    def __init__(self, spans: list[tuple[float, float]]) -> None:
+        """`spans`: each side's first and last request start (epoch seconds)."""
+        spans = sorted(spans)
         self.origin = spans[0][0] if spans else 0.0
         measured = sum(end - start for start, end in spans)
         self.pad = max(self.GAP_SHARE * measured, 1.0)
@@ -75,18 +73,17 @@ class _Timeline:
 
 
 def _over_time(sides: list[Side], flips: list[dict[str, Any]]) -> dict[str, str]:
-    if not any(np.isfinite(s.samples.t).any() for s in sides):
+    spans = [span for s in sides if (span := s.samples.span) is not None]
+    if not spans:
         return {}
-    clock = _Timeline(sides)
+    clock = _Timeline(spans)
     drawn = []
     dots = True
     for side in sides:
-        ok = side.samples.ok
-        series, raw = time_series(
-            side.name, clock.xs(side.samples.t[ok]), side.samples.columns["ttft_ms"][ok], 0.0
-        )
-        drawn.append(series)
-        dots = dots and raw
+        t, ttft, width = side.samples.ttft_over_time(TIME_BUCKETS)
+        label = side.name if width is None else f"{side.name} (median per {width:.2g} s)"
+        drawn.append(Series(label, clock.xs(t), ttft))
+        dots = dots and width is None
     markers = [
         Marker(clock.x(float(f["t"])), f"{f['lever']}: {f['before']} → {f['after']}")
         for f in flips

@@ -18,7 +18,8 @@ import numpy as np
 
 from reports import bootstrap
 from reports.bootstrap import Draws, Floats
-from reports.samples import FIXED_SOURCES, SERVER, Samples
+from reports.samples import FIXED_SOURCES, SERVER, TESTED, Samples
+from store import queries
 
 LOWER, HIGHER = "lower", "higher"
 IMPROVED, REGRESSED, UNCHANGED = "improved", "regressed", "unchanged"
@@ -52,20 +53,21 @@ def _quantile(metric: str, q: float) -> Estimator:
 
 
 def _error_rate(side: Side) -> tuple[float | None, Draws | None]:
-    n = side.samples.n
-    failed = int(n - side.samples.ok.sum())
+    counts = side.samples.counts
+    failed = counts.requests - counts.ok
+    n = counts.requests
     return (failed / n if n else None), bootstrap.proportion_draws(failed, n)
 
 
 def _cache_hit_share(side: Side) -> tuple[float | None, Draws | None]:
-    known = side.samples.columns["cache_hit"]
-    known = known[~np.isnan(known)]
-    hits = int(known.sum())
-    return (hits / len(known) if len(known) else None), bootstrap.proportion_draws(hits, len(known))
+    counts = side.samples.counts
+    hits, known = counts.cache_hits, counts.cache_known
+    return (hits / known if known else None), bootstrap.proportion_draws(hits, known)
 
 
-def _windows(side: Side, values: Floats) -> Floats | None:
-    """Per-window totals of `values`, by when each request completed.
+def _windows(side: Side, column: str) -> Floats | None:
+    """Per-window totals of `column` (of `Samples.window_totals`), by when each request
+    completed.
 
     Throughput varies with time, not only with which requests ran, so its interval comes from
     resampling windows of the run (a block bootstrap): 1 s windows, or 1/20 of a shorter run.
@@ -73,37 +75,31 @@ def _windows(side: Side, values: Floats) -> Floats | None:
     seconds = side.summary["overall"]["throughput"]["duration_s"]
     if not seconds:
         return None
-    if "windows" not in side.cache:  # the same windows serve every throughput indicator
-        t = side.samples.t
-        if not np.isfinite(t).any():
-            return None
-        end = t + np.nan_to_num(side.samples.columns["e2e_ms"], nan=0.0) / 1000.0
-        keep = np.isfinite(end)
-        width = 1.0 if seconds >= 20 else seconds / 20
-        count = max(1, int(np.ceil(seconds / width)))
-        which = np.clip(((end[keep] - np.nanmin(t)) / width).astype(np.int64), 0, count - 1)
-        side.cache["windows"] = (keep, which, count)
-    keep, which, count = side.cache["windows"]
-    return np.bincount(which, weights=values[keep], minlength=count).astype(np.float64)
+    width = 1.0 if seconds >= 20 else seconds / 20
+    count = max(1, int(np.ceil(seconds / width)))
+    good = side.summary["overall"]["goodput"]
+    totals = side.samples.window_totals(width, count, good["slo"] if good else {})
+    return totals[column] if totals is not None else None
+
+
+_TOTALS = {None: ("ok", "ok"), "prompt_tokens": ("input_tokens", "input_known"),
+           "completion_tokens": ("output_tokens", "output_known")}  # fmt: skip
 
 
 def _per_second(column: str | None) -> Estimator:
     """Successful requests (column None) or their tokens, per second of the side's duration."""
+    total, known = _TOTALS[column]
 
     def estimate(side: Side) -> tuple[float | None, Draws | None]:
         seconds = side.summary["overall"]["throughput"]["duration_s"]
-        if not seconds or side.samples.n == 0:
+        counts = side.samples.counts
+        if not seconds or counts.requests == 0:
             return None, None
-        if column is None:
-            values = side.samples.ok.astype(np.float64)
-        else:
-            values = np.where(side.samples.ok, side.samples.columns[column], np.nan)
-            if np.isnan(values).all():
-                return None, None
-            values = np.nan_to_num(values, nan=0.0)
-        windows = _windows(side, values)
+        if column is not None and getattr(counts, known) == 0:
+            return None, None
+        windows = _windows(side, total)
         draws = bootstrap.total_draws(windows, 1.0 / seconds) if windows is not None else None
-        return float(values.sum() / seconds), draws
+        return float(np.float64(getattr(counts, total)) / seconds), draws
 
     return estimate
 
@@ -113,12 +109,7 @@ def _goodput(side: Side) -> tuple[float | None, Draws | None]:
     seconds = side.summary["overall"]["throughput"]["duration_s"]
     if good is None or not seconds:
         return None, None
-    meets = side.samples.ok.copy()
-    for metric, limit in good["slo"].items():
-        with np.errstate(invalid="ignore"):
-            meets &= side.samples.columns[metric] <= limit
-    values = meets.astype(np.float64)
-    windows = _windows(side, values)
+    windows = _windows(side, "good")
     draws = bootstrap.total_draws(windows, 1.0 / seconds) if windows is not None else None
     return good["good_requests"] / seconds, draws
 
@@ -140,8 +131,8 @@ def _acceptance_rate(side: Side) -> tuple[float | None, Draws | None]:
 INDICATORS: list[tuple[str, str, Estimator]] = [
     *[
         (f"{m}.{p}", LOWER, _quantile(m, q))
-        for m in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms")
-        for p, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
+        for m in queries.REPORT_LATENCY_METRICS
+        for p, q in TESTED.items()
     ],
     ("error_rate", LOWER, _error_rate),
     ("throughput.requests_per_s", HIGHER, _per_second(None)),
@@ -172,7 +163,7 @@ def _verdict(
 def _too_few(metric: str, before: Side, after: Side) -> bool:
     """True for a quantile with fewer than MIN_TAIL_SAMPLES requests beyond it on a side."""
     column, _, name = metric.rpartition(".")
-    if not name.startswith("p") or column not in before.samples.columns:
+    if not name.startswith("p") or column not in queries.REPORT_LATENCY_METRICS:
         return False
     q = int(name[1:]) / 100
     n = min(len(before.samples.successful(column)), len(after.samples.successful(column)))
@@ -225,7 +216,7 @@ def headline(change: str, rows: list[dict[str, Any]], before: Side, after: Side)
     """E.g. "enable_prefix_caching false → true: TTFT p95 −81 % (−84 … −78 %), prefix hit
     ratio 0 % → 93 %, throughput +12 %" (TTFT p50 when the runs are too small for a p95)."""
     for side in (before, after):
-        if side.samples.n == 0:
+        if side.summary["overall"]["requests"] == 0:
             return f"{change}: {side.name} has no events, nothing to compare"
     by = {r["metric"]: r for r in rows}
     parts = []

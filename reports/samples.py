@@ -1,20 +1,46 @@
-"""Per-request arrays of one slice of a run: what the bootstrap resamples and the charts draw.
+"""What a report reads per request of one slice of a run, in bounded memory whatever its size.
 
-One query fetches every request of the slice as numpy columns (a million requests are ~100 MB),
-so the diff never walks Python objects per request.
+A long-lived server's run has tens of millions of requests; holding them as per-request columns
+would grow with the run. So nothing per request is kept: each latency metric is fetched alone
+(successful requests, NULL-free, sorted by DuckDB), reduced at once to what the report needs
+(`Sorted`: its mean, its CDF points, and the values near the ranks a quantile or its bootstrap
+draws read), and dropped before the next is fetched. Counts, per-window totals and the TTFT
+timeline are aggregated in SQL. Peak memory is one metric's column on each side at a time.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import duckdb
 import numpy as np
+from numpy.typing import NDArray
 
-from reports.bootstrap import Floats
+from reports.bootstrap import Floats, quantile
+from reports.quantiles import QUANTILES, by_level
+from reports.svg import cdf_series
 from store import queries
+
+CLIENT, SERVER = "client", "server"
+# The client's indicators vLLM measures too (its trace; its decode time for TPOT): the figure
+# of the server's for each (`queries.SERVER_LATENCY`).
+SERVER_FIGURES = {m: f"server_{m}" for m in ("ttft_ms", "tpot_ms", "e2e_ms")}
+# Where the other indicators come from: the client's stream, vLLM's trace.
+FIXED_SOURCES = {"itl_ms": CLIENT, "queue_ms": SERVER, "prefill_ms": SERVER, "decode_ms": SERVER}
+
+# The quantiles the bootstrap tests (the summary shows `reports.quantiles.QUANTILES`).
+TESTED = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
+# A quantile's bootstrap draws read ranks within a few standard deviations (√(n·q·(1 − q))) of
+# its own; 10 of them on each side leaves out a draw with odds below 1e-22, and a draw outside
+# fetches the column again, so the result is exact either way. Below KEEP_ALL values the whole
+# column is kept (1 MiB).
+SPREAD_SD = 10.0
+SPREAD_MARGIN = 64  # ranks beyond: the upper order statistic of an interpolated draw
+KEEP_ALL = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -34,74 +60,199 @@ class Slice:
         return self.label or self.run_id
 
 
-def _floats(column: Any) -> Floats:
-    """A fetched column as float64 with NaN where the value was NULL."""
-    if isinstance(column, np.ma.MaskedArray):
-        return np.ma.filled(column.astype(np.float64), np.nan)
-    return np.asarray(column, dtype=np.float64)
+def _kept_ranges(n: int) -> list[tuple[int, int]]:
+    """[start, stop) rank ranges to keep of n sorted values: around each summary quantile."""
+    if n <= KEEP_ALL:
+        return [(0, n)]
+    ranges = []
+    for q in QUANTILES:
+        centre, spread = (n - 1) * q, SPREAD_SD * math.sqrt(n * q * (1 - q))
+        ranges.append(
+            (max(0, int(centre - spread) - 2), min(n, int(centre + spread) + SPREAD_MARGIN))
+        )
+    merged: list[tuple[int, int]] = []
+    for start, stop in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
 
 
-CLIENT, SERVER = "client", "server"
-# The client's indicators vLLM measures too (its trace; its decode time for TPOT): the column of
-# the server's figure for each.
-SERVER_FIGURES = {m: f"server_{m}" for m in ("ttft_ms", "tpot_ms", "e2e_ms")}
-# Where the other indicators come from: the client's stream, vLLM's trace.
-FIXED_SOURCES = {"itl_ms": CLIENT, "queue_ms": SERVER, "prefill_ms": SERVER, "decode_ms": SERVER}
+class Sorted:
+    """A metric's values over the slice's successful requests, sorted, kept only where a report
+    reads them. Indexes like the full sorted array (an int or an array of ints); an index outside
+    what is kept fetches the column again (exact, only slower)."""
+
+    def __init__(self, values: Floats, fetch: Callable[[], Floats]) -> None:
+        self.n = len(values)
+        self.mean = float(values.mean()) if self.n else None
+        self.quantiles = [quantile(values, q) for q in QUANTILES] if self.n else None
+        self.cdf = cdf_series("", values)
+        self._parts = [(start, values[start:stop].copy()) for start, stop in _kept_ranges(self.n)]
+        self._fetch = fetch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: Any) -> Any:
+        at = np.asarray(index)
+        if at.size == 0:
+            return np.zeros(at.shape)
+        lo, hi = int(at.min()), int(at.max())
+        for start, part in self._parts:
+            if start <= lo and hi < start + len(part):
+                return part[at - start]
+        return self._fetch()[at]
+
+
+@dataclass(frozen=True)
+class Counts:
+    """The slice's request counts, cache-hit flags and time span (epoch seconds)."""
+
+    requests: int
+    ok: int
+    cache_known: int
+    cache_hits: int
+    first_t: float | None
+    last_t: float | None
+    input_known: int
+    output_known: int
+    input_tokens: float
+    output_tokens: float
+    level_keys: list[int]  # of the levels with a successful request
+    itl_gaps: int  # ITL gaps of successful requests (an upper bound: NULL gaps included)
 
 
 @dataclass
 class Samples:
-    """The slice's requests, one array element per request (NaN = not measured).
+    """One slice's per-request numbers, read on demand on the slice's own cursor (kept open by
+    the caller for as long as the report is being built).
 
-    `columns["ttft_ms"]` (and TPOT, e2e) is the figure of the source `sources` names: the
-    client's by default, vLLM's own after `use({"ttft_ms": SERVER})`; the client's stays under
-    `client_ttft_ms`.
+    TTFT, TPOT and e2e are read from the source `sources` names: the client's figure by
+    default, vLLM's own after `use({"ttft_ms": SERVER})` (see `choose_sources`).
     """
 
-    t: Floats
-    ok: np.ndarray
-    columns: dict[str, Floats]
+    con: duckdb.DuckDBPyConnection
+    part: Slice
     sources: dict[str, str] = field(default_factory=lambda: dict.fromkeys(SERVER_FIGURES, CLIENT))
-    _sorted: dict[str, Floats] = field(default_factory=dict)
+    _measured: dict[str, int] | None = None
+    _sorted: dict[str, Sorted] = field(default_factory=dict)
+    _levels: dict[str, dict[int, list[float | None]]] = field(default_factory=dict)
+    _counts: Counts | None = None
+    _windows: dict[tuple[Any, ...], dict[str, Floats]] = field(default_factory=dict)
+
+    def _fetch(self, metric: str) -> tuple[Floats, NDArray[np.uint64]]:
+        data = self.con.execute(queries.SLICE_METRIC[metric], self.part.params()).fetchnumpy()
+        values = np.require(data["v"], dtype=np.float64, requirements="W")
+        return values, np.asarray(data["level_key"], dtype=np.uint64)
+
+    def _fetch_sorted(self, metric: str) -> Floats:
+        values, _ = self._fetch(metric)
+        values.sort()
+        return values
+
+    def figure(self, metric: str) -> str:
+        """The per-request figure a metric is read from (its own, or vLLM's)."""
+        if metric in SERVER_FIGURES and self.sources.get(metric) == SERVER:
+            return SERVER_FIGURES[metric]
+        return metric
+
+    def use(self, sources: dict[str, str]) -> None:
+        self.sources = {**self.sources, **sources}
+
+    def measured(self, figure: str) -> int:
+        """How many successful requests have this per-request figure."""
+        if self._measured is None:
+            cursor = self.con.execute(queries.SLICE_MEASURED, self.part.params())
+            names = [d[0] for d in cursor.description]
+            row = cursor.fetchone() or (0,) * len(names)
+            self._measured = dict(zip(names, row, strict=True))
+        return int(self._measured[figure])
+
+    def successful(self, metric: str) -> Sorted:
+        """The metric over successful requests where it was measured, sorted (reduced once,
+        with its per-level quantiles)."""
+        metric = self.figure(metric)
+        if metric not in self._sorted:
+            values, keys = self._fetch(metric)
+            self._levels[metric] = by_level(values, keys, self.counts.level_keys)
+            del keys
+            values.sort()  # in place: the column is held once
+            self._sorted[metric] = Sorted(values, lambda: self._fetch_sorted(metric))
+        return self._sorted[metric]
+
+    def level_quantiles(self, metric: str) -> dict[int, list[float | None]]:
+        """[p50, p90, p95, p99] of the metric per level key (levels where it was measured)."""
+        self.successful(metric)
+        return self._levels[self.figure(metric)]
+
+    @property
+    def counts(self) -> Counts:
+        if self._counts is None:
+            row = self.con.execute(queries.SLICE_SAMPLE_COUNTS, self.part.params()).fetchone()
+            assert row is not None  # an aggregate without GROUP BY gives one row
+            self._counts = Counts(*row)
+        return self._counts
 
     @property
     def n(self) -> int:
-        return len(self.ok)
+        return self.counts.requests
 
-    def measured(self, metric: str) -> int:
-        """How many successful requests have this metric."""
-        values = self.columns[metric][self.ok]
-        return int(np.count_nonzero(~np.isnan(values)))
+    @property
+    def span(self) -> tuple[float, float] | None:
+        """Epoch seconds of the first and last request start (None: no timestamps)."""
+        c = self.counts
+        return (c.first_t, c.last_t) if c.first_t is not None and c.last_t is not None else None
 
-    def use(self, sources: dict[str, str]) -> None:
-        """Report each indicator from the given source (see `choose_sources`)."""
-        for metric, source in sources.items():
-            figure = SERVER_FIGURES[metric] if source == SERVER else f"client_{metric}"
-            self.columns[metric] = self.columns[figure]
-            self._sorted.pop(metric, None)
-        self.sources = {**self.sources, **sources}
+    def window_totals(
+        self, width: float, count: int, slo: dict[str, float]
+    ) -> dict[str, Floats] | None:
+        """Per-window totals (`ok`, `input_tokens`, `output_tokens`, `good`) of the requests,
+        by the window of `width` seconds after the slice's first start in which each completed
+        (the last window takes the stragglers); None when no request has a timestamp."""
+        span = self.span
+        if span is None:
+            return None
+        key = (width, count, tuple(sorted(slo.items())))
+        if key not in self._windows:
+            params = {
+                **self.part.params(),
+                "t0": span[0],
+                "width": width,
+                "last": count - 1,
+                **{f"slo_{m}": slo.get(m) for m in queries.SLO_METRICS},
+            }
+            data = self.con.execute(queries.SLICE_WINDOW_TOTALS, params).fetchnumpy()
+            which: NDArray[np.int64] = np.asarray(data["w"], dtype=np.int64)
+            self._windows[key] = {
+                name: np.bincount(which, weights=_floats(data[name]), minlength=count)
+                for name in ("ok", "input_tokens", "output_tokens", "good")
+            }
+        return self._windows[key]
 
-    def successful(self, metric: str) -> Floats:
-        """The metric over successful requests where it was measured, sorted (cached)."""
-        if metric not in self._sorted:
-            values = self.columns[metric][self.ok]
-            self._sorted[metric] = np.sort(values[~np.isnan(values)])
-        return self._sorted[metric]
+    def ttft_over_time(self, buckets: int) -> tuple[Floats, Floats, float | None]:
+        """Successful requests' start times (epoch s) and TTFT: every point when there are at
+        most 2 × `buckets`, else the median of each non-empty one of `buckets` equal time
+        buckets at its middle, and the buckets' width in seconds (None for points)."""
+        params = self.part.params()
+        row = self.con.execute(queries.SLICE_TTFT_SPAN, params).fetchone()
+        n, lo, hi = row if row else (0, None, None)
+        if not n or lo is None or hi is None:
+            return np.zeros(0), np.zeros(0), None
+        if n <= 2 * buckets:
+            data = self.con.execute(queries.SLICE_TTFT_POINTS, params).fetchnumpy()
+            return _floats(data["t"]), _floats(data["ttft_ms"]), None
+        width = (hi - lo) / buckets if hi > lo else 1.0
+        data = self.con.execute(
+            queries.SLICE_TTFT_BUCKETS, {**params, "t0": lo, "width": width, "last": buckets - 1}
+        ).fetchnumpy()
+        middle = lo + (np.asarray(data["b"], dtype=np.float64) + 0.5) * width
+        return middle, _floats(data["ttft_ms"]), width
 
 
-def load_samples(con: duckdb.DuckDBPyConnection, part: Slice) -> Samples:
-    data = con.execute(queries.SLICE_SAMPLES, part.params()).fetchnumpy()
-    ok = np.ma.filled(data["ok"], False).astype(bool) if len(data["ok"]) else np.zeros(0, bool)
-    names = (
-        *queries.REPORT_LATENCY_METRICS,
-        *queries.SERVER_LATENCY,
-        "prompt_tokens",
-        "completion_tokens",
-        "cache_hit",
-    )
-    columns = {k: _floats(data[k]) for k in names}
-    columns.update({f"client_{m}": columns[m] for m in SERVER_FIGURES})
-    return Samples(t=_floats(data["t"]), ok=ok, columns=columns)
+def _floats(column: Any) -> Floats:
+    return np.asarray(column, dtype=np.float64)
 
 
 def choose_sources(*sides: Samples) -> dict[str, str]:
@@ -110,7 +261,7 @@ def choose_sources(*sides: Samples) -> dict[str, str]:
     nothing). A comparison never mixes a client figure with a server figure."""
     chosen = {}
     for metric, server in SERVER_FIGURES.items():
-        client = all(s.measured(f"client_{metric}") for s in sides)
+        client = all(s.measured(metric) for s in sides)
         traced = all(s.measured(server) for s in sides)
         chosen[metric] = SERVER if traced and not client else CLIENT
     return chosen

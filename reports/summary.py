@@ -12,18 +12,22 @@ from typing import Any
 
 import duckdb
 
-from reports.bootstrap import quantile
+from reports.quantiles import pooled_itl
 from reports.samples import CLIENT, FIXED_SOURCES, SERVER, SERVER_FIGURES, Samples, Slice
 from reports.specdecode import spec_decode
 from store import queries
 from store.metrics import prefix_cache_hit_ratio
 
 PERCENTILES = ("p50", "p90", "p95", "p99", "mean")
-LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms")
+# The report's latency rows: the per-request metrics, with the pooled ITL after TPOT.
+LATENCY_METRICS = tuple(
+    m
+    for name in queries.REPORT_LATENCY_METRICS
+    for m in ((name, "itl_ms") if name == "tpot_ms" else (name,))
+)
 # vLLM's own TTFT, TPOT and e2e, shown beside the client's when a run has both
 SERVER_METRICS = tuple(SERVER_FIGURES.values())
-
-SLO_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
+SLO_METRICS = queries.SLO_METRICS
 
 # Server series a report reads from `metric_samples` (counters are per-slice deltas).
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
@@ -124,10 +128,10 @@ def _shape(
         if metric == "itl_ms":
             out[metric] = _percentiles((itl or {}).get("q"), (itl or {}).get("mean"))
             continue
-        column = SERVER_FIGURES[metric] if sources.get(metric) == SERVER else metric
-        out[metric] = _percentiles(row[f"{column}_q"], row[f"{column}_mean"])
+        figure = SERVER_FIGURES[metric] if sources.get(metric) == SERVER else metric
+        out[metric] = _percentiles(row[f"{metric}_q"], row[f"{figure}_mean"])
     for metric, server in SERVER_FIGURES.items():
-        if sources.get(metric) == CLIENT and row[f"{server}_q"] is not None:
+        if sources.get(metric) == CLIENT and row.get(f"{server}_q") is not None:
             out[server] = _percentiles(row[f"{server}_q"], row[f"{server}_mean"])
     out["throughput"] = _throughput(row)
     out["goodput"] = _goodput(row, out["throughput"]["duration_s"], slo)
@@ -221,11 +225,8 @@ def _overall_quantiles(row: dict[str, Any], samples: Samples) -> dict[str, Any]:
     `quantile_cont` gives, without a second pass over the events)."""
     for metric in (*queries.REPORT_LATENCY_METRICS, *queries.SERVER_LATENCY):
         values = samples.successful(metric)
-        found = len(values) > 0
-        row[f"{metric}_q"] = (
-            [quantile(values, q) for q in (0.5, 0.9, 0.95, 0.99)] if found else None
-        )
-        row[f"{metric}_mean"] = float(values.mean()) if found else None
+        row[f"{metric}_q"] = values.quantiles
+        row[f"{metric}_mean"] = values.mean
     return row
 
 
@@ -238,8 +239,11 @@ def summarize(
     overall = _dicts(con.execute(queries.SLICE_OVERALL, {**params, **slo_params}))[0]
     overall = _overall_quantiles(overall, samples)
     groups = _dicts(con.execute(queries.SLICE_LEVELS, {**params, **slo_params}))
-    itl_all = _dicts(con.execute(queries.SLICE_ITL, params))[0]
-    itl = {_level(r): r for r in _dicts(con.execute(queries.SLICE_GROUP_ITL, params))}
+    for metric in (*queries.REPORT_LATENCY_METRICS, *queries.SERVER_LATENCY):
+        by_level = samples.level_quantiles(metric)
+        for g in groups:
+            g[f"{metric}_q"] = by_level.get(g["level_key"])
+    itl_all, itl = pooled_itl(con, params, samples.counts.itl_gaps)
     errors: dict[tuple[Any, Any, Any], dict[str, int]] = {}
     errors_all: dict[str, int] = {}
     for row in _dicts(con.execute(queries.SLICE_ERRORS_BY_CLASS, params)):
@@ -259,7 +263,7 @@ def summarize(
                 "workload": g["workload"],
                 "concurrency": g["concurrency"],
                 "target_rate": g["target_rate"],
-                **_shape(g, itl.get(_level(g)), options.slo, samples.sources),
+                **_shape(g, itl.get(g["level_key"]), options.slo, samples.sources),
                 "errors_by_class": errors.get(_level(g), {}),
             }
             for g in groups

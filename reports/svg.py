@@ -2,7 +2,8 @@
 
 Every piece of text that reaches the SVG (run ids, workload names, lever values) is escaped here;
 the templates mark the result safe. Large runs are reduced before drawing (quantile points for
-CDFs, time buckets for series), so a chart is a few kilobytes whatever the request count.
+CDFs, per-bucket medians over time: `reports.samples`), so a chart is a few kilobytes whatever
+the request count.
 """
 
 from __future__ import annotations
@@ -172,28 +173,3 @@ def cdf_series(label: str, sorted_values: Floats) -> Series:
     high = np.minimum(low + 1, n - 1)
     xs = sorted_values[low] + (rank - low) * (sorted_values[high] - sorted_values[low])
     return Series(label, xs, probs)
-
-
-def time_series(label: str, t: Floats, values: Floats, origin: float) -> tuple[Series, bool]:
-    """Values over seconds since `origin`; per-bucket medians when there are many points.
-
-    Returns the series and whether it is raw points (draw as dots) or bucket medians."""
-    keep = ~(np.isnan(t) | np.isnan(values))
-    t, values = t[keep] - origin, values[keep]
-    if len(t) <= TIME_BUCKETS * 2:
-        order = np.argsort(t)
-        return Series(label, t[order], values[order]), True
-    edges = np.linspace(t.min(), t.max(), TIME_BUCKETS + 1)
-    which = np.clip(np.digitize(t, edges) - 1, 0, TIME_BUCKETS - 1)
-    order = np.argsort(which, kind="stable")
-    which, sorted_values = which[order], values[order]
-    bounds = np.searchsorted(which, np.arange(TIME_BUCKETS + 1))
-    xs, ys = [], []
-    for b in range(TIME_BUCKETS):
-        chunk = sorted_values[bounds[b] : bounds[b + 1]]
-        if len(chunk):
-            xs.append((edges[b] + edges[b + 1]) / 2)
-            ys.append(float(np.median(chunk)))
-    return Series(
-        f"{label} (median per {edges[1] - edges[0]:.2g} s)", np.array(xs), np.array(ys)
-    ), False

@@ -204,15 +204,35 @@ def _samples_sliced(sql: str) -> str:
     return sql.replace("SLICE", _SAMPLES_IN_SLICE)
 
 
-REPORT_LATENCY_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms")
+# The per-request latencies a report summarises (overall and per level), bootstraps and draws:
+# name -> the SQL giving it from one `events` row (a fixed expression, never user input). A
+# new per-request figure (a derived one too) is one line here; every report query follows.
+# A request's load level (workload, concurrency, target rate) as one number: per-level numbers
+# computed outside SQL are matched to SLICE_LEVELS rows by it.
+_LEVEL_KEY = "hash(workload, concurrency, target_rate)"
+
+REPORT_LATENCY_METRICS: dict[str, str] = {
+    "ttft_ms": "ttft_ms",
+    "tpot_ms": "tpot_ms",
+    "e2e_ms": "e2e_ms",
+    "queue_ms": "queue_ms",
+    "prefill_ms": "prefill_ms",
+    "decode_ms": "decode_ms",
+}
 # vLLM's own figures of the client's indicators (name → SQL): TTFT and e2e from its trace, TPOT
-# as vLLM defines it (decode time over the output tokens after the first).
-SERVER_LATENCY = {
+# as vLLM defines it (decode time over the output tokens after the first). Summarised and
+# bootstrapped like the others; a report shows them, or uses them where the client's are absent.
+SERVER_LATENCY: dict[str, str] = {
     "server_ttft_ms": "server_ttft_ms",
     "server_tpot_ms": "decode_ms / NULLIF(completion_tokens - 1, 0)",
     "server_e2e_ms": "server_e2e_ms",
 }
-_LATENCY_SQL = {**{m: m for m in REPORT_LATENCY_METRICS}, **SERVER_LATENCY}
+_PER_REQUEST = {**REPORT_LATENCY_METRICS, **SERVER_LATENCY}
+# Goodput bounds ($slo_<metric>, NULL = none): what vLLM's `--goodput` accepts.
+SLO_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
+_GOOD = "status = 'ok' AND " + " AND ".join(
+    f"(CAST($slo_{m} AS DOUBLE) IS NULL OR {m} <= $slo_{m})" for m in SLO_METRICS
+)
 
 # A slice's counts, tokens and goodput (SLICE_OVERALL), and the same per load level with the
 # latency quantiles (SLICE_LEVELS). One list-quantile aggregate per metric (p50, p90, p95, p99
@@ -234,12 +254,7 @@ _SUMMARY_COLUMNS = """
         / NULLIF(sum(prompt_tokens) FILTER (WHERE cached_tokens IS NOT NULL), 0)
         AS cached_token_ratio,
     avg(prompt_tokens) AS prompt_tokens_mean,
-    count(*) FILTER (
-        WHERE status = 'ok'
-        AND (CAST($slo_ttft_ms AS DOUBLE) IS NULL OR ttft_ms <= $slo_ttft_ms)
-        AND (CAST($slo_tpot_ms AS DOUBLE) IS NULL OR tpot_ms <= $slo_tpot_ms)
-        AND (CAST($slo_e2e_ms AS DOUBLE) IS NULL OR e2e_ms <= $slo_e2e_ms)
-    ) AS good_requests"""
+    count(*) FILTER (WHERE GOOD) AS good_requests""".replace("GOOD", _GOOD)
 
 SLICE_OVERALL = _sliced(
     """
@@ -251,7 +266,7 @@ WHERE SLICE
 
 SLICE_LEVELS = _sliced(
     """
-SELECT workload, concurrency, target_rate, COLUMNS, LATENCY
+SELECT workload, concurrency, target_rate, LEVEL_KEY AS level_key, COLUMNS, LATENCY
 FROM events
 WHERE SLICE
 GROUP BY workload, concurrency, target_rate
@@ -259,14 +274,24 @@ ORDER BY workload NULLS FIRST, concurrency NULLS FIRST, target_rate NULLS FIRST
 """
 )
 _LEVEL_LATENCY = ",\n    ".join(
-    f"quantile_cont({sql}, [0.5, 0.9, 0.95, 0.99]) FILTER (WHERE status = 'ok') AS {m}_q, "
-    f"avg({sql}) FILTER (WHERE status = 'ok') AS {m}_mean"
-    for m, sql in _LATENCY_SQL.items()
+    f"avg({x}) FILTER (WHERE status = 'ok') AS {m}_mean" for m, x in _PER_REQUEST.items()
 )
-SLICE_LEVELS = SLICE_LEVELS.replace("COLUMNS", _SUMMARY_COLUMNS).replace("LATENCY", _LEVEL_LATENCY)
+SLICE_LEVELS = (
+    SLICE_LEVELS.replace("COLUMNS", _SUMMARY_COLUMNS)
+    .replace("LATENCY", _LEVEL_LATENCY)
+    .replace("LEVEL_KEY", _LEVEL_KEY)
+)
 
-# ITL as `vllm bench serve` pools it: every gap between content chunks of successful requests.
-# Overall and per level as two plain aggregations: faster than grouping sets over the gaps.
+# ITL as `vllm bench serve` pools it: every gap between content chunks of successful requests,
+# overall and per level. A slice with few gaps (`reports.quantiles.SMALL`) takes DuckDB's
+# quantile aggregate (SLICE_ITL, SLICE_GROUP_ITL: two plain aggregations, faster than grouping
+# sets over the gaps). A larger one is not held whole: `reports.quantiles` finds the exact
+# order statistics from the count, range and mean overall and per level (SLICE_ITL_STATS,
+# SLICE_GROUP_ITL_STATS), a histogram of $buckets equal buckets over [$lo, $hi] per level
+# (SLICE_ITL_HISTOGRAM) and the gaps of the buckets holding a wanted rank (SLICE_ITL_GAPS).
+# The bucket of a gap is a monotone function of it, so a bucket's gaps are exactly those
+# between its min and max. (NaN gaps, which only a hand-written file could hold, sort last as
+# in DuckDB.) The level key is hashed once per request, before the gaps are unnested.
 SLICE_ITL = _sliced(
     """
 SELECT quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, avg(gap) AS mean
@@ -275,12 +300,56 @@ FROM (SELECT unnest(itl_ms) AS gap FROM events WHERE status = 'ok' AND SLICE)
 )
 SLICE_GROUP_ITL = _sliced(
     """
-SELECT workload, concurrency, target_rate,
-       quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, avg(gap) AS mean
-FROM (SELECT workload, concurrency, target_rate, unnest(itl_ms) AS gap
+SELECT level_key, quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, avg(gap) AS mean
+FROM (SELECT LEVEL_KEY AS level_key, unnest(itl_ms) AS gap
       FROM events WHERE status = 'ok' AND SLICE)
-GROUP BY workload, concurrency, target_rate
-"""
+GROUP BY level_key
+""".replace("LEVEL_KEY", _LEVEL_KEY)
+)
+_GAPS = """
+SELECT level_key, gap
+FROM (SELECT LEVEL_KEY AS level_key, unnest(itl_ms) AS gap
+      FROM events WHERE status = 'ok' AND SLICE)
+WHERE gap IS NOT NULL
+""".replace("LEVEL_KEY", _LEVEL_KEY)
+_GAP_BUCKET = """LEAST(GREATEST(floor((gap - $lo) / $width), 0), $last)::BIGINT"""
+# quantile_cont over given values: how this DuckDB build rounds an interpolation
+# (`reports.quantiles` repeats it outside SQL).
+QUANTILE_PROBE = "SELECT quantile_cont(x, $qs) FROM (SELECT unnest($rows::DOUBLE[]) AS x)"
+_ITL_STATS = """count(gap) AS n,
+       min(gap) FILTER (WHERE NOT isnan(gap)) AS lo, max(gap) FILTER (WHERE NOT isnan(gap)) AS hi,
+       avg(gap) AS mean"""
+# (two plain aggregations, as SLICE_ITL and SLICE_GROUP_ITL compute the means: grouping sets
+# sum a mean in another order, a last-digit difference)
+SLICE_ITL_STATS = _sliced(
+    """
+SELECT STATS
+FROM (SELECT unnest(itl_ms) AS gap FROM events WHERE status = 'ok' AND SLICE)
+""".replace("STATS", _ITL_STATS)
+)
+SLICE_GROUP_ITL_STATS = _sliced(
+    """
+SELECT level_key, STATS
+FROM (SELECT LEVEL_KEY AS level_key, unnest(itl_ms) AS gap
+      FROM events WHERE status = 'ok' AND SLICE)
+GROUP BY level_key
+""".replace("STATS", _ITL_STATS).replace("LEVEL_KEY", _LEVEL_KEY)
+)
+SLICE_ITL_HISTOGRAM = _sliced(
+    """
+SELECT level_key, BUCKET AS b, count(*) AS n, min(gap) AS lo, max(gap) AS hi
+FROM (GAPS)
+WHERE gap BETWEEN $lo AND $hi
+GROUP BY ALL
+""".replace("GAPS", _GAPS).replace("BUCKET", _GAP_BUCKET)
+)
+SLICE_ITL_GAPS = _sliced(
+    """
+SELECT level_key, b, gap
+FROM (SELECT level_key, gap, BUCKET AS b FROM (GAPS)
+      WHERE gap BETWEEN $lo AND $hi)
+WHERE list_contains($buckets, b)
+""".replace("GAPS", _GAPS).replace("BUCKET", _GAP_BUCKET)
 )
 
 SLICE_ERRORS_BY_CLASS = _sliced(
@@ -318,27 +387,91 @@ GROUP BY team ORDER BY team
 """
 )
 
-# One row per request: what the bootstrap resamples and the charts draw. NULL becomes NaN
-# (not measured), so every column arrives as a plain float array.
-SLICE_SAMPLES = _sliced(
+# One latency metric of a slice's successful requests where it was measured (no NULL, no NaN),
+# with each request's level key: what the report's quantiles, bootstrap draws and CDFs read,
+# fetched one metric at a time (and sorted by numpy, in place: DuckDB's ORDER BY would hold
+# twice the memory).
+SLICE_METRIC = {
+    m: _sliced(
+        """
+SELECT v, level_key
+FROM (SELECT EXPR AS v, LEVEL_KEY AS level_key FROM events WHERE status = 'ok' AND SLICE)
+WHERE v IS NOT NULL AND NOT isnan(v)
+"""
+    )
+    .replace("EXPR", x)
+    .replace("LEVEL_KEY", _LEVEL_KEY)
+    for m, x in _PER_REQUEST.items()
+}
+# How many successful requests of a slice have each per-request figure (client and server).
+_MEASURED = ", ".join(
+    f"count(*) FILTER (WHERE ({x}) IS NOT NULL AND NOT isnan({x})) AS {m}"
+    for m, x in _PER_REQUEST.items()
+)
+SLICE_MEASURED = _sliced("SELECT COUNTS FROM events WHERE status = 'ok' AND SLICE").replace(
+    "COUNTS", _MEASURED
+)
+
+# What the diff needs of a slice besides latencies: request and success counts, cache-hit
+# flags, tokens of successful requests (and whether any was measured), the span of start times;
+# and for the summary, the levels and how many ITL gaps there are (NULL ones too).
+SLICE_SAMPLE_COUNTS = _sliced(
     """
-SELECT COALESCE(epoch(ts), 'NaN'::DOUBLE) AS t, COALESCE(status = 'ok', false) AS ok,
-       COALESCE(ttft_ms, 'NaN'::DOUBLE) AS ttft_ms,
-       COALESCE(tpot_ms, 'NaN'::DOUBLE) AS tpot_ms,
-       COALESCE(e2e_ms, 'NaN'::DOUBLE) AS e2e_ms,
-       COALESCE(queue_ms, 'NaN'::DOUBLE) AS queue_ms,
-       COALESCE(prefill_ms, 'NaN'::DOUBLE) AS prefill_ms,
-       COALESCE(decode_ms, 'NaN'::DOUBLE) AS decode_ms,
-       SERVER_COLUMNS,
-       COALESCE(prompt_tokens::DOUBLE, 'NaN'::DOUBLE) AS prompt_tokens,
-       COALESCE(completion_tokens::DOUBLE, 'NaN'::DOUBLE) AS completion_tokens,
-       CASE WHEN cache_hit THEN 1.0 WHEN NOT cache_hit THEN 0.0 ELSE 'NaN'::DOUBLE END
-           AS cache_hit
+SELECT count(*) AS requests,
+       count(*) FILTER (WHERE status = 'ok') AS ok,
+       count(cache_hit) AS cache_known,
+       count(*) FILTER (WHERE cache_hit) AS cache_hits,
+       min(epoch(ts)) AS first_t,
+       max(epoch(ts)) AS last_t,
+       count(prompt_tokens) FILTER (WHERE status = 'ok') AS input_known,
+       count(completion_tokens) FILTER (WHERE status = 'ok') AS output_known,
+       COALESCE(sum(prompt_tokens) FILTER (WHERE status = 'ok'), 0)::DOUBLE AS input_tokens,
+       COALESCE(sum(completion_tokens) FILTER (WHERE status = 'ok'), 0)::DOUBLE AS output_tokens,
+       COALESCE(list(DISTINCT LEVEL_KEY) FILTER (WHERE status = 'ok'), []) AS level_keys,
+       COALESCE(sum(len(itl_ms)) FILTER (WHERE status = 'ok'), 0) AS itl_gaps
 FROM events WHERE SLICE
 """
-).replace(
-    "SERVER_COLUMNS",
-    ",\n       ".join(f"COALESCE({e}, 'NaN'::DOUBLE) AS {m}" for m, e in SERVER_LATENCY.items()),
+).replace("LEVEL_KEY", _LEVEL_KEY)
+
+# Per window of completions: the block bootstrap's units for throughput and goodput. A request
+# completes at its start + e2e (its start when e2e is missing); window w holds completions in
+# [$t0 + w·$width, $t0 + (w + 1)·$width), the last one everything later. Only non-empty windows
+# come back. (The arithmetic is the double arithmetic the report did on fetched columns.)
+SLICE_WINDOW_TOTALS = _sliced(
+    """
+SELECT w,
+       count(*) FILTER (WHERE status = 'ok')::DOUBLE AS ok,
+       COALESCE(sum(prompt_tokens) FILTER (WHERE status = 'ok'), 0)::DOUBLE AS input_tokens,
+       COALESCE(sum(completion_tokens) FILTER (WHERE status = 'ok'), 0)::DOUBLE AS output_tokens,
+       count(*) FILTER (WHERE GOOD)::DOUBLE AS good
+FROM (
+    SELECT *, LEAST(GREATEST(floor(
+               (epoch(ts) + COALESCE(CASE WHEN isnan(e2e_ms) THEN 0 ELSE e2e_ms END, 0)
+                   / 1000.0::DOUBLE - $t0) / $width), 0), $last)::BIGINT AS w
+    FROM events WHERE ts IS NOT NULL AND SLICE
+)
+GROUP BY w
+"""
+).replace("GOOD", _GOOD)
+
+# Successful requests' TTFT by start time, for the chart: their count and time span
+# (SLICE_TTFT_SPAN), then every point (SLICE_TTFT_POINTS) or the median per time bucket of
+# $width seconds from $t0, the last bucket closed (SLICE_TTFT_BUCKETS).
+_TTFT_TIMED = """
+SELECT epoch(ts) AS t, ttft_ms FROM events
+WHERE status = 'ok' AND ts IS NOT NULL AND ttft_ms IS NOT NULL AND NOT isnan(ttft_ms) AND SLICE
+"""
+SLICE_TTFT_SPAN = _sliced(
+    "SELECT count(*), min(t), max(t) FROM (TIMED)".replace("TIMED", _TTFT_TIMED)
+)
+SLICE_TTFT_POINTS = _sliced(
+    "SELECT t, ttft_ms FROM (TIMED) ORDER BY t".replace("TIMED", _TTFT_TIMED)
+)
+SLICE_TTFT_BUCKETS = _sliced(
+    """
+SELECT LEAST(floor((t - $t0) / $width), $last)::BIGINT AS b, median(ttft_ms) AS ttft_ms
+FROM (TIMED) GROUP BY b ORDER BY b
+""".replace("TIMED", _TTFT_TIMED)
 )
 
 # The seeds' pass criteria that need the events themselves. Chat calls are the requests of the

@@ -132,3 +132,41 @@ def test_windows_of_a_session(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "not a time" in bad.stderr and "Traceback" not in bad.stderr
     none = servescope("report", "build", run, "--vs", "previous", "--store", str(store))
     assert none.returncode == 2 and "follows no other run" in none.stderr
+
+
+def test_indicators_come_from_the_server_where_the_client_timed_nothing(tmp_path: Path) -> None:
+    from store import Store
+
+    store = Store(tmp_path / "s.duckdb")
+    ttft = [100.0 + 10 * i for i in range(20)]
+
+    def docs(run: str, client: bool) -> list[dict]:
+        out = []
+        for i, value in enumerate(ttft):
+            doc = {"request_id": f"{run}-{i + 1:06d}", "run_id": run, "status": "ok",
+                   "ts": f"2026-11-24T20:10:{i:02d}Z", "server_ttft_ms": value,
+                   "server_e2e_ms": value + 300.0, "decode_ms": 300.0, "completion_tokens": 31,
+                   "queue_ms": 1.0, "prefill_ms": value - 1.0}  # fmt: skip
+            if client:
+                doc.update(ttft_ms=value + 2.0, e2e_ms=value + 305.0, tpot_ms=10.0)
+            out.append(doc)
+        return out
+
+    store.add_events(docs("run-sdk", client=False) + docs("run-bench", client=True))
+    out = tmp_path / "r"
+
+    def report(*args: str) -> dict:
+        built = servescope("report", "build", *args, "--format", "json", "--out", str(out),
+                           "--store", str(store.path), "--json", check=True)  # fmt: skip
+        return json.loads(Path(json.loads(built.stdout)["paths"][0]).read_text())
+
+    sdk = report("run-sdk")["overall"]
+    assert sdk["sources"]["ttft_ms"] == "server" and sdk["ttft_ms"]["p50"] == 195.0
+    assert sdk["tpot_ms"]["p50"] == 10.0  # vLLM's TPOT: decode 300 ms over 30 tokens after the 1st
+    assert "server_ttft_ms" not in sdk  # shown once, as the indicator itself
+    bench = report("run-bench")["overall"]
+    assert bench["sources"]["ttft_ms"] == "client" and bench["ttft_ms"]["p50"] == 197.0
+    assert bench["server_ttft_ms"]["p50"] == 195.0  # vLLM's own beside the client's
+    diff = report("run-bench", "--vs", "run-sdk")
+    row = next(r for r in diff["diff"] if r["metric"] == "ttft_ms.p50")
+    assert row["source"] == "server" and row["before"] == row["after"] == 195.0  # never mixed

@@ -1,0 +1,170 @@
+"""The report's bounded-memory paths give exactly what holding every request gave: quantiles
+equal to DuckDB's `quantile_cont` to the last digit (ITL by histogram selection, levels by
+partial sorts), sorted columns kept only near the ranks read (and fetched again beyond them),
+and per-window totals equal to the per-request arithmetic. Each is checked against a plain
+computation over a real store: DuckDB's own aggregate, or numpy over the fetched rows."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from reports import bootstrap, quantiles
+from reports import samples as samples_module
+from reports.samples import Samples, Slice, Sorted
+from store import Store
+
+T0 = datetime(2026, 11, 22, 6, 0, 0)
+RUN = "run-20261122-memory"
+LEVELS = [("chat", 1), ("chat", 4), ("batch", 4), (None, None)]
+
+
+def events(n: int = 1500) -> list[dict[str, Any]]:
+    """Heavy-tailed ITL with many repeated values, NULL gaps, errors and four levels."""
+    rng = np.random.default_rng(11)
+    out: list[dict[str, Any]] = []
+    for i in range(n):
+        workload, concurrency = LEVELS[i % len(LEVELS)]
+        gaps: list[float | None] = [float(g) for g in rng.lognormal(3.0, 1.2, 5).round(1)]
+        if i % 50 == 0:
+            gaps.append(9_000_000.0)  # a stall: one bucket would hold almost every gap
+        if i % 70 == 0:
+            gaps.append(None)
+        ttft = float(rng.lognormal(5.0, 0.5))
+        event: dict[str, Any] = {
+            "request_id": f"{RUN}-{i + 1:06d}",
+            "ts": (T0 + timedelta(milliseconds=37 * i)).isoformat() + "Z",
+            "model": "tiny",
+            "prompt_tokens": int(rng.integers(10, 500)),
+            "completion_tokens": int(rng.integers(2, 40)),
+            "ttft_ms": ttft if i % 9 else 42.0,  # repeated values, like rounded timings
+            "tpot_ms": float(rng.normal(30, 4)),
+            "e2e_ms": ttft + 300.0 if i % 13 else None,
+            "itl_ms": gaps,
+            "status": "ok" if i % 17 else "error",
+        }
+        if workload is not None:
+            event["workload"], event["concurrency"] = workload, concurrency
+        out.append(event)
+    return out
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("memory") / "s.duckdb"
+    Store(path).add_events(events())
+    return path
+
+
+def _duckdb_itl(con: Any) -> tuple[Any, dict[tuple[Any, Any], Any]]:
+    """What the report's ITL query was before: DuckDB's quantile aggregate over every gap."""
+    gaps = """FROM (SELECT workload, concurrency, unnest(itl_ms) AS gap FROM events
+                    WHERE status = 'ok' AND run_id = ?)"""
+    q = "quantile_cont(gap, [0.5, 0.9, 0.95, 0.99])"
+    row = con.execute("SELECT " + q + " " + gaps, [RUN]).fetchone()
+    overall = row[0]
+    levels = con.execute(
+        "SELECT hash(workload, concurrency, NULL::DOUBLE), "
+        + q
+        + " "
+        + gaps
+        + " GROUP BY workload, concurrency",
+        [RUN],
+    ).fetchall()
+    return overall, dict(levels)
+
+
+@pytest.mark.parametrize(
+    ("small", "buckets", "fetch_limit"), [(1 << 22, 0, 0), (0, 1 << 16, 1 << 20), (0, 8, 40)]
+)
+def test_pooled_itl_is_duckdbs_quantile_to_the_last_digit(
+    db: Path, monkeypatch: pytest.MonkeyPatch, small: int, buckets: int, fetch_limit: int
+) -> None:
+    # past SMALL gaps, the histogram path; tiny buckets and fetches force every part of it:
+    # buckets split again, fetches in batches
+    monkeypatch.setattr(quantiles, "SMALL", small)
+    monkeypatch.setattr(quantiles, "BUCKETS", buckets)
+    monkeypatch.setattr(quantiles, "FETCH_LIMIT", fetch_limit)
+    with Store(db).read() as con:
+        want_overall, want_levels = _duckdb_itl(con)
+        gaps = Samples(con, Slice(RUN)).counts.itl_gaps
+        overall, levels = quantiles.pooled_itl(con, Slice(RUN).params(), gaps)
+    assert overall["q"] == want_overall
+    assert {k: v["q"] for k, v in levels.items()} == want_levels
+    assert len(levels) == len(LEVELS)
+
+
+def test_level_quantiles_are_duckdbs_quantile_to_the_last_digit(db: Path) -> None:
+    with Store(db).read() as con:
+        want = dict(
+            con.execute(
+                "SELECT hash(workload, concurrency, target_rate), "
+                "quantile_cont(ttft_ms, [0.5, 0.9, 0.95, 0.99]) FROM events "
+                "WHERE status = 'ok' AND run_id = ? GROUP BY ALL",
+                [RUN],
+            ).fetchall()
+        )
+        got = Samples(con, Slice(RUN)).level_quantiles("ttft_ms")
+    assert got == want
+
+
+def test_a_sorted_column_keeps_only_the_ranks_read_and_fetches_again_beyond(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(samples_module, "KEEP_ALL", 1000)
+    full = np.sort(np.random.default_rng(3).lognormal(5.0, 0.6, 200_000))
+    fetched = []
+
+    def fetch() -> np.ndarray:
+        fetched.append(1)
+        return full
+
+    kept = Sorted(full.copy(), fetch)
+    assert sum(len(part) for _, part in kept._parts) < len(full) / 4
+    assert kept.mean == float(full.mean())
+    for q in (0.5, 0.9, 0.95, 0.99):
+        assert bootstrap.quantile(kept, q) == bootstrap.quantile(full, q)
+        a = bootstrap.quantile_draws(kept, q)
+        b = bootstrap.quantile_draws(full, q)
+        assert a is not None and b is not None
+        draws_kept = a(np.random.default_rng(5))
+        assert np.array_equal(draws_kept, b(np.random.default_rng(5)))
+    assert not fetched  # every draw fell where the column was kept
+    assert np.array_equal(kept[np.array([0, 7, 199_999])], full[[0, 7, 199_999]])
+    assert fetched  # the ends were not kept: fetched again, exactly
+
+
+def test_window_totals_are_the_per_request_sums(db: Path) -> None:
+    slo = {"ttft_ms": 150.0, "e2e_ms": 500.0}
+    with Store(db).read() as con:
+        rows = con.execute(
+            "SELECT epoch(ts), e2e_ms, status = 'ok', prompt_tokens, completion_tokens, ttft_ms "
+            "FROM events WHERE run_id = ?",
+            [RUN],
+        ).fetchall()
+        samples = Samples(con, Slice(RUN))
+        width, count = 0.25, 230
+        got = samples.window_totals(width, count, slo)
+    assert got is not None
+    t = np.array([r[0] for r in rows])
+    end = t + np.array([r[1] if r[1] is not None else 0.0 for r in rows]) / 1000.0
+    which = np.clip(((end - t.min()) / width).astype(np.int64), 0, count - 1)
+    ok = np.array([r[2] for r in rows])
+    good = ok & np.array(
+        [r[5] is not None and r[5] <= 150.0 and r[1] is not None and r[1] <= 500.0 for r in rows]
+    )
+    expect = {
+        "ok": ok,
+        "input_tokens": np.where(ok, [r[3] for r in rows], 0),
+        "output_tokens": np.where(ok, [r[4] for r in rows], 0),
+        "good": good,
+    }
+    for name, values in expect.items():
+        want = np.bincount(which, weights=values.astype(np.float64), minlength=count)
+        assert np.array_equal(got[name], want), name
+    assert got["ok"].sum() == ok.sum() and math.isfinite(got["good"].sum())
