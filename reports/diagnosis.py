@@ -89,7 +89,7 @@ INDICATORS: dict[str, Indicator] = {
     "waiting_peak": Indicator("waiting peak", "count", "vllm:num_requests_waiting"),
     "running_peak": Indicator("running peak", "count", "vllm:num_requests_running"),
     "concurrency_max": Indicator("concurrency", "count", "workload levels"),
-    "turns_max": Indicator("turns per session", "count", "events: turn"),
+    "turns_max": Indicator("turns per session", "count", "workload spec: turns"),
     "workload_classes": Indicator("request classes", "count", "workload spec"),
     "chat_share": Indicator("chat-endpoint share of workloads", "ratio", "workload spec"),
 }  # fmt: skip
@@ -204,7 +204,7 @@ def indicators(report: dict[str, Any]) -> dict[str, Any]:
         "waiting_peak": server.get("waiting_peak"),
         "running_peak": server.get("running_peak"),
         "concurrency_max": max(levels) if levels else None,
-        "turns_max": shape.get("turns_max"),
+        "turns_max": max((int(w.get("turns") or 1) for w in workloads), default=None),
         "workload_classes": sum(len(w.get("classes") or []) for w in workloads) if workloads
         else None,
         "chat_share": _ratio(sum(w.get("endpoint") == "chat" for w in workloads), len(workloads)),

@@ -209,21 +209,33 @@ def _phase_means(deltas: dict[str, float | None]) -> dict[str, float | None]:
 
 
 def _shape_of(con: duckdb.DuckDBPyConnection, params: dict[str, Any]) -> dict[str, Any]:
-    """Token quantiles and multi-turn sessions: what the workload looked like."""
+    """Token quantiles: what the workload looked like (t-digest estimates: a shape needs no
+    exact rank, and a long-lived run's tokens are not held to sort them)."""
     row = _dicts(con.execute(queries.SLICE_SHAPE, params))[0]
     prompt, output = row["prompt_q"] or [None, None], row["output_q"] or [None, None]
     return {
         "prompt_tokens": {"p50": prompt[0], "p95": prompt[1]},
         "output_tokens": {"p50": output[0], "p95": output[1]},
-        "turns_max": row["turns_max"],
-        "sessions": row["sessions"],
     }
+
+
+def _figures(samples: Samples) -> tuple[str, ...]:
+    """The per-request figures a summary reads: the report's metrics, vLLM's figure for each
+    metric reported from it, and vLLM's TTFT beside the client's (both TTFT sources side by
+    side; each more figure costs a pass over a long-lived run)."""
+    server = [
+        figure
+        for metric, figure in SERVER_FIGURES.items()
+        if samples.sources.get(metric) == SERVER
+        or (metric == "ttft_ms" and samples.measured(figure))
+    ]
+    return (*queries.REPORT_LATENCY_METRICS, *server)
 
 
 def _overall_quantiles(row: dict[str, Any], samples: Samples) -> dict[str, Any]:
     """The slice's latency quantiles from its sorted per-request samples (what SQL's
     `quantile_cont` gives, without a second pass over the events)."""
-    for metric in (*queries.REPORT_LATENCY_METRICS, *queries.SERVER_LATENCY):
+    for metric in _figures(samples):
         values = samples.successful(metric)
         row[f"{metric}_q"] = values.quantiles
         row[f"{metric}_mean"] = values.mean
@@ -239,7 +251,7 @@ def summarize(
     overall = _dicts(con.execute(queries.SLICE_OVERALL, {**params, **slo_params}))[0]
     overall = _overall_quantiles(overall, samples)
     groups = _dicts(con.execute(queries.SLICE_LEVELS, {**params, **slo_params}))
-    for metric in (*queries.REPORT_LATENCY_METRICS, *queries.SERVER_LATENCY):
+    for metric in _figures(samples):
         by_level = samples.level_quantiles(metric)
         for g in groups:
             g[f"{metric}_q"] = by_level.get(g["level_key"])
