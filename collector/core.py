@@ -27,7 +27,7 @@ from collector import logparse
 from collector.scrape import lever_changes, scrape
 from collector.selfmetrics import SelfMetrics
 from collector.tail import Chunk, Tailer
-from store import Store, bulk, checkpoints, run_id_of
+from store import InvalidEvent, Store, bulk, check_built, checkpoints, run_id_of
 from store.metrics import Sample
 
 log = logging.getLogger("servescope.collector")
@@ -118,6 +118,15 @@ def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[tuple[str, list[Chunk]]
         else:
             groups.append((source, [chunk]))
     return groups
+
+
+def _checked(piece: logparse.Piece) -> logparse.Piece | logparse.Bad:
+    """A piece of a request as the store's rules take it, or the reason they refuse it."""
+    try:
+        check_built(piece.doc)
+    except InvalidEvent as exc:
+        return logparse.Bad(str(exc))
+    return piece
 
 
 def reason_class(reason: str) -> str:
@@ -220,9 +229,7 @@ class Collector:
 
     def _too_long(self, source: str, chunk: Chunk) -> None:
         reason = f"line too long ({chunk.too_long} bytes)"
-        self._pending.errors.append(
-            (chunk.file.error_source, chunk.start, reason, bulk.clip(chunk.data))
-        )
+        self._pending.errors.append((chunk.file.error_source, chunk.start, reason, chunk.data))
         self._pending.lines[source] += 1
 
     def _log_chunk(self, source: _LogSource, chunk: Chunk) -> None:
@@ -239,11 +246,11 @@ class Collector:
             self._pending.lines[source.name] += 1
             item = logparse.parse_line(line, year=chunk.year)
             if isinstance(item, logparse.Piece):
+                item = _checked(item)
+            if isinstance(item, logparse.Piece):
                 self._pending.docs.append(item.doc)
             elif isinstance(item, logparse.Bad):
-                self._pending.errors.append(
-                    (chunk.file.error_source, here, item.reason, bulk.clip(line))
-                )
+                self._pending.errors.append((chunk.file.error_source, here, item.reason, line))
             elif isinstance(item, logparse.Stats):
                 ts = (item.ts or datetime.now(UTC)).replace(tzinfo=None)
                 for key, value in item.values.items():
@@ -281,6 +288,14 @@ class Collector:
     ) -> threading.Event:
         """Pieces and refusals from a receiver thread; the event is set once they are committed."""
         done = threading.Event()
+        good = []
+        refused = list(refused)
+        for piece in pieces:
+            try:
+                good.append(check_built(piece))
+            except InvalidEvent as exc:  # the store's rules hold for pieces of traces too
+                refused.append((str(exc), repr(piece)[:4096]))
+        pieces = good
         with self._lock:
             self._pending.touch()
             self._pending.docs.extend(pieces)

@@ -5,12 +5,16 @@ Decoding a million lines in Python costs seconds before the database sees one; D
 split and parse them in parallel in native code. A chunk of complete lines is written to a
 temporary file and inserted by one SQL statement (`queries.BULK_INSERT`) that parses each line
 once and checks it with conditions deliberately stricter than `store.events.check`, so a line
-it takes is one `check` accepts too. It takes a line when its request is not stored yet;
-requests seen on several lines of the chunk are removed again. Every other line (bad JSON, wrong
-types, a runtime event, a request seen twice or already stored) goes through the ordinary path:
-`parse_line` decides (and names the reason when it refuses) and `Store.add_events` merges. The
-result is the same as feeding every line to `parse_line` and `add_events`, only faster; the
-common case (every line new and well-formed) costs one statement and no work in Python.
+it takes is one `parse_line` accepts too. DuckDB's JSON reader is more lenient than JSON
+(NaN/Infinity in any case, trailing commas, any depth), so a pre-screen (`_screen`: msgspec's
+strict validation of the whole chunk at C speed, plus UTF-8) keeps the lines that are not
+strict JSON out of the statement. The statement takes a line when its request is not stored
+yet; requests seen on several lines of the chunk are removed again. Every other line (bad JSON,
+wrong types, a runtime event, a request seen twice or already stored) goes through the
+ordinary path: `parse_line` decides (and names the reason when it refuses) and
+`Store.add_events` merges. The result is the same as feeding every line to `parse_line` and
+`add_events`, only faster; the common case (every line new and well-formed) costs one
+statement and one pass of the screen, and no work per line in Python.
 """
 
 from __future__ import annotations
@@ -18,24 +22,39 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import duckdb
+import msgspec
 
 from store import queries
-from store.events import CONTRACT_TYPES, STATUSES, InvalidEvent, parse_line, run_id_of
+from store.events import (
+    CONTRACT_TYPES,
+    COUNTS,
+    DURATIONS,
+    HTTP_STATUS,
+    MAX_DEPTH,
+    STATUSES,
+    InvalidEvent,
+    is_runtime_event,
+    parse_line,
+    run_id_of,
+)
+from store.events import clip as clip  # the collector's quarantine path keeps lines so too
 
 if TYPE_CHECKING:
     from store.db import Store
 
 PREFIX = "servescope-bulk-"
-MAX_RAW = 64 * 1024  # bytes of a quarantined line kept in ingest_errors.raw
 MAX_CSV_LINE = 4 * 1024 * 1024  # longest line given to the CSV reader (its buffers scale with it)
-_NUMBER = r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?"
+_DURATION = r"[0-9]{1,20}(\.[0-9]+)?([eE][-+]?[0-9]{1,2})?"  # finite, >= 0: no sign, small exponent
 _EXTRA_KEYS = ("type", "server_ts", "log_ts", "server_outcome")
 _CSV_UNSAFE = (b"\r", b"\x1f")  # a line end to the CSV reader; its delimiter
+_RAW = msgspec.json.Decoder(msgspec.Raw)  # validates strict JSON without building objects
+_AT_BYTE = re.compile(r"\(byte (\d+)\)")
 
 
 @dataclass
@@ -47,6 +66,9 @@ class BulkResult:
     events: int = 0
     errors: list[tuple[int, str]] = field(default_factory=list)
     keys: list[tuple[str, str]] = field(default_factory=list)
+
+
+_MAX_DOUBLE = 1.7976931348623157e308
 
 
 def _fast_conditions() -> str:
@@ -68,16 +90,29 @@ def _fast_conditions() -> str:
             test = f"{frag} IN ({allowed})"
         elif types == (str,):
             test = f"starts_with({frag}, '\"')"
-        elif types == (int,):
-            test = f"TRY_CAST({frag} AS BIGINT)::VARCHAR = {frag}"
+        elif key in COUNTS:  # an integer in 0..2**31-1: INTEGER reads it back as its digits
+            test = f"TRY_CAST({frag} AS INTEGER)::VARCHAR = {frag} AND NOT starts_with({frag}, '-')"
+        elif key == "http_status":
+            low, high = HTTP_STATUS
+            test = (
+                f"TRY_CAST({frag} AS INTEGER)::VARCHAR = {frag}"
+                f" AND TRY_CAST({frag} AS INTEGER) BETWEEN {low} AND {high}"
+            )
         elif types == (bool,):
             test = f"{frag} IN ('true', 'false')"
         elif types == (list,):
-            item = rf"\s*{_NUMBER}\s*"
+            item = rf"\s*{_DURATION}\s*"
             test = rf"regexp_full_match({frag}, '\[({item}(,{item})*|\s*)\]')"
-        else:  # numbers
-            test = f"TRY_CAST({frag} AS DOUBLE) IS NOT NULL"
+        elif key in DURATIONS:  # finite and >= 0 (NaN sorts above every double)
+            test = f"TRY_CAST({frag} AS DOUBLE) BETWEEN 0 AND {_MAX_DOUBLE!r}"
+        else:
+            raise AssertionError(f"no bulk condition for {key}")
         conds.append(f"({key} IS NULL OR {test})")
+    # nesting: a line shorter than 2 * MAX_DEPTH + 2 bytes cannot nest deeper; else count
+    conds.append(
+        f"(strlen(line) <= {2 * MAX_DEPTH + 1} OR strlen(line) - strlen(replace(replace("
+        f"line, '[', ''), '{{', '')) <= {MAX_DEPTH})"
+    )
     return "\n      AND ".join(conds)
 
 
@@ -86,6 +121,9 @@ _INSERT = {
     lines: queries.BULK_INSERT.format(lines=lines, ok=_fast_conditions())
     for lines in (queries.BULK_LINES_CSV, queries.BULK_LINES_TEXT)
 }
+
+
+Judged = tuple[int, bytes, "dict[str, Any] | str"]  # offset, line, the record or the reason
 
 
 def ingest_lines(
@@ -107,9 +145,33 @@ def ingest_lines(
     if not pieces[-1].endswith(b"\n"):
         pieces.append(b"\n")
     result.lines = sum(p.count(b"\n") for p in pieces)
-    if not all(_utf8(p) for p in pieces):  # pieces end on line ends: none splits a character
-        _python_path(store, con, _split(b"".join(pieces), offset), source, result)
-        return result
+    kept: list[bytes | memoryview] = []
+    suspects: list[tuple[int, bytes]] = []
+    start = offset
+    for piece in pieces:
+        kept.extend(_screen(piece, start, suspects))
+        start += len(piece)
+    screened = _judge(suspects)
+    inserted, rest = 0, set()
+    if kept:
+        inserted, rest, new_keys = _insert(con, pieces, kept, screened, want_keys)
+        result.keys.extend(new_keys)
+    result.events += inserted
+    judged = [j for j in _judge(_split(pieces, offset), only=rest)] if rest else []
+    if judged or screened:
+        _store_judged(store, con, sorted([*judged, *screened]), source, result)
+    return result
+
+
+def _insert(
+    con: duckdb.DuckDBPyConnection,
+    pieces: list[bytes],
+    kept: list[bytes | memoryview],
+    screened: list[Judged],
+    want_keys: bool,
+) -> tuple[int, set[bytes], list[tuple[str, str]]]:
+    """The bulk statement over the screened lines: (requests inserted, the lines it left for
+    the ordinary path, the keys inserted when asked)."""
     csv = not any(b in p for p in pieces for b in _CSV_UNSAFE) and not any(
         _has_long_line(p, MAX_CSV_LINE) for p in pieces
     )
@@ -118,7 +180,7 @@ def ingest_lines(
     fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".jsonl", dir=_tmp_dir())
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.writelines(pieces)
+            fh.writelines(kept)
         params["path"] = path
         row = con.execute(queries.BULK_LAST_ROWID).fetchone()
         after = int(row[0]) if row else -1
@@ -127,21 +189,117 @@ def ingest_lines(
         if inserted:
             row = con.execute(queries.BULK_DROP_REPEATED, {"after": after}).fetchone()
             inserted -= int(row[0]) if row else 0
+        # a request also on a screened-out line is merged in file order by the ordinary path
+        keys = [(run_id_of(d), d["request_id"]) for _o, _l, d in screened if _is_request(d)]
+        if inserted and keys:
+            row = con.execute(
+                queries.BULK_DROP_KEYS,
+                {"after": after, "runs": [k[0] for k in keys], "requests": [k[1] for k in keys]},
+            ).fetchone()
+            inserted -= int(row[0]) if row else 0
+        new_keys: list[tuple[str, str]] = []
         if want_keys and inserted:
-            keys = con.execute(queries.BULK_NEW_KEYS, {"after": after}).fetchall()
-            result.keys = [(run_id, request_id) for run_id, request_id in keys]
+            new_keys = list(con.execute(queries.BULK_NEW_KEYS, {"after": after}).fetchall())
         rest: set[bytes] = set()
-        if inserted < result.lines:
+        if inserted < sum(p.count(b"\n") for p in pieces) - len(screened):
             query = queries.BULK_REST.format(lines=lines)
             rows = con.execute(query, {**params, "after": after}).fetchall()
             rest = {line.encode() for (line,) in rows}
     finally:
         os.unlink(path)
-    result.events += inserted
-    if rest:
-        found = [x for x in _split(b"".join(pieces), offset) if x[1] in rest]
-        _python_path(store, con, found, source, result)
-    return result
+    return inserted, rest, new_keys
+
+
+def _is_request(doc: dict[str, Any] | str) -> bool:
+    return isinstance(doc, dict) and "request_id" in doc and not is_runtime_event(doc)
+
+
+def _screen(
+    piece: bytes, start: int, suspects: list[tuple[int, bytes]]
+) -> list[bytes | memoryview]:
+    """`piece` less its lines that are not strict JSON in valid UTF-8 (DuckDB would take some
+    of them: NaN, trailing commas…), which are appended to `suspects` as (offset, line) for
+    `parse_line` to judge. One C pass and no copy when every line is good (the common case).
+
+    msgspec reads the lines one after the other; a line that does not end a value is read on
+    into the next one, so an error may be reported on a good line after a bad one: that line
+    is judged by `parse_line` too, and the bad one is refused by the statement anyway (it is
+    not even a lenient JSON object). A line the statement takes is always strict JSON."""
+    spans = _bad_utf8(piece)
+    view = memoryview(piece)
+    i = 0
+    while i < len(piece):
+        try:
+            _RAW.decode_lines(view[i:])
+            break
+        except msgspec.DecodeError as exc:
+            at = _AT_BYTE.search(str(exc))
+            if at is None:  # no position given: line by line from here
+                spans.extend(_bad_lines(piece, i))
+                break
+            begin, end = _line_at(piece, i + int(at[1]))
+            spans.append((begin, end))
+            i = end + 1
+        except RecursionError:  # nested past the interpreter's limit: line by line from here
+            spans.extend(_bad_lines(piece, i))
+            break
+    if not spans:
+        return [piece]
+    kept: list[bytes | memoryview] = []
+    pos = 0
+    for begin, end in sorted(set(spans)):
+        if begin < pos:
+            continue
+        if begin > pos:
+            kept.append(view[pos:begin])
+        suspects.append((start + begin, piece[begin:end]))
+        pos = end + 1
+    if pos < len(piece):
+        kept.append(view[pos:])
+    return kept
+
+
+def _bad_utf8(piece: bytes) -> list[tuple[int, int]]:
+    """The line spans of `piece` that are not UTF-8 (DuckDB's readers refuse such a file)."""
+    if piece.isascii():  # the common case, without decoding a copy
+        return []
+    spans = []
+    view = memoryview(piece)
+    i = 0
+    while i < len(piece):
+        try:
+            str(view[i:], "utf-8")
+            break
+        except UnicodeDecodeError as exc:
+            begin, end = _line_at(piece, i + exc.start)
+            spans.append((begin, end))
+            i = end + 1
+    return spans
+
+
+def _bad_lines(piece: bytes, i: int) -> list[tuple[int, int]]:
+    spans = []
+    while i < len(piece):
+        end = piece.find(b"\n", i)
+        end = len(piece) if end < 0 else end
+        line = piece[i:end]
+        if line.strip():
+            try:
+                _RAW.decode(line)
+            except (msgspec.DecodeError, RecursionError):
+                spans.append((i, end))
+        i = end + 1
+    return spans
+
+
+def _line_at(piece: bytes, at: int) -> tuple[int, int]:
+    """(start, end) of the line holding byte `at` (`end` is its newline's index)."""
+    at = max(0, min(at, len(piece) - 1))
+    if piece[at : at + 1] == b"\n" and at > 0:
+        at -= 1  # an error reported at a line's end belongs to that line
+    begin = piece.rfind(b"\n", 0, at) + 1
+    end = piece.find(b"\n", at)
+    return begin, len(piece) if end < 0 else end
 
 
 def remove_stale_chunks() -> None:
@@ -171,16 +329,6 @@ def _tmp_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
-def _utf8(data: bytes) -> bool:
-    if data.isascii():  # the common case, without decoding a copy
-        return True
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
 def _has_long_line(data: bytes, limit: int) -> bool:
     """Whether `data` may hold a line longer than `limit` (every stretch of limit/2 bytes
     holding a newline proves it does not)."""
@@ -190,41 +338,42 @@ def _has_long_line(data: bytes, limit: int) -> bool:
     )
 
 
-def _split(data: bytes, offset: int) -> list[tuple[int, bytes]]:
+def _split(pieces: list[bytes], offset: int) -> list[tuple[int, bytes]]:
+    """(offset, line) of every non-blank line, without its newline and CR (as the statement
+    reads it)."""
     lines = []
-    for line in data.split(b"\n"):
+    for line in b"".join(pieces).split(b"\n"):
         if line.strip():
-            lines.append((offset, line))
+            lines.append((offset, line.rstrip(b"\r")))
         offset += len(line) + 1
     return lines
 
 
-def _python_path(
+def _judge(lines: list[tuple[int, bytes]], only: set[bytes] | None = None) -> list[Judged]:
+    """Each line with its record, or with the reason it is refused."""
+    judged: list[Judged] = []
+    for off, line in lines:
+        if only is not None and line not in only:
+            continue
+        try:
+            judged.append((off, line, parse_line(line)))
+        except InvalidEvent as exc:
+            judged.append((off, line, str(exc)))
+    return judged
+
+
+def _store_judged(
     store: Store,
     con: duckdb.DuckDBPyConnection,
-    lines: list[tuple[int, bytes]],
+    judged: list[Judged],
     source: str,
     result: BulkResult,
 ) -> None:
-    docs: list[dict[str, Any]] = []
-    errors: list[tuple[int, str, bytes]] = []
-    for off, line in lines:
-        if not line.strip():
-            continue
-        try:
-            docs.append(parse_line(line))
-        except InvalidEvent as exc:
-            errors.append((off, str(exc), line))
+    docs = [doc for _off, _line, doc in judged if isinstance(doc, dict)]
     if docs:
         result.events += store.add_events(docs, con)
         result.keys.extend((run_id_of(d), d["request_id"]) for d in docs if "request_id" in d)
-    for off, reason, line in errors:
-        store.add_ingest_error(source, off, reason, clip(line), con)
-        result.errors.append((off, reason))
-
-
-def clip(raw: bytes) -> bytes:
-    """A quarantined line as kept: whole up to MAX_RAW bytes, else its head and its length."""
-    if len(raw) <= MAX_RAW:
-        return raw.rstrip(b"\r\n")
-    return raw[:MAX_RAW] + f"… [{len(raw)} bytes, cut]".encode()
+    for off, line, reason in judged:
+        if isinstance(reason, str):
+            store.add_ingest_error(source, off, reason, line, con)
+            result.errors.append((off, reason))

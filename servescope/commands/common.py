@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from store import Store
+from store.paths import name_of
 
 console = Console(stderr=True)
 
@@ -24,3 +25,14 @@ def add_store_option(parser: argparse.ArgumentParser) -> None:
 
 def open_store(args: argparse.Namespace) -> Store:
     return Store(args.store)
+
+
+def run_arg(store: Store, text: str) -> str:
+    """The run a RUN argument names: the run id itself, or — for an id that cannot be typed
+    (a NUL byte) — its folder name as reports write it (`store.paths.safe_name`)."""
+    if store.has_run(text):
+        return text
+    decoded = name_of(text)
+    if decoded is not None and decoded != text and store.has_run(decoded):
+        return decoded
+    return text

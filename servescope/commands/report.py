@@ -24,7 +24,7 @@ from reports import (
     write_report,
 )
 from reports.summary import SLO_METRICS
-from servescope.commands.common import add_store_option, console, open_store
+from servescope.commands.common import add_store_option, console, open_store, run_arg
 from store import queries
 
 DESCRIPTION = "Render stored runs as self-contained HTML, Markdown and JSON reports."
@@ -61,7 +61,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         "server-side, KV-cache peak, preemptions, admission rejections, the lab's pass "
         "criteria, charts), or compare it with --vs BASE (or before/after its lever flip with "
         "--split-at-flip): before, after, Δ, Δ %, a seeded bootstrap 95 % CI and a verdict per "
-        "indicator. The report folder is RUN, RUN-vs-BASE or RUN-at-flip. Exit codes: 0 written, "
+        "indicator. The report folder is RUN, RUN-vs-BASE or RUN-at-flip, percent-encoded (a run "
+        "id is never a path: a/b is a%2Fb; a run id that cannot be typed may be given so). "
+        "Exit codes: 0 written, "
         "2 an unknown run (the known ones are named), a run with no lever flip to split at, "
         "or bad options.",
     )
@@ -121,14 +123,15 @@ def run_build(args: argparse.Namespace) -> int:
         charts="html" in formats,
     )
     store = open_store(args)
+    run_id = run_arg(store, args.run_id)
     try:
         with console.status("building the report…"):
             if args.vs:
-                report = build_diff(store, args.run_id, args.vs, options)
+                report = build_diff(store, run_id, run_arg(store, args.vs), options)
             elif args.split_at_flip:
-                report = build_split(store, args.run_id, options)
+                report = build_split(store, run_id, options)
             else:
-                report = build_summary(store, args.run_id, options)
+                report = build_summary(store, run_id, options)
             paths = write_report(report, args.out, formats)
     except (UnknownRun, NoLeverFlip) as exc:
         console.print(str(exc), markup=False, style="red")

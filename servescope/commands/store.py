@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from servescope.commands.common import add_store_option, console, open_store
+from servescope.commands.common import add_store_option, console, open_store, run_arg
 from store import export_run, import_file
 from store.parquet import count_parquet, export_parquet
 
@@ -72,6 +72,8 @@ def run_import(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     store = open_store(args)
+    if args.run_id is not None:
+        args.run_id = run_arg(store, args.run_id)
     if args.run_id is None and args.format == "jsonl":
         console.print("[red]jsonl export needs a RUN (see `servescope store runs`)")
         return 2
