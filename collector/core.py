@@ -191,7 +191,7 @@ class Collector:
         read = 0
         for name, tailer in self.event_files:
             for chunk in tailer.poll():
-                read += len(chunk.data) or 1
+                read += chunk.too_long or len(chunk.data) or 1  # a skipped line was read too
                 with self._lock:
                     self._pending.touch(len(chunk.data))
                     if chunk.too_long:
@@ -202,7 +202,7 @@ class Collector:
             self._new_files(name, tailer)
         for source in self.logs:
             for chunk in source.tailer.poll():
-                read += len(chunk.data) or 1
+                read += chunk.too_long or len(chunk.data) or 1  # a skipped line was read too
                 with self._lock:
                     self._pending.touch(len(chunk.data))
                     if chunk.too_long:

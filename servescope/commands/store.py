@@ -53,8 +53,8 @@ def run_import(args: argparse.Namespace) -> int:
     store = open_store(args)
     totals = {"events": 0, "runtime_events": 0, "errors": 0, "runs": set()}
     for path in args.files:
-        if not path.exists():
-            console.print(f"[red]no such file: {path}")
+        if not path.is_file():
+            console.print(f"no such file: {path}", markup=False, style="red")
             return 2
         result = import_file(store, path)
         totals["events"] += result.events
