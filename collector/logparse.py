@@ -12,13 +12,13 @@ collector relies on is malformed. The parser never raises.
 from __future__ import annotations
 
 import ast
-import json
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from collector.ids import UNATTRIBUTED_RUN, client_request_id, is_generated
+from store.events import InvalidEvent, decode
 
 SOURCE = "vllm-log"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -108,9 +108,9 @@ def parse_line(raw: bytes, *, year: int) -> Item:
 
 def _json_line(line: str) -> Item:
     try:
-        obj = json.loads(line)
-    except (ValueError, RecursionError):
-        return Bad("invalid JSON log line")
+        obj = decode(line)  # the store's rules for any line: strict JSON, bounded depth
+    except InvalidEvent as exc:
+        return Bad(f"invalid JSON log line: {exc}")
     if not isinstance(obj, dict) or not isinstance(obj.get("message"), str):
         return Bad("JSON log line without a message")
     message: str = obj["message"]
