@@ -75,9 +75,6 @@ class BulkResult:
     keys: list[tuple[str, str]] = field(default_factory=list)
 
 
-_MAX_DOUBLE = 1.7976931348623157e308
-
-
 def _fast_conditions() -> str:
     """SQL over the line's top-level values (raw JSON, NULL when absent or null) that implies
     `check(doc)` passes. A JSON value's text tells its type: a string starts with a quote, an
@@ -110,8 +107,8 @@ def _fast_conditions() -> str:
         elif types == (list,):
             item = rf"\s*{_DURATION}\s*"
             test = rf"regexp_full_match({frag}, '\[({item}(,{item})*|\s*)\]')"
-        elif key in DURATIONS:  # finite and >= 0 (NaN sorts above every double)
-            test = f"TRY_CAST({frag} AS DOUBLE) BETWEEN 0 AND {_MAX_DOUBLE!r}"
+        elif key in DURATIONS:  # finite and >= 0 (a JSON number's sign is its first byte)
+            test = f"isfinite(TRY_CAST({frag} AS DOUBLE)) AND NOT starts_with({frag}, '-')"
         else:
             raise AssertionError(f"no bulk condition for {key}")
         conds.append(f"({key} IS NULL OR {test})")

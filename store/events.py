@@ -67,7 +67,7 @@ CONTRACT_TYPES: dict[str, tuple[type, ...]] = {
 }
 STATUSES = frozenset({"ok", "error", "timeout", "rejected"})
 REQUEST_TYPE = "request"  # the only `type` a request record may carry
-_RUN_SUFFIX = re.compile(r"-\d+$")
+_RUN_SUFFIX = re.compile(r"(.)-[0-9]+\Z")  # never the whole id: "-000001" is its own run
 _BOM = b"\xef\xbb\xbf"
 _DECODER = msgspec.json.Decoder()
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")
@@ -84,12 +84,11 @@ class InvalidEvent(ValueError):
 
 def run_id_of(doc: dict[str, Any]) -> str:
     """The run of a record: its `run_id`, else its `request_id` less the `-<digits>` tail (the
-    whole `request_id` when nothing else is left)."""
+    whole `request_id` when nothing precedes the tail)."""
     run_id = doc.get("run_id")
     if isinstance(run_id, str) and run_id:
         return run_id
-    request_id: str = doc["request_id"]
-    return _RUN_SUFFIX.sub("", request_id) or request_id
+    return _RUN_SUFFIX.sub(r"\1", doc["request_id"])
 
 
 def is_runtime_event(doc: dict[str, Any]) -> bool:
