@@ -21,6 +21,9 @@ class ImportResult:
     runtime_events: int = 0  # agent-runtime lines (tool calls, approvals…), stored verbatim
     errors: int = 0
     runs: set[str] = field(default_factory=set)
+    examples: list[tuple[int, str]] = field(
+        default_factory=list
+    )  # the first refusals (offset, reason)
 
 
 def read_lines(path: Path) -> Iterator[tuple[int, bytes, int]]:
@@ -76,6 +79,8 @@ def import_file(
         except InvalidEvent as exc:
             errors.append((offset, str(exc), line))
             result.errors += 1
+            if len(result.examples) < 3:
+                result.examples.append((offset, str(exc)))
         else:
             batch.append(doc)
             if is_runtime_event(doc):

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from servescope.commands.common import add_store_option, console, open_store, run_arg
@@ -56,15 +57,31 @@ def run_import(args: argparse.Namespace) -> int:
         if not path.is_file():
             console.print(f"no such file: {path}", markup=False, style="red")
             return 2
-        result = import_file(store, path)
+        with Progress(
+            TextColumn(f"importing {path.name}"),
+            BarColumn(),
+            DownloadColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as progress:
+            task = progress.add_task("import", total=path.stat().st_size or 1)
+            result = import_file(
+                store, path, on_read=lambda n, task=task: progress.advance(task, n)
+            )
         totals["events"] += result.events
         totals["errors"] += result.errors
         totals["runs"] |= result.runs
         totals["runtime_events"] += result.runtime_events
         console.print(
             f"{path}: {result.events} records, {result.runtime_events} runtime events, "
-            f"{result.errors} quarantined"
+            f"{result.errors} quarantined",
+            markup=False,
         )
+        for offset, reason in result.examples:
+            console.print(f"  byte {offset}: {reason}", markup=False, style="yellow")
+        if result.errors > len(result.examples):
+            console.print("  … every refused line is in the store's ingest_errors table")
     if args.json:
         print(json.dumps({**totals, "runs": sorted(totals["runs"])}))
     return 0
