@@ -24,6 +24,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +83,9 @@ def _fast_conditions() -> str:
     rid = "request_id::VARCHAR"
     conds = [  # printable ASCII without escapes: the run-id rule reads the same in SQL and Python
         f"starts_with({rid}, '\"') AND strlen({rid}) > 2 AND NOT contains({rid}, '\\')"
-        f" AND strlen({rid}) = length({rid})",
+        f" AND strlen({rid}) = length({rid})"
+        # an id that is all `-<digits>` is its own run: the statement's regexp leaves it alone
+        f" AND NOT starts_with({rid}, '\"-')",
         "(type IS NULL OR type::VARCHAR = '\"request\"')",
     ]
     for key, types in CONTRACT_TYPES.items():
@@ -112,20 +115,22 @@ def _fast_conditions() -> str:
         else:
             raise AssertionError(f"no bulk condition for {key}")
         conds.append(f"({key} IS NULL OR {test})")
-    # nesting: a flat object (its only bracket the first byte), a line too short to nest
-    # deeper than MAX_DEPTH, or one with no more than MAX_DEPTH opening brackets
-    conds.append(
-        "((NOT contains(line, '[') AND NOT contains(substr(line, 2), '{'))"
-        f" OR strlen(line) <= {2 * MAX_DEPTH + 1}"
-        f" OR strlen(line) - strlen(replace(replace(line, '[', ''), '{{', '')) <= {MAX_DEPTH})"
-    )
     return "\n      AND ".join(conds)
 
 
+# Nesting, for a chunk whose lines are not all flat objects (see `_screen`): a line too short to
+# nest deeper than MAX_DEPTH, or one with no more than MAX_DEPTH opening brackets.
+_NESTING = (
+    f"(strlen(line) <= {2 * MAX_DEPTH + 1}"
+    f" OR strlen(line) - strlen(replace(replace(line, '[', ''), '{{', '')) <= {MAX_DEPTH})"
+)
 _SHAPE = json.dumps({key: "JSON" for key in [*CONTRACT_TYPES, *_EXTRA_KEYS]})
 _INSERT = {
-    lines: queries.BULK_INSERT.format(lines=lines, ok=_fast_conditions())
+    (lines, flat): queries.BULK_INSERT.format(
+        lines=lines, ok=_fast_conditions() + ("" if flat else f"\n      AND {_NESTING}")
+    )
     for lines in (queries.BULK_LINES_CSV, queries.BULK_LINES_TEXT)
+    for flat in (True, False)
 }
 
 
@@ -151,70 +156,107 @@ def ingest_lines(
     if not pieces[-1].endswith(b"\n"):
         pieces.append(b"\n")
     result.lines = sum(p.count(b"\n") for p in pieces)
-    kept: list[bytes | memoryview] = []
-    suspects: list[tuple[int, bytes]] = []
-    start = offset
-    for piece in pieces:
-        kept.extend(_screen(piece, start, suspects))
-        start += len(piece)
-    screened = _judge(suspects)
-    inserted, rest = 0, set()
-    if kept:
-        todo = result.lines - len(suspects)
-        inserted, rest, new_keys = _insert(con, pieces, kept, todo, screened, want_keys)
-        result.keys.extend(new_keys)
+    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".jsonl", dir=_tmp_dir())
+    try:
+        # the chunk is written while it is screened (the write lets go of the GIL); the rare
+        # chunk with lines screened out is written again without them
+        failed: list[BaseException] = []
+        writer = threading.Thread(target=_write, args=(fd, pieces, failed))
+        writer.start()
+        kept: list[bytes | memoryview] = []
+        suspects: list[tuple[int, bytes]] = []
+        flat = True
+        start = offset
+        try:
+            for piece in pieces:
+                piece_kept, piece_flat = _screen(piece, start, suspects)
+                kept.extend(piece_kept)
+                flat = flat and piece_flat
+                start += len(piece)
+        finally:
+            writer.join()
+        if failed:
+            raise failed[0]
+        if suspects:
+            _write(fd, kept)
+        screened = _judge(suspects)
+        inserted, rest = 0, set()
+        if kept:
+            todo = result.lines - len(suspects)
+            inserted, rest, new_keys = _insert(con, path, pieces, flat, todo, screened, want_keys)
+            result.keys.extend(new_keys)
+    finally:
+        os.close(fd)
+        os.unlink(path)
     result.events += inserted
-    judged = [j for j in _judge(_split(pieces, offset), only=rest)] if rest else []
+    aside = {off for off, _line, _doc in screened}  # judged already, never twice
+    lines = [(off, line) for off, line in _split(pieces, offset) if off not in aside]
+    judged = _judge(lines, only=rest) if rest else []
     if judged or screened:
         _store_judged(store, con, sorted([*judged, *screened]), source, result)
     return result
 
 
+def _write(
+    fd: int,
+    pieces: list[bytes] | list[bytes | memoryview],
+    failed: list[BaseException] | None = None,
+) -> None:
+    """`pieces` as the whole content of the chunk file (an error kept in `failed`, if given)."""
+    try:
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                view = view[os.write(fd, view) :]
+    except BaseException as exc:
+        if failed is None:
+            raise
+        failed.append(exc)
+
+
 def _insert(
     con: duckdb.DuckDBPyConnection,
+    path: str,
     pieces: list[bytes],
-    kept: list[bytes | memoryview],
+    flat: bool,
     todo: int,
     screened: list[Judged],
     want_keys: bool,
 ) -> tuple[int, set[bytes], list[tuple[str, str]]]:
-    """The bulk statement over the `todo` lines that passed the screen: (requests inserted,
-    the lines it left for the ordinary path, the keys inserted when asked)."""
+    """The bulk statement over the `todo` lines of `path` (those that passed the screen;
+    `flat`: all of them objects without nesting): (requests inserted, the lines it left for the
+    ordinary path, the keys inserted when asked)."""
     csv = not any(b in p for p in pieces for b in _CSV_UNSAFE) and not any(
         _has_long_line(p, MAX_CSV_LINE) for p in pieces
     )
     lines = queries.BULK_LINES_CSV if csv else queries.BULK_LINES_TEXT
     params: dict[str, Any] = {"max_line": MAX_CSV_LINE} if csv else {}
-    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".jsonl", dir=_tmp_dir())
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.writelines(kept)
-        params["path"] = path
-        row = con.execute(queries.BULK_LAST_ROWID).fetchone()
-        after = int(row[0]) if row else -1
-        row = con.execute(_INSERT[lines], {**params, "shape": _SHAPE}).fetchone()
-        inserted = int(row[0]) if row else 0
-        if inserted:
-            row = con.execute(queries.BULK_DROP_REPEATED, {"after": after}).fetchone()
-            inserted -= int(row[0]) if row else 0
-        # a request also on a screened-out line is merged in file order by the ordinary path
-        keys = [(run_id_of(d), d["request_id"]) for _o, _l, d in screened if _is_request(d)]
-        if inserted and keys:
-            row = con.execute(
-                queries.BULK_DROP_KEYS,
-                {"after": after, "runs": [k[0] for k in keys], "requests": [k[1] for k in keys]},
-            ).fetchone()
-            inserted -= int(row[0]) if row else 0
-        new_keys: list[tuple[str, str]] = []
-        if want_keys and inserted:
-            new_keys = list(con.execute(queries.BULK_NEW_KEYS, {"after": after}).fetchall())
-        rest: set[bytes] = set()
-        if inserted < todo:
-            query = queries.BULK_REST.format(lines=lines)
-            rows = con.execute(query, {**params, "after": after}).fetchall()
-            rest = {line.encode() for (line,) in rows}
-    finally:
-        os.unlink(path)
+    params["path"] = path
+    row = con.execute(queries.BULK_LAST_ROWID).fetchone()
+    after = int(row[0]) if row else -1
+    row = con.execute(_INSERT[(lines, flat)], {**params, "shape": _SHAPE}).fetchone()
+    inserted = int(row[0]) if row else 0
+    if inserted:
+        row = con.execute(queries.BULK_DROP_REPEATED, {"after": after}).fetchone()
+        inserted -= int(row[0]) if row else 0
+    # a request also on a screened-out line is merged in file order by the ordinary path
+    keys = [(run_id_of(d), d["request_id"]) for _o, _l, d in screened if _is_request(d)]
+    if inserted and keys:
+        row = con.execute(
+            queries.BULK_DROP_KEYS,
+            {"after": after, "runs": [k[0] for k in keys], "requests": [k[1] for k in keys]},
+        ).fetchone()
+        inserted -= int(row[0]) if row else 0
+    new_keys: list[tuple[str, str]] = []
+    if want_keys and inserted:
+        new_keys = list(con.execute(queries.BULK_NEW_KEYS, {"after": after}).fetchall())
+    rest: set[bytes] = set()
+    if inserted < todo:
+        query = queries.BULK_REST.format(lines=lines)
+        rows = con.execute(query, {**params, "after": after}).fetchall()
+        rest = {line.encode() for (line,) in rows}
     return inserted, rest, new_keys
 
 
@@ -224,7 +266,7 @@ def _is_request(doc: dict[str, Any] | str) -> bool:
 
 def _screen(
     piece: bytes, start: int, suspects: list[tuple[int, bytes]]
-) -> list[bytes | memoryview]:
+) -> tuple[list[bytes | memoryview], bool]:
     """`piece` less its lines that are not strict JSON in valid UTF-8 (DuckDB would take some
     of them: NaN, trailing commas…), which are appended to `suspects` as (offset, line) for
     `parse_line` to judge. One C pass and no copy when every line is good (the common case).
@@ -232,14 +274,20 @@ def _screen(
     msgspec reads the lines one after the other; a line that does not end a value is read on
     into the next one, so an error may be reported on a good line after a bad one: that line
     is judged by `parse_line` too, and the bad one is refused by the statement anyway (it is
-    not even a lenient JSON object). A line the statement takes is always strict JSON."""
+    not even a lenient JSON object). A line the statement takes is always strict JSON.
+
+    Also whether every line is a flat object: when each of the N lines decoded as an object
+    and the piece holds no `[` and N `{`, no line nests, and the statement skips its count."""
     spans = _bad_utf8(piece)
     view = memoryview(piece)
     i = 0
     decoder = _OBJECTS
+    flat = False
     while i < len(piece):
         try:
-            decoder.decode_lines(view[i:])
+            objects = decoder.decode_lines(view[i:])
+            flat = i == 0 and decoder is _OBJECTS and b"[" not in piece
+            flat = flat and piece.count(b"{") == len(objects)
             break
         except msgspec.ValidationError:  # a line that is JSON but no object: the statement
             decoder = _RAW  # refuses it; Raw reads on (and says where it finds an error)
@@ -255,7 +303,7 @@ def _screen(
             spans.extend(_bad_lines(piece, i))
             break
     if not spans:
-        return [piece]
+        return [piece], flat
     kept: list[bytes | memoryview] = []
     pos = 0
     for begin, end in sorted(set(spans)):
@@ -267,7 +315,7 @@ def _screen(
         pos = end + 1
     if pos < len(piece):
         kept.append(view[pos:])
-    return kept
+    return kept, False
 
 
 def _bad_utf8(piece: bytes) -> list[tuple[int, int]]:

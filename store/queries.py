@@ -472,7 +472,7 @@ SELECT run_key, request_key, source->>'$',
 FROM (
     SELECT *, request_id->>'$' AS request_key,
            COALESCE(NULLIF(run_id->>'$', ''),
-                    regexp_replace(request_id->>'$', '(.)-[0-9]+$', '\\1')) AS run_key
+                    regexp_replace(request_id->>'$', '-[0-9]+$', '')) AS run_key
     FROM (SELECT line, unnest(try(json_transform(line, $shape))) FROM {lines})
     WHERE {ok}
 ) p
