@@ -189,9 +189,11 @@ def ingest_lines(
         os.close(fd)
         os.unlink(path)
     result.events += inserted
-    aside = {off for off, _line, _doc in screened}  # judged already, never twice
-    lines = [(off, line) for off, line in _split(pieces, offset) if off not in aside]
-    judged = _judge(lines, only=rest) if rest else []
+    judged: list[Judged] = []
+    if rest:  # the lines the statement left, where they stand (each judged once)
+        aside = {off for off, _line, _doc in screened}
+        lines = [(off, line) for off, line in _split(pieces, offset) if off not in aside]
+        judged = _judge(lines, only=rest)
     if judged or screened:
         _store_judged(store, con, sorted([*judged, *screened]), source, result)
     return result
