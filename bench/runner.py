@@ -39,6 +39,7 @@ from bench.scrape import MetricsScraper
 from bench.tracing import tracer_from_env
 from bench.workload import BenchConfig, Workload
 from store import Store
+from store.paths import inside
 
 EVENTS_DIR = Path("servescope-data") / "events"
 MEMORY_SAMPLE_S = 0.5
@@ -170,7 +171,7 @@ class BenchRun:
         self.server_pid = server_pid or (state.pid if state else None)
         self.server_ready_s = state.ready_s if state else None
         self.kv_cache = state.kv_cache if state else None
-        self.events_path = events_dir / f"{self.run_id}.events.jsonl"
+        self.events_path = inside(events_dir, self.run_id, ".events.jsonl")  # ids are not paths
         self.request_timeout_s = request_timeout_s
         self.tracer = tracer_from_env("servescope-bench")  # one trace per request, if asked
         self.progress = progress or LevelProgress()

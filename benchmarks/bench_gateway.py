@@ -22,6 +22,11 @@ means two different things:
   Poisson rather than evenly spaced arrivals: bursts are what users send.
 
     .venv/bin/python benchmarks/bench_gateway.py [--concurrency 100] [--rounds 8] [--rate 200]
+    .venv/bin/python benchmarks/bench_gateway.py --server uvicorn   # the same gateway on uvicorn
+
+`--server uvicorn` serves the gateway's routes on uvicorn (httptools, uvloop) through a raw ASGI
+adapter (benchmarks/gateway_asgi.py) instead of its own `gateway/http1.py`: what the home-made
+server saves, measured.
 
 Last line (JSON): `ours` / `reference` = TTFT p50 through the gateway / direct below saturation,
 `added_ms_p50` / `added_ms_p99` = their difference at p50 / p99, `throughput_fraction` =
@@ -46,6 +51,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 from rich.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +122,9 @@ http {{
     return proc
 
 
-def start_gateway(folder: Path, port: int, upstream_port: int) -> subprocess.Popen[bytes]:
+def start_gateway(
+    folder: Path, port: int, upstream_port: int, server: str = "http1"
+) -> subprocess.Popen[bytes]:
     config = folder / "gateway.yaml"
     config.write_text(
         json.dumps(
@@ -130,17 +138,13 @@ def start_gateway(folder: Path, port: int, upstream_port: int) -> subprocess.Pop
         )
     )
     log = (folder / "gateway.log").open("wb")
+    command = (
+        [sys.executable, "-m", "servescope.cli", "gateway"]
+        if server == "http1"
+        else [sys.executable, str(ROOT / "benchmarks" / "gateway_asgi.py")]
+    )
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "servescope.cli",
-            "gateway",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-        ],  # fmt: skip
+        [*command, "--config", str(config), "--port", str(port)],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -285,22 +289,31 @@ def main() -> int:
                         "per second on each path, well below both paths' capacity")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=10.0, help="open loop duration")
     parser.add_argument("--seed", type=int, default=7, help="open loop arrival times")
+    parser.add_argument(
+        "--server",
+        choices=["http1", "uvicorn"],
+        default="http1",
+        help="the gateway on its own HTTP/1.1 server (default) or on uvicorn + a raw ASGI app",
+    )
     args = parser.parse_args()
 
     load_start = os.getloadavg()[0]
     folder = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     nginx_port, gateway_port = free_port(), free_port()
     nginx = start_nginx(folder, nginx_port)
-    gateway = start_gateway(folder, gateway_port, nginx_port)
+    gateway = start_gateway(folder, gateway_port, nginx_port, args.server)
     paths = {
         "direct": (f"http://127.0.0.1:{nginx_port}", {}),
         "gateway": (f"http://127.0.0.1:{gateway_port}", {"Authorization": f"Bearer {KEY}"}),
     }
     try:
+        gateway_cpu = psutil.Process(gateway.pid)
         with Progress(transient=True) as progress:
+            cpu_before = sum(gateway_cpu.cpu_times()[:2])
             results = asyncio.run(
                 closed_rounds(paths, args.concurrency, args.requests, args.rounds, progress)
             )
+            cpu_s = sum(gateway_cpu.cpu_times()[:2]) - cpu_before  # warm-up included
             progress.add_task(f"open loop: {args.rate:g} req/s per path", total=None)
             opened = asyncio.run(
                 drive_open(paths, args.concurrency, args.rate, args.seconds, args.seed)
@@ -345,6 +358,7 @@ def main() -> int:
     direct, proxied = below["direct"], below["gateway"]
     out = {
         "metric": "gateway_ttft_p50_ms",
+        "server": args.server,
         "ours": round(proxied["ttft_p50_ms"], 3),
         "reference": round(direct["ttft_p50_ms"], 3),
         "ratio": round(proxied["ttft_p50_ms"] / direct["ttft_p50_ms"], 3),
@@ -352,6 +366,11 @@ def main() -> int:
         "added_ms_p99": round(proxied["ttft_p99_ms"] - direct["ttft_p99_ms"], 3),
         "throughput_fraction": round(
             closed["gateway"]["req_per_s"] / closed["direct"]["req_per_s"], 3
+        ),
+        # the gateway process's CPU per proxied request in the closed loop (warm-up included):
+        # what the proxy costs, whatever else the machine runs
+        "gateway_cpu_ms_per_request": round(
+            1000 * cpu_s / (closed["gateway"]["requests"] + 500), 4
         ),
         "concurrency": args.concurrency,
         "rate": args.rate,

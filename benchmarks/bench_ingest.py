@@ -12,16 +12,22 @@ collector tails the file; end-to-end lag (line written → committed) per event,
 process's peak RSS.
 
     .venv/bin/python benchmarks/bench_ingest.py            # 1,000,000 events, 5,000/s for 60 s
+    .venv/bin/python benchmarks/bench_ingest.py --baseline 582e63a --rounds 4
 
 The last line is JSON: {"metric": "ingest_events_per_s", "ours": X, "reference": Y, "ratio": X/Y}.
+With `--baseline REF` it instead times (a) for the code at git REF and for this tree, in fresh
+processes, alternately, on the same file: wall and CPU seconds each round, and the last line is
+{"metric": "ingest_before_after", "before_s": …, "after_s": …, "before_cpu_s": …, …}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -33,7 +39,10 @@ import psutil
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+# `--code-root DIR` (set by --baseline): import the collector and store of another tree
+_CODE = sys.argv[sys.argv.index("--code-root") + 1] if "--code-root" in sys.argv else str(ROOT)
+sys.path.insert(0, _CODE)
 
 from collector import Collector, FlushReport  # noqa: E402
 from store import Store  # noqa: E402
@@ -202,6 +211,67 @@ def _progress() -> Progress:
     )
 
 
+def measure_once(path: Path, n: int) -> None:
+    """`ours` alone in this process (the code of --code-root): one JSON line of wall and CPU s."""
+    with tempfile.TemporaryDirectory(prefix="bench-ingest-once-") as tmp:
+        cpu = time.process_time()
+        wall = ours(path, Path(tmp), n)
+        cpu = time.process_time() - cpu
+    print(json.dumps({"wall_s": wall, "cpu_s": cpu}))
+
+
+def before_after(ref: str, n: int, rounds: int) -> int:
+    """(a) for the code at `ref` and for this tree, alternately, each in a fresh process."""
+    with tempfile.TemporaryDirectory(prefix="bench-ingest-ab-") as tmp:
+        folder = Path(tmp)
+        before = folder / "before"
+        before.mkdir()
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", ref, "store", "collector"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
+        path = folder / "seed.events.jsonl"
+        with console.status(f"writing {n:,} seed-format events"):
+            write_file(path, n)
+        runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+        for i in range(rounds):
+            for side, code in (("before", before), ("after", ROOT))[:: 1 if i % 2 == 0 else -1]:
+                load = os.getloadavg()[0]
+                out = subprocess.run(
+                    [sys.executable, __file__, "--measure-once", str(path)]
+                    + ["--events", str(n), "--code-root", str(code)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
+                result = {**json.loads(out.strip().splitlines()[-1]), "load": load}
+                runs[side].append(result)
+                print(
+                    f"round {i + 1} {side:6s}: {result['wall_s']:.2f} s wall, "
+                    f"{result['cpu_s']:.2f} CPU-s, load before {load:.2f}"
+                )
+    summary: dict[str, object] = {"metric": "ingest_before_after", "baseline": ref, "events": n}
+    for side, results in runs.items():
+        summary[f"{side}_s"] = round(statistics.median(r["wall_s"] for r in results), 3)
+        summary[f"{side}_cpu_s"] = round(statistics.median(r["cpu_s"] for r in results), 3)
+        summary[f"{side}_runs_s"] = [round(r["wall_s"], 3) for r in results]
+        summary[f"{side}_runs_cpu_s"] = [round(r["cpu_s"], 3) for r in results]
+    summary["after_over_before"] = round(summary["after_s"] / summary["before_s"], 3)  # type: ignore[operator]
+    summary["after_over_before_cpu"] = round(
+        summary["after_cpu_s"] / summary["before_cpu_s"],  # type: ignore[operator]
+        3,
+    )
+    print(
+        f"median of {rounds}: before {summary['before_s']} s ({summary['before_cpu_s']} CPU-s), "
+        f"after {summary['after_s']} s ({summary['after_cpu_s']} CPU-s): "
+        f"after/before {summary['after_over_before']} wall, {summary['after_over_before_cpu']} CPU"
+    )
+    print(json.dumps(summary))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -209,7 +279,20 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=1_000_000, help="events in the bulk file")
     parser.add_argument("--rate", type=int, default=5000, help="steady-run events per second")
     parser.add_argument("--seconds", type=float, default=60.0, help="steady-run duration")
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="time the collector at git REF against this tree, alternately (no steady run)",
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of --baseline (default 4)")
+    parser.add_argument("--measure-once", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--code-root", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.measure_once:
+        measure_once(args.measure_once, args.events)
+        return 0
+    if args.baseline:
+        return before_after(args.baseline, args.events, args.rounds)
     with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
         folder = Path(tmp)
         path = folder / "seed.events.jsonl"

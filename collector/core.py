@@ -32,7 +32,7 @@ from collector.scrape import Scrape, lever_changes, scrape, server_version
 from collector.selfmetrics import SelfMetrics
 from collector.sessions import Session, session_run_id
 from collector.tail import Chunk, Tailer
-from store import Store, bulk, checkpoints, run_id_of
+from store import InvalidEvent, Store, bulk, check_built, checkpoints, run_id_of
 from store.metrics import Sample
 
 log = logging.getLogger("servescope.collector")
@@ -152,6 +152,15 @@ def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[tuple[str, list[Chunk]]
     return groups
 
 
+def _checked(piece: logparse.Piece) -> logparse.Piece | logparse.Bad:
+    """A piece of a request as the store's rules take it, or the reason they refuse it."""
+    try:
+        check_built(piece.doc)
+    except InvalidEvent as exc:
+        return logparse.Bad(str(exc))
+    return piece
+
+
 def reason_class(reason: str) -> str:
     """A refusal reason without its details, as a bounded metric label."""
     return reason.split(":", 1)[0].split("(", 1)[0].strip()[:60] or "unknown"
@@ -232,7 +241,7 @@ class Collector:
         read = 0
         for name, tailer in self.event_files:
             for chunk in tailer.poll():
-                read += len(chunk.data) or 1
+                read += chunk.too_long or len(chunk.data) or 1  # a skipped line was read too
                 with self._lock:
                     self._pending.touch(len(chunk.data))
                     if chunk.too_long:
@@ -243,7 +252,7 @@ class Collector:
             self._new_files(name, tailer)
         for source in self.logs:
             for chunk in source.tailer.poll():
-                read += len(chunk.data) or 1
+                read += chunk.too_long or len(chunk.data) or 1  # a skipped line was read too
                 with self._lock:
                     self._pending.touch(len(chunk.data))
                     if chunk.too_long:
@@ -270,9 +279,7 @@ class Collector:
 
     def _too_long(self, source: str, chunk: Chunk) -> None:
         reason = f"line too long ({chunk.too_long} bytes)"
-        self._pending.errors.append(
-            (chunk.file.error_source, chunk.start, reason, bulk.clip(chunk.data))
-        )
+        self._pending.errors.append((chunk.file.error_source, chunk.start, reason, chunk.data))
         self._pending.lines[source] += 1
 
     def _log_chunk(self, source: _LogSource, chunk: Chunk) -> None:
@@ -290,6 +297,8 @@ class Collector:
             item = logparse.parse_line(line, year=chunk.year)
             session = source.session
             if isinstance(item, logparse.Piece):
+                item = _checked(item)
+            if isinstance(item, logparse.Piece):
                 if session is not None:
                     session.seen(_parse_ts(item.doc.get("log_ts")))
                 self._pending.docs.append(self._attribute(item.doc, session))
@@ -297,9 +306,7 @@ class Collector:
                 if session is not None:
                     session.seen(item.ts)
             elif isinstance(item, logparse.Bad):
-                self._pending.errors.append(
-                    (chunk.file.error_source, here, item.reason, bulk.clip(line))
-                )
+                self._pending.errors.append((chunk.file.error_source, here, item.reason, line))
             elif isinstance(item, logparse.Stats):
                 if session is not None:
                     session.seen(item.ts)
@@ -478,6 +485,14 @@ class Collector:
     ) -> threading.Event:
         """Pieces and refusals from a receiver thread; the event is set once they are committed."""
         done = threading.Event()
+        good = []
+        refused = list(refused)
+        for piece in pieces:
+            try:
+                good.append(check_built(piece))
+            except InvalidEvent as exc:  # the store's rules hold for pieces of traces too
+                refused.append((str(exc), repr(piece)[:4096]))
+        pieces = good
         with self._lock:
             self._pending.touch()
             self._pending.docs.extend(pieces)

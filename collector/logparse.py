@@ -12,13 +12,13 @@ collector relies on is malformed. The parser never raises.
 from __future__ import annotations
 
 import ast
-import json
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from collector.ids import client_request_id
+from store.events import InvalidEvent, decode
 from store.startup import kv_cache_statement
 
 SOURCE = "vllm-log"
@@ -148,9 +148,9 @@ def parse_line(raw: bytes, *, year: int) -> Item:
 
 def _json_line(line: str) -> Item:
     try:
-        obj = json.loads(line)
-    except (ValueError, RecursionError):
-        return Bad("invalid JSON log line")
+        obj = decode(line)  # the store's rules for any line: strict JSON, bounded depth
+    except InvalidEvent as exc:
+        return Bad(f"invalid JSON log line: {exc}")
     if not isinstance(obj, dict) or not isinstance(obj.get("message"), str):
         return Bad("JSON log line without a message")
     message: str = obj["message"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
+import math
 import threading
 import zlib
 from collections.abc import Callable
@@ -23,6 +25,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from collector.ids import client_request_id
+from store.events import InvalidEvent
+from store.events import decode as decode_json
+
+log = logging.getLogger("servescope.collector.otlp")
 
 SOURCE = "vllm-trace"
 MAX_BODY = 64 * 1024 * 1024
@@ -84,9 +90,9 @@ def _any_value(value: AnyValue) -> Any:
 
 def _decode_json(body: bytes) -> list[Span]:
     try:
-        doc = json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise BadPayload(f"invalid JSON: {exc}") from None
+        doc = decode_json(body, max_bytes=MAX_BODY)  # the store's rules: strict, bounded depth
+    except InvalidEvent as exc:
+        raise BadPayload(str(exc)) from None
     spans = []
     try:
         for rs in doc.get("resourceSpans") or []:
@@ -127,7 +133,7 @@ def span_piece(span: Span) -> dict[str, Any] | None:
         raise BadPayload("llm_request span without gen_ai.request.id")
     request_id = client_request_id(vllm_id)
     doc: dict[str, Any] = {"request_id": request_id, "source": SOURCE}
-    if start_ns:
+    if 0 < start_ns < 2**63:  # a time a datetime holds (the field is a fixed64)
         doc["server_ts"] = datetime.fromtimestamp(start_ns / 1e9, UTC).isoformat()
     if trace_id and trace_id.strip("0"):
         doc["trace_id"] = trace_id
@@ -138,6 +144,8 @@ def span_piece(span: Span) -> dict[str, Any] | None:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise BadPayload(f"{attr} is not a number")
+        if not math.isfinite(value) or value < 0:
+            raise BadPayload(f"{attr} is {value}: a duration must be finite and >= 0")
         doc[key] = round(float(value) * 1000.0, 3)
     for attr, key in COUNTS.items():
         value = attrs.get(attr)
@@ -145,10 +153,12 @@ def span_piece(span: Span) -> dict[str, Any] | None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise BadPayload(f"{attr} is not an integer")
+        if not 0 <= value <= 2**31 - 1:
+            raise BadPayload(f"{attr} is {value}: a count must be in 0..2**31-1")
         doc[key] = value
     for attr, key in FLOATS.items():
         value = attrs.get(attr)
-        if isinstance(value, int | float) and not isinstance(value, bool):
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
             doc[key] = float(value)
     return doc
 
@@ -186,10 +196,20 @@ class OtlpReceiver:
         self.server.server_close()
 
     def _handle(self, http: BaseHTTPRequestHandler) -> None:
+        try:
+            self._serve(http)
+        except Exception as exc:  # never a traceback on the console, whatever a client sends
+            log.error("OTLP request from %s failed: %r", http.client_address[0], exc)
+            http.close_connection = True
+
+    def _serve(self, http: BaseHTTPRequestHandler) -> None:
         if http.path.split("?")[0] != "/v1/traces":
             _reply(http, 404, b"only /v1/traces", "text/plain")
             return
-        length = int(http.headers.get("Content-Length") or 0)
+        try:
+            length = int(http.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = 0
         if length <= 0 or length > MAX_BODY:
             _reply(http, 413 if length > MAX_BODY else 400, b"bad Content-Length", "text/plain")
             return

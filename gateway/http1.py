@@ -14,9 +14,14 @@ What the protocol keeps:
   transport's buffer drains (`pause_writing` / `resume_writing`);
 - disconnects: a client that closes its connection (or half-closes it) cancels the handler of
   its request, which is how the proxy aborts the upstream request and logs `disconnect`;
-- bounds: a request head over 64 KiB is refused (431), a body over 64 MiB too (413), and a
-  connection idle (or stuck in a request's head) for `KEEPALIVE_S` is closed by a sweep, not a
-  timer per request;
+- bounds: a request head over 64 KiB is refused (431), a body over 64 MiB too (413, at once
+  when its Content-Length says so, before any 100-continue), and a connection idle (or stuck in
+  a request's head or body) for `KEEPALIVE_S` is closed by a sweep, not a timer per request;
+- hostile framing is refused before anything reaches a handler (tests/test_gateway_hostile.py):
+  llhttp refuses Content-Length with Transfer-Encoding, repeated or malformed Content-Lengths,
+  bad chunk sizes and CR, LF or NUL in a header; here a Transfer-Encoding other than exactly
+  `chunked` is 501, one in an HTTP/1.0 request 400, an Upgrade or CONNECT 400, and trailer
+  fields never join the headers (a trailer cannot set the X-Request-Id sent upstream);
 - a stream's status line and headers leave with its first body bytes, in one write.
 """
 
@@ -145,6 +150,7 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._head_size = 0
+        self._in_head = False  # header callbacks after the head are trailer fields: dropped
         self._waiting: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None
         self._read_paused = False
@@ -163,8 +169,8 @@ class _Connection(asyncio.Protocol):
             self._refuse(400)
         except httptools.HttpParserError as exc:  # httptools wraps what its callbacks raise
             cause = exc.__cause__ or exc.__context__
-            self._refuse(cause.status if isinstance(cause, _TooLarge) else 400)
-        except _TooLarge as exc:
+            self._refuse(cause.status if isinstance(cause, _Refused) else 400)
+        except _Refused as exc:
             self._refuse(exc.status)
 
     def eof_received(self) -> bool:
@@ -211,20 +217,35 @@ class _Connection(asyncio.Protocol):
         self._body = []
         self._size = 0
         self._head_size = 0
+        self._in_head = True
 
     def on_url(self, url: bytes) -> None:
         self._url += url
         self._head_size += len(url)
         if self._head_size > MAX_HEAD:
-            raise _TooLarge(431)
+            raise _Refused(431)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_size += len(name) + len(value)
         if self._head_size > MAX_HEAD:
-            raise _TooLarge(431)
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+            raise _Refused(431)
+        if self._in_head:
+            self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        headers = self._headers
+        coding = headers.get("transfer-encoding")
+        if coding is not None:
+            if self.parser.get_http_version() == "1.0":  # RFC 9112 6.1: faulty framing
+                raise _Refused(400)
+            if coding.strip().lower() != "chunked":  # the only coding a request may have here
+                raise _Refused(501)
+        if "upgrade" in headers or self.parser.get_method() == b"CONNECT":
+            raise _Refused(400)  # HTTP/1.1 only: never a tunnel, never another protocol
+        length = headers.get("content-length", "0")
+        if length.isdigit() and int(length) > MAX_BODY:
+            raise _Refused(413)
         if (
             self._headers.get("expect", "").lower() == "100-continue"
             and self._task is None  # never inside another request's answer (pipelining)
@@ -235,7 +256,7 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
         if self._size > MAX_BODY:
-            raise _TooLarge(413)
+            raise _Refused(413)
         self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -315,8 +336,9 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-class _TooLarge(Exception):
-    """Raised inside the parser's callbacks: the head or the body is over its limit."""
+class _Refused(Exception):
+    """Raised inside the parser's callbacks: the request is refused with `status` (a head or
+    body over its limit, framing the gateway does not take)."""
 
     def __init__(self, status: int) -> None:
         super().__init__(status)

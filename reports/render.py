@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from markupsafe import Markup
 
 from reports.summary import LATENCY_METRICS, SERVER_METRICS
+from store.paths import inside
 
 if TYPE_CHECKING:
     from jinja2 import Environment
@@ -111,9 +112,11 @@ def render(report: dict[str, Any], fmt_name: str) -> str:
 def write_report(
     report: dict[str, Any], out: Path = DEFAULT_OUT, formats: tuple[str, ...] = FORMATS
 ) -> list[Path]:
-    """Write `out/<report_id>/{index.html,report.md,report.json}`; returns the paths written."""
-    folder = out / report.get("report_id", report["run_id"])
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write `out/<report_id>/{index.html,report.md,report.json}`; returns the paths written.
+    The folder's name is `store.paths.safe_name(report_id)`: a run id is data, never a path."""
+    out.mkdir(parents=True, exist_ok=True)
+    folder = inside(out, report.get("report_id", report["run_id"]))
+    folder.mkdir(exist_ok=True)
     paths = []
     for name in formats:
         path = folder / FILENAMES[name]

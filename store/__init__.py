@@ -1,7 +1,7 @@
 """The event store: schema, DuckDB file, `.events.jsonl` in and out, and the queries rooms share."""
 
 from store.db import Store, StoreBusy, default_path, merge_docs
-from store.events import InvalidEvent, check, parse_line, run_id_of
+from store.events import InvalidEvent, check, check_built, parse_line, run_id_of
 from store.jsonl import ImportResult, export_run, import_file
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "Store",
     "StoreBusy",
     "check",
+    "check_built",
     "default_path",
     "export_run",
     "import_file",

@@ -5,12 +5,16 @@ Decoding a million lines in Python costs seconds before the database sees one; D
 split and parse them in parallel in native code. A chunk of complete lines is written to a
 temporary file and inserted by one SQL statement (`queries.BULK_INSERT`) that parses each line
 once and checks it with conditions deliberately stricter than `store.events.check`, so a line
-it takes is one `check` accepts too. It takes a line when its request is not stored yet;
-requests seen on several lines of the chunk are removed again. Every other line (bad JSON, wrong
-types, a runtime event, a request seen twice or already stored) goes through the ordinary path:
-`parse_line` decides (and names the reason when it refuses) and `Store.add_events` merges. The
-result is the same as feeding every line to `parse_line` and `add_events`, only faster; the
-common case (every line new and well-formed) costs one statement and no work in Python.
+it takes is one `parse_line` accepts too. DuckDB's JSON reader is more lenient than JSON
+(NaN/Infinity in any case, trailing commas, any depth), so a pre-screen (`_screen`: msgspec's
+strict validation of the whole chunk at C speed, plus UTF-8) keeps the lines that are not
+strict JSON out of the statement. The statement takes a line when its request is not stored
+yet; requests seen on several lines of the chunk are removed again. Every other line (bad JSON,
+wrong types, a runtime event, a request seen twice or already stored) goes through the
+ordinary path: `parse_line` decides (and names the reason when it refuses) and
+`Store.add_events` merges. The result is the same as feeding every line to `parse_line` and
+`add_events`, only faster; the common case (every line new and well-formed) costs one
+statement and one pass of the screen, and no work per line in Python.
 """
 
 from __future__ import annotations
@@ -18,27 +22,47 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import duckdb
+import msgspec
 
 from store import queries
-from store.events import CONTRACT_TYPES, STATUSES, InvalidEvent, parse_line, run_id_of
+from store.events import (
+    CONTRACT_TYPES,
+    COUNTS,
+    DURATIONS,
+    HTTP_STATUS,
+    MAX_DEPTH,
+    STATUSES,
+    InvalidEvent,
+    is_runtime_event,
+    parse_line,
+    run_id_of,
+)
+from store.events import clip as clip  # the collector's quarantine path keeps lines so too
 
 if TYPE_CHECKING:
     from store.db import Store
 
 PREFIX = "servescope-bulk-"
-MAX_RAW = 64 * 1024  # bytes of a quarantined line kept in ingest_errors.raw
 MAX_CSV_LINE = 4 * 1024 * 1024  # longest line given to the CSV reader (its buffers scale with it)
-_NUMBER = r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?"
-_EXTRA_KEYS = (
-    "type", "server_ts", "log_ts", "server_outcome", "server_ttft_ms", "server_e2e_ms",
-    "vllm_session",
-)  # fmt: skip
+_DURATION = r"[0-9]{1,20}(\.[0-9]+)?([eE][-+]?[0-9]{1,2})?"  # finite, >= 0: no sign, small exponent
+_EXTRA_KEYS = ("type", "server_ts", "log_ts", "server_outcome")
 _CSV_UNSAFE = (b"\r", b"\x1f")  # a line end to the CSV reader; its delimiter
+
+
+class _Object(msgspec.Struct, gc=False):
+    """A JSON object, its values validated and skipped: the cheapest strict parse msgspec has."""
+
+
+_OBJECTS = msgspec.json.Decoder(_Object)
+_RAW = msgspec.json.Decoder(msgspec.Raw)  # any JSON value; its errors say where they are
+_AT_BYTE = re.compile(r"\(byte (\d+)\)")
 
 
 @dataclass
@@ -59,7 +83,9 @@ def _fast_conditions() -> str:
     rid = "request_id::VARCHAR"
     conds = [  # printable ASCII without escapes: the run-id rule reads the same in SQL and Python
         f"starts_with({rid}, '\"') AND strlen({rid}) > 2 AND NOT contains({rid}, '\\')"
-        f" AND strlen({rid}) = length({rid})",
+        f" AND strlen({rid}) = length({rid})"
+        # an id that is all `-<digits>` is its own run: the statement's regexp leaves it alone
+        f" AND NOT starts_with({rid}, '\"-')",
         "(type IS NULL OR type::VARCHAR = '\"request\"')",
     ]
     for key, types in CONTRACT_TYPES.items():
@@ -71,24 +97,44 @@ def _fast_conditions() -> str:
             test = f"{frag} IN ({allowed})"
         elif types == (str,):
             test = f"starts_with({frag}, '\"')"
-        elif types == (int,):
-            test = f"TRY_CAST({frag} AS BIGINT)::VARCHAR = {frag}"
+        elif key in COUNTS:  # an integer in 0..2**31-1: INTEGER reads it back as its digits
+            test = f"TRY_CAST({frag} AS INTEGER)::VARCHAR = {frag} AND NOT starts_with({frag}, '-')"
+        elif key == "http_status":
+            low, high = HTTP_STATUS
+            test = (
+                f"TRY_CAST({frag} AS INTEGER)::VARCHAR = {frag}"
+                f" AND TRY_CAST({frag} AS INTEGER) BETWEEN {low} AND {high}"
+            )
         elif types == (bool,):
             test = f"{frag} IN ('true', 'false')"
         elif types == (list,):
-            item = rf"\s*{_NUMBER}\s*"
+            item = rf"\s*{_DURATION}\s*"
             test = rf"regexp_full_match({frag}, '\[({item}(,{item})*|\s*)\]')"
-        else:  # numbers
-            test = f"TRY_CAST({frag} AS DOUBLE) IS NOT NULL"
+        elif key in DURATIONS:  # finite and >= 0 (a JSON number's sign is its first byte)
+            test = f"isfinite(TRY_CAST({frag} AS DOUBLE)) AND NOT starts_with({frag}, '-')"
+        else:
+            raise AssertionError(f"no bulk condition for {key}")
         conds.append(f"({key} IS NULL OR {test})")
     return "\n      AND ".join(conds)
 
 
+# Nesting, for a chunk whose lines are not all flat objects (see `_screen`): a line too short to
+# nest deeper than MAX_DEPTH, or one with no more than MAX_DEPTH opening brackets.
+_NESTING = (
+    f"(strlen(line) <= {2 * MAX_DEPTH + 1}"
+    f" OR strlen(line) - strlen(replace(replace(line, '[', ''), '{{', '')) <= {MAX_DEPTH})"
+)
 _SHAPE = json.dumps({key: "JSON" for key in [*CONTRACT_TYPES, *_EXTRA_KEYS]})
 _INSERT = {
-    lines: queries.BULK_INSERT.format(lines=lines, ok=_fast_conditions())
+    (lines, flat): queries.BULK_INSERT.format(
+        lines=lines, ok=_fast_conditions() + ("" if flat else f"\n      AND {_NESTING}")
+    )
     for lines in (queries.BULK_LINES_CSV, queries.BULK_LINES_TEXT)
+    for flat in (True, False)
 }
+
+
+Judged = tuple[int, bytes, "dict[str, Any] | str"]  # offset, line, the record or the reason
 
 
 def ingest_lines(
@@ -110,41 +156,211 @@ def ingest_lines(
     if not pieces[-1].endswith(b"\n"):
         pieces.append(b"\n")
     result.lines = sum(p.count(b"\n") for p in pieces)
-    if not all(_utf8(p) for p in pieces):  # pieces end on line ends: none splits a character
-        _python_path(store, con, _split(b"".join(pieces), offset), source, result)
-        return result
+    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".jsonl", dir=_tmp_dir())
+    try:
+        # the chunk is written while it is screened (the write lets go of the GIL); the rare
+        # chunk with lines screened out is written again without them
+        failed: list[BaseException] = []
+        writer = threading.Thread(target=_write, args=(fd, pieces, failed))
+        writer.start()
+        kept: list[bytes | memoryview] = []
+        suspects: list[tuple[int, bytes]] = []
+        flat = True
+        start = offset
+        try:
+            for piece in pieces:
+                piece_kept, piece_flat = _screen(piece, start, suspects)
+                kept.extend(piece_kept)
+                flat = flat and piece_flat
+                start += len(piece)
+        finally:
+            writer.join()
+        if failed:
+            raise failed[0]
+        if suspects:
+            _write(fd, kept)
+        screened = _judge(suspects)
+        inserted, rest = 0, set()
+        if kept:
+            todo = result.lines - len(suspects)
+            inserted, rest, new_keys = _insert(con, path, pieces, flat, todo, screened, want_keys)
+            result.keys.extend(new_keys)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    result.events += inserted
+    judged: list[Judged] = []
+    if rest:  # the lines the statement left, where they stand (each judged once)
+        aside = {off for off, _line, _doc in screened}
+        lines = [(off, line) for off, line in _split(pieces, offset) if off not in aside]
+        judged = _judge(lines, only=rest)
+    if judged or screened:
+        _store_judged(store, con, sorted([*judged, *screened]), source, result)
+    return result
+
+
+def _write(
+    fd: int,
+    pieces: list[bytes] | list[bytes | memoryview],
+    failed: list[BaseException] | None = None,
+) -> None:
+    """`pieces` as the whole content of the chunk file (an error kept in `failed`, if given)."""
+    try:
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                view = view[os.write(fd, view) :]
+    except BaseException as exc:
+        if failed is None:
+            raise
+        failed.append(exc)
+
+
+def _insert(
+    con: duckdb.DuckDBPyConnection,
+    path: str,
+    pieces: list[bytes],
+    flat: bool,
+    todo: int,
+    screened: list[Judged],
+    want_keys: bool,
+) -> tuple[int, set[bytes], list[tuple[str, str]]]:
+    """The bulk statement over the `todo` lines of `path` (those that passed the screen;
+    `flat`: all of them objects without nesting): (requests inserted, the lines it left for the
+    ordinary path, the keys inserted when asked)."""
     csv = not any(b in p for p in pieces for b in _CSV_UNSAFE) and not any(
         _has_long_line(p, MAX_CSV_LINE) for p in pieces
     )
     lines = queries.BULK_LINES_CSV if csv else queries.BULK_LINES_TEXT
     params: dict[str, Any] = {"max_line": MAX_CSV_LINE} if csv else {}
-    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".jsonl", dir=_tmp_dir())
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.writelines(pieces)
-        params["path"] = path
-        row = con.execute(queries.BULK_LAST_ROWID).fetchone()
-        after = int(row[0]) if row else -1
-        row = con.execute(_INSERT[lines], {**params, "shape": _SHAPE}).fetchone()
-        inserted = int(row[0]) if row else 0
-        if inserted:
-            row = con.execute(queries.BULK_DROP_REPEATED, {"after": after}).fetchone()
-            inserted -= int(row[0]) if row else 0
-        if want_keys and inserted:
-            keys = con.execute(queries.BULK_NEW_KEYS, {"after": after}).fetchall()
-            result.keys = [(run_id, request_id) for run_id, request_id in keys]
-        rest: set[bytes] = set()
-        if inserted < result.lines:
-            query = queries.BULK_REST.format(lines=lines)
-            rows = con.execute(query, {**params, "after": after}).fetchall()
-            rest = {line.encode() for (line,) in rows}
-    finally:
-        os.unlink(path)
-    result.events += inserted
-    if rest:
-        found = [x for x in _split(b"".join(pieces), offset) if x[1] in rest]
-        _python_path(store, con, found, source, result)
-    return result
+    params["path"] = path
+    row = con.execute(queries.BULK_LAST_ROWID).fetchone()
+    after = int(row[0]) if row else -1
+    row = con.execute(_INSERT[(lines, flat)], {**params, "shape": _SHAPE}).fetchone()
+    inserted = int(row[0]) if row else 0
+    if inserted:
+        row = con.execute(queries.BULK_DROP_REPEATED, {"after": after}).fetchone()
+        inserted -= int(row[0]) if row else 0
+    # a request also on a screened-out line is merged in file order by the ordinary path
+    keys = [(run_id_of(d), d["request_id"]) for _o, _l, d in screened if _is_request(d)]
+    if inserted and keys:
+        row = con.execute(
+            queries.BULK_DROP_KEYS,
+            {"after": after, "runs": [k[0] for k in keys], "requests": [k[1] for k in keys]},
+        ).fetchone()
+        inserted -= int(row[0]) if row else 0
+    new_keys: list[tuple[str, str]] = []
+    if want_keys and inserted:
+        new_keys = list(con.execute(queries.BULK_NEW_KEYS, {"after": after}).fetchall())
+    rest: set[bytes] = set()
+    if inserted < todo:
+        query = queries.BULK_REST.format(lines=lines)
+        rows = con.execute(query, {**params, "after": after}).fetchall()
+        rest = {line.encode() for (line,) in rows}
+    return inserted, rest, new_keys
+
+
+def _is_request(doc: dict[str, Any] | str) -> bool:
+    return isinstance(doc, dict) and "request_id" in doc and not is_runtime_event(doc)
+
+
+def _screen(
+    piece: bytes, start: int, suspects: list[tuple[int, bytes]]
+) -> tuple[list[bytes | memoryview], bool]:
+    """`piece` less its lines that are not strict JSON in valid UTF-8 (DuckDB would take some
+    of them: NaN, trailing commas…), which are appended to `suspects` as (offset, line) for
+    `parse_line` to judge. One C pass and no copy when every line is good (the common case).
+
+    msgspec reads the lines one after the other; a line that does not end a value is read on
+    into the next one, so an error may be reported on a good line after a bad one: that line
+    is judged by `parse_line` too, and the bad one is refused by the statement anyway (it is
+    not even a lenient JSON object). A line the statement takes is always strict JSON.
+
+    Also whether every line is a flat object: when each of the N lines decoded as an object
+    and the piece holds no `[` and N `{`, no line nests, and the statement skips its count."""
+    spans = _bad_utf8(piece)
+    view = memoryview(piece)
+    i = 0
+    decoder = _OBJECTS
+    flat = False
+    while i < len(piece):
+        try:
+            objects = decoder.decode_lines(view[i:])
+            flat = i == 0 and decoder is _OBJECTS and b"[" not in piece
+            flat = flat and piece.count(b"{") == len(objects)
+            break
+        except msgspec.ValidationError:  # a line that is JSON but no object: the statement
+            decoder = _RAW  # refuses it; Raw reads on (and says where it finds an error)
+        except msgspec.DecodeError as exc:
+            at = _AT_BYTE.search(str(exc))
+            if at is None:  # no position given: line by line from here
+                spans.extend(_bad_lines(piece, i))
+                break
+            begin, end = _line_at(piece, i + int(at[1]))
+            spans.append((begin, end))
+            i = end + 1
+        except RecursionError:  # nested past the interpreter's limit: line by line from here
+            spans.extend(_bad_lines(piece, i))
+            break
+    if not spans:
+        return [piece], flat
+    kept: list[bytes | memoryview] = []
+    pos = 0
+    for begin, end in sorted(set(spans)):
+        if begin < pos:
+            continue
+        if begin > pos:
+            kept.append(view[pos:begin])
+        suspects.append((start + begin, piece[begin:end]))
+        pos = end + 1
+    if pos < len(piece):
+        kept.append(view[pos:])
+    return kept, False
+
+
+def _bad_utf8(piece: bytes) -> list[tuple[int, int]]:
+    """The line spans of `piece` that are not UTF-8 (DuckDB's readers refuse such a file)."""
+    if piece.isascii():  # the common case, without decoding a copy
+        return []
+    spans = []
+    view = memoryview(piece)
+    i = 0
+    while i < len(piece):
+        try:
+            str(view[i:], "utf-8")
+            break
+        except UnicodeDecodeError as exc:
+            begin, end = _line_at(piece, i + exc.start)
+            spans.append((begin, end))
+            i = end + 1
+    return spans
+
+
+def _bad_lines(piece: bytes, i: int) -> list[tuple[int, int]]:
+    spans = []
+    while i < len(piece):
+        end = piece.find(b"\n", i)
+        end = len(piece) if end < 0 else end
+        line = piece[i:end]
+        if line.strip():
+            try:
+                _RAW.decode(line)
+            except (msgspec.DecodeError, RecursionError):
+                spans.append((i, end))
+        i = end + 1
+    return spans
+
+
+def _line_at(piece: bytes, at: int) -> tuple[int, int]:
+    """(start, end) of the line holding byte `at` (`end` is its newline's index)."""
+    at = max(0, min(at, len(piece) - 1))
+    if piece[at : at + 1] == b"\n" and at > 0:
+        at -= 1  # an error reported at a line's end belongs to that line
+    begin = piece.rfind(b"\n", 0, at) + 1
+    end = piece.find(b"\n", at)
+    return begin, len(piece) if end < 0 else end
 
 
 def remove_stale_chunks() -> None:
@@ -174,16 +390,6 @@ def _tmp_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
-def _utf8(data: bytes) -> bool:
-    if data.isascii():  # the common case, without decoding a copy
-        return True
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
 def _has_long_line(data: bytes, limit: int) -> bool:
     """Whether `data` may hold a line longer than `limit` (every stretch of limit/2 bytes
     holding a newline proves it does not)."""
@@ -193,41 +399,42 @@ def _has_long_line(data: bytes, limit: int) -> bool:
     )
 
 
-def _split(data: bytes, offset: int) -> list[tuple[int, bytes]]:
+def _split(pieces: list[bytes], offset: int) -> list[tuple[int, bytes]]:
+    """(offset, line) of every non-blank line, without its newline and CR (as the statement
+    reads it)."""
     lines = []
-    for line in data.split(b"\n"):
+    for line in b"".join(pieces).split(b"\n"):
         if line.strip():
-            lines.append((offset, line))
+            lines.append((offset, line.rstrip(b"\r")))
         offset += len(line) + 1
     return lines
 
 
-def _python_path(
+def _judge(lines: list[tuple[int, bytes]], only: set[bytes] | None = None) -> list[Judged]:
+    """Each line with its record, or with the reason it is refused."""
+    judged: list[Judged] = []
+    for off, line in lines:
+        if only is not None and line not in only:
+            continue
+        try:
+            judged.append((off, line, parse_line(line)))
+        except InvalidEvent as exc:
+            judged.append((off, line, str(exc)))
+    return judged
+
+
+def _store_judged(
     store: Store,
     con: duckdb.DuckDBPyConnection,
-    lines: list[tuple[int, bytes]],
+    judged: list[Judged],
     source: str,
     result: BulkResult,
 ) -> None:
-    docs: list[dict[str, Any]] = []
-    errors: list[tuple[int, str, bytes]] = []
-    for off, line in lines:
-        if not line.strip():
-            continue
-        try:
-            docs.append(parse_line(line))
-        except InvalidEvent as exc:
-            errors.append((off, str(exc), line))
+    docs = [doc for _off, _line, doc in judged if isinstance(doc, dict)]
     if docs:
         result.events += store.add_events(docs, con)
         result.keys.extend((run_id_of(d), d["request_id"]) for d in docs if "request_id" in d)
-    for off, reason, line in errors:
-        store.add_ingest_error(source, off, reason, clip(line), con)
-        result.errors.append((off, reason))
-
-
-def clip(raw: bytes) -> bytes:
-    """A quarantined line as kept: whole up to MAX_RAW bytes, else its head and its length."""
-    if len(raw) <= MAX_RAW:
-        return raw.rstrip(b"\r\n")
-    return raw[:MAX_RAW] + f"… [{len(raw)} bytes, cut]".encode()
+    for off, line, reason in judged:
+        if isinstance(reason, str):
+            store.add_ingest_error(source, off, reason, line, con)
+            result.errors.append((off, reason))

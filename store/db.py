@@ -21,7 +21,7 @@ from typing import Any
 import duckdb
 
 from store import queries, runtime
-from store.events import run_id_of
+from store.events import clip, dumps, load_doc, run_id_of
 
 DEFAULT_PATH = Path("servescope-data") / "servescope.duckdb"
 
@@ -200,14 +200,14 @@ class Store:
             return 0
         keys = list(batch)
         con.execute(queries.STAGE_EVENTS)
-        self._fill_stage(con, keys, [json.dumps(batch[k]) for k in keys])
+        self._fill_stage(con, keys, [dumps(batch[k]) for k in keys])
         existing = con.execute(queries.EXISTING_FOR_STAGE).fetchall()
         if existing:
             for run_id, request_id, doc in existing:
                 key = (run_id, request_id)
-                batch[key] = merge_docs(json.loads(doc), batch[key])
+                batch[key] = merge_docs(load_doc(doc), batch[key])
             con.execute(queries.STAGE_EVENTS)
-            self._fill_stage(con, keys, [json.dumps(batch[k]) for k in keys])
+            self._fill_stage(con, keys, [dumps(batch[k]) for k in keys])
             con.execute(queries.DELETE_STAGED_EVENTS)  # replaced by their merged rows
         con.execute(queries.INSERT_STAGED_EVENTS)
         con.execute(queries.DROP_STAGE)
@@ -337,8 +337,10 @@ class Store:
         raw: str | bytes,
         con: duckdb.DuckDBPyConnection | None = None,
     ) -> None:
-        if isinstance(raw, bytes):
-            raw = raw.decode("utf-8", errors="backslashreplace")
+        if isinstance(raw, str):
+            raw = raw.encode("utf-8", "surrogatepass")
+        # bounded (with the original length), and readable whatever the bytes were
+        raw = clip(raw).decode("utf-8", errors="backslashreplace")
         row = (source, offset, datetime.now(UTC).replace(tzinfo=None), reason, raw)
         if con is None:
             with self.write() as tx:
@@ -406,10 +408,8 @@ class Store:
     def export_events(self, run_id: str) -> list[dict[str, Any]]:
         """The run's records exactly as they were ingested (merged per request)."""
         with self.read() as con:
-            return [
-                json.loads(doc)
-                for (doc,) in con.execute(queries.EXPORT_EVENTS, [run_id]).fetchall()
-            ]
+            rows = con.execute(queries.EXPORT_EVENTS, [run_id]).fetchall()
+        return [load_doc(doc) for (doc,) in rows]
 
 
 def _rows(cursor: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:

@@ -1,18 +1,46 @@
-"""Validation of `.events.jsonl` records, before anything touches the database.
+"""The rules a line or a record must meet to enter the store, for every way in.
 
-A record is a flat JSON object. The keys of the contract (docs/architecture.md) must have their
-contract types; every other key is kept verbatim. Validation never raises: it returns the reason
-a record is refused, so the caller can quarantine the line and keep going.
+Every entry point uses this module: `servescope store import` and the collector's
+line-by-line path (`parse_line`), the collector's bulk path (`store.bulk`, whose SQL and
+pre-screen are derived from the constants here and are never more lenient), and pieces built
+from vLLM's logs and traces (`check_built`). Validation never raises anything but
+`InvalidEvent`, whose message is the quarantine reason a person reads in `ingest_errors`.
+
+A line is good when:
+- it is at most `MAX_LINE_BYTES` long and valid UTF-8 (a byte-order mark at its start and a
+  CR before its newline are allowed);
+- it is one strict JSON value (RFC 8259: no NaN/Infinity, no trailing commas, nothing after
+  it) nested at most `MAX_DEPTH` deep; a number too large for a double is valid JSON and kept
+  where the contract does not type it;
+- it is an object; when a key repeats, the first value counts (what DuckDB reads too);
+- it is a request record (a non-empty string `request_id`, contract keys of their contract
+  types: durations and rates finite and >= 0, token counts and concurrency integers in
+  0..2**31-1, `http_status` an integer in 100..999, `itl_ms` a list of such durations) or an
+  agent-runtime event (a `type` other than "request", with a run or request id).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import secrets
 from typing import Any
 
+import msgspec
+
+MAX_LINE_BYTES = 1024 * 1024  # longest line taken; the tailer hands longer ones over as such
+MAX_DEPTH = 64  # deepest nesting of arrays and objects in a line
+MAX_RAW = 64 * 1024  # bytes of a refused line kept in ingest_errors.raw (with its length)
+MAX_COUNT = 2**31 - 1  # token counts and concurrency are INTEGER columns
+HTTP_STATUS = (100, 999)
 _NUMBER = (int, float)
-# key -> accepted Python types after json.loads (bool is an int subclass: excluded explicitly)
+DURATIONS = (
+    "ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms", "target_rate",
+    "server_ttft_ms", "server_e2e_ms",
+)  # fmt: skip
+COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens", "concurrency")
+# key -> accepted Python types after decoding (bool is an int subclass: excluded explicitly)
 CONTRACT_TYPES: dict[str, tuple[type, ...]] = {
     "request_id": (str,),
     "run_id": (str,),
@@ -33,6 +61,10 @@ CONTRACT_TYPES: dict[str, tuple[type, ...]] = {
     "itl_ms": (list,),
     "queue_ms": _NUMBER,
     "prefill_ms": _NUMBER,
+    # typed columns beyond the contract table: vLLM's own timings, the serving session
+    "server_ttft_ms": _NUMBER,
+    "server_e2e_ms": _NUMBER,
+    "vllm_session": (str,),
     "decode_ms": _NUMBER,
     "finish_reason": (str,),
     "status": (str,),
@@ -42,7 +74,15 @@ CONTRACT_TYPES: dict[str, tuple[type, ...]] = {
 }
 STATUSES = frozenset({"ok", "error", "timeout", "rejected"})
 REQUEST_TYPE = "request"  # the only `type` a request record may carry
-_RUN_SUFFIX = re.compile(r"-\d+$")
+_RUN_SUFFIX = re.compile(r"(.)-[0-9]+\Z")  # never the whole id: "-000001" is its own run
+_BOM = b"\xef\xbb\xbf"
+_DECODER = msgspec.json.Decoder()
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NON_FINITE = re.compile(rb"[:,\[]\s*[-+]?(?i:nan|inf)")
+_INF = f"\x00inf-{secrets.token_hex(8)}\x00"  # a float too large for JSON's grammar (dumps)
+_STRICT = {ascii: json.JSONEncoder(allow_nan=False, ensure_ascii=ascii) for ascii in (True, False)}
+_BUILT = json.JSONEncoder(allow_nan=False, ensure_ascii=False)
 
 
 class InvalidEvent(ValueError):
@@ -50,11 +90,12 @@ class InvalidEvent(ValueError):
 
 
 def run_id_of(doc: dict[str, Any]) -> str:
-    """The run of a record: its `run_id`, else its `request_id` less the `-<digits>` tail."""
+    """The run of a record: its `run_id`, else its `request_id` less the `-<digits>` tail (the
+    whole `request_id` when nothing precedes the tail)."""
     run_id = doc.get("run_id")
     if isinstance(run_id, str) and run_id:
         return run_id
-    return _RUN_SUFFIX.sub("", doc["request_id"])
+    return _RUN_SUFFIX.sub(r"\1", doc["request_id"])
 
 
 def is_runtime_event(doc: dict[str, Any]) -> bool:
@@ -77,15 +118,27 @@ def check_runtime(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def _duration_ok(value: Any) -> bool:
+    return (
+        isinstance(value, _NUMBER)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
 def check(doc: Any) -> dict[str, Any]:
     """Return `doc` if it is a storable request record or runtime event, else raise
     `InvalidEvent`."""
     if not isinstance(doc, dict):
-        raise InvalidEvent(f"not a JSON object: {type(doc).__name__}")
+        raise InvalidEvent(f"not a JSON object but {_kind(doc)}: one object per line")
     if is_runtime_event(doc):
         return check_runtime(doc)
-    if not isinstance(doc.get("request_id"), str) or not doc["request_id"]:
-        raise InvalidEvent("missing request_id")
+    request_id = doc.get("request_id")
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidEvent(
+            "missing request_id" if request_id is None else "request_id is not a non-empty string"
+        )
     for key, types in CONTRACT_TYPES.items():
         value = doc.get(key)
         if value is None:
@@ -94,19 +147,187 @@ def check(doc: Any) -> dict[str, Any]:
             raise InvalidEvent(f"wrong type for {key}: bool")
         if not isinstance(value, types):
             raise InvalidEvent(f"wrong type for {key}: {type(value).__name__}")
+    for key in DURATIONS:
+        value = doc.get(key)
+        if value is not None and not _duration_ok(value):
+            raise InvalidEvent(f"{key} is {value!r}: a duration must be finite and >= 0")
+    for key in COUNTS:
+        value = doc.get(key)
+        if value is not None and not 0 <= value <= MAX_COUNT:
+            raise InvalidEvent(f"{key} is {value}: a count must be in 0..{MAX_COUNT}")
+    status_code = doc.get("http_status")
+    if status_code is not None and not HTTP_STATUS[0] <= status_code <= HTTP_STATUS[1]:
+        raise InvalidEvent(f"http_status is {status_code}: not an HTTP status code")
     itl = doc.get("itl_ms")
-    if itl is not None and not all(isinstance(x, _NUMBER) and not isinstance(x, bool) for x in itl):
-        raise InvalidEvent("wrong type for itl_ms: not a list of numbers")
+    if itl is not None and not all(_duration_ok(x) for x in itl):
+        if not all(isinstance(x, _NUMBER) and not isinstance(x, bool) for x in itl):
+            raise InvalidEvent("wrong type for itl_ms: not a list of numbers")
+        raise InvalidEvent("itl_ms holds a gap that is not a finite duration >= 0")
     status = doc.get("status")
     if status is not None and status not in STATUSES:
         raise InvalidEvent(f"unknown status: {status!r}")
     return doc
 
 
+def check_built(doc: dict[str, Any]) -> dict[str, Any]:
+    """`check` for a record built by a parser (a log line, a trace span) rather than read from
+    a line: also what reading a line guarantees — it serialises to strict JSON (no NaN or
+    infinity anywhere, no half surrogate in a string) nested at most `MAX_DEPTH` deep."""
+    check(doc)
+    try:
+        text = _BUILT.encode(doc).encode("utf-8")
+    except ValueError:
+        raise InvalidEvent("a number is NaN or infinite") from None
+    except UnicodeEncodeError:
+        raise InvalidEvent("a string holds half a surrogate pair (not text)") from None
+    except RecursionError:
+        raise InvalidEvent(f"nested deeper than {MAX_DEPTH} levels") from None
+    _check_depth(text)
+    return doc
+
+
+def decode(data: bytes | str, *, max_bytes: int = MAX_LINE_BYTES) -> Any:
+    """One JSON value by the rules above (size, UTF-8, strict JSON, depth, first key wins);
+    raise `InvalidEvent` with a reason otherwise."""
+    text = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    if text.startswith(_BOM):
+        text = text[len(_BOM) :]
+    if len(text) > max_bytes:
+        raise InvalidEvent(f"line too long ({len(text)} bytes; the limit is {max_bytes})")
+    if not text.isascii():
+        try:
+            text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidEvent(f"not UTF-8: byte 0x{text[exc.start]:02x} at {exc.start}") from None
+    _check_depth(text)
+    try:
+        doc = _DECODER.decode(text)
+    except msgspec.ValidationError:  # a number beyond a double (or a huge integer): valid JSON
+        doc = _json(text)
+    except msgspec.DecodeError as exc:
+        raise InvalidEvent(_json_reason(text, exc)) from None
+    except RecursionError:  # _check_depth bounds nesting; kept so nothing escapes as a crash
+        raise InvalidEvent(f"nested deeper than {MAX_DEPTH} levels") from None
+    if isinstance(doc, dict) and _key_tokens(text) != len(doc):
+        doc = _json(text)  # nested objects, or a key repeated: read again, first value wins
+    return doc
+
+
 def parse_line(line: str | bytes) -> dict[str, Any]:
     """Parse one `.events.jsonl` line; raise `InvalidEvent` with a reason when it is not one."""
+    return check(decode(line))
+
+
+def load_doc(text: str) -> dict[str, Any]:
+    """A stored `doc` read back (it met the rules when it was stored)."""
+    doc: dict[str, Any] = decode(text, max_bytes=1 << 62)
+    return doc
+
+
+def dumps(doc: Any, *, ensure_ascii: bool = True) -> str:
+    """A record as JSON text (stored, or exported). A float too large for a double (a line's
+    `1e999` outside the contract) is written `1e999` — JSON that reads back the same — never
+    `Infinity`."""
+    encoder = _STRICT[ensure_ascii]
     try:
-        doc = json.loads(line)
-    except (UnicodeDecodeError, ValueError) as exc:
+        return encoder.encode(doc)
+    except ValueError:
+        text = encoder.encode(_mark_inf(doc))
+        return text.replace(f'"-{_json_str(_INF)}"', "-1e999").replace(
+            f'"{_json_str(_INF)}"', "1e999"
+        )
+
+
+def clip(raw: bytes) -> bytes:
+    """A refused line as kept in `ingest_errors.raw`: whole up to MAX_RAW bytes, else its head
+    and its length."""
+    raw = raw.rstrip(b"\r\n")
+    if len(raw) <= MAX_RAW:
+        return raw
+    return raw[:MAX_RAW] + f"… [{len(raw)} bytes, cut]".encode()
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _kind(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+
+
+def _check_depth(text: bytes) -> None:
+    if text.count(b"[") + text.count(b"{") <= MAX_DEPTH:  # the common case, at C speed
+        return
+    depth = 0
+    for char in _STRING.sub(b"", text):  # brackets inside strings do not nest
+        if char in b"[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise InvalidEvent(f"nested deeper than {MAX_DEPTH} levels")
+        elif char in b"]}":
+            depth -= 1
+
+
+def _key_tokens(text: bytes) -> int:
+    """An upper bound of the keys in `text`: every key's closing quote is followed by a colon
+    or by whitespace. Equal to the decoded object's length only when no key repeats and no
+    object nests in it (the common case, proven without a second parse)."""
+    count = text.count
+    return count(b'":') + count(b'" ') + count(b'"\t') + count(b'"\r') + count(b'"\n')
+
+
+def _first_wins(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        doc = {}
+        for key, value in pairs:
+            doc.setdefault(key, value)
+    return doc
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _int(text: str) -> int | float:
+    return int(text) if len(text) <= 4000 else float(text)  # Python refuses longer int texts
+
+
+def _json(text: bytes) -> Any:
+    """The standard library's reading (first value of a repeated key wins), for what msgspec
+    reads otherwise; only reached for text msgspec found to be strict JSON."""
+    try:
+        return json.loads(
+            text,
+            object_pairs_hook=_first_wins,
+            parse_constant=_reject_constant,
+            parse_int=_int,
+        )
+    except (ValueError, RecursionError) as exc:
         raise InvalidEvent(f"invalid JSON: {exc}") from None
-    return check(doc)
+
+
+def _json_reason(text: bytes, exc: msgspec.DecodeError) -> str:
+    message = str(exc).removeprefix("JSON is malformed: ")
+    if _NON_FINITE.search(text):
+        return "invalid JSON: NaN and Infinity are not JSON numbers"
+    if _SURROGATE_ESCAPE.search(text):
+        return "invalid JSON: a \\u escape encodes half a surrogate pair (not text)"
+    if message == "Input data was truncated":
+        return "invalid JSON: the line ends inside a value"
+    return f"invalid JSON: {message}"
+
+
+def _mark_inf(value: Any) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return _INF if value > 0 else f"-{_INF}"
+    if isinstance(value, dict):
+        return {k: _mark_inf(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mark_inf(v) for v in value]
+    return value
+
+
+def _json_str(value: str) -> str:
+    return json.dumps(value)[1:-1]

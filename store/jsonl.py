@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from store.db import Store
-from store.events import InvalidEvent, is_runtime_event, parse_line
+from store.events import MAX_LINE_BYTES, InvalidEvent, dumps, is_runtime_event, parse_line
 from store.runtime import RuntimeCursor
 
 BATCH = 10_000
+_READ = MAX_LINE_BYTES + 2  # a longest line with its CR LF
 
 
 @dataclass
@@ -21,47 +21,74 @@ class ImportResult:
     runtime_events: int = 0  # agent-runtime lines (tool calls, approvals…), stored verbatim
     errors: int = 0
     runs: set[str] = field(default_factory=set)
+    examples: list[tuple[int, str]] = field(
+        default_factory=list
+    )  # the first refusals (offset, reason)
 
 
-def read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(byte offset, line) for every complete or final line of the file."""
+def read_lines(path: Path) -> Iterator[tuple[int, bytes, int]]:
+    """(byte offset, line, its length) for every complete or final line of the file. A line
+    longer than the rules allow is never held whole: its head comes with its full length."""
     offset = 0
     with path.open("rb") as fh:
-        for line in fh:
-            yield offset, line
-            offset += len(line)
+        while line := fh.readline(_READ):
+            length = len(line)
+            if length == _READ and not line.endswith(b"\n"):
+                while (more := fh.readline(1 << 20)) and not more.endswith(b"\n"):
+                    length += len(more)
+                length += len(more)
+            yield offset, line, length
+            offset += length
 
 
-def import_file(store: Store, path: Path) -> ImportResult:
-    """Import every valid record; quarantine every other line in `ingest_errors` with a reason."""
+def import_file(
+    store: Store, path: Path, on_read: Callable[[int], None] | None = None
+) -> ImportResult:
+    """Import every valid record; quarantine every other line in `ingest_errors` with a reason.
+    `on_read(bytes)` is told of the bytes read (a progress bar)."""
     from store.events import run_id_of
 
     result = ImportResult()
     batch: list[dict[str, Any]] = []
+    errors: list[tuple[int, str, bytes]] = []
     source = str(path)
     cursor = RuntimeCursor()
+    read = 0
 
     def flush() -> None:
-        if batch:
-            store.add_events(batch, cursor=cursor)
+        nonlocal read
+        if batch or errors:
+            with store.write() as con:
+                store.add_events(batch, con, cursor=cursor)
+                for offset, reason, raw in errors:
+                    store.add_ingest_error(source, offset, reason, raw, con)
             batch.clear()
+            errors.clear()
+        if on_read is not None:
+            on_read(read)
+            read = 0
 
-    for offset, line in read_lines(path):
+    for offset, line, length in read_lines(path):
+        read += length
         if not line.strip():
             continue
         try:
+            if length > len(line):
+                raise InvalidEvent(f"line too long ({length} bytes; the limit is {MAX_LINE_BYTES})")
             doc = parse_line(line)
         except InvalidEvent as exc:
-            store.add_ingest_error(source, offset, str(exc), line.rstrip(b"\n"))
+            errors.append((offset, str(exc), line))
             result.errors += 1
-            continue
-        batch.append(doc)
-        if is_runtime_event(doc):
-            result.runtime_events += 1
+            if len(result.examples) < 3:
+                result.examples.append((offset, str(exc)))
         else:
-            result.events += 1
-        result.runs.add(run_id_of(doc))
-        if len(batch) >= BATCH:
+            batch.append(doc)
+            if is_runtime_event(doc):
+                result.runtime_events += 1
+            else:
+                result.events += 1
+            result.runs.add(run_id_of(doc))
+        if len(batch) + len(errors) >= BATCH:
             flush()
     flush()
     return result
@@ -74,5 +101,5 @@ def export_run(store: Store, run_id: str, out: Path) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as fh:
         for doc in docs:
-            fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
+            fh.write(dumps(doc, ensure_ascii=False) + "\n")
     return len(docs)

@@ -3,7 +3,9 @@
 `OUT/events/run_id=…/date=…/*.parquet` and `OUT/runtime_events/…` are read as they are by DuckDB
 (`read_parquet('OUT/events/**/*.parquet', hive_partitioning = true)`), ClickHouse and Spark;
 servescope never grows its own distributed store. `date` is the UTC day of the record's `ts`
-(Hive's `__HIVE_DEFAULT_PARTITION__`, read back as NULL, when a record has none).
+(Hive's `__HIVE_DEFAULT_PARTITION__`, read back as NULL, when a record has none). DuckDB
+percent-encodes partition values, so a run id never becomes a path; one too long for a folder
+name is partitioned under `store.paths.partition_value` (its head, `~`, a digest).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import duckdb
 
 from store import queries, runtime
 from store.db import Store
+from store.paths import partition_value
 
 
 def export_parquet(store: Store, out: Path, run_id: str | None = None) -> dict[str, int]:
@@ -29,7 +32,10 @@ def export_parquet(store: Store, out: Path, run_id: str | None = None) -> dict[s
         if runtime.table_exists(con):
             tables.append(("runtime_events", queries.PARQUET_RUNTIME_EVENTS))
         for table, copy in tables:
-            row = con.execute(copy, [run_id, str(out / table)]).fetchone()
+            ids = con.execute(queries.PARQUET_RUN_IDS.format(table=table), [run_id]).fetchall()
+            long = {r: partition_value(r) for (r,) in ids if partition_value(r) != r}
+            params = [run_id, str(out / table), list(long), list(long.values())]
+            row = con.execute(copy, params).fetchone()
             written[table] = int(row[0]) if row else 0
     return written
 

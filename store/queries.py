@@ -650,7 +650,8 @@ FROM checkpoints WHERE source = ? ORDER BY file_key
 BULK_LINES_CSV = """read_csv($path, columns = {'line': 'VARCHAR'}, delim = chr(31),
     quote = '', escape = '', header = false, auto_detect = false, new_line = '\\n',
     max_line_size = $max_line)"""
-BULK_LINES_TEXT = "(SELECT unnest(string_split(content, chr(10))) AS line FROM read_text($path))"
+BULK_LINES_TEXT = """(SELECT rtrim(unnest(string_split(content, chr(10))), chr(13)) AS line
+    FROM read_text($path))"""
 
 # Rows appended in a transaction get row ids above every row id the table had before, so
 # `rowid > $after` (BULK_LAST_ROWID, read just before) is what one bulk insert wrote.
@@ -701,6 +702,13 @@ DELETE FROM events WHERE rowid > $after AND (run_id, request_id) IN (
     SELECT run_id, request_id FROM events WHERE rowid > $after GROUP BY ALL HAVING count(*) > 1
 )
 """
+# Requests that a line screened out of the statement carries too (store/bulk.py): their rows go
+# again, and all their lines are merged in file order by the ordinary path.
+BULK_DROP_KEYS = """
+DELETE FROM events WHERE rowid > $after AND (run_id, request_id) IN (
+    SELECT unnest($runs::VARCHAR[]), unnest($requests::VARCHAR[])
+)
+"""
 BULK_NEW_KEYS = "SELECT run_id, request_id FROM events WHERE rowid > $after ORDER BY rowid"
 # The lines the insert did not take, once each (store/bulk.py finds where they stand).
 BULK_REST = """
@@ -710,16 +718,22 @@ SELECT doc::VARCHAR FROM events WHERE rowid > $after
 """
 
 # -- Parquet export (store/parquet.py): hive partitions run_id=…/date=… ------------------------
-# $1 is a run_id, or NULL for every run; $2 the output folder, replaced as a whole. `doc` is
+# $1 is a run_id, or NULL for every run; $2 the output folder, replaced as a whole; $3/$4 map the
+# run ids too long for a folder name to a short stand-in (store.paths.partition_value). `doc` is
 # written as text so any reader takes it. COPY answers with the number of rows written.
 _PARQUET_COPY = """
 COPY (
-    SELECT * EXCLUDE (doc), CAST(ts AS DATE) AS date, CAST(doc AS VARCHAR) AS doc
-    FROM {table} WHERE $1::VARCHAR IS NULL OR run_id = $1
+    SELECT t.* EXCLUDE (doc, run_id), COALESCE(m.part, t.run_id) AS run_id,
+        CAST(ts AS DATE) AS date, CAST(doc AS VARCHAR) AS doc
+    FROM {table} t
+    LEFT JOIN (SELECT unnest($3::VARCHAR[]) AS rid, unnest($4::VARCHAR[]) AS part) m
+        ON m.rid = t.run_id
+    WHERE $1::VARCHAR IS NULL OR t.run_id = $1
 ) TO $2 (FORMAT parquet, PARTITION_BY (run_id, date), OVERWRITE)
 """
 PARQUET_EVENTS = _PARQUET_COPY.format(table="events")
 PARQUET_RUNTIME_EVENTS = _PARQUET_COPY.format(table="runtime_events")
+PARQUET_RUN_IDS = "SELECT DISTINCT run_id FROM {table} WHERE $1::VARCHAR IS NULL OR run_id = $1"
 PARQUET_COUNT = "SELECT count(*) FROM read_parquet($1, hive_partitioning = true)"
 
 # The stored (merged) records of some requests, by (run_id, request_id): what the collector's

@@ -25,7 +25,7 @@ from typing import Any
 import duckdb
 
 from store import queries
-from store.events import is_runtime_event, run_id_of
+from store.events import dumps, is_runtime_event, load_doc, run_id_of
 
 
 @dataclass
@@ -77,7 +77,7 @@ def insert(con: duckdb.DuckDBPyConnection, rows: list[RuntimeRow]) -> int:
         [
             [r.run_id for r in rows],
             [r.event_id for r in rows],
-            [json.dumps(r.doc) for r in rows],
+            [dumps(r.doc) for r in rows],
             [r.after_request_id for r in rows],
             list(range(len(rows))),
             now,
@@ -122,13 +122,13 @@ def interleave(
 def export_lines(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
     """Every line of the run, request records and runtime events, in file order."""
     requests = [
-        (ts, json.loads(doc))
+        (ts, load_doc(doc))
         for ts, doc in con.execute(queries.EXPORT_EVENTS_TS, [run_id]).fetchall()
     ]
     runtime: list[tuple[datetime | None, str | None, dict[str, Any]]] = []
     if table_exists(con):
         runtime = [
-            (ts, anchor, json.loads(doc))
+            (ts, anchor, load_doc(doc))
             for ts, anchor, doc in con.execute(queries.EXPORT_RUNTIME_EVENTS, [run_id]).fetchall()
         ]
     return interleave(requests, runtime)
@@ -140,7 +140,7 @@ def joined(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
     if not table_exists(con):
         return []
     return [
-        {"event": json.loads(event), "request": json.loads(request) if request else None}
+        {"event": load_doc(event), "request": load_doc(request) if request else None}
         for event, request in con.execute(queries.RUNTIME_EVENTS_JOINED, [run_id]).fetchall()
     ]
 

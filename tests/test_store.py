@@ -80,7 +80,7 @@ def test_bad_lines_are_quarantined_with_reasons_and_good_ones_kept(tmp_path: Pat
             '{"request_id": "a-1", "itl_ms": [1, "x"]}',
             "wrong type for itl_ms: not a list of numbers",
         ),
-        ("[1, 2]", "not a JSON object: list"),
+        ("[1, 2]", "not a JSON object but an array"),
     ],
 )
 def test_contract_types_are_enforced(line: str, reason: str) -> None:

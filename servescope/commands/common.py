@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 
 from store import Store
+from store.paths import name_of
 
 console = Console(stderr=True)
 
@@ -42,3 +43,14 @@ def rows(cursor: Any) -> list[dict[str, Any]]:
     """A query's rows as dicts by column name."""
     names = [d[0] for d in cursor.description]
     return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+def run_arg(store: Store, text: str) -> str:
+    """The run a RUN argument names: the run id itself, or — for an id that cannot be typed
+    (a NUL byte) — its folder name as reports write it (`store.paths.safe_name`)."""
+    if store.has_run(text):
+        return text
+    decoded = name_of(text)
+    if decoded is not None and decoded != text and store.has_run(decoded):
+        return decoded
+    return text

@@ -26,6 +26,7 @@ from reports import (
     build_summary,
     write_report,
 )
+from reports.build import PREVIOUS
 from reports.summary import SLO_METRICS
 from servescope.commands.common import (
     add_store_option,
@@ -33,6 +34,7 @@ from servescope.commands.common import (
     console,
     open_store,
     rows,
+    run_arg,
 )
 from store import queries
 
@@ -73,9 +75,11 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         "indicator. TTFT, TPOT and e2e come from the client where it timed them, else from "
         "vLLM's own trace; each indicator names its source and a diff never compares a client "
         "figure with a server figure. --since/--until report a window of a long-lived run. "
-        "The report folder is RUN, RUN-vs-BASE or RUN-at-flip (with @FROM-TO for a window). "
-        "Exit codes: 0 written, 2 an unknown run (the known ones are named), no run before RUN "
-        "for --vs previous, a run with no lever flip to split at, or bad options.",
+        "The report folder is RUN, RUN-vs-BASE or RUN-at-flip (with @FROM-TO for a window), "
+        "percent-encoded (a run id is never a path: a/b is a%2Fb; a run id that cannot be typed "
+        "may be given so). Exit codes: 0 written, 2 an unknown run (the known ones are named), "
+        "no run before RUN for --vs previous, a run with no lever flip to split at, or bad "
+        "options.",
         epilog="Times (--since, --until, --vs-since, --vs-until): an ISO time "
         "(2026-11-24T20:00:00Z), a duration ago (90s, 30m, 2h, 1d, 1w), or one from the run's "
         "start or end (start+1h, end-30m). The hour before a restart that flipped a lever vs "
@@ -164,14 +168,16 @@ def run_build(args: argparse.Namespace) -> int:
         console.print("[red]--split-at-flip splits the whole run: drop --since/--until")
         return 2
     store = open_store(args)
+    run_id = run_arg(store, args.run_id)
+    base = args.vs if args.vs == PREVIOUS else run_arg(store, args.vs) if args.vs else None
     try:
         with console.status("building the report…"):
-            if args.vs:
-                report = build_diff(store, args.run_id, args.vs, options, window, base_window)
+            if base:
+                report = build_diff(store, run_id, base, options, window, base_window)
             elif args.split_at_flip:
-                report = build_split(store, args.run_id, options)
+                report = build_split(store, run_id, options)
             else:
-                report = build_summary(store, args.run_id, options, window)
+                report = build_summary(store, run_id, options, window)
             paths = write_report(report, args.out, formats)
     except (UnknownRun, NoLeverFlip, NoPreviousRun, BadWindow) as exc:
         console.print(str(exc), markup=False, style="red")

@@ -6,9 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from servescope.commands.common import add_store_option, console, open_store
+from servescope.commands.common import add_store_option, console, open_store, run_arg
 from store import export_run, import_file
 from store.parquet import count_parquet, export_parquet
 
@@ -53,18 +54,34 @@ def run_import(args: argparse.Namespace) -> int:
     store = open_store(args)
     totals = {"events": 0, "runtime_events": 0, "errors": 0, "runs": set()}
     for path in args.files:
-        if not path.exists():
-            console.print(f"[red]no such file: {path}")
+        if not path.is_file():
+            console.print(f"no such file: {path}", markup=False, style="red")
             return 2
-        result = import_file(store, path)
+        with Progress(
+            TextColumn(f"importing {path.name}"),
+            BarColumn(),
+            DownloadColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as progress:
+            task = progress.add_task("import", total=path.stat().st_size or 1)
+            result = import_file(
+                store, path, on_read=lambda n, task=task: progress.advance(task, n)
+            )
         totals["events"] += result.events
         totals["errors"] += result.errors
         totals["runs"] |= result.runs
         totals["runtime_events"] += result.runtime_events
         console.print(
             f"{path}: {result.events} records, {result.runtime_events} runtime events, "
-            f"{result.errors} quarantined"
+            f"{result.errors} quarantined",
+            markup=False,
         )
+        for offset, reason in result.examples:
+            console.print(f"  byte {offset}: {reason}", markup=False, style="yellow")
+        if result.errors > len(result.examples):
+            console.print("  … every refused line is in the store's ingest_errors table")
     if args.json:
         print(json.dumps({**totals, "runs": sorted(totals["runs"])}))
     return 0
@@ -72,6 +89,8 @@ def run_import(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     store = open_store(args)
+    if args.run_id is not None:
+        args.run_id = run_arg(store, args.run_id)
     if args.run_id is None and args.format == "jsonl":
         console.print("[red]jsonl export needs a RUN (see `servescope store runs`)")
         return 2
