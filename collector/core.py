@@ -19,7 +19,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -414,7 +414,7 @@ class Collector:
     def _touch(self, session: Session) -> None:
         """The session's `runs` row (and its flips) go with the next flush."""
         if session.run_id:
-            self._pending.sessions[session.run_id] = Session.from_state(session.state())  # type: ignore[assignment]
+            self._pending.sessions[session.run_id] = replace(session)  # as it is now
 
     def _sessions(self) -> list[Session]:
         """Every session this collector knows of: the current one of each log and each

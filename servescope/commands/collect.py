@@ -12,13 +12,11 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
-
 from collector import Collector
 from collector.otlp import OtlpReceiver
 from collector.otlp_export import OtlpExport, StoredRequestForwarder
 from collector.selfmetrics import SelfMetrics
-from servescope.commands.common import add_store_option, console, open_store
+from servescope.commands.common import add_store_option, byte_progress, console, open_store
 
 DESCRIPTION = (
     "Tail vLLM server logs (text or JSON format, detected per line) and .events.jsonl files, "
@@ -167,14 +165,7 @@ def run_collect(args: argparse.Namespace) -> int:
 
 def _run_once(collector: Collector, args: argparse.Namespace) -> None:
     total = collector.backlog_bytes() or 1
-    with Progress(
-        TextColumn("ingesting"),
-        BarColumn(),
-        DownloadColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with byte_progress("ingesting") as progress:
         task = progress.add_task("ingest", total=total)
         collector.run_once(on_read=lambda n: progress.advance(task, n))
 

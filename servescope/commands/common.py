@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
 from store import Store
 from store.paths import name_of
@@ -54,3 +55,15 @@ def run_arg(store: Store, text: str) -> str:
     if decoded is not None and decoded != text and store.has_run(decoded):
         return decoded
     return text
+
+
+def byte_progress(label: str) -> Progress:
+    """A transient bar of bytes read, for commands that read files."""
+    return Progress(
+        TextColumn(label),
+        BarColumn(),
+        DownloadColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )

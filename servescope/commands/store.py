@@ -6,10 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from servescope.commands.common import add_store_option, console, open_store, run_arg
+from servescope.commands.common import add_store_option, byte_progress, console, open_store, run_arg
 from store import export_run, import_file
 from store.parquet import count_parquet, export_parquet
 
@@ -57,14 +56,7 @@ def run_import(args: argparse.Namespace) -> int:
         if not path.is_file():
             console.print(f"no such file: {path}", markup=False, style="red")
             return 2
-        with Progress(
-            TextColumn(f"importing {path.name}"),
-            BarColumn(),
-            DownloadColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        ) as progress:
+        with byte_progress(f"importing {path.name}") as progress:
             task = progress.add_task("import", total=path.stat().st_size or 1)
             result = import_file(
                 store, path, on_read=lambda n, task=task: progress.advance(task, n)
