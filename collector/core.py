@@ -437,9 +437,7 @@ class Collector:
                 doc["run_id"] = UNATTRIBUTED_RUN
             return doc
         assert session.run_id is not None
-        doc["vllm_session"] = session.run_id
-        if session.model and "model" not in doc:
-            doc["model"] = session.model
+        session.served(doc)
         if is_generated(doc["request_id"]):
             doc["run_id"] = session.run_id
             self._remember(doc["request_id"], session.run_id)
@@ -475,9 +473,7 @@ class Collector:
             "http_path": item.path,
         }
         if session is not None and session.named:
-            doc["vllm_session"] = session.run_id
-            if session.model:
-                doc["model"] = session.model
+            session.served(doc)
         self._pending.docs.append({k: v for k, v in doc.items() if v is not None})
 
     def submit(
@@ -748,11 +744,8 @@ class Collector:
         holding = [s for s in sessions if s.covers(ts)]
         if len(holding) != 1:
             return None
-        session = holding[0]
-        doc["vllm_session"] = session.run_id
-        if session.model and "model" not in doc:
-            doc["model"] = session.model
-        return session
+        holding[0].served(doc)
+        return holding[0]
 
     def _account(self, batch: _Pending, report: FlushReport) -> None:
         m = self.metrics

@@ -189,6 +189,14 @@ class Session:
             "notes": notes,
         }
 
+    def served(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """Mark a request as one this session served: its `vllm_session`, and its model when
+        the record names none (the client's stays)."""
+        doc["vllm_session"] = self.run_id
+        if self.model and "model" not in doc:
+            doc["model"] = self.model
+        return doc
+
     def covers(self, ts: datetime) -> bool:
         start, end = self.started(), self.ended()
         return start is not None and start <= ts and (end is None or ts <= end)
