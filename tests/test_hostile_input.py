@@ -135,12 +135,13 @@ BAD = len(CORPUS) - GOOD
 
 
 def _write_corpus(path: Path) -> None:
-    """The corpus, one line each, with blank and whitespace-only lines between (not counted)."""
+    """The corpus, one line each, with blank and whitespace-only lines between (not counted;
+    a vertical tab or a form feed is as blank to `str.strip` as a space)."""
     with path.open("wb") as fh:
         for i, (_name, line, _good) in enumerate(CORPUS):
             fh.write(line + b"\n")
             if i % 10 == 3:
-                fh.write(b"\n   \n")
+                fh.write(b"\n   \n\x0b\n \x0c\t\n")
 
 
 def _files_under(folder: Path) -> set[Path]:
