@@ -13,9 +13,11 @@ process's peak RSS.
 
     .venv/bin/python benchmarks/bench_ingest.py            # 1,000,000 events, 5,000/s for 60 s
     .venv/bin/python benchmarks/bench_ingest.py --baseline 582e63a --rounds 4
+    .venv/bin/python benchmarks/bench_ingest.py --baseline rules-off --rounds 8
 
 The last line is JSON: {"metric": "ingest_events_per_s", "ours": X, "reference": Y, "ratio": X/Y}.
-With `--baseline REF` it instead times (a) for the code at git REF and for this tree, in fresh
+With `--baseline REF` it instead times (a) for the code at git REF (`rules-off`: this tree with
+the input rules of issue 15 switched off, see `switch_rules_off`) and for this tree, in fresh
 processes, alternately, on the same file: wall and CPU seconds each round, and the last line is
 {"metric": "ingest_before_after", "before_s": …, "after_s": …, "before_cpu_s": …, …}.
 """
@@ -211,8 +213,57 @@ def _progress() -> Progress:
     )
 
 
-def measure_once(path: Path, n: int) -> None:
+def switch_rules_off() -> None:
+    """This tree's bulk path without the input rules of issue 15, the reference for what they
+    cost: no strict-JSON screen of ASCII pieces (others keep it: DuckDB refuses a file that is
+    not UTF-8), and the statement's conditions as they were before the rules (types only: no
+    range, finiteness or depth)."""
+    from store import bulk, queries
+    from store.events import COUNTS, STATUSES
+
+    def types_only() -> str:
+        rid = "request_id::VARCHAR"
+        conds = [
+            f"starts_with({rid}, '\"') AND strlen({rid}) > 2 AND NOT contains({rid}, '\\')"
+            f" AND strlen({rid}) = length({rid})",
+            "(type IS NULL OR type::VARCHAR = '\"request\"')",
+        ]
+        for key, types in bulk.CONTRACT_TYPES.items():
+            frag = f"{key}::VARCHAR"
+            if key == "request_id":
+                continue
+            if key == "status":
+                test = f"{frag} IN ({', '.join(repr(chr(34) + s + chr(34)) for s in STATUSES)})"
+            elif types == (str,):
+                test = f"starts_with({frag}, '\"')"
+            elif key in COUNTS or key == "http_status":
+                test = f"TRY_CAST({frag} AS BIGINT)::VARCHAR = {frag}"
+            elif types == (bool,):
+                test = f"{frag} IN ('true', 'false')"
+            elif types == (list,):
+                item = rf"\s*{bulk._DURATION}\s*"
+                test = rf"regexp_full_match({frag}, '\[({item}(,{item})*|\s*)\]')"
+            else:
+                test = f"TRY_CAST({frag} AS DOUBLE) IS NOT NULL"
+            conds.append(f"({key} IS NULL OR {test})")
+        return "\n      AND ".join(conds)
+
+    ok = types_only()
+    bulk._INSERT = {  # type: ignore[attr-defined]
+        key: queries.BULK_INSERT.format(lines=key[0], ok=ok) for key in bulk._INSERT
+    }
+    screen = bulk._screen
+
+    def ascii_unscreened(piece: bytes, start: int, suspects: list[tuple[int, bytes]]) -> tuple:
+        return ([piece], None) if piece.isascii() else screen(piece, start, suspects)
+
+    bulk._screen = ascii_unscreened  # type: ignore[attr-defined]
+
+
+def measure_once(path: Path, n: int, rules_off: bool) -> None:
     """`ours` alone in this process (the code of --code-root): one JSON line of wall and CPU s."""
+    if rules_off:
+        switch_rules_off()
     with tempfile.TemporaryDirectory(prefix="bench-ingest-once-") as tmp:
         cpu = time.process_time()
         wall = ours(path, Path(tmp), n)
@@ -221,27 +272,32 @@ def measure_once(path: Path, n: int) -> None:
 
 
 def before_after(ref: str, n: int, rounds: int) -> int:
-    """(a) for the code at `ref` and for this tree, alternately, each in a fresh process."""
+    """(a) for the code at `ref` (or this tree with the input rules off: `rules-off`) and for
+    this tree, alternately, each in a fresh process."""
     with tempfile.TemporaryDirectory(prefix="bench-ingest-ab-") as tmp:
         folder = Path(tmp)
-        before = folder / "before"
-        before.mkdir()
-        archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", ref, "store", "collector"],
-            check=True,
-            capture_output=True,
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
+        sides: dict[str, list[str]] = {"before": ["--code-root", str(ROOT), "--rules-off"]}
+        if ref != "rules-off":
+            before = folder / "before"
+            before.mkdir()
+            archive = subprocess.run(
+                ["git", "-C", str(ROOT), "archive", ref, "store", "collector"],
+                check=True,
+                capture_output=True,
+            ).stdout
+            subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
+            sides["before"] = ["--code-root", str(before)]
+        sides["after"] = ["--code-root", str(ROOT)]
         path = folder / "seed.events.jsonl"
         with console.status(f"writing {n:,} seed-format events"):
             write_file(path, n)
         runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
         for i in range(rounds):
-            for side, code in (("before", before), ("after", ROOT))[:: 1 if i % 2 == 0 else -1]:
+            for side in ("before", "after")[:: 1 if i % 2 == 0 else -1]:
                 load = os.getloadavg()[0]
                 out = subprocess.run(
                     [sys.executable, __file__, "--measure-once", str(path)]
-                    + ["--events", str(n), "--code-root", str(code)],
+                    + ["--events", str(n), *sides[side]],
                     check=True,
                     capture_output=True,
                     text=True,
@@ -282,14 +338,16 @@ def main() -> int:
     parser.add_argument(
         "--baseline",
         metavar="REF",
-        help="time the collector at git REF against this tree, alternately (no steady run)",
+        help="time the collector at git REF (or `rules-off`: this tree without the input rules)"
+        " against this tree, alternately (no steady run)",
     )
     parser.add_argument("--rounds", type=int, default=4, help="rounds of --baseline (default 4)")
     parser.add_argument("--measure-once", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--code-root", help=argparse.SUPPRESS)
+    parser.add_argument("--rules-off", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure_once:
-        measure_once(args.measure_once, args.events)
+        measure_once(args.measure_once, args.events, args.rules_off)
         return 0
     if args.baseline:
         return before_after(args.baseline, args.events, args.rounds)
