@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 PREFIX = "servescope-bulk-"
 MAX_CSV_LINE = 4 * 1024 * 1024  # longest line given to the CSV reader (its buffers scale with it)
 _DURATION = r"[0-9]{1,20}(\.[0-9]+)?([eE][-+]?[0-9]{1,2})?"  # finite, >= 0: no sign, small exponent
-_EXTRA_KEYS = ("type", "server_ts", "log_ts", "server_outcome")
+# read by the statement beyond the contract; any JSON value (`error_detail` is kept as text)
+_EXTRA_KEYS = ("type", "server_ts", "log_ts", "server_outcome", "error_detail")
 _CSV_UNSAFE = (b"\r", b"\x1f")  # a line end to the CSV reader; its delimiter
 
 

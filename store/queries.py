@@ -45,7 +45,8 @@ SELECT
     doc,
     TRY_CAST(doc->>'server_ttft_ms' AS DOUBLE),
     TRY_CAST(doc->>'server_e2e_ms' AS DOUBLE),
-    doc->>'vllm_session'
+    doc->>'vllm_session',
+    doc->>'error_detail'
 FROM incoming
 """
 
@@ -75,6 +76,7 @@ ADDED_COLUMNS = (
     ("events", "server_ttft_ms", "DOUBLE", "TRY_CAST(doc->>'server_ttft_ms' AS DOUBLE)"),
     ("events", "server_e2e_ms", "DOUBLE", "TRY_CAST(doc->>'server_e2e_ms' AS DOUBLE)"),
     ("events", "vllm_session", "VARCHAR", "doc->>'vllm_session'"),
+    ("events", "error_detail", "VARCHAR", "doc->>'error_detail'"),
     ("lever_flips", "before_run_id", "VARCHAR", None),
 )
 MISSING_COLUMNS = """
@@ -502,7 +504,7 @@ SLICE_OOMS = _sliced(
 SELECT count(*) AS ooms
 FROM events
 WHERE status <> 'ok' AND SLICE
-  AND regexp_matches(COALESCE(error, '') || ' ' || COALESCE(doc->>'error_detail', ''),
+  AND regexp_matches(COALESCE(error, '') || ' ' || COALESCE(error_detail, ''),
                      '(?i)out of memory|\\bOOM\\b|OutOfMemory')
 """
 )
@@ -683,7 +685,7 @@ SELECT run_key, request_key, source->>'$',
     ),
     TRY_CAST(http_status::VARCHAR AS INTEGER), error->>'$', trace_id->>'$', line,
     TRY_CAST(server_ttft_ms::VARCHAR AS DOUBLE), TRY_CAST(server_e2e_ms::VARCHAR AS DOUBLE),
-    vllm_session->>'$'
+    vllm_session->>'$', error_detail->>'$'
 FROM (
     SELECT *, request_id->>'$' AS request_key,
            COALESCE(NULLIF(run_id->>'$', ''),

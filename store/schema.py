@@ -72,6 +72,9 @@ class Event(SQLModel, table=True):
     server_ttft_ms: float | None = Field(default=None, sa_column=Column(Double))
     server_e2e_ms: float | None = Field(default=None, sa_column=Column(Double))
     vllm_session: str | None = None  # the server session's run that served the request
+    # the failure's own words (a gateway keeps the server's error body), read by the checks for
+    # out-of-memory failures without touching `doc`
+    error_detail: str | None = None
 
 
 class Run(SQLModel, table=True):

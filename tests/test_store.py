@@ -8,7 +8,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from store import Store, export_run, import_file, run_id_of
+from store import Store, bulk, export_run, import_file, queries, run_id_of
 from store.db import _ddl
 from store.events import InvalidEvent, parse_line
 from tests.conftest import servescope
@@ -138,6 +138,69 @@ def test_a_store_whose_events_had_a_primary_key_is_rebuilt_without_it(tmp_path: 
             "WHERE constraint_type = 'PRIMARY KEY' "
             "AND table_name = 'events'"
         ).fetchone() == (0,)
+
+
+OOM_DETAILS = [  # (error_detail, counted as out of memory)
+    ('{"object": "error", "message": "CUDA out of memory. Tried to allocate 2.00 GiB"}', True),
+    ("torch.OutOfMemoryError: KV cache", True),
+    ({"code": 500, "message": "OOM while decoding"}, True),  # any JSON value, kept as its text
+    ("upstream closed the connection", False),
+    (None, False),
+]
+
+
+def _oom_docs(run: str) -> list[dict]:
+    docs = []
+    for i, (detail, _oom) in enumerate(OOM_DETAILS):
+        doc = {"request_id": f"{run}-{i}", "status": "error", "error": "http_5xx"}
+        if detail is not None:
+            doc["error_detail"] = detail
+        docs.append(doc)
+    return docs
+
+
+def _ooms(store: Store, run: str) -> int:
+    params = {"run_id": run, "since": None, "until": None}
+    with store.read() as con:
+        row = con.execute(queries.SLICE_OOMS, params).fetchone()
+    return row[0] if row else -1
+
+
+def test_out_of_memory_failures_are_counted_from_their_detail_on_both_paths(
+    tmp_path: Path,
+) -> None:
+    """The checklist counts a failure as out of memory by its class or its kept message, on
+    the `error_detail` column that the bulk statement and the ordinary path both fill."""
+    store = Store(tmp_path / "s.duckdb")
+    store.add_events(_oom_docs("run-slow"))
+    lines = b"".join(json.dumps(d).encode() + b"\n" for d in _oom_docs("run-bulk"))
+    with store.write() as con:
+        assert bulk.ingest_lines(store, con, lines, source="f", offset=0).events == len(
+            lines.splitlines()
+        )
+    expected = sum(oom for _detail, oom in OOM_DETAILS)
+    assert (_ooms(store, "run-slow"), _ooms(store, "run-bulk")) == (expected, expected)
+    with store.read() as con:
+        details = con.execute(
+            "SELECT run_id, list(error_detail ORDER BY request_id) FROM events"
+            " GROUP BY 1 ORDER BY 1"
+        ).fetchall()
+    assert details[0][1] == details[1][1]  # the same text from both paths
+
+
+def test_columns_added_since_a_store_was_made_are_filled_from_its_documents(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.duckdb"
+    Store(path).add_events([{**_oom_docs("run-o")[0], "server_ttft_ms": 7, "vllm_session": "v"}])
+    with duckdb.connect(str(path)) as con:  # the store as a version before those columns made it
+        for table, column, _kind, _fill in queries.ADDED_COLUMNS:
+            con.execute(f'ALTER TABLE {table} DROP COLUMN "{column}"')
+    store = Store(path)
+    assert _ooms(store, "run-o") == 1
+    with store.read() as con:
+        row = con.execute("SELECT server_ttft_ms, vllm_session FROM events").fetchone()
+    assert row == (7.0, "v")
 
 
 def test_status_is_derived_when_absent(tmp_path: Path) -> None:
