@@ -26,6 +26,12 @@ from store.events import clip, dumps, load_doc, run_id_of
 DEFAULT_PATH = Path("servescope-data") / "servescope.duckdb"
 
 
+def quiet(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+    """`con` without DuckDB's own progress bar, which it prints to stdout once a query runs past
+    2 s: into the JSON a script reads from `--json`. Commands draw their own (rich, on stderr)."""
+    con.execute("SET enable_progress_bar = false")
+    return con
+
 def default_path() -> Path:
     """`$SERVESCOPE_STORE`, else `./servescope-data/servescope.duckdb`."""
     return Path(os.environ.get("SERVESCOPE_STORE") or DEFAULT_PATH)
@@ -89,7 +95,7 @@ class Store:
         delay = 0.005
         while True:
             try:
-                return duckdb.connect(str(self.path), read_only=read_only)
+                return quiet(duckdb.connect(str(self.path), read_only=read_only))
             except duckdb.IOException as exc:
                 if "lock" not in str(exc).lower() or time.monotonic() > deadline:
                     if "lock" in str(exc).lower():

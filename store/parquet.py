@@ -15,7 +15,7 @@ from pathlib import Path
 import duckdb
 
 from store import queries, runtime
-from store.db import Store
+from store.db import Store, quiet
 from store.paths import partition_value
 
 
@@ -44,6 +44,6 @@ def count_parquet(folder: Path) -> int:
     """Rows DuckDB reads back from one exported table folder (0 when it holds no file)."""
     if not any(folder.glob("**/*.parquet")):
         return 0
-    with duckdb.connect() as con:
+    with quiet(duckdb.connect()) as con:
         row = con.execute(queries.PARQUET_COUNT, [str(folder / "**" / "*.parquet")]).fetchone()
     return int(row[0]) if row else 0
