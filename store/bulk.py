@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from store.db import Store
 
 PREFIX = "servescope-bulk-"
+RAM_DIR = "/dev/shm"
 MAX_CSV_LINE = 4 * 1024 * 1024  # longest line given to the CSV reader (its buffers scale with it)
 _DURATION = r"[0-9]{1,20}(\.[0-9]+)?([eE][-+]?[0-9]{1,2})?"  # finite, >= 0: no sign, small exponent
 # read by the statement beyond the contract; any JSON value (`error_detail` is kept as text)
@@ -157,7 +159,8 @@ def ingest_lines(
         return result
     if not pieces[-1].endswith(b"\n"):
         pieces.append(b"\n")
-    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".jsonl", dir=_tmp_dir())
+    folder = _chunk_dir(sum(len(p) for p in pieces))
+    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".jsonl", dir=folder)
     try:
         # Two cores' work while DuckDB is idle: the chunk is written and its bytes counted in a
         # thread (both let go of the GIL) while msgspec screens it here; the rare chunk with
@@ -387,14 +390,15 @@ def _line_at(piece: bytes, at: int) -> tuple[int, int]:
 
 def remove_stale_chunks() -> None:
     """Delete chunk files left by a process that was killed inside a flush."""
-    folder = _tmp_dir() or tempfile.gettempdir()
-    for name in os.listdir(folder):
-        if not name.startswith(PREFIX):
-            continue
-        pid = name[len(PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(folder, name))
+    for folder in {RAM_DIR, tempfile.gettempdir()}:
+        with contextlib.suppress(OSError):
+            for name in os.listdir(folder):
+                if not name.startswith(PREFIX):
+                    continue
+                pid = name[len(PREFIX) :].split("-", 1)[0]
+                if pid.isdigit() and not _alive(int(pid)):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(folder, name))
 
 
 def _alive(pid: int) -> bool:
@@ -407,9 +411,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _tmp_dir() -> str | None:
-    """RAM-backed when the machine has one: the chunk is read back at once and then deleted."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+def _chunk_dir(size: int) -> str | None:
+    """RAM-backed when the machine has one with room for a chunk of `size` bytes (with as much
+    again to spare): the chunk is read back at once and then deleted. Else the system's temporary
+    folder: a container's /dev/shm is 64 MiB by default, and a backlog's chunk is larger."""
+    try:
+        free = shutil.disk_usage(RAM_DIR).free
+    except OSError:
+        return None
+    return RAM_DIR if free > 2 * size and os.access(RAM_DIR, os.W_OK) else None
 
 
 def _has_long_line(data: bytes, limit: int) -> bool:

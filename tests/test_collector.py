@@ -377,3 +377,39 @@ def test_rotation_deletion_and_partial_lines_in_process(tmp_path: Path) -> None:
     read = [c.metrics.registry.get_sample_value("servescope_collector_lines_total", source)
             for c in (collector, again)]  # fmt: skip
     assert read == [5.0, None]  # the partial line counted once, when complete
+
+
+def test_a_backlog_larger_than_the_ram_folder_is_still_ingested(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container's /dev/shm is 64 MiB; a backlog's chunk is larger. Faked here (a folder whose
+    free space is reported as 1 MiB), as a full RAM disk cannot be made without root: before,
+    every flush failed with ENOSPC and was retried forever; now the chunk goes to the system's
+    temporary folder and every event is stored."""
+    from store import bulk
+
+    ram = tmp_path / "ram"
+    ram.mkdir()
+    monkeypatch.setattr(bulk, "RAM_DIR", str(ram))
+    disk_usage = bulk.shutil.disk_usage
+
+    def full(path: str) -> object:
+        usage = disk_usage(path)
+        return usage._replace(free=2**20) if Path(path) == ram else usage
+
+    monkeypatch.setattr(bulk.shutil, "disk_usage", full)
+    events = tmp_path / "backlog.events.jsonl"
+    n = 20_000  # about 3 MiB
+    with events.open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"request_id": f"run-20261124-big-{i:06d}", "ttft_ms": i % 97}))
+            fh.write("\n")
+    store = Store(tmp_path / "s.duckdb")
+    collector = Collector(store, events=[str(events)])
+    collector.poll()
+    report = collector.flush()
+    collector.close()
+    assert report is not None and report.events == n
+    assert not list(ram.iterdir())
+    with store.read() as con:
+        assert con.execute("SELECT count(DISTINCT request_id) FROM events").fetchone() == (n,)
