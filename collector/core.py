@@ -28,7 +28,7 @@ import duckdb
 
 from collector import logparse
 from collector.ids import UNATTRIBUTED_RUN, is_generated
-from collector.scrape import Scrape, lever_changes, scrape, server_version
+from collector.scrape import Scrape, scrape, server_version
 from collector.selfmetrics import SelfMetrics
 from collector.sessions import Session, session_run_id
 from collector.tail import Chunk, Tailer
@@ -368,6 +368,8 @@ class Collector:
         previous = source.state.get("previous")
         if previous:
             session.previous, session.previous_levers = previous["run_id"], previous["levers"]
+            session.previous_args = previous.get("args")
+            session.previous_scraped = bool(previous.get("scraped"))
         session.configure(item.levers, item.ts, item.port, item.host)
         if previous and session.run_id == previous["run_id"]:  # two starts in one second
             session.run_id = f"{session.run_id}-2"
@@ -408,7 +410,12 @@ class Collector:
                 session.end(None)  # its last line: the new start may come much later
             self._touch(session)
             self._ended[session.run_id or ""] = session
-            source.state["previous"] = {"run_id": session.run_id, "levers": session.levers}
+            source.state["previous"] = {
+                "run_id": session.run_id,
+                "levers": session.levers,
+                "args": session.args,
+                "scraped": bool(session.cache_config),
+            }
         source.session = None
 
     def _touch(self, session: Session) -> None:
@@ -602,6 +609,8 @@ class Collector:
             self._touch(current)
             self._ended[current.run_id or ""] = current
             session.previous, session.previous_levers = current.run_id, current.levers
+            session.previous_args = current.args
+            session.previous_scraped = bool(current.cache_config)
         state["session"] = session.state()
         self._touch(session)
         return session
@@ -687,10 +696,7 @@ class Collector:
         ts = session.started()
         assert ts is not None
         at = ts.astimezone(UTC).replace(tzinfo=None)
-        rows = [
-            (lever, _json(old), _json(new))
-            for lever, old, new in lever_changes(session.previous_levers, session.levers)
-        ]
+        rows = [(lever, _json(old), _json(new)) for lever, old, new in session.flips()]
         note = f"server restarted: {session.previous} -> {session.run_id}"
         written = self.store.replace_flips(session.run_id, session.previous, rows, at, note, con)
         report.flips += written

@@ -7,7 +7,10 @@ to a window of a long-lived session."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
+from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
@@ -170,3 +173,84 @@ def test_indicators_come_from_the_server_where_the_client_timed_nothing(tmp_path
     diff = report("run-bench", "--vs", "run-sdk")
     row = next(r for r in diff["diff"] if r["metric"] == "ttft_ms.p50")
     assert row["source"] == "server" and row["before"] == row["after"] == 195.0  # never mixed
+
+
+# `vllm:cache_config_info` as vLLM 0.32 serves it (labels copied from a real server's /metrics;
+# the consequences — block counts, KV size, mamba settings — left out).
+REAL_CACHE_CONFIG = {
+    "block_size": "128", "cache_dtype": "auto", "enable_prefix_caching": "False",
+    "gpu_memory_utilization": "0.92", "kv_offloading_backend": "native",
+    "kv_offloading_size": "None", "num_gpu_blocks_override": "None",
+    "prefix_caching_hash_algo": "sha256",
+}  # fmt: skip
+
+
+class _RestartingVllmMetrics(http.server.BaseHTTPRequestHandler):
+    """The `/metrics` of a vLLM restarted by hand: `STARTED` and `CONFIG` change when the
+    test restarts it (a real restart costs 90 s; the log is the test's)."""
+
+    CONFIG = dict(REAL_CACHE_CONFIG)
+    STARTED = datetime(2026, 11, 24, 20, 9, 58, tzinfo=UTC).timestamp()
+
+    def do_GET(self) -> None:  # noqa: N802
+        labels = ",".join(f'{k}="{v}"' for k, v in self.CONFIG.items())
+        body = (
+            f"process_start_time_seconds {self.STARTED}\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{engine="0",{labels}}} 1.0\n'
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+def test_a_restart_not_scraped_yet_flips_only_the_lever_that_changed(tmp_path: Path) -> None:
+    """Between a restart's `non-default args` line and the first scrape of the new process, the
+    new session knows none of the cache levers only `/metrics` shows (block size, KV dtype…):
+    unknown is not "unset", so the only flip is the flag the operator changed — in the store and
+    in the collector's `servescope_lever_flip_info` that dashboards annotate."""
+    from collector import Collector
+    from store import Store
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RestartingVllmMetrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    log = tmp_path / "vllm.log"
+    first, second = (
+        _server_log(port, 10, False, ["1b2c3d4e5f6a7b8c"]),
+        _server_log(port, 20, True, ["2b2c3d4e5f6a7b8c"]),
+    )
+    log.write_text("\n".join(first[:-1]) + "\n")  # the first server, still running
+    store = Store(tmp_path / "s.duckdb")
+    collector = Collector(
+        store, vllm_logs=[str(log)], metrics_urls=[f"http://127.0.0.1:{port}/metrics"]
+    )
+    flips_sql = "SELECT lever, before, after FROM lever_flips ORDER BY lever"
+    try:
+        collector.poll()
+        collector.scrape_all()
+        collector.flush()
+        with log.open("a") as out:  # the operator restarts it with prefix caching on
+            out.write("\n".join([first[-1], *second]) + "\n")
+        collector.poll()
+        collector.flush()  # the new process is not scraped yet
+        assert _rows(store.path, flips_sql) == [("enable_prefix_caching", "false", "true")]
+        _RestartingVllmMetrics.CONFIG = {**REAL_CACHE_CONFIG, "enable_prefix_caching": "True"}
+        _RestartingVllmMetrics.STARTED += 600
+        collector.scrape_all()
+        collector.flush()
+    finally:
+        server.shutdown()
+        collector.close()
+    assert _rows(store.path, flips_sql) == [("enable_prefix_caching", "false", "true")]
+    annotated = {
+        (s.labels["lever"], s.labels["before"], s.labels["after"])
+        for metric in collector.metrics.registry.collect()
+        if metric.name == "servescope_lever_flip_info"
+        for s in metric.samples
+    }
+    assert annotated == {("enable_prefix_caching", "false", "true")}
