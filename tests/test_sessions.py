@@ -10,7 +10,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import duckdb
@@ -254,3 +254,43 @@ def test_a_restart_not_scraped_yet_flips_only_the_lever_that_changed(tmp_path: P
         for s in metric.samples
     }
     assert annotated == {("enable_prefix_caching", "false", "true")}
+
+
+def test_a_refusal_read_live_is_dated_when_it_was_written_not_at_the_last_dated_line(
+    tmp_path: Path,
+) -> None:
+    """uvicorn's access lines carry no time. A collector that has read its log to the end and
+    finds a 400 on the next poll knows it was written since: the refusal is dated then, not
+    at the server's last dated line (a start-up a minute earlier, on an idle server hours),
+    which shifted it out of `--since` windows and stretched the run's throughput span."""
+    from collector import Collector
+    from store import Store
+
+    started = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=30)
+    head = f"(APIServer pid=1) INFO {started:%m-%d %H:%M:%S}"
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        f"{head} [api_utils.py:347]   █▄█▀ █     █     █     █  version 0.32.0\n"
+        f"{head} [api_utils.py:286] non-default args: {{'port': 8001, 'model': '/m/tiny', "
+        "'served_model_name': ['tiny']}\n"
+        f"{head} [entry.py:140] Starting vLLM server on http://0.0.0.0:8001\n"
+    )
+    store = Store(tmp_path / "s.duckdb")
+    collector = Collector(store, vllm_logs=[str(log)])
+    try:
+        collector.poll()
+        collector.flush()  # read to the end: the server is up and idle
+        with log.open("a") as out:
+            out.write(
+                'INFO:     127.0.0.1:41000 - "POST /v1/completions HTTP/1.1" 400 Bad Request\n'
+            )
+        sent = datetime.now(UTC).replace(tzinfo=None)
+        collector.poll()
+        collector.flush()
+    finally:
+        collector.close()
+    ((ts, status),) = _rows(store.path, "SELECT ts, status FROM events")
+    assert status == "error" and abs((ts - sent).total_seconds()) < 5, ts
+    once = tmp_path / "once.duckdb"
+    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(once), check=True)
+    assert _rows(once, "SELECT count(*), min(status) FROM events") == [(1, "error")]
