@@ -102,6 +102,9 @@ def test_a_log_across_a_restart_and_two_slices_give_their_sessions(tmp_path: Pat
                        "--out", str(out), "--store", str(store), "--json", check=True)  # fmt: skip
     report = json.loads(Path(json.loads(built.stdout)["paths"][0]).read_text())
     assert report["base_run_id"] == first
+    # the flip is the restart itself: splitting the new session there compares nothing
+    split = servescope("report", "build", second, "--split-at-flip", "--store", str(store))
+    assert split.returncode == 2 and f"report build {second} --vs previous" in split.stderr
     assert report["before"]["overall"]["requests"] == 3  # its own 2 + the client's 1 it served
     assert report["before"]["overall"]["errors_by_class"] == {"http_4xx": 1}
     assert report["after"]["overall"]["error_rate"] == 0.5
