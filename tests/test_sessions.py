@@ -297,3 +297,51 @@ def test_a_refusal_read_live_is_dated_when_it_was_written_not_at_the_last_dated_
     once = tmp_path / "once.duckdb"
     servescope("collect", "--once", "--vllm-log", str(log), "--store", str(once), check=True)
     assert _rows(once, "SELECT count(*), min(status) FROM events") == [(1, "error")]
+
+
+# Lines of a real vLLM 0.32 serving, without X-Request-Id, a chat call and a completion with
+# n=2 (parallel sampling: the engine logs one child `<i>_<id>` per sample) and a Responses API
+# call (`resp_<hex>_<i>`, X-Request-Id ignored) — as the OpenAI SDK sends them.
+_AT = "(APIServer pid=13762) INFO 11-25 00:23:14"
+_PARAMS = "params: SamplingParams(n={n}, presence_penalty=0.0, frequency_penalty=0.0, max_tokens=8)"
+SAMPLED_AND_RESPONSES_LOG = [
+    "(APIServer pid=13762) INFO 11-25 00:22:49 [api_utils.py:347]  ▄▄ ▄█ █     █     █ ▀▄▀ █  "
+    "version 0.32.0",
+    "(APIServer pid=13762) INFO 11-25 00:22:49 [api_utils.py:286] non-default args: {'port': "
+    "18123, 'model': '/tmp/qa/tiny', 'dtype': 'float32', 'max_model_len': 4096, "
+    "'served_model_name': ['tiny'], 'enable_prefix_caching': True, 'enable_log_requests': True}",
+    "(APIServer pid=13762) INFO 11-25 00:23:13 [entry.py:140] Starting vLLM server on "
+    "http://0.0.0.0:18123",
+    f"{_AT} [request_logger.py:65] Received request chatcmpl-b22e175ad4d0dc57: "
+    + _PARAMS.format(n=2),
+    f"{_AT} [async_llm.py:552] Added request 0_chatcmpl-b22e175ad4d0dc57-aaa9004b.",
+    f"{_AT} [async_llm.py:552] Added request 1_chatcmpl-b22e175ad4d0dc57-aaa9004b.",
+    'INFO:     127.0.0.1:52660 - "POST /v1/chat/completions HTTP/1.1" 200 OK',
+    f"{_AT} [request_logger.py:65] Received request cmpl-aba708d7335bfac1-0: "
+    + _PARAMS.format(n=2),
+    f"{_AT} [async_llm.py:552] Added request 0_cmpl-aba708d7335bfac1-0-b0a7b53f.",
+    f"{_AT} [async_llm.py:552] Added request 1_cmpl-aba708d7335bfac1-0-b0a7b53f.",
+    'INFO:     127.0.0.1:52660 - "POST /v1/completions HTTP/1.1" 200 OK',
+    f"{_AT} [request_logger.py:65] Received request resp_8d338686ca4c395a_0: "
+    + _PARAMS.format(n=1),
+    f"{_AT} [async_llm.py:578] Added request resp_8d338686ca4c395a_0-99ea019e.",
+    'INFO:     127.0.0.1:52660 - "POST /v1/responses HTTP/1.1" 200 OK',
+]
+
+
+def test_parallel_samples_and_responses_calls_are_one_request_each_in_their_session(
+    tmp_path: Path,
+) -> None:
+    """One HTTP request is one event in the session's run, whatever ids the engine gives its
+    parts: before, each sample of an n=2 call was an extra request in a run of its own
+    (`0_chatcmpl-…`), and each Responses API call was a run of its own (`resp_…_0`)."""
+    log = tmp_path / "vllm.log"
+    log.write_text("\n".join(SAMPLED_AND_RESPONSES_LOG) + "\n")
+    store = tmp_path / "s.duckdb"
+    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(store), check=True)
+    session = "vllm-tiny-18123-20261125T002249Z"
+    assert _rows(store, "SELECT run_id, request_id FROM events ORDER BY request_id") == [
+        (session, "8d338686ca4c395a"),
+        (session, "aba708d7335bfac1"),
+        (session, "b22e175ad4d0dc57"),
+    ]
