@@ -345,3 +345,26 @@ def test_parallel_samples_and_responses_calls_are_one_request_each_in_their_sess
         (session, "aba708d7335bfac1"),
         (session, "b22e175ad4d0dc57"),
     ]
+
+
+def test_a_server_logging_local_time_is_read_in_utc(tmp_path: Path) -> None:
+    """vLLM's log lines carry the host's local time (Python logging's default converter), no
+    zone. The collector, its sidecar on the same host, reads them in that local time: on a
+    host in Berlin a server started at 21:10:01 local started at 20:10:01 UTC, the run is
+    named so and its requests' times line up with vLLM's traces and `/metrics` (UTC)."""
+    log = tmp_path / "vllm.log"
+    lines = _server_log(8001, 10, True, ["1b2c3d4e5f6a7b8c"])
+    log.write_text("\n".join(line.replace("11-24 20:", "11-24 21:") for line in lines) + "\n")
+    store = tmp_path / "s.duckdb"
+    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(store),
+               env={"TZ": "Europe/Berlin"}, check=True)  # fmt: skip
+    assert _rows(store, "SELECT run_id, started_at, ended_at FROM runs") == [
+        (
+            "vllm-tiny-8001-20261124T201001Z",
+            datetime(2026, 11, 24, 20, 10, 1),
+            datetime(2026, 11, 24, 20, 10, 59),
+        )
+    ]
+    assert _rows(store, "SELECT min(ts) FROM events WHERE status = 'ok'") == [
+        (datetime(2026, 11, 24, 20, 10, 40),)
+    ]
