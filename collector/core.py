@@ -28,7 +28,7 @@ import duckdb
 
 from collector import logparse
 from collector.ids import UNATTRIBUTED_RUN, is_generated
-from collector.scrape import Scrape, lever_changes, scrape, server_version
+from collector.scrape import Scrape, scrape, server_version
 from collector.selfmetrics import SelfMetrics
 from collector.sessions import Session, session_run_id
 from collector.tail import Chunk, Tailer
@@ -137,6 +137,8 @@ class _LogSource:
     tailer: Tailer
     state: dict[str, Any]
     session: Session | None = None  # the server lifetime the log is in now
+    # Wall time of the last poll that read the log to its end (None: not caught up, or --once)
+    caught_up: float | None = None
 
 
 def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[tuple[str, list[Chunk]]]:
@@ -169,6 +171,16 @@ def reason_class(reason: str) -> str:
 def _json(value: Any) -> str | None:
     """A lever value in the one spelling every flip uses (JSON: `true`, `128`, `"auto"`)."""
     return None if value is None else json.dumps(value)
+
+
+def _later(written: datetime | None, session: Session | None) -> str | None:
+    """An undated line's time: when it was read live, never before the server's last dated
+    line; else that line's time."""
+    last = session.last_ts if session is not None else None
+    if written is None:
+        return last
+    floor = _parse_ts(last)
+    return (max(written, floor) if floor is not None else written).isoformat()
 
 
 def _parse_ts(text: Any) -> datetime | None:
@@ -251,16 +263,26 @@ class Collector:
                     self._checkpoint(name, tailer.checkpoints())
             self._new_files(name, tailer)
         for source in self.logs:
-            for chunk in source.tailer.poll():
-                read += chunk.too_long or len(chunk.data) or 1  # a skipped line was read too
-                with self._lock:
-                    self._pending.touch(len(chunk.data))
-                    if chunk.too_long:
-                        self._too_long(source.name, chunk)
-                    else:
-                        self._log_chunk(source, chunk)
-                    self._checkpoint(source.name, source.tailer.checkpoints())
-            self._new_files(source.name, source.tailer)
+            read += self._poll_log(source)
+        return read
+
+    def _poll_log(self, source: _LogSource) -> int:
+        """Read a vLLM log's new lines. When the last poll had read it to the end, what this one
+        finds was written since: `written` (now) dates its undated lines (uvicorn's access lines),
+        within a poll interval; a backlog or `--once` has no such bound."""
+        read = 0
+        written = datetime.now(UTC) if source.caught_up is not None and not self.once else None
+        for chunk in source.tailer.poll():
+            read += chunk.too_long or len(chunk.data) or 1  # a skipped line was read too
+            with self._lock:
+                self._pending.touch(len(chunk.data))
+                if chunk.too_long:
+                    self._too_long(source.name, chunk)
+                else:
+                    self._log_chunk(source, chunk, written)
+                self._checkpoint(source.name, source.tailer.checkpoints())
+        self._new_files(source.name, source.tailer)
+        source.caught_up = time.time() if source.tailer.lag_bytes() == 0 else None
         return read
 
     def _new_files(self, source: str, tailer: Tailer) -> None:
@@ -282,7 +304,7 @@ class Collector:
         self._pending.errors.append((chunk.file.error_source, chunk.start, reason, chunk.data))
         self._pending.lines[source] += 1
 
-    def _log_chunk(self, source: _LogSource, chunk: Chunk) -> None:
+    def _log_chunk(self, source: _LogSource, chunk: Chunk, written: datetime | None = None) -> None:
         offset = chunk.start
         lines = chunk.data.split(b"\n")
         if chunk.data.endswith(b"\n"):
@@ -319,7 +341,7 @@ class Collector:
             elif isinstance(item, logparse.Access):
                 access[(item.method, item.path, str(item.status))] += 1
                 if item.status >= 400 and item.path.split("?", 1)[0] in INFERENCE_PATHS:
-                    self._refused(item, session, chunk, here)
+                    self._refused(item, session, chunk, here, written)
             elif isinstance(item, logparse.Startup):
                 self._startup(source, item)
             elif isinstance(item, logparse.Levers):
@@ -368,6 +390,8 @@ class Collector:
         previous = source.state.get("previous")
         if previous:
             session.previous, session.previous_levers = previous["run_id"], previous["levers"]
+            session.previous_args = previous.get("args")
+            session.previous_scraped = bool(previous.get("scraped"))
         session.configure(item.levers, item.ts, item.port, item.host)
         if previous and session.run_id == previous["run_id"]:  # two starts in one second
             session.run_id = f"{session.run_id}-2"
@@ -408,7 +432,12 @@ class Collector:
                 session.end(None)  # its last line: the new start may come much later
             self._touch(session)
             self._ended[session.run_id or ""] = session
-            source.state["previous"] = {"run_id": session.run_id, "levers": session.levers}
+            source.state["previous"] = {
+                "run_id": session.run_id,
+                "levers": session.levers,
+                "args": session.args,
+                "scraped": bool(session.cache_config),
+            }
         source.session = None
 
     def _touch(self, session: Session) -> None:
@@ -450,17 +479,24 @@ class Collector:
             self._run_of.popitem(last=False)
 
     def _refused(
-        self, item: logparse.Access, session: Session | None, chunk: Chunk, offset: int
+        self,
+        item: logparse.Access,
+        session: Session | None,
+        chunk: Chunk,
+        offset: int,
+        written: datetime | None = None,
     ) -> None:
         """An access line answering an inference request with 4xx/5xx: vLLM refused or failed
         a request it logged no id for, and a request that failed still counts. Its id is its
-        place in the log file, so reading the line again gives the same event."""
+        place in the log file, so reading the line again gives the same event. A text access
+        line has no time: it is dated when it was read live (`written`), else at the server's
+        last dated line (its lower bound: a backlog or `--once`)."""
         run = session.run_id if session is not None and session.named else UNATTRIBUTED_RUN
         if item.status == 429:
             status, error = "rejected", "rejected:http_429"
         else:
             status, error = "error", f"http_{item.status // 100}xx"
-        ts = item.ts.isoformat() if item.ts else session.last_ts if session else None
+        ts = item.ts.isoformat() if item.ts else _later(written, session)
         doc: dict[str, Any] = {
             "request_id": f"http-{chunk.file.fp[:8] or 'log'}-{offset}",
             "run_id": run,
@@ -602,6 +638,8 @@ class Collector:
             self._touch(current)
             self._ended[current.run_id or ""] = current
             session.previous, session.previous_levers = current.run_id, current.levers
+            session.previous_args = current.args
+            session.previous_scraped = bool(current.cache_config)
         state["session"] = session.state()
         self._touch(session)
         return session
@@ -687,10 +725,7 @@ class Collector:
         ts = session.started()
         assert ts is not None
         at = ts.astimezone(UTC).replace(tzinfo=None)
-        rows = [
-            (lever, _json(old), _json(new))
-            for lever, old, new in lever_changes(session.previous_levers, session.levers)
-        ]
+        rows = [(lever, _json(old), _json(new)) for lever, old, new in session.flips()]
         note = f"server restarted: {session.previous} -> {session.run_id}"
         written = self.store.replace_flips(session.run_id, session.previous, rows, at, note, con)
         report.flips += written

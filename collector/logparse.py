@@ -165,12 +165,17 @@ def _access(match: re.Match[str], ts: datetime | None = None) -> Access:
     return Access(match["method"], match["path"], int(match["status"]), ts)
 
 
+def _local(ts: datetime) -> datetime:
+    """A log line's time in UTC. vLLM stamps its lines in the host's local time, without a zone
+    (Python logging's default converter); the collector is its sidecar, so the local zone is
+    the collector's (`TZ`). On a UTC host nothing changes."""
+    return ts.astimezone(UTC)
+
+
 def _text_ts(year: int, month_day: str, hms: str) -> datetime | None:
     try:
-        return datetime.strptime(f"{year}-{month_day} {hms}", "%Y-%m-%d %H:%M:%S").replace(
-            tzinfo=UTC
-        )
-    except ValueError:
+        return _local(datetime.strptime(f"{year}-{month_day} {hms}", "%Y-%m-%d %H:%M:%S"))
+    except (ValueError, OverflowError, OSError):
         return None
 
 
@@ -178,11 +183,12 @@ def _json_ts(asctime: Any) -> datetime | None:
     if not isinstance(asctime, str):
         return None
     try:
-        return datetime.strptime(asctime[:19], "%Y-%m-%d %H:%M:%S").replace(
-            microsecond=int(asctime[20:23]) * 1000 if asctime[20:23].isdigit() else 0,
-            tzinfo=UTC,
+        return _local(
+            datetime.strptime(asctime[:19], "%Y-%m-%d %H:%M:%S").replace(
+                microsecond=int(asctime[20:23]) * 1000 if asctime[20:23].isdigit() else 0
+            )
         )
-    except ValueError:
+    except (ValueError, OverflowError, OSError):
         return None
 
 

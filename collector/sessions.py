@@ -35,6 +35,7 @@ CACHE_LEVERS = {
     "kv_offloading_backend": "kv_offloading_backend",
     "kv_offloading_size": "kv_offloading_size",
 }
+CACHE_FLAGS = frozenset(CACHE_LEVERS.values())
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE][-+]?\d+)?$")
 
@@ -99,6 +100,8 @@ class Session:
     kv_cache: dict[str, Any] = field(default_factory=dict)  # vLLM's start-up KV statement
     previous: str | None = None  # the run of the session this one followed, on the same log
     previous_levers: dict[str, Any] | None = None
+    previous_args: dict[str, Any] | None = None  # its `non-default args`
+    previous_scraped: bool = False  # whether `previous_levers` hold that server's cache config
     source: str | None = None
 
     @classmethod
@@ -165,6 +168,25 @@ class Session:
         self.cache_config = dict(labels)
         return self.levers != before
 
+    def flips(self) -> list[tuple[str, Any, Any]]:
+        """(lever, before, after) for each lever that differs from the previous session's.
+
+        A cache lever only `/metrics` shows (block size, KV dtype…) is known on both sides only
+        once both servers were scraped; until then (a restart read before the new process is
+        scraped, a collector started after the old server died) each side counts the flags
+        its `non-default args` set, so "unknown" is never recorded as a flip to or from unset."""
+        if self.previous_levers is None:
+            return []
+        before, after = self.previous_levers, self.levers
+        if not (self.previous_scraped and self.cache_config):
+            before = _as_flags(before, self.previous_args)
+            after = _as_flags(after, self.args)
+        return [
+            (lever, before.get(lever), after.get(lever))
+            for lever in sorted(set(before) | set(after))
+            if before.get(lever) != after.get(lever)
+        ]
+
     def end(self, ts: datetime | None) -> None:
         self.ended_at = _iso(ts) if ts else (self.last_ts or self.started_at)
 
@@ -200,6 +222,13 @@ class Session:
     def covers(self, ts: datetime) -> bool:
         start, end = self.started(), self.ended()
         return start is not None and start <= ts and (end is None or ts <= end)
+
+
+def _as_flags(levers: dict[str, Any], args: dict[str, Any] | None) -> dict[str, Any]:
+    """The levers without the cache levers only a scrape gave (`args` None: not known, all kept)."""
+    if args is None:
+        return levers
+    return {k: v for k, v in levers.items() if k not in CACHE_FLAGS or k in args}
 
 
 def _iso(ts: datetime) -> str:

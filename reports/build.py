@@ -307,6 +307,19 @@ def build_diff(
     }
 
 
+def _require_flip_inside(run: dict[str, Any], at: datetime) -> None:
+    """A server session's flip is its own start (the restart from the session before it): all
+    of its requests are after it, so splitting there compares nothing; say which command does."""
+    previous = (run.get("notes") or {}).get("previous")
+    started = run.get("started_at")
+    if isinstance(previous, str) and previous and isinstance(started, datetime) and at <= started:
+        raise NoLeverFlip(
+            f"the lever flip of run {run['run_id']!r} is its server's restart from run "
+            f"{previous!r}, before all of its requests: compare the two runs with "
+            f"report build {run['run_id']} --vs previous"
+        )
+
+
 def build_split(store: Store, run_id: str, options: ReportOptions | None = None) -> dict[str, Any]:
     """One run, before and after its (first) `lever_flips` row."""
     with store.read() as con, ExitStack() as stack:
@@ -316,6 +329,7 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         if not flips:
             raise NoLeverFlip(f"run {run_id!r} has no lever_flips row to split at")
         at = flips[0][0]
+        _require_flip_inside(run, at)
         first = [f for f in flips if f[0] == at]
         changes = [{"lever": f[1], "before": f[2], "after": f[3]} for f in first]
         before = Slice(run_id, until=at, label="before flip")

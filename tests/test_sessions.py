@@ -7,7 +7,10 @@ to a window of a long-lived session."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import duckdb
@@ -99,6 +102,9 @@ def test_a_log_across_a_restart_and_two_slices_give_their_sessions(tmp_path: Pat
                        "--out", str(out), "--store", str(store), "--json", check=True)  # fmt: skip
     report = json.loads(Path(json.loads(built.stdout)["paths"][0]).read_text())
     assert report["base_run_id"] == first
+    # the flip is the restart itself: splitting the new session there compares nothing
+    split = servescope("report", "build", second, "--split-at-flip", "--store", str(store))
+    assert split.returncode == 2 and f"report build {second} --vs previous" in split.stderr
     assert report["before"]["overall"]["requests"] == 3  # its own 2 + the client's 1 it served
     assert report["before"]["overall"]["errors_by_class"] == {"http_4xx": 1}
     assert report["after"]["overall"]["error_rate"] == 0.5
@@ -170,3 +176,195 @@ def test_indicators_come_from_the_server_where_the_client_timed_nothing(tmp_path
     diff = report("run-bench", "--vs", "run-sdk")
     row = next(r for r in diff["diff"] if r["metric"] == "ttft_ms.p50")
     assert row["source"] == "server" and row["before"] == row["after"] == 195.0  # never mixed
+
+
+# `vllm:cache_config_info` as vLLM 0.32 serves it (labels copied from a real server's /metrics;
+# the consequences — block counts, KV size, mamba settings — left out).
+REAL_CACHE_CONFIG = {
+    "block_size": "128", "cache_dtype": "auto", "enable_prefix_caching": "False",
+    "gpu_memory_utilization": "0.92", "kv_offloading_backend": "native",
+    "kv_offloading_size": "None", "num_gpu_blocks_override": "None",
+    "prefix_caching_hash_algo": "sha256",
+}  # fmt: skip
+
+
+class _RestartingVllmMetrics(http.server.BaseHTTPRequestHandler):
+    """The `/metrics` of a vLLM restarted by hand: `STARTED` and `CONFIG` change when the
+    test restarts it (a real restart costs 90 s; the log is the test's)."""
+
+    CONFIG = dict(REAL_CACHE_CONFIG)
+    STARTED = datetime(2026, 11, 24, 20, 9, 58, tzinfo=UTC).timestamp()
+
+    def do_GET(self) -> None:  # noqa: N802
+        labels = ",".join(f'{k}="{v}"' for k, v in self.CONFIG.items())
+        body = (
+            f"process_start_time_seconds {self.STARTED}\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{engine="0",{labels}}} 1.0\n'
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+def test_a_restart_not_scraped_yet_flips_only_the_lever_that_changed(tmp_path: Path) -> None:
+    """Between a restart's `non-default args` line and the first scrape of the new process, the
+    new session knows none of the cache levers only `/metrics` shows (block size, KV dtype…):
+    unknown is not "unset", so the only flip is the flag the operator changed — in the store and
+    in the collector's `servescope_lever_flip_info` that dashboards annotate."""
+    from collector import Collector
+    from store import Store
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RestartingVllmMetrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    log = tmp_path / "vllm.log"
+    first, second = (
+        _server_log(port, 10, False, ["1b2c3d4e5f6a7b8c"]),
+        _server_log(port, 20, True, ["2b2c3d4e5f6a7b8c"]),
+    )
+    log.write_text("\n".join(first[:-1]) + "\n")  # the first server, still running
+    store = Store(tmp_path / "s.duckdb")
+    collector = Collector(
+        store, vllm_logs=[str(log)], metrics_urls=[f"http://127.0.0.1:{port}/metrics"]
+    )
+    flips_sql = "SELECT lever, before, after FROM lever_flips ORDER BY lever"
+    try:
+        collector.poll()
+        collector.scrape_all()
+        collector.flush()
+        with log.open("a") as out:  # the operator restarts it with prefix caching on
+            out.write("\n".join([first[-1], *second]) + "\n")
+        collector.poll()
+        collector.flush()  # the new process is not scraped yet
+        assert _rows(store.path, flips_sql) == [("enable_prefix_caching", "false", "true")]
+        _RestartingVllmMetrics.CONFIG = {**REAL_CACHE_CONFIG, "enable_prefix_caching": "True"}
+        _RestartingVllmMetrics.STARTED += 600
+        collector.scrape_all()
+        collector.flush()
+    finally:
+        server.shutdown()
+        collector.close()
+    assert _rows(store.path, flips_sql) == [("enable_prefix_caching", "false", "true")]
+    annotated = {
+        (s.labels["lever"], s.labels["before"], s.labels["after"])
+        for metric in collector.metrics.registry.collect()
+        if metric.name == "servescope_lever_flip_info"
+        for s in metric.samples
+    }
+    assert annotated == {("enable_prefix_caching", "false", "true")}
+
+
+def test_a_refusal_read_live_is_dated_when_it_was_written_not_at_the_last_dated_line(
+    tmp_path: Path,
+) -> None:
+    """uvicorn's access lines carry no time. A collector that has read its log to the end and
+    finds a 400 on the next poll knows it was written since: the refusal is dated then, not
+    at the server's last dated line (a start-up a minute earlier, on an idle server hours),
+    which shifted it out of `--since` windows and stretched the run's throughput span."""
+    from collector import Collector
+    from store import Store
+
+    started = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=30)
+    head = f"(APIServer pid=1) INFO {started:%m-%d %H:%M:%S}"
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        f"{head} [api_utils.py:347]   █▄█▀ █     █     █     █  version 0.32.0\n"
+        f"{head} [api_utils.py:286] non-default args: {{'port': 8001, 'model': '/m/tiny', "
+        "'served_model_name': ['tiny']}\n"
+        f"{head} [entry.py:140] Starting vLLM server on http://0.0.0.0:8001\n"
+    )
+    store = Store(tmp_path / "s.duckdb")
+    collector = Collector(store, vllm_logs=[str(log)])
+    try:
+        collector.poll()
+        collector.flush()  # read to the end: the server is up and idle
+        with log.open("a") as out:
+            out.write(
+                'INFO:     127.0.0.1:41000 - "POST /v1/completions HTTP/1.1" 400 Bad Request\n'
+            )
+        sent = datetime.now(UTC).replace(tzinfo=None)
+        collector.poll()
+        collector.flush()
+    finally:
+        collector.close()
+    ((ts, status),) = _rows(store.path, "SELECT ts, status FROM events")
+    assert status == "error" and abs((ts - sent).total_seconds()) < 5, ts
+    once = tmp_path / "once.duckdb"
+    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(once), check=True)
+    assert _rows(once, "SELECT count(*), min(status) FROM events") == [(1, "error")]
+
+
+# Lines of a real vLLM 0.32 serving, without X-Request-Id, a chat call and a completion with
+# n=2 (parallel sampling: the engine logs one child `<i>_<id>` per sample) and a Responses API
+# call (`resp_<hex>_<i>`, X-Request-Id ignored) — as the OpenAI SDK sends them.
+_AT = "(APIServer pid=13762) INFO 11-25 00:23:14"
+_PARAMS = "params: SamplingParams(n={n}, presence_penalty=0.0, frequency_penalty=0.0, max_tokens=8)"
+SAMPLED_AND_RESPONSES_LOG = [
+    "(APIServer pid=13762) INFO 11-25 00:22:49 [api_utils.py:347]  ▄▄ ▄█ █     █     █ ▀▄▀ █  "
+    "version 0.32.0",
+    "(APIServer pid=13762) INFO 11-25 00:22:49 [api_utils.py:286] non-default args: {'port': "
+    "18123, 'model': '/tmp/qa/tiny', 'dtype': 'float32', 'max_model_len': 4096, "
+    "'served_model_name': ['tiny'], 'enable_prefix_caching': True, 'enable_log_requests': True}",
+    "(APIServer pid=13762) INFO 11-25 00:23:13 [entry.py:140] Starting vLLM server on "
+    "http://0.0.0.0:18123",
+    f"{_AT} [request_logger.py:65] Received request chatcmpl-b22e175ad4d0dc57: "
+    + _PARAMS.format(n=2),
+    f"{_AT} [async_llm.py:552] Added request 0_chatcmpl-b22e175ad4d0dc57-aaa9004b.",
+    f"{_AT} [async_llm.py:552] Added request 1_chatcmpl-b22e175ad4d0dc57-aaa9004b.",
+    'INFO:     127.0.0.1:52660 - "POST /v1/chat/completions HTTP/1.1" 200 OK',
+    f"{_AT} [request_logger.py:65] Received request cmpl-aba708d7335bfac1-0: "
+    + _PARAMS.format(n=2),
+    f"{_AT} [async_llm.py:552] Added request 0_cmpl-aba708d7335bfac1-0-b0a7b53f.",
+    f"{_AT} [async_llm.py:552] Added request 1_cmpl-aba708d7335bfac1-0-b0a7b53f.",
+    'INFO:     127.0.0.1:52660 - "POST /v1/completions HTTP/1.1" 200 OK',
+    f"{_AT} [request_logger.py:65] Received request resp_8d338686ca4c395a_0: "
+    + _PARAMS.format(n=1),
+    f"{_AT} [async_llm.py:578] Added request resp_8d338686ca4c395a_0-99ea019e.",
+    'INFO:     127.0.0.1:52660 - "POST /v1/responses HTTP/1.1" 200 OK',
+]
+
+
+def test_parallel_samples_and_responses_calls_are_one_request_each_in_their_session(
+    tmp_path: Path,
+) -> None:
+    """One HTTP request is one event in the session's run, whatever ids the engine gives its
+    parts: before, each sample of an n=2 call was an extra request in a run of its own
+    (`0_chatcmpl-…`), and each Responses API call was a run of its own (`resp_…_0`)."""
+    log = tmp_path / "vllm.log"
+    log.write_text("\n".join(SAMPLED_AND_RESPONSES_LOG) + "\n")
+    store = tmp_path / "s.duckdb"
+    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(store), check=True)
+    session = "vllm-tiny-18123-20261125T002249Z"
+    assert _rows(store, "SELECT run_id, request_id FROM events ORDER BY request_id") == [
+        (session, "8d338686ca4c395a"),
+        (session, "aba708d7335bfac1"),
+        (session, "b22e175ad4d0dc57"),
+    ]
+
+
+def test_a_server_logging_local_time_is_read_in_utc(tmp_path: Path) -> None:
+    """vLLM's log lines carry the host's local time (Python logging's default converter), no
+    zone. The collector, its sidecar on the same host, reads them in that local time: on a
+    host in Berlin a server started at 21:10:01 local started at 20:10:01 UTC, the run is
+    named so and its requests' times line up with vLLM's traces and `/metrics` (UTC)."""
+    log = tmp_path / "vllm.log"
+    lines = _server_log(8001, 10, True, ["1b2c3d4e5f6a7b8c"])
+    log.write_text("\n".join(line.replace("11-24 20:", "11-24 21:") for line in lines) + "\n")
+    store = tmp_path / "s.duckdb"
+    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(store),
+               env={"TZ": "Europe/Berlin"}, check=True)  # fmt: skip
+    assert _rows(store, "SELECT run_id, started_at, ended_at FROM runs") == [
+        (
+            "vllm-tiny-8001-20261124T201001Z",
+            datetime(2026, 11, 24, 20, 10, 1),
+            datetime(2026, 11, 24, 20, 10, 59),
+        )
+    ]
+    assert _rows(store, "SELECT min(ts) FROM events WHERE status = 'ok'") == [
+        (datetime(2026, 11, 24, 20, 10, 40),)
+    ]
