@@ -481,7 +481,9 @@ FROM (TIMED) GROUP BY b ORDER BY b
 )
 
 # The seeds' pass criteria that need the events themselves. Chat calls are the requests of the
-# workloads the run's spec sends to the chat endpoint ($chat_workloads).
+# workloads the run's spec sends to the chat endpoint ($chat_workloads), and those vLLM named
+# itself as chat completions (a server session's requests: no client id, no spec). The latency
+# is the client's, or vLLM's own where no client measured it.
 SLICE_CHECKS = _sliced(
     """
 SELECT
@@ -490,12 +492,14 @@ SELECT
     count(*) FILTER (WHERE status = 'ok') AS ok,
     count(*) FILTER (
         WHERE status = 'ok' AND (model IS NULL OR prompt_tokens IS NULL
-              OR completion_tokens IS NULL OR e2e_ms IS NULL)
+              OR completion_tokens IS NULL OR COALESCE(e2e_ms, server_e2e_ms) IS NULL)
     ) AS ok_missing_fields,
-    count(*) FILTER (WHERE list_contains($chat_workloads, workload)) AS chat_requests,
-    count(*) FILTER (WHERE status = 'ok' AND list_contains($chat_workloads, workload)) AS chat_ok
+    count(*) FILTER (WHERE CHAT) AS chat_requests,
+    count(*) FILTER (WHERE status = 'ok' AND CHAT) AS chat_ok
 FROM events WHERE SLICE
-"""
+""".replace(
+        "CHAT", "(list_contains($chat_workloads, workload) OR starts_with(request_id, 'chatcmpl-'))"
+    )
 )
 
 # Out-of-memory failures: the error class or the kept message says so (failed requests only).

@@ -189,3 +189,25 @@ def test_a_bare_seed_run_marks_every_criterion_it_cannot_fill(tmp_path: Path) ->
     for item in ("Model loading", "API compatibility", "Cost", "Admission control"):
         assert checks[item]["status"] == "not measured", item
     assert checks["Observability"]["status"] == "fail"  # no model, no tokens on the event
+
+
+def test_a_server_sessions_chat_calls_pass_on_vllms_own_records(tmp_path: Path) -> None:
+    """A session run (an OpenAI client, no X-Request-Id, no workload spec): chat calls are known
+    by vLLM's `chatcmpl-` ids and the latency is vLLM's own (`server_e2e_ms`)."""
+    run = "vllm-tiny-8000-20261124T230000Z"
+    common = {"run_id": run, "model": "tiny", "prompt_tokens": 12, "completion_tokens": 8}
+    docs = [
+        {**common, "request_id": "chatcmpl-a1", "server_e2e_ms": 30.0, "status": "ok"},
+        {**common, "request_id": "chatcmpl-a2", "server_e2e_ms": 31.0, "status": "ok"},
+        {**common, "request_id": "chatcmpl-a3", "status": "error", "error": "http_4xx"},
+        {**common, "request_id": "cmpl-b1", "server_e2e_ms": 20.0, "status": "ok"},
+    ]
+    db = tmp_path / "s.duckdb"
+    Store(db).add_events(docs)
+    out = tmp_path / "r"
+    servescope("report", "build", run, "--store", str(db), "--out", str(out), check=True)
+    report = json.loads(next(out.glob("*/report.json")).read_text())
+    checks = {c["item"]: c for c in report["checklist"]}
+    assert checks["API compatibility"]["status"] == "pass"
+    assert "2 of 3 chat calls succeeded" in checks["API compatibility"]["evidence"]
+    assert checks["Observability"]["status"] == "pass", checks["Observability"]["evidence"]
