@@ -1,11 +1,21 @@
 """Every SQL statement of the store, in one place. All values are bound parameters."""
 
+# The columns of `events` every insert names (store/schema.py's order): a store that a newer
+# version gave more columns still takes this version's rows, and a sidecar keeps ingesting while
+# a newer `servescope` reads the same store.
+EVENT_COLUMNS = (
+    "run_id, request_id, source, ts, model, team, workload, concurrency, target_rate,"
+    " prompt_tokens, completion_tokens, cached_tokens, cache_hit, ttft_ms, tpot_ms, e2e_ms,"
+    " itl_ms, queue_ms, prefill_ms, decode_ms, finish_reason, status, http_status, error,"
+    " trace_id, doc, server_ttft_ms, server_e2e_ms, vllm_session, error_detail"
+)
+
 # The typed columns of `events`, projected from the merged document held in `incoming`.
 # `status` is derived when the record has none: an error class or finish_reason "error" means
 # the request failed, anything else succeeded (seed-format lines carry no status). `events` has
 # no key index: stored rows of the staged requests are deleted first (DELETE_STAGED_EVENTS).
 INSERT_STAGED_EVENTS = """
-INSERT INTO events
+INSERT INTO events (COLUMNS)
 SELECT
     run_id,
     request_id,
@@ -48,7 +58,7 @@ SELECT
     doc->>'vllm_session',
     doc->>'error_detail'
 FROM incoming
-"""
+""".replace("COLUMNS", EVENT_COLUMNS)
 
 STAGE_EVENTS = (
     "CREATE OR REPLACE TEMP TABLE incoming (run_id VARCHAR, request_id VARCHAR, doc JSON)"
@@ -667,7 +677,7 @@ BULK_LAST_ROWID = "SELECT COALESCE(max(rowid), -1) FROM events"
 # so every line it accepts `check` accepts too; such a line is inserted when its request is not
 # stored yet, with the typed columns of INSERT_STAGED_EVENTS computed from the same parse.
 BULK_INSERT = """
-INSERT INTO events
+INSERT INTO events (COLUMNS)
 SELECT run_key, request_key, source->>'$',
     timezone('UTC', TRY_CAST(COALESCE(ts->>'$', server_ts->>'$', log_ts->>'$') AS TIMESTAMPTZ)),
     model->>'$', team->>'$', workload->>'$',
@@ -700,7 +710,7 @@ FROM (
 WHERE NOT EXISTS (
     SELECT 1 FROM events e WHERE e.run_id = p.run_key AND e.request_id = p.request_key
 )
-"""
+""".replace("COLUMNS", EVENT_COLUMNS)
 # A request on several lines of one chunk is merged by the ordinary path: its rows go again.
 # By the key's hash, which groups several times faster than the two strings: a collision only
 # sends a request the statement had written to the ordinary path (`BULK_REST` finds its line).

@@ -274,3 +274,25 @@ def test_the_stores_connections_print_no_progress_bar(tmp_path: Path) -> None:
         assert con.execute(setting).fetchone() == (False,)
     with store.read() as con:
         assert con.execute(setting).fetchone() == (False,)
+
+
+def test_a_store_a_newer_version_gave_more_columns_still_takes_rows_on_both_paths(
+    tmp_path: Path,
+) -> None:
+    """A newer `servescope` (a report on the operator's laptop) may add columns to a store that
+    an older sidecar keeps writing: every insert names its columns, so both ingest paths go on."""
+    from store.schema import Event
+
+    assert queries.EVENT_COLUMNS.split(", ") == [c.name for c in Event.__table__.columns]
+    path = tmp_path / "s.duckdb"
+    Store(path).add_events([{"request_id": "run-n-1"}])
+    with duckdb.connect(str(path)) as con:
+        con.execute("ALTER TABLE events ADD COLUMN from_the_future VARCHAR")
+    store = Store(path)
+    store.add_events([{"request_id": "run-n-2", "ttft_ms": 4}])
+    with store.write() as con:
+        chunk = b'{"request_id": "run-n-3", "ttft_ms": 5}\n'
+        assert bulk.ingest_lines(store, con, chunk, source="f", offset=0).events == 1
+    with store.read() as con:
+        rows = con.execute("SELECT request_id, ttft_ms FROM events ORDER BY 1").fetchall()
+    assert rows == [("run-n-1", None), ("run-n-2", 4.0), ("run-n-3", 5.0)]
