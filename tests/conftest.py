@@ -4,6 +4,7 @@ start fails the tests that need it; nothing here skips."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
@@ -187,3 +188,30 @@ def _served(
 
 def read_events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class RestartableVllmMetrics(http.server.BaseHTTPRequestHandler):
+    """A stand-in for the `/metrics` of a vLLM restarted with other flags between two scrapes (a
+    real restart costs 90 s): `vllm:cache_config_info` with `LABELS` and the labels of `CONFIG`,
+    the process start `STARTED`, then `EXTRA`. A test subclasses it, and changes `CONFIG` and
+    `STARTED` to restart the server."""
+
+    CONFIG: dict[str, str] = {}
+    STARTED = 0.0
+    LABELS = 'engine="0"'
+    EXTRA = ""
+
+    def do_GET(self) -> None:  # noqa: N802
+        labels = ",".join([self.LABELS, *(f'{k}="{v}"' for k, v in self.CONFIG.items())])
+        body = (
+            f"process_start_time_seconds {self.STARTED}\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            f"vllm:cache_config_info{{{labels}}} 1.0\n{self.EXTRA}"
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return

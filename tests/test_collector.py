@@ -24,7 +24,7 @@ from collector.ids import client_request_id
 from collector.logparse import Access, Bad, Levers, Piece, Stats, Tick, parse_line
 from collector.otlp import OtlpReceiver
 from store import Store
-from tests.conftest import free_port, servescope
+from tests.conftest import RestartableVllmMetrics, free_port, servescope
 
 # Lines as vLLM 0.32 writes them (from a real server log, text format).
 RECEIVED = (
@@ -204,30 +204,16 @@ def test_server_restart_with_other_levers_is_a_lever_flip(tmp_path: Path) -> Non
     assert len(_store_rows(store, "SELECT * FROM events")) == 1
 
 
-class _ChangingMetrics(http.server.BaseHTTPRequestHandler):
-    """A stand-in for a vLLM restarted with other flags between two scrapes (a real restart
-    costs 90 s): serves `vllm:cache_config_info` with the labels of `CONFIG` and the process
-    start `STARTED`, legacy names."""
+class _ChangingMetrics(RestartableVllmMetrics):
+    """A vLLM restarted with other flags between two scrapes, with legacy names."""
 
     CONFIG = {"enable_prefix_caching": "True", "block_size": "16"}
     STARTED = 1795500000.0
-
-    def do_GET(self) -> None:  # noqa: N802
-        labels = ",".join(f'{k}="{v}"' for k, v in self.CONFIG.items())
-        body = (
-            f"process_start_time_seconds {self.STARTED}\n"
-            "# TYPE vllm:cache_config_info gauge\n"
-            f'vllm:cache_config_info{{engine="0",model_name="tiny",{labels}}} 1.0\n'
-            "# TYPE vllm:gpu_cache_usage_perc gauge\n"
-            'vllm:gpu_cache_usage_perc{model_name="tiny"} 0.25\n'
-        ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        return
+    LABELS = 'engine="0",model_name="tiny"'
+    EXTRA = (
+        "# TYPE vllm:gpu_cache_usage_perc gauge\n"
+        'vllm:gpu_cache_usage_perc{model_name="tiny"} 0.25\n'
+    )
 
 
 def test_scrapes_record_down_targets_legacy_names_and_cache_lever_flips(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import duckdb
 
-from tests.conftest import servescope
+from tests.conftest import RestartableVllmMetrics, servescope
 
 
 def _server_log(port: int, minute: int, caching: bool, requests: list[str]) -> list[str]:
@@ -188,27 +188,11 @@ REAL_CACHE_CONFIG = {
 }  # fmt: skip
 
 
-class _RestartingVllmMetrics(http.server.BaseHTTPRequestHandler):
-    """The `/metrics` of a vLLM restarted by hand: `STARTED` and `CONFIG` change when the
-    test restarts it (a real restart costs 90 s; the log is the test's)."""
+class _RestartingVllmMetrics(RestartableVllmMetrics):
+    """The `/metrics` of a vLLM restarted by hand (the log is the test's)."""
 
     CONFIG = dict(REAL_CACHE_CONFIG)
     STARTED = datetime(2026, 11, 24, 20, 9, 58, tzinfo=UTC).timestamp()
-
-    def do_GET(self) -> None:  # noqa: N802
-        labels = ",".join(f'{k}="{v}"' for k, v in self.CONFIG.items())
-        body = (
-            f"process_start_time_seconds {self.STARTED}\n"
-            "# TYPE vllm:cache_config_info gauge\n"
-            f'vllm:cache_config_info{{engine="0",{labels}}} 1.0\n'
-        ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        return
 
 
 def test_a_restart_not_scraped_yet_flips_only_the_lever_that_changed(tmp_path: Path) -> None:
