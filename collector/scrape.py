@@ -9,7 +9,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from store.metrics import Sample, parse_exposition
 
@@ -66,12 +65,3 @@ def server_version(url: str, timeout: float = 2.0) -> str | None:
     except (urllib.error.URLError, OSError, ValueError, AttributeError):
         return None
     return version if isinstance(version, str) else None
-
-
-def lever_changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(lever, before, after) for every lever whose value differs (absent = None)."""
-    return [
-        (key, before.get(key), after.get(key))
-        for key in sorted(set(before) | set(after))
-        if before.get(key) != after.get(key)
-    ]
