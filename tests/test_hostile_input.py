@@ -181,12 +181,16 @@ def ingested(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return {"tmp": tmp, "work": work, "imported": imported, "collected": collected}
 
 
-def test_store_import_counts_are_exact(ingested: dict) -> None:
-    result = ingested["imported"]
+def _assert_counts_exact(result: subprocess.CompletedProcess[str]) -> None:
+    """A command's run over the corpus: exit 0, no traceback, and its JSON totals exact."""
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     totals = json.loads(result.stdout.strip().splitlines()[-1])
     assert (totals["events"], totals["errors"]) == (GOOD, BAD)
+
+
+def test_store_import_counts_are_exact(ingested: dict) -> None:
+    _assert_counts_exact(ingested["imported"])
     columns, errors = _stored(ingested["work"] / "imported.duckdb")
     assert len(columns) == GOOD and len(errors) == BAD
     reasons = [reason for _o, reason, _raw in errors]
@@ -202,11 +206,7 @@ def test_store_import_counts_are_exact(ingested: dict) -> None:
 
 
 def test_collect_once_stores_what_import_stores(ingested: dict) -> None:
-    result = ingested["collected"]
-    assert result.returncode == 0, result.stderr
-    assert "Traceback" not in result.stderr + result.stdout
-    totals = json.loads(result.stdout.strip().splitlines()[-1])
-    assert (totals["events"], totals["errors"]) == (GOOD, BAD)
+    _assert_counts_exact(ingested["collected"])
     imported, import_errors = _stored(ingested["work"] / "imported.duckdb")
     collected, collect_errors = _stored(ingested["work"] / "collected.duckdb")
     assert str(collected) == str(imported)  # same rows, same typed columns: one rule set
