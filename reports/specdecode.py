@@ -32,12 +32,12 @@ PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 def shape(rows: list[tuple[str, str | None, float, int]]) -> dict[str, Any] | None:
-    """(name, position, delta, samples) rows into the report's numbers; None when the server
-    exported no spec-decode counter (speculation off) or they were sampled fewer than twice."""
+    """(name, position, delta, steps) rows into the report's numbers; None when the server
+    exported no spec-decode counter (speculation off) or the samples measure no step of them."""
     totals: dict[str, float] = {}
     positions: dict[int, float] = {}
-    for name, position, delta, samples in rows:
-        if samples < 2:
+    for name, position, delta, steps in rows:
+        if not steps:
             continue
         if name == PER_POSITION and position is not None:
             positions[int(position)] = positions.get(int(position), 0.0) + float(delta)
@@ -176,6 +176,16 @@ def _pct(value: float) -> str:
     return f"{'±' if change == 0 else ('−' if change < 0 else '+')}{abs(change)} %"
 
 
+def _tpot_change(before: float | None, after: float | None, pct: float | None) -> str | None:
+    """A change as "−31 %", or as "0.00 → 2.14 ms" from a zero: a burst of tokens in one chunk
+    has TPOT 0, and a change from 0 is no percentage. None unless both sides were measured."""
+    if pct is not None:
+        return _pct(pct)
+    if before is not None and after is not None:
+        return f"{before:.2f} → {after:.2f} ms"
+    return None
+
+
 def headline_part(section: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str | None:
     """E.g. "TPOT p50 −31 % [improved], draft acceptance off → 62 %" for the headline."""
     if section is None:
@@ -183,17 +193,16 @@ def headline_part(section: dict[str, Any] | None, rows: list[dict[str, Any]]) ->
     by = {r["metric"]: r for r in rows}
     parts = []
     tpot = by.get("tpot_ms.p50")
-    if tpot and tpot["delta_pct"] is not None:
-        parts.append(f"TPOT p50 {_pct(tpot['delta_pct'])} [{tpot['verdict']}]")
-    elif tpot and tpot["before"] is not None and tpot["after"] is not None:  # from 0: no %
-        parts.append(
-            f"TPOT p50 {tpot['before']:.2f} → {tpot['after']:.2f} ms [{tpot['verdict']}]"
-        )
+    if tpot and (change := _tpot_change(tpot["before"], tpot["after"], tpot["delta_pct"])):
+        parts.append(f"TPOT p50 {change} [{tpot['verdict']}]")
     for w in section["workloads"]:
-        if w["tpot_ms_p50_change_pct"] is not None and w["acceptance_after"] is not None:
+        change = _tpot_change(
+            w["tpot_ms_p50_before"], w["tpot_ms_p50_after"], w["tpot_ms_p50_change_pct"]
+        )
+        if change and w["acceptance_after"] is not None:
             parts.append(
-                f"{w['workload']}: TPOT p50 {_pct(w['tpot_ms_p50_change_pct'])} "
-                f"[{w['tpot_verdict']}] at {w['acceptance_after'] * 100:.0f} % acceptance"
+                f"{w['workload']}: TPOT p50 {change} [{w['tpot_verdict']}] "
+                f"at {w['acceptance_after'] * 100:.0f} % acceptance"
             )
 
     def share(value: float | None, on: bool) -> str:

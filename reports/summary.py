@@ -175,8 +175,8 @@ def _server(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any]:
     """Server-side numbers from the slice's `/metrics` samples (None when not scraped)."""
     params = part.params()
     deltas = {
-        name: (delta if samples >= 2 else None)
-        for name, delta, samples in con.execute(
+        name: (delta if steps else None)
+        for name, delta, steps in con.execute(
             queries.SLICE_COUNTER_DELTAS, {**params, "names": list(COUNTERS)}
         ).fetchall()
     }

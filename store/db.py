@@ -32,6 +32,7 @@ def quiet(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
     con.execute("SET enable_progress_bar = false")
     return con
 
+
 def default_path() -> Path:
     """`$SERVESCOPE_STORE`, else `./servescope-data/servescope.duckdb`."""
     return Path(os.environ.get("SERVESCOPE_STORE") or DEFAULT_PATH)
@@ -378,13 +379,12 @@ class Store:
     def counter_deltas(self, run_id: str, names: Sequence[str]) -> dict[str, float | None]:
         """How much each counter grew during the run (summed over series; resets handled).
 
-        None for a counter with fewer than two samples in the run: not measured, not zero.
+        None for a counter the run's samples cannot measure (queries._STEP): not zero.
         """
+        params = {"run_id": run_id, "names": list(names), "since": None, "until": None}
         with self.read() as con:
-            rows = con.execute(queries.COUNTER_DELTAS, {"run_id": run_id, "names": list(names)})
-            found = {
-                name: (delta if samples >= 2 else None) for name, delta, samples in rows.fetchall()
-            }
+            rows = con.execute(queries.SLICE_COUNTER_DELTAS, params).fetchall()
+        found = {name: (delta if steps else None) for name, delta, steps in rows}
         return {name: found.get(name) for name in names}
 
     def gauge_peaks(self, run_id: str, names: Sequence[str]) -> dict[str, float | None]:

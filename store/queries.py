@@ -168,23 +168,6 @@ SELECT EXISTS (SELECT 1 FROM runs WHERE run_id = $run_id)
 
 EXPORT_EVENTS = "SELECT doc FROM events WHERE run_id = ? ORDER BY ts NULLS LAST, request_id"
 
-# Run-scoped counter deltas, reset-aware: per series (target, labels) the sum of positive steps
-# between successive samples; a drop means the server restarted, and the new value counts whole.
-COUNTER_DELTAS = """
-WITH s AS (
-    SELECT target, labels, name, ts, value,
-           lag(value) OVER (PARTITION BY target, name, labels ORDER BY ts) AS prev
-    FROM metric_samples
-    WHERE run_id = $run_id AND list_contains($names, name)
-)
-SELECT name,
-       sum(CASE WHEN prev IS NULL THEN 0
-                WHEN value >= prev THEN value - prev
-                ELSE value END) AS delta,
-       count(*) AS samples
-FROM s GROUP BY name
-"""
-
 # Peak of gauges over the run, summed across targets sampled at the same instant.
 GAUGE_PEAKS = """
 WITH per_ts AS (
@@ -206,9 +189,8 @@ _IN_WINDOW = """
 # A server session's run (`vllm-…`, collector/sessions.py) also holds the requests it served for
 # client runs (`vllm_session`); for any other run the test folds away (the parameter is bound as
 # a constant), so a bench run's slice reads no more than its own rows.
-_IN_SLICE = (
-    "(run_id = $run_id OR (starts_with($run_id, 'vllm-') AND vllm_session = $run_id))" + _IN_WINDOW
-)
+_SESSION_RUN = "starts_with($run_id, 'vllm-')"
+_IN_SLICE = f"(run_id = $run_id OR ({_SESSION_RUN} AND vllm_session = $run_id))" + _IN_WINDOW
 _SAMPLES_IN_SLICE = "run_id = $run_id" + _IN_WINDOW
 
 
@@ -523,23 +505,43 @@ WHERE status <> 'ok' AND SLICE
 """
 )
 
-# Server counters and gauges over a slice (same reset-aware rule as COUNTER_DELTAS).
-SLICE_COUNTER_DELTAS = _samples_sliced(
-    """
+# How much a counter grew: per series (target, labels) the sum of its steps between successive
+# samples, a drop meaning the server restarted (the new value counts whole). A server session's
+# run (`vllm-…`) holds one process's samples, whose counters began at 0 with it: there the first
+# sample counts whole too, so a session short enough to be scraped once is still measured.
+# `steps` counts the steps taken: 0 is "not measured", never "zero".
+_STEP = """CASE WHEN prev IS NULL THEN FIRST
+            WHEN value >= prev THEN value - prev
+            ELSE value END"""
+_COUNTER_GROWTH = "sum(step) AS delta, count(step) AS steps"
+
+
+_SLICE_COUNTERS = """
 WITH s AS (
     SELECT target, labels, name, ts, value,
            lag(value) OVER (PARTITION BY target, name, labels ORDER BY ts) AS prev
     FROM metric_samples
-    WHERE list_contains($names, name) AND SLICE
-)
-SELECT name,
-       sum(CASE WHEN prev IS NULL THEN 0
-                WHEN value >= prev THEN value - prev
-                ELSE value END) AS delta,
-       count(*) AS samples
-FROM s GROUP BY name
+    WHERE run_id = $run_id AND NAMES
+),
+steps AS (SELECT *, STEP AS step FROM s WHERE true WINDOW)
+SELECT KEYS, GROWTH FROM steps GROUP BY ALL
 """
-)
+
+
+def _slice_counters(names: str, keys: str) -> str:
+    """Counter growth over a slice, grouped by `keys`: steps are taken over the run's samples,
+    then kept when they end inside the window, so a window's first step starts before it."""
+    first = "CASE WHEN " + _SESSION_RUN + " THEN value END"
+    return (
+        _SLICE_COUNTERS.replace("NAMES", names)
+        .replace("STEP", _STEP.replace("FIRST", first))
+        .replace("WINDOW", _IN_WINDOW)
+        .replace("KEYS", keys)
+        .replace("GROWTH", _COUNTER_GROWTH)
+    )
+
+
+SLICE_COUNTER_DELTAS = _slice_counters("list_contains($names, name)", "name")
 
 SLICE_GAUGE_PEAKS = _samples_sliced(
     """
@@ -787,23 +789,9 @@ FROM events WHERE SLICE
 
 # -- speculative decoding: vLLM's spec_decode counters over a slice, and per workload ----------
 # `position` is the label of vllm:spec_decode_num_accepted_tokens_per_pos_total (NULL for the
-# other counters). Same reset-aware rule as COUNTER_DELTAS.
-_SPEC_DELTA = """sum(CASE WHEN prev IS NULL THEN 0
-                WHEN value >= prev THEN value - prev
-                ELSE value END) AS delta,
-       count(*) AS samples"""
-
-SLICE_SPEC_DECODE = _samples_sliced(
-    """
-WITH s AS (
-    SELECT target, labels, name, ts, value,
-           lag(value) OVER (PARTITION BY target, name, labels ORDER BY ts) AS prev
-    FROM metric_samples
-    WHERE starts_with(name, 'vllm:spec_decode_') AND SLICE
-)
-SELECT name, CAST(labels AS JSON)->>'position' AS position, DELTA
-FROM s GROUP BY ALL
-""".replace("DELTA", _SPEC_DELTA)
+# other counters).
+SLICE_SPEC_DECODE = _slice_counters(
+    "starts_with(name, 'vllm:spec_decode_')", "name, CAST(labels AS JSON)->>'position' AS position"
 )
 
 # Per workload of a slice: from the run's last sample at or before the workload's first request
@@ -836,10 +824,10 @@ s AS (
                               ORDER BY m.ts) AS prev
     FROM b JOIN m ON m.ts BETWEEN b.lo AND b.hi
 )
-SELECT workload, name, CAST(labels AS JSON)->>'position' AS position, DELTA
-FROM s GROUP BY ALL
+SELECT workload, name, CAST(labels AS JSON)->>'position' AS position, GROWTH
+FROM (SELECT *, STEP AS step FROM s) GROUP BY ALL
 ORDER BY min(ts), workload
-""".replace("DELTA", _SPEC_DELTA)
+""".replace("GROWTH", _COUNTER_GROWTH).replace("STEP", _STEP.replace("FIRST", "NULL"))
 )
 
 # Each workload's successful TPOTs, sorted: the speculative-decoding diff tests TPOT per workload

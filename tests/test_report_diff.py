@@ -428,3 +428,29 @@ def test_tail_quantiles_of_small_runs_say_too_few_samples(tmp_path: Path) -> Non
         assert rows[metric]["ci95"] is not None  # the interval is still shown
     headline = json.loads((out / "run-s2-vs-run-s1/report.json").read_text())["headline"]
     assert ": TTFT p50 −" in headline and "[improved]" in headline  # the tested quantile leads
+
+
+def test_speculation_headline_names_a_workload_whose_tpot_was_zero_before() -> None:
+    """On 2 shared cores a fast server can send a whole answer in one chunk (client TPOT 0):
+    no percentage from 0, so the change is given in ms, and the workload is still named."""
+    from reports.specdecode import headline_part
+
+    def workload(name: str, before: float, after: float, accept: float) -> dict[str, Any]:
+        change = (after - before) / before * 100 if before else None
+        return {"workload": name, "tpot_ms_p50_before": before, "tpot_ms_p50_after": after,
+                "tpot_ms_p50_change_pct": change, "tpot_verdict": "regressed",
+                "acceptance_after": accept}  # fmt: skip
+
+    section = {
+        "on_before": False, "on_after": True, "acceptance_before": None,
+        "acceptance_after": 0.21,
+        "workloads": [workload("repeat", 0.0, 2.14, 1.0), workload("decoy", 1.0, 4.51, 0.0)],
+    }  # fmt: skip
+    rows = [{"metric": "tpot_ms.p50", "before": 0.0, "after": 2.14, "delta_pct": None,
+             "verdict": "regressed"}]  # fmt: skip
+    assert headline_part(section, rows) == (
+        "TPOT p50 0.00 → 2.14 ms [regressed], "
+        "repeat: TPOT p50 0.00 → 2.14 ms [regressed] at 100 % acceptance, "
+        "decoy: TPOT p50 +351 % [regressed] at 0 % acceptance, "
+        "draft acceptance off → 21 %"
+    )

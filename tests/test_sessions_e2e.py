@@ -34,6 +34,12 @@ ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
 }
+# Sessions with a stored scrape that saw every good request (GOOD: the report's counters).
+SCRAPED_WHOLE = """
+SELECT count(DISTINCT run_id) FROM (
+    SELECT run_id FROM metric_samples WHERE name = 'vllm:request_success_total'
+    GROUP BY run_id, ts HAVING sum(value) = $good
+)"""
 PREFIX = seeded_text(random.Random(20261124), 800)  # about 2,000 tokens of the tiny model
 
 
@@ -118,7 +124,7 @@ def _collector(args: list[str], out: Path) -> subprocess.Popen:
     )
 
 
-def _query(store: Path, sql: str, params: list | None = None) -> list[tuple]:
+def _query(store: Path, sql: str, params: list | dict | None = None) -> list[tuple]:
     for _ in range(100):  # a reader may meet the collector's write lock for a moment
         try:
             with duckdb.connect(str(store), read_only=True) as con:
@@ -128,12 +134,14 @@ def _query(store: Path, sql: str, params: list | None = None) -> list[tuple]:
     raise AssertionError("the store stayed locked")
 
 
-def _wait_for(store: Path, sql: str, want: int, what: str, timeout: float = 120) -> None:
+def _wait_for(
+    store: Path, sql: str, want: int, what: str, timeout: float = 120, params: dict | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     got = None
     while time.monotonic() < deadline:
         if store.exists():
-            got = _query(store, sql)[0][0]
+            got = _query(store, sql, params)[0][0]
             if got == want:
                 return
         time.sleep(0.5)
@@ -187,11 +195,12 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         collector = _collector(args, out)  # resumes from its checkpoint
         _traffic(port, 1, range(12, GOOD), REFUSED - 2)
         _wait_for(store, "SELECT count(server_ttft_ms) FROM events", GOOD, "session 1 traced")
+        _wait_for(store, SCRAPED_WHOLE, 1, "session 1 scraped whole", params={"good": GOOD})
         _stop_vllm(server)
         server = _start_vllm(tiny_model, port, otlp_port, log, "--enable-prefix-caching")
         _traffic(port, 2, range(GOOD), REFUSED)
         _wait_for(store, "SELECT count(server_ttft_ms) FROM events", 2 * GOOD, "both traced")
-        time.sleep(3)  # the scrape after the last request
+        _wait_for(store, SCRAPED_WHOLE, 2, "session 2 scraped whole", params={"good": GOOD})
     finally:
         _stop_vllm(server)
         time.sleep(2)
@@ -248,9 +257,7 @@ def test_the_same_log_imported_once_gives_the_same_runs(live: Sessions) -> None:
                check=True)  # fmt: skip
     runs, flips, counts, duplicates = _state(store)
     keys = ("run_id", "model", "vllm_version", "started_at", "ended_at", "events")
-    assert [{k: r[k] for k in keys} for r in runs] == [
-        {k: r[k] for k in keys} for r in live.runs
-    ]
+    assert [{k: r[k] for k in keys} for r in runs] == [{k: r[k] for k in keys} for r in live.runs]
     for once, alive in zip(runs, live.runs, strict=True):
         # the log has every non-default arg; only the live /metrics adds the cache config
         assert once["levers"] == {k: alive["levers"][k] for k in once["levers"]}

@@ -119,7 +119,11 @@ def test_diff_puts_tpot_next_to_acceptance(experiment: dict) -> None:
     assert headline.startswith("speculative_config off → ngram k=3")
     assert "TPOT p50" in headline and f"[{tpot_p50['verdict']}]" in headline
     assert "draft acceptance off → " in headline
-    assert "repeat: TPOT p50 " in headline and "at 100 % acceptance" in headline
+    repeat = rows["repeat"]
+    assert "repeat: TPOT p50 " in headline
+    assert f"[{repeat['tpot_verdict']}] at {repeat['acceptance_after'] * 100:.0f} % acceptance" in (
+        headline
+    )
     markdown = experiment["markdown"]
     assert "### Speculative decoding: TPOT and ITL next to draft acceptance" in markdown
     assert "### Speculative decoding (from scraped `/metrics`)" in markdown

@@ -265,6 +265,34 @@ def test_counter_deltas_are_run_scoped_and_survive_a_restart(tmp_path: Path) -> 
     }
 
 
+def test_a_server_sessions_first_sample_counts_from_zero(tmp_path: Path) -> None:
+    """A session run holds one vLLM process's samples, whose counters began at 0 with it: a
+    session scraped once (short, or scraped late on a busy host) is measured, its first requests
+    included. A bench run's first sample stays its baseline; one sample there measures nothing.
+    A window (`--split-at-flip`) starts from the sample before it."""
+    from datetime import datetime, timedelta
+
+    from store import queries
+
+    store = Store(tmp_path / "s.duckdb")
+    t0 = datetime(2026, 11, 25, 1, 21)
+    session, bench = "vllm-tiny-8000-20261125T012100Z", "run-20261125-bench"
+    prompt = "vllm:prompt_tokens_total"
+    rows = [(t0 + timedelta(seconds=30), "a", prompt, {}, session, 7986.0)]
+    rows += [(t0 + timedelta(seconds=30), "a", prompt, {}, bench, 7986.0)]
+    rows += [(t0 + timedelta(seconds=40 + i), "b", prompt, {}, "vllm-x", v)
+             for i, v in enumerate([100.0, 150.0, 400.0])]  # fmt: skip
+    store.add_metric_samples(rows)
+    assert store.counter_deltas(session, [prompt]) == {prompt: 7986.0}
+    assert store.counter_deltas(bench, [prompt]) == {prompt: None}
+    since = (t0 + timedelta(seconds=41)).isoformat()
+    params = {"run_id": "vllm-x", "names": [prompt], "since": since, "until": None}
+    with store.read() as con:
+        assert con.execute(queries.SLICE_COUNTER_DELTAS, params).fetchall() == [
+            (prompt, 300.0, 2)
+        ]
+
+
 def test_the_stores_connections_print_no_progress_bar(tmp_path: Path) -> None:
     """DuckDB prints its own progress bar to stdout once a query runs past 2 s, where `--json`
     output goes (seen in a migration of a 10 M-event store): every connection has it off."""
