@@ -148,14 +148,18 @@ INSERT_INGEST_ERROR = """
 INSERT OR IGNORE INTO ingest_errors (source, "offset", ts, reason, raw) VALUES (?, ?, ?, ?, ?)
 """
 
-# Runs known from either table: a seed file imported without a `runs` row is still a run.
+# Runs known from either table: a seed file imported without a `runs` row is still a run, its
+# model and times read from its events.
 LIST_RUNS = """
 WITH counted AS (
-    SELECT run_id, count(*) AS events, min(ts) AS first_ts, max(ts) AS last_ts
+    SELECT run_id, count(*) AS events, min(ts) AS first_ts, max(ts) AS last_ts,
+           min(model) AS model
     FROM events GROUP BY run_id
 )
-SELECT run_id, COALESCE(c.events, 0) AS events, r.started_at, r.ended_at, r.label, r.target,
-       r.model, r.vllm_version, r.levers, r.workload, r.status, r.notes
+SELECT run_id, COALESCE(c.events, 0) AS events, COALESCE(r.started_at, c.first_ts) AS started_at,
+       COALESCE(r.ended_at, c.last_ts) AS ended_at, r.label, r.target,
+       COALESCE(r.model, c.model) AS model, r.vllm_version, r.levers, r.workload, r.status,
+       r.notes
 FROM runs r FULL OUTER JOIN counted c USING (run_id)
 ORDER BY COALESCE(r.started_at, c.first_ts) NULLS LAST, run_id
 """
@@ -597,15 +601,16 @@ WITH counted AS (
            count(*) FILTER (WHERE status = 'ok') AS ok,
            count(*) FILTER (WHERE status = 'rejected') AS rejected,
            count(*) FILTER (WHERE status NOT IN ('ok', 'rejected')) AS errors,
-           min(ts) AS first_ts
+           min(ts) AS first_ts, max(ts) AS last_ts, min(model) AS model
     FROM events GROUP BY run_id
 ), flips AS (
     SELECT run_id, count(*) AS flips FROM lever_flips WHERE run_id IS NOT NULL GROUP BY run_id
 )
 SELECT run_id, COALESCE(c.events, 0) AS events, COALESCE(c.ok, 0) AS ok,
        COALESCE(c.errors, 0) AS errors, COALESCE(c.rejected, 0) AS rejected,
-       COALESCE(f.flips, 0) AS flips, r.started_at, r.ended_at, r.label, r.target, r.model,
-       r.vllm_version, r.levers, r.status
+       COALESCE(f.flips, 0) AS flips, COALESCE(r.started_at, c.first_ts) AS started_at,
+       COALESCE(r.ended_at, c.last_ts) AS ended_at, r.label, r.target,
+       COALESCE(r.model, c.model) AS model, r.vllm_version, r.levers, r.status
 FROM runs r FULL OUTER JOIN counted c USING (run_id) LEFT JOIN flips f USING (run_id)
 ORDER BY COALESCE(r.started_at, c.first_ts) NULLS LAST, run_id
 """

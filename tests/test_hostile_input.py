@@ -26,7 +26,10 @@ from tests.conftest import ROOT
 from tests.conftest import servescope as _servescope
 
 DEEP = 100_000
-ODD_RUN_IDS = ["../../escape", "a/b", "x\x00y", "r" * 300, "😀 run", "..", ".", "-000001"]
+ODD_RUN_IDS = [
+    "../../escape", "a/b", "x\x00y", "r" * 300, "😀 run", "..", ".", "-000001",
+    "[/]x", "[bold red]team",  # rich markup: a terminal message must print it, not parse it
+]  # fmt: skip
 
 
 def servescope(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -277,6 +280,20 @@ def test_reports_and_exports_of_odd_run_ids_stay_inside_their_folders(ingested: 
     allowed = (work / "out", work / "pq")
     for path in new:
         assert path.parent == work or any(p in path.parents for p in allowed), path
+
+
+def test_listings_print_odd_run_ids_as_they_are(ingested: dict) -> None:
+    """Run ids are data in a terminal too: listed literally, never read as markup."""
+    work: Path = ingested["work"]
+    store = ("--store", "collected.duckdb")
+    for args in (("store", "runs"), ("report", "list"), ("report", "flips")):
+        result = servescope(*args, *store, cwd=work)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, (args, result.stderr)
+        if args != ("report", "flips"):
+            shown = result.stdout + result.stderr
+            assert "[/]x" in shown and "[bold red]team" in shown, args
+    unknown = servescope("store", "export", "no-such-run", "--out", "x.jsonl", *store, cwd=work)
+    assert unknown.returncode == 2 and "[/]x" in unknown.stderr, unknown.stderr
 
 
 def test_no_command_prints_a_traceback_on_bad_paths_or_stores(tmp_path: Path) -> None:

@@ -221,12 +221,20 @@ def test_status_is_derived_when_absent(tmp_path: Path) -> None:
 def test_store_runs_lists_event_counts(tmp_path: Path) -> None:
     db = tmp_path / "s.duckdb"
     store = Store(db)
-    store.add_events([{"request_id": f"run-a-{i}"} for i in range(3)])
+    store.add_events(
+        [{"request_id": f"run-a-{i}", "model": "llama", "ts": f"2026-11-20T10:00:0{i}Z"}
+         for i in range(3)]
+    )  # fmt: skip
     store.upsert_run("run-b", model="m", levers={"enable_prefix_caching": False})
-    listed = json.loads(
-        servescope("store", "runs", "--json", "--store", str(db), check=True).stdout
-    )
-    assert {(r["run_id"], r["events"]) for r in listed} == {("run-a", 3), ("run-b", 0)}
+    for command in (("store", "runs"), ("report", "list")):
+        listed = json.loads(servescope(*command, "--json", "--store", str(db), check=True).stdout)
+        assert {(r["run_id"], r["events"]) for r in listed} == {("run-a", 3), ("run-b", 0)}
+        # a file imported without a `runs` row: its model and times come from its events
+        (imported,) = [r for r in listed if r["run_id"] == "run-a"]
+        assert imported["model"] == "llama"
+        assert (imported["started_at"], imported["ended_at"]) == (
+            "2026-11-20 10:00:00", "2026-11-20 10:00:02"
+        )  # fmt: skip
 
 
 def test_env_var_selects_the_store(tmp_path: Path) -> None:

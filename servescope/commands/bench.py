@@ -95,7 +95,7 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         config, slo = config_from(args)
     except (WorkloadError, ValueError) as exc:
-        console.print(f"[red]{exc}")
+        console.print(f"{exc}", style="red")
         return 2
     try:
         result = execute(
@@ -108,7 +108,7 @@ def run_bench(args: argparse.Namespace) -> int:
             label=args.label,
         )
     except TargetUnreachable as exc:
-        console.print(f"[red]{exc}")
+        console.print(f"{exc}", style="red")
         return 1
     if args.json:
         print(json.dumps(result.to_json(), default=str))
@@ -127,16 +127,18 @@ def report_result(result: RunResult) -> int:
     for level in result.saturated_levels:
         lag = level["schedule_lag_ms"]["p99"]
         console.print(
-            f"[yellow]client saturated at {level['workload']} rate {level['target_rate']}/s: "
+            f"client saturated at {level['workload']} rate {level['target_rate']}/s: "
             f"achieved {level['achieved_rate'] or 0:.2f}/s, schedule lag p99 {lag:.0f} ms — "
-            "the numbers of that level measure the client, not the server"
+            "the numbers of that level measure the client, not the server",
+            style="yellow",
         )
     if result.failure:
-        console.print(f"[red]{result.failure}")
+        console.print(result.failure, style="red")
     if result.status == "partial":
         console.print(
-            f"[yellow]interrupted: {result.cancelled_in_flight} in-flight requests cancelled; "
-            f"the {result.events} measured requests are stored, run marked partial"
+            f"interrupted: {result.cancelled_in_flight} in-flight requests cancelled; "
+            f"the {result.events} measured requests are stored, run marked partial",
+            style="yellow",
         )
         return 1
     if result.errors:
@@ -146,7 +148,9 @@ def report_result(result: RunResult) -> int:
             if "connect" in result.error_classes
             else ""
         )
-        console.print(f"[red]{result.errors} of {result.events} requests failed ({classes}){hint}")
+        console.print(
+            f"{result.errors} of {result.events} requests failed ({classes}){hint}", style="red"
+        )
         return 1
     return 0 if result.status == "complete" else 1
 
@@ -155,7 +159,7 @@ def execute(config: BenchConfig, target: str, store: Store, **kwargs: Any) -> Ru
     """Run with a progress bar: one task for the run, one per workload level."""
     total = config.requests_total()
     with Progress(
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),

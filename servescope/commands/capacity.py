@@ -95,7 +95,7 @@ def _positive(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     if problem := _positive(args):
-        console.print(problem, style="red", markup=False)
+        console.print(problem, style="red")
         return 2
     settings = Settings(
         dtype=args.dtype,
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             measured = stored
         result = compute(shape, settings, traffic)
     except CapacityError as exc:
-        console.print(str(exc), style="red", markup=False)
+        console.print(str(exc), style="red")
         return 2
     if measured is not None and args.gpu_hour_usd is not None:
         measured["cost_per_1k_tokens"] = cost_per_1k_tokens(
@@ -157,7 +157,7 @@ def _from_run(args: argparse.Namespace) -> dict[str, Any] | None:
         with store.read() as con:
             require_run(con, args.from_run)
     except UnknownRun as exc:
-        console.print(str(exc), style="red", markup=False)
+        console.print(str(exc), style="red")
         return None
     return run_traffic(store, args.from_run)
 

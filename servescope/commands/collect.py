@@ -124,7 +124,7 @@ def _usage_error(args: argparse.Namespace) -> str | None:
 def run_collect(args: argparse.Namespace) -> int:
     problem = _usage_error(args)
     if problem:
-        console.print(f"[red]{problem}")
+        console.print(f"{problem}", style="red")
         return 2
     metrics = SelfMetrics()
     collector = Collector(
@@ -184,7 +184,7 @@ def _run_forever(collector: Collector, metrics: SelfMetrics, args: argparse.Name
         if args.otlp_port is not None:
             receiver = OtlpReceiver(collector.submit, args.host, args.otlp_port).start()
     except OSError as exc:
-        console.print(f"[red]cannot listen: {exc}")
+        console.print(f"cannot listen: {exc}", style="red")
         return 2
     parts = [f"/metrics on http://{args.host}:{port}/metrics"]
     if receiver is not None:

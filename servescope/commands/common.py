@@ -12,7 +12,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 from store import Store
 from store.paths import name_of
 
-console = Console(stderr=True)
+# Messages carry run ids, paths and server text: never read as rich markup (a run id `[/]x`
+# would raise); colour goes in `style=`.
+console = Console(stderr=True, markup=False)
 
 
 def add_store_option(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +62,7 @@ def run_arg(store: Store, text: str) -> str:
 def byte_progress(label: str) -> Progress:
     """A transient bar of bytes read, for commands that read files."""
     return Progress(
-        TextColumn(label),
+        TextColumn(label, markup=False),
         BarColumn(),
         DownloadColumn(),
         TimeElapsedColumn(),

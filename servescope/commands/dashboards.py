@@ -49,7 +49,7 @@ def run_build(args: argparse.Namespace) -> int:
             args.out, prometheus_url=args.prometheus_url, scrape_interval=args.scrape_interval
         )
     except LintFailed as exc:
-        console.print(f"[red]dashboards failed the lint, nothing written:\n{exc}")
+        console.print(f"dashboards failed the lint, nothing written:\n{exc}", style="red")
         return 1
     if args.json:
         print(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rich.text import Text
+
 from bench.experiment import Experiment, load_experiments
 from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model
 from dashboards import build as build_dashboards
@@ -42,7 +44,7 @@ def run_demo(args: argparse.Namespace) -> int:
             make_tiny_model(args.model)
     store = open_store(args)
     spec = load_experiments()[DEMO_EXPERIMENT]
-    console.print(f"[bold]{spec.name}[/]: {spec.description}")
+    console.print(Text.assemble((spec.name, "bold"), f": {spec.description}"))
     result = Experiment(
         spec,
         store=store,
@@ -60,6 +62,6 @@ def run_demo(args: argparse.Namespace) -> int:
     for path in built.dashboards:
         print(path.resolve())
     if result.status != "complete":
-        console.print(f"[red]demo {result.status}: {result.failure or 'interrupted'}")
+        console.print(f"demo {result.status}: {result.failure or 'interrupted'}", style="red")
         return 1
     return 0

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         options = ReportOptions(slo=args.slo, charts=False)
         report = build_summary(store, args.run_id, options, Window(args.since, args.until))
     except (UnknownRun, BadWindow) as exc:
-        console.print(str(exc), markup=False, style="red")
+        console.print(str(exc), style="red")
         return 2
     diagnosis = report["diagnosis"]
     if args.json:

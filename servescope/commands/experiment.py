@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 from bench.experiment import (
     Experiment,
@@ -99,12 +100,14 @@ def _targets(pairs: list[str] | None) -> dict[str, str] | None:
 def run_experiment(args: argparse.Namespace) -> int:
     experiments = load_experiments()
     if args.name not in experiments:
-        console.print(f"[red]unknown experiment {args.name!r}; built in: {', '.join(experiments)}")
+        console.print(
+            f"unknown experiment {args.name!r}; built in: {', '.join(experiments)}", style="red"
+        )
         return 2
     spec = experiments[args.name]
     model = args.model or DIRS.get(spec.model)
     if model is None:
-        console.print(f"[red]experiment {args.name}: unknown model kind {spec.model!r}")
+        console.print(f"experiment {args.name}: unknown model kind {spec.model!r}", style="red")
         return 2
     store = open_store(args)
     try:
@@ -121,7 +124,7 @@ def run_experiment(args: argparse.Namespace) -> int:
             hooks=hooks(store),
         )
     except (WorkloadError, ValueError) as exc:
-        console.print(f"[red]{exc}")
+        console.print(f"{exc}", style="red")
         return 2
     if not args.target and not is_built(model):
         with console.status(f"building the {spec.model} tiny model in {model}"):
@@ -136,11 +139,11 @@ def run_experiment(args: argparse.Namespace) -> int:
         for path in paths:
             print(path.resolve())
     if result.status != "complete":
-        console.print(f"[red]experiment {result.status}: {result.failure or 'interrupted'}")
+        console.print(f"experiment {result.status}: {result.failure or 'interrupted'}", style="red")
         return 1
     failed = sum(r.result.errors for r in result.runs if r.result)
     if failed:
-        console.print(f"[red]{failed} requests failed; see the reports' error classes")
+        console.print(f"{failed} requests failed; see the reports' error classes", style="red")
         return 1
     return 0
 
@@ -197,7 +200,9 @@ class CollectorSidecar:
             if traced >= ok:
                 return
             time.sleep(0.5)
-        console.print(f"[yellow]{run_id}: some vLLM traces did not arrive in {SETTLE_S:.0f} s")
+        console.print(
+            f"{run_id}: some vLLM traces did not arrive in {SETTLE_S:.0f} s", style="yellow"
+        )
 
     def close(self) -> None:
         self.process.terminate()  # flushes what it read, exits 0
@@ -217,7 +222,11 @@ def _listening(port: int) -> bool:
 
 
 def starting(profile: str, server: VllmServer) -> None:
-    console.print(f"starting vLLM [bold]{profile}[/] on {server.url} (log {server.log_path})")
+    console.print(
+        Text.assemble(
+            "starting vLLM ", (profile, "bold"), f" on {server.url} (log {server.log_path})"
+        )
+    )
 
 
 def ready(profile: str, server: VllmServer) -> None:

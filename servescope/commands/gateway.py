@@ -52,17 +52,17 @@ def run_gateway(args: argparse.Namespace) -> int:
     if args.hash_key:
         key = sys.stdin.readline().strip()
         if not key:
-            console.print("[red]no key on stdin")
+            console.print("no key on stdin", style="red")
             return 2
         print(key_digest(key))
         return 0
     if args.config is None:
-        console.print("[red]--config gateway.yaml is required")
+        console.print("--config gateway.yaml is required", style="red")
         return 2
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        console.print(f"[red]{exc}")
+        console.print(f"{exc}", style="red")
         return 2
     host = args.host or config.host
     port = config.port if args.port is None else args.port
@@ -77,7 +77,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     try:
         _run(gateway, host, port)
     except OSError as exc:
-        console.print(f"[red]cannot listen on {host}:{port}: {exc}")
+        console.print(f"cannot listen on {host}:{port}: {exc}", style="red")
         return 1
     return 0
 

@@ -150,7 +150,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
 def run_build(args: argparse.Namespace) -> int:
     formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
     if bad := [f for f in formats if f not in FORMATS]:
-        console.print(f"[red]unknown format {bad}; choose from {FORMATS}")
+        console.print(f"unknown format {bad}; choose from {FORMATS}", style="red")
         return 2
     options = ReportOptions(
         slo=args.slo,
@@ -162,10 +162,10 @@ def run_build(args: argparse.Namespace) -> int:
     window = Window(args.since, args.until)
     base_window = Window(args.vs_since, args.vs_until)
     if base_window and not args.vs:
-        console.print("[red]--vs-since/--vs-until need --vs")
+        console.print("--vs-since/--vs-until need --vs", style="red")
         return 2
     if window and args.split_at_flip:
-        console.print("[red]--split-at-flip splits the whole run: drop --since/--until")
+        console.print("--split-at-flip splits the whole run: drop --since/--until", style="red")
         return 2
     store = open_store(args)
     run_id = run_arg(store, args.run_id)
@@ -180,15 +180,15 @@ def run_build(args: argparse.Namespace) -> int:
                 report = build_summary(store, run_id, options, window)
             paths = write_report(report, args.out, formats)
     except (UnknownRun, NoLeverFlip, NoPreviousRun, BadWindow) as exc:
-        console.print(str(exc), markup=False, style="red")
+        console.print(str(exc), style="red")
         return 2
     for warning in report.get("warnings", []):
-        console.print(f"warning: {warning}", markup=False, style="yellow")
+        console.print(f"warning: {warning}", style="yellow")
     if args.json:
         print(json.dumps(_brief(report, paths)))
     else:
         if "headline" in report:
-            console.print(report["headline"], markup=False)
+            console.print(report["headline"])
         for path in paths:
             print(path)
     return 0

@@ -59,7 +59,7 @@ def run_serve(args: argparse.Namespace) -> int:
         try:
             profile = with_mig_uuids(profile, args.mig)
         except ValueError as exc:
-            console.print(f"[red]{exc}")
+            console.print(f"{exc}", style="red")
             return 2
     servers = server_set(
         args.model,
@@ -76,8 +76,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0
     if profile.device == "gpu" and not has_gpu():
         console.print(
-            f"[red]profile {profile.name} needs a GPU (no nvidia-smi here); "
-            "`--dry-run` prints its command lines"
+            f"profile {profile.name} needs a GPU (no nvidia-smi here); "
+            "`--dry-run` prints its command lines",
+            style="red",
         )
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
@@ -91,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 f"vLLM ready at {server.url} after {server.ready_s:.0f} s (log {server.log_path})"
             )
             console.print(f"levers: {server.levers}")
-            console.print(_kv_line(server.kv_cache), markup=False)
+            console.print(_kv_line(server.kv_cache))
         while all(s.process is not None and s.process.poll() is None for s in servers):
             time.sleep(0.5)
         for server in servers:
@@ -99,7 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 console.print(f"vLLM on {server.url} exited with code {server.process.returncode}")
         return 1
     except ServerFailed as exc:
-        console.print(f"[red]{exc}")
+        console.print(f"{exc}", style="red")
         return 1
     except KeyboardInterrupt:
         console.print("stopping vLLM")

@@ -54,7 +54,7 @@ def run_import(args: argparse.Namespace) -> int:
     totals = {"events": 0, "runtime_events": 0, "errors": 0, "runs": set()}
     for path in args.files:
         if not path.is_file():
-            console.print(f"no such file: {path}", markup=False, style="red")
+            console.print(f"no such file: {path}", style="red")
             return 2
         with byte_progress(f"importing {path.name}") as progress:
             task = progress.add_task("import", total=path.stat().st_size or 1)
@@ -67,11 +67,10 @@ def run_import(args: argparse.Namespace) -> int:
         totals["runtime_events"] += result.runtime_events
         console.print(
             f"{path}: {result.events} records, {result.runtime_events} runtime events, "
-            f"{result.errors} quarantined",
-            markup=False,
+            f"{result.errors} quarantined"
         )
         for offset, reason in result.examples:
-            console.print(f"  byte {offset}: {reason}", markup=False, style="yellow")
+            console.print(f"  byte {offset}: {reason}", style="yellow")
         if result.errors > len(result.examples):
             console.print("  … every refused line is in the store's ingest_errors table")
     if args.json:
@@ -84,11 +83,12 @@ def run_export(args: argparse.Namespace) -> int:
     if args.run_id is not None:
         args.run_id = run_arg(store, args.run_id)
     if args.run_id is None and args.format == "jsonl":
-        console.print("[red]jsonl export needs a RUN (see `servescope store runs`)")
+        console.print("jsonl export needs a RUN (see `servescope store runs`)", style="red")
         return 2
     if args.run_id is not None and not store.has_run(args.run_id):
         console.print(
-            f"[red]unknown run {args.run_id!r}; known runs: {', '.join(store.run_ids()) or 'none'}"
+            f"unknown run {args.run_id!r}; known runs: {', '.join(store.run_ids()) or 'none'}",
+            style="red",
         )
         return 2
     if args.format == "parquet":
