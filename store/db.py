@@ -358,10 +358,9 @@ class Store:
     # -- reads -------------------------------------------------------------------------------
 
     def runs(self) -> list[dict[str, Any]]:
-        """Every run with its event count, oldest first."""
+        """Every run with its event counts (all, ok, errors, rejected) and flips, oldest first."""
         with self.read() as con:
-            cursor = con.execute(queries.LIST_RUNS)
-            return _rows(cursor)
+            return _rows(con.execute(queries.LIST_RUNS))
 
     def run_ids(self) -> list[str]:
         return [r["run_id"] for r in self.runs()]

@@ -148,22 +148,6 @@ INSERT_INGEST_ERROR = """
 INSERT OR IGNORE INTO ingest_errors (source, "offset", ts, reason, raw) VALUES (?, ?, ?, ?, ?)
 """
 
-# Runs known from either table: a seed file imported without a `runs` row is still a run, its
-# model and times read from its events.
-LIST_RUNS = """
-WITH counted AS (
-    SELECT run_id, count(*) AS events, min(ts) AS first_ts, max(ts) AS last_ts,
-           min(model) AS model
-    FROM events GROUP BY run_id
-)
-SELECT run_id, COALESCE(c.events, 0) AS events, COALESCE(r.started_at, c.first_ts) AS started_at,
-       COALESCE(r.ended_at, c.last_ts) AS ended_at, r.label, r.target,
-       COALESCE(r.model, c.model) AS model, r.vllm_version, r.levers, r.workload, r.status,
-       r.notes
-FROM runs r FULL OUTER JOIN counted c USING (run_id)
-ORDER BY COALESCE(r.started_at, c.first_ts) NULLS LAST, run_id
-"""
-
 GET_RUN = "SELECT * FROM runs WHERE run_id = ?"
 RUN_EXISTS = """
 SELECT EXISTS (SELECT 1 FROM runs WHERE run_id = $run_id)
@@ -594,8 +578,10 @@ RUN_LEVER_FLIPS = """
 SELECT ts, lever, before, after, note FROM lever_flips WHERE run_id = $run_id ORDER BY ts, lever
 """
 
-# `report list`: runs with their levers and event counts by outcome, and their lever flips.
-REPORT_RUN_LIST = """
+# Every run (`store runs`, `report list`), known from either table: a file imported without a
+# `runs` row is still a run, its model and times read from its events. Event counts by outcome,
+# lever flips.
+LIST_RUNS = """
 WITH counted AS (
     SELECT run_id, count(*) AS events,
            count(*) FILTER (WHERE status = 'ok') AS ok,
@@ -610,7 +596,8 @@ SELECT run_id, COALESCE(c.events, 0) AS events, COALESCE(c.ok, 0) AS ok,
        COALESCE(c.errors, 0) AS errors, COALESCE(c.rejected, 0) AS rejected,
        COALESCE(f.flips, 0) AS flips, COALESCE(r.started_at, c.first_ts) AS started_at,
        COALESCE(r.ended_at, c.last_ts) AS ended_at, r.label, r.target,
-       COALESCE(r.model, c.model) AS model, r.vllm_version, r.levers, r.status
+       COALESCE(r.model, c.model) AS model, r.vllm_version, r.levers, r.workload, r.status,
+       r.notes
 FROM runs r FULL OUTER JOIN counted c USING (run_id) LEFT JOIN flips f USING (run_id)
 ORDER BY COALESCE(r.started_at, c.first_ts) NULLS LAST, run_id
 """

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
 
 from store import Store
 from store.paths import name_of
@@ -69,3 +73,31 @@ def byte_progress(label: str) -> Progress:
         console=console,
         transient=True,
     )
+
+
+def list_runs(args: argparse.Namespace) -> int:
+    """`store runs` and `report list`: every run with its event counts, flips and levers."""
+    store = open_store(args)
+    runs = store.runs()
+    if args.json:
+        print(json.dumps(runs, default=str))
+        return 0
+    table = Table(title=f"runs in {store.path}")
+    counts = ("events", "ok", "errors", "rejected", "flips")
+    for column in ("run", *counts, "started (UTC)", "model", "status", "levers"):
+        table.add_column(column, justify="right" if column in counts else "left")
+    for run in runs:
+        levers = "\n".join(f"{k}={v}" for k, v in (run["levers"] or {}).items())
+        started = run["started_at"]
+        cells = (
+            run["run_id"],
+            *(run[c] for c in counts),
+            started.isoformat(" ", "seconds") if started else "",
+            run["model"] or "",
+            run["status"] or "",
+            levers or "n/a",
+        )
+        table.add_row(*(Text(str(c)) for c in cells))  # Text: no markup from stored strings
+    # piped output is not cut at 80 columns: a script or a reviewer gets every lever
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    return 0

@@ -32,6 +32,7 @@ from servescope.commands.common import (
     add_store_option,
     add_window_options,
     console,
+    list_runs,
     open_store,
     rows,
     run_arg,
@@ -144,7 +145,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     )
     listing.add_argument("--json", action="store_true", help="print the runs as JSON")
     add_store_option(listing)
-    listing.set_defaults(func=run_list)
+    listing.set_defaults(func=list_runs)
 
 
 def run_build(args: argparse.Namespace) -> int:
@@ -230,51 +231,4 @@ def run_flips(args: argparse.Namespace) -> int:
                  flip["report"])  # fmt: skip
         table.add_row(*(Text(str(c)) for c in cells))
     Console(width=None if sys.stdout.isatty() else 240).print(table)
-    return 0
-
-
-def run_list(args: argparse.Namespace) -> int:
-    store = open_store(args)
-    with store.read() as con:
-        runs = rows(con.execute(queries.REPORT_RUN_LIST))
-    for run in runs:
-        if isinstance(run["levers"], str):
-            run["levers"] = json.loads(run["levers"])
-    if args.json:
-        print(json.dumps(runs, default=str))
-        return 0
-    table = Table(title=f"runs in {store.path}")
-    for column in (
-        "run",
-        "events",
-        "ok",
-        "errors",
-        "rejected",
-        "flips",
-        "model",
-        "status",
-        "levers",
-    ):
-        table.add_column(
-            column,
-            justify="right"
-            if column in ("events", "ok", "errors", "rejected", "flips")
-            else "left",
-        )
-    for run in runs:
-        levers = "\n".join(f"{k}={v}" for k, v in (run["levers"] or {}).items())
-        cells = (
-            run["run_id"],
-            run["events"],
-            run["ok"],
-            run["errors"],
-            run["rejected"],
-            run["flips"],
-            run["model"] or "",
-            run["status"] or "",
-            levers or "n/a",
-        )
-        table.add_row(*(Text(str(c)) for c in cells))  # Text: no markup from stored strings
-    # piped output is not cut at 80 columns: a script or a reviewer gets every lever
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0

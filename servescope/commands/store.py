@@ -6,9 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
-from rich.table import Table
-
-from servescope.commands.common import add_store_option, byte_progress, console, open_store, run_arg
+from servescope.commands.common import (
+    add_store_option,
+    byte_progress,
+    console,
+    list_runs,
+    open_store,
+    run_arg,
+)
 from store import export_run, import_file
 from store.parquet import count_parquet, export_parquet
 
@@ -46,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     runs = stores.add_parser("runs", help="list runs with their event counts")
     runs.add_argument("--json", action="store_true")
     add_store_option(runs)
-    runs.set_defaults(func=run_runs)
+    runs.set_defaults(func=list_runs)
 
 
 def run_import(args: argparse.Namespace) -> int:
@@ -103,24 +108,4 @@ def run_export(args: argparse.Namespace) -> int:
     console.print(f"{count} records written to {args.out}")
     if args.json:
         print(json.dumps({"written": {"lines": count}}))
-    return 0
-
-
-def run_runs(args: argparse.Namespace) -> int:
-    runs = open_store(args).runs()
-    if args.json:
-        print(json.dumps(runs, default=str))
-        return 0
-    table = Table("run", "events", "started (UTC)", "model", "status", "levers")
-    for run in runs:
-        levers = ", ".join(f"{k}={v}" for k, v in (run["levers"] or {}).items())
-        table.add_row(
-            run["run_id"],
-            str(run["events"]),
-            str(run["started_at"] or ""),
-            run["model"] or "",
-            run["status"] or "",
-            levers,
-        )
-    console.print(table)
     return 0
