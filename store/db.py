@@ -10,6 +10,7 @@ busy retries until `lock_timeout_s`; the wait is at most one writer's transactio
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -114,7 +115,30 @@ def _merge_fields(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 def _part_id(doc: dict[str, Any]) -> str | None:
     part = doc.get(PART_KEY)
-    return part if isinstance(part, str) and part else None
+    return part if isinstance(part, str) and part and _summable(doc) else None
+
+
+def _summable(fields: dict[str, Any]) -> bool:
+    """The part figures of a record have the types `_sum_parts` adds and compares (a record
+    from outside may hold anything under these names; it is then merged as any record)."""
+    for key in PART_FIELDS:
+        value = fields.get(key)
+        if value is None:
+            continue
+        if key in ("server_ts", "trace_id"):
+            ok = isinstance(value, str)
+        elif key.endswith("_tokens"):
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        else:
+            ok = (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and value >= 0
+            )
+        if not ok:
+            return False
+    return True
 
 
 def _parted(doc: dict[str, Any]) -> bool:
@@ -124,7 +148,9 @@ def _parted(doc: dict[str, Any]) -> bool:
     return (
         isinstance(parts, dict)
         and len(parts) > 1
-        and all(isinstance(p, dict) and p.get(PART_KEY) == k for k, p in parts.items())
+        and all(
+            isinstance(p, dict) and p.get(PART_KEY) == k and _summable(p) for k, p in parts.items()
+        )
     )
 
 

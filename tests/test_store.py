@@ -411,3 +411,22 @@ def test_a_request_of_one_part_is_stored_flat_as_before(tmp_path: Path) -> None:
     store.add_events([dict(piece), dict(PARTS[4]), dict(piece)])
     [doc] = store.export_events("run-20261125-parts")
     assert doc == {**PARTS[4], **piece}  # field by field, as always: no `parts`
+
+
+def test_records_from_outside_named_like_parts_never_fail_a_merge(tmp_path: Path) -> None:
+    """A line may hold `vllm_part` or `parts` with anything in them: merged as any record (the
+    last value wins), never summed, never an error that would fail a flush."""
+    rid = "run-20261125-odd-000001"
+    odd_parts = {"parts": {"a#1": {"vllm_part": "a#1", "completion_tokens": "many"},
+                           "a#2": {"vllm_part": "a#2", "server_ttft_ms": [1]}}}  # fmt: skip
+    lines = [
+        {"request_id": rid, **odd_parts},
+        {"request_id": rid, **odd_parts, "note": 1},
+        {"request_id": rid, "vllm_part": "x#1", "inference_ms": "slow"},
+        {"request_id": rid, "vllm_part": "x#2", "server_ts": 5, "parts": [1]},
+    ]
+    store = Store(tmp_path / "s.duckdb")
+    for line in lines:
+        store.add_events([dict(line)])
+    [doc] = store.export_events("run-20261125-odd")
+    assert doc == {"request_id": rid, **lines[1], **lines[2], **lines[3]}
