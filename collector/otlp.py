@@ -11,6 +11,7 @@ import gzip
 import json
 import logging
 import math
+import re
 import threading
 import zlib
 from collections.abc import Callable
@@ -51,13 +52,15 @@ COUNTS = {
     "gen_ai.request.n": "n",
 }
 FLOATS = {"gen_ai.request.temperature": "temperature", "gen_ai.request.top_p": "top_p"}
+_SPAN_ID = re.compile(r"^[0-9a-fA-F]{16}$")
 
 
 class BadPayload(ValueError):
     """The body is not an OTLP trace export; the message says why."""
 
 
-Span = tuple[str, str, int, dict[str, Any]]  # name, trace id (hex), start (unix ns), attributes
+# name, trace id (hex), start (unix ns), attributes, span id (hex; "" when the export has none)
+Span = tuple[str, str, int, dict[str, Any], str]
 
 
 def decode(body: bytes, content_type: str, encoding: str | None) -> list[Span]:
@@ -79,7 +82,15 @@ def decode(body: bytes, content_type: str, encoding: str | None) -> list[Span]:
         for ss in rs.scope_spans:
             for span in ss.spans:
                 attrs = {kv.key: _any_value(kv.value) for kv in span.attributes}
-                spans.append((span.name, span.trace_id.hex(), span.start_time_unix_nano, attrs))
+                spans.append(
+                    (
+                        span.name,
+                        span.trace_id.hex(),
+                        span.start_time_unix_nano,
+                        attrs,
+                        span.span_id.hex(),
+                    )
+                )
     return spans
 
 
@@ -104,7 +115,13 @@ def _decode_json(body: bytes) -> list[Span]:
                     }
                     start = int(span.get("startTimeUnixNano") or 0)
                     spans.append(
-                        (str(span.get("name", "")), str(span.get("traceId", "")), start, attrs)
+                        (
+                            str(span.get("name", "")),
+                            str(span.get("traceId", "")),
+                            start,
+                            attrs,
+                            str(span.get("spanId") or ""),
+                        )
                     )
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise BadPayload(f"not an OTLP JSON trace export: {exc!r}") from None
@@ -124,8 +141,16 @@ def span_piece(span: Span) -> dict[str, Any] | None:
     """An `llm_request` span as a piece of its request's event (None for other spans).
 
     Raises BadPayload when an `llm_request` span lacks its request id or has wrong types.
+
+    The piece names its part of the request (`vllm_part`: `<vLLM id>#<span id>`): a call with
+    `n` > 1 is sampled by child requests whose spans all carry the parent's `gen_ai.request.id`
+    (and `gen_ai.request.n` 1), often the same timings too (children decode in the same engine
+    steps), so the span id is what tells one sample's span from another's, and a span exported
+    twice from itself; the vLLM id (`cmpl-R-<i>`) tells the prompts of a completions call with
+    a list of prompts apart. The store keeps each part's figures and sums them up for the
+    request (`store.merge_docs`).
     """
-    name, trace_id, start_ns, attrs = span
+    name, trace_id, start_ns, attrs, span_id = span
     if name != SPAN_NAME:
         return None
     vllm_id = attrs.get("gen_ai.request.id")
@@ -138,6 +163,8 @@ def span_piece(span: Span) -> dict[str, Any] | None:
     if trace_id and trace_id.strip("0"):
         doc["trace_id"] = trace_id
     doc["vllm_request_id"] = vllm_id
+    if _SPAN_ID.match(span_id) and span_id.strip("0"):
+        doc["vllm_part"] = f"{vllm_id}#{span_id.lower()}"
     for attr, key in LATENCIES.items():
         value = attrs.get(attr)
         if value is None:

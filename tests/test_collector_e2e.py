@@ -240,3 +240,69 @@ def test_json_log_traces_and_bench_make_one_event_per_request(
     assert ids == [f"{run_id}-{i:06d}" for i in range(1, N + 1)]  # this server served only these
     session = json.loads(levers[0])["session"] if levers else {}
     assert session["args"]["served_model_name"] == ["tiny"] and session["model"] == "tiny"
+
+
+def test_n_samples_and_prompt_lists_are_stored_with_the_apis_usage(
+    vllm_server: RunningServer, tmp_path: Path
+) -> None:
+    """OpenAI SDK calls that vLLM serves in parts: a chat call with n=2 (child requests
+    `0_chatcmpl-R`, `1_chatcmpl-R`, whose trace spans both say `chatcmpl-R`) and a completions
+    call with two prompts and n=2 (four children, `cmpl-R-0`/`cmpl-R-1`). Each is one event whose
+    tokens are what the API's usage said: before, the event kept one child's completion_tokens
+    (8 where usage said 16)."""
+    import openai  # the client users have; only this test needs it
+
+    store = tmp_path / "store.duckdb"
+    out = tmp_path / "collector.out"
+    collector = subprocess.Popen(
+        [*SERVESCOPE, "collect", "--vllm-log", str(vllm_server.log), "--otlp-port",
+         str(vllm_server.otlp_port), "--metrics-port", str(free_port()), "--store", str(store)],
+        cwd=ROOT, stdout=out.open("w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    run_id = "run-20261125-nsample"
+    try:
+        _wait_port(vllm_server.otlp_port, collector, out)
+        client = openai.OpenAI(base_url=f"{vllm_server.url}/v1", api_key="unused")
+        chat = client.chat.completions.create(
+            model=vllm_server.served_name,
+            messages=[{"role": "user", "content": "two samples of this, please"}],
+            n=2,
+            max_tokens=8,
+            extra_headers={"X-Request-Id": f"{run_id}-000001"},
+        )
+        listed = client.completions.create(
+            model=vllm_server.served_name,
+            prompt=["a first prompt", "a second prompt, somewhat longer than the first"],
+            n=2,
+            max_tokens=6,
+            extra_headers={"X-Request-Id": f"{run_id}-000002"},
+        )
+        usage = {
+            f"{run_id}-000001": (chat.usage.prompt_tokens, chat.usage.completion_tokens, 2),
+            f"{run_id}-000002": (listed.usage.prompt_tokens, listed.usage.completion_tokens, 4),
+        }
+        deadline = time.monotonic() + 90  # vLLM exports its spans in batches, every 5 s
+        events: list[dict] = []
+        while time.monotonic() < deadline:
+            events = _events(store, run_id)
+            if len(events) == 2 and all(
+                len(json.loads(e["doc"]).get("parts", {})) == usage[e["request_id"]][2]
+                for e in events
+            ):
+                break
+            time.sleep(1)
+    finally:
+        collector.send_signal(signal.SIGTERM)
+        code = collector.wait(timeout=60)
+    assert code == 0, f"collector exited {code} on SIGTERM:\n{out.read_text()}"
+    assert [e["request_id"] for e in events] == sorted(usage), events
+    for event in events:
+        doc = json.loads(event["doc"])
+        prompt, completion, parts = usage[event["request_id"]]
+        stored = (event["prompt_tokens"], event["completion_tokens"])
+        assert stored == (prompt, completion), (event["request_id"], doc)
+        assert len(doc["parts"]) == parts, doc
+        assert sum(p["completion_tokens"] for p in doc["parts"].values()) == completion
+        assert doc["n"] == 2 and doc["log_ts"] is not None  # the log's pieces joined too
+        assert doc["server_ttft_ms"] == min(p["server_ttft_ms"] for p in doc["parts"].values())
+        assert doc["server_e2e_ms"] == max(p["server_e2e_ms"] for p in doc["parts"].values())

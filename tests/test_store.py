@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import duckdb
 import pytest
 
-from store import Store, bulk, export_run, import_file, queries, run_id_of
+from store import Store, bulk, export_run, import_file, merge_docs, queries, run_id_of
 from store.db import _ddl
 from store.events import InvalidEvent, parse_line
 from tests.conftest import servescope
@@ -332,3 +333,108 @@ def test_a_store_a_newer_version_gave_more_columns_still_takes_rows_on_both_path
     with store.read() as con:
         rows = con.execute("SELECT request_id, ttft_ms FROM events ORDER BY 1").fetchall()
     assert rows == [("run-n-1", None), ("run-n-2", 4.0), ("run-n-3", 5.0)]
+
+
+def _span_piece(vllm_id: str, span: str, prompt: int, completion: int, ttft: float, e2e: float,
+                queue: float) -> dict:  # fmt: skip
+    """A trace piece as `collector.otlp.span_piece` builds it (figures of a real vLLM 0.32)."""
+    return {
+        "request_id": "run-20261125-parts-000001",
+        "source": "vllm-trace",
+        "server_ts": "2026-11-25T00:23:14.120000+00:00",
+        "vllm_request_id": vllm_id,
+        "vllm_part": f"{vllm_id}#{span}",
+        "queue_ms": queue,
+        "prefill_ms": 6.265,
+        "decode_ms": round(e2e - ttft - 2.0, 3),
+        "inference_ms": round(e2e - ttft + 4.0, 3),
+        "server_ttft_ms": ttft,
+        "server_e2e_ms": e2e,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "max_tokens": 8,
+        "n": 1,
+    }
+
+
+# A completions call with two prompts and n=2, as vLLM 0.32 traced it: four child requests, the
+# two samples of prompt 1 in lockstep (same timings, only the queue time differs). The API's
+# usage said prompt_tokens 17 (6 + 11, each prompt once), completion_tokens 24.
+PARTS = [
+    _span_piece("cmpl-parts-0", "d46a83248ea8e777", 6, 6, 7.948, 26.353, 0.023),
+    _span_piece("cmpl-parts-0", "f9983fac64eecfb5", 6, 6, 14.275, 32.486, 0.026),
+    _span_piece("cmpl-parts-1", "7fc32c4376da7891", 11, 6, 14.275, 32.486, 0.019),
+    _span_piece("cmpl-parts-1", "bc586fe83e132fb6", 11, 6, 14.275, 32.486, 0.007),
+    {  # the log's `Received request` line of prompt 1: the request's n
+        "request_id": "run-20261125-parts-000001",
+        "source": "vllm-log",
+        "log_ts": "2026-11-25T00:23:14",
+        "vllm_request_id": "cmpl-parts-1",
+        "n": 2,
+        "max_tokens": 8,
+    },
+]
+
+
+def test_parts_of_a_request_merge_to_the_apis_usage_in_any_order_and_idempotently(
+    tmp_path: Path,
+) -> None:
+    """Child requests of one call (samples of n > 1, prompts of a list) are parts: their tokens
+    add up as the API's usage counts them, whatever order their pieces come in, and a piece
+    merged twice (an exporter's retry, a row merged again after a restart) changes nothing.
+    Before, the last child's figures won: completion_tokens 6 where usage said 24."""
+    orders = [list(p) for p in itertools.permutations(PARTS)]
+    rows = []
+    for order in orders:
+        doc = order[0]
+        for piece in [*order[1:], order[2], order[0]]:  # two pieces again
+            doc = merge_docs(doc, piece)
+        assert doc.pop("source") == order[0]["source"]  # the first seen, by design
+        rows.append(doc)
+    assert all(row == rows[0] for row in rows)
+    row = {**rows[0], "source": "vllm-trace"}
+    assert (row["prompt_tokens"], row["completion_tokens"], row["n"]) == (17, 24, 2)
+    assert row["server_ttft_ms"] == 7.948 and row["server_e2e_ms"] == 32.486
+    assert row["queue_ms"] == 0.007 and row["prefill_ms"] == 6.265
+    assert row["vllm_request_id"] == "cmpl-parts-0"
+    assert sorted(row["parts"]) == sorted(p["vllm_part"] for p in PARTS[:4])
+    assert row["parts"]["cmpl-parts-1#bc586fe83e132fb6"]["completion_tokens"] == 6
+
+    # in the store: one piece per flush (the stored row merged again each time), in two orders
+    for name, order in (("a", PARTS), ("b", [*PARTS[3::-1], PARTS[4]])):
+        store = Store(tmp_path / f"{name}.duckdb")
+        for piece in [*order, order[1]]:
+            store.add_events([dict(piece)])
+        [doc] = store.export_events("run-20261125-parts")
+        assert doc == row
+        with store.read() as con:
+            assert con.execute(
+                "SELECT prompt_tokens, completion_tokens, ttft_ms, count(*) OVER () FROM events"
+            ).fetchall() == [(17, 24, None, 1)]
+
+
+def test_a_request_of_one_part_is_stored_flat_as_before(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    piece = PARTS[0]
+    store.add_events([dict(piece), dict(PARTS[4]), dict(piece)])
+    [doc] = store.export_events("run-20261125-parts")
+    assert doc == {**PARTS[4], **piece}  # field by field, as always: no `parts`
+
+
+def test_records_from_outside_named_like_parts_never_fail_a_merge(tmp_path: Path) -> None:
+    """A line may hold `vllm_part` or `parts` with anything in them: merged as any record (the
+    last value wins), never summed, never an error that would fail a flush."""
+    rid = "run-20261125-odd-000001"
+    odd_parts = {"parts": {"a#1": {"vllm_part": "a#1", "completion_tokens": "many"},
+                           "a#2": {"vllm_part": "a#2", "server_ttft_ms": [1]}}}  # fmt: skip
+    lines = [
+        {"request_id": rid, **odd_parts},
+        {"request_id": rid, **odd_parts, "note": 1},
+        {"request_id": rid, "vllm_part": "x#1", "inference_ms": "slow"},
+        {"request_id": rid, "vllm_part": "x#2", "server_ts": 5, "parts": [1]},
+    ]
+    store = Store(tmp_path / "s.duckdb")
+    for line in lines:
+        store.add_events([dict(line)])
+    [doc] = store.export_events("run-20261125-odd")
+    assert doc == {"request_id": rid, **lines[1], **lines[2], **lines[3]}
