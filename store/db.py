@@ -198,6 +198,8 @@ def _sum_parts(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
       is the first any part produced; the request waited until its first part ran);
       `prefill_ms` that first part's; `server_e2e_ms`, `decode_ms`, `inference_ms`: the
       longest part's (the response ends with its last part);
+    - `server_tpot_ms`: the mean of the parts' own (vLLM's TPOT is a sample's: decode time over
+      its tokens after the first; the summed tokens over the longest decode would halve it);
     - `n`: samples per prompt (a child's span says 1), or the `n` a log line gave, the larger;
     - `vllm_request_id` the first prompt's, `trace_id` the first part's, in part-key order (one
       value whatever order the parts came in).
@@ -233,6 +235,13 @@ def _sum_parts(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for key in ("server_e2e_ms", "decode_ms", "inference_ms"):
         if found := present(key):
             out[key] = max(found)
+    tpots = [
+        p["decode_ms"] / (p["completion_tokens"] - 1)
+        for p in values
+        if p.get("decode_ms") is not None and (p.get("completion_tokens") or 0) > 1
+    ]
+    if tpots:
+        out["server_tpot_ms"] = sum(tpots) / len(tpots)
     out["n"] = max(samples.values())
     out["vllm_request_id"] = min(samples)
     if found := present("trace_id"):

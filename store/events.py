@@ -37,7 +37,7 @@ HTTP_STATUS = (100, 999)
 _NUMBER = (int, float)
 DURATIONS = (
     "ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms", "target_rate",
-    "server_ttft_ms", "server_e2e_ms",
+    "server_ttft_ms", "server_e2e_ms", "server_tpot_ms",
 )  # fmt: skip
 COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens", "concurrency")
 # key -> accepted Python types after decoding (bool is an int subclass: excluded explicitly)
@@ -64,6 +64,7 @@ CONTRACT_TYPES: dict[str, tuple[type, ...]] = {
     # typed columns beyond the contract table: vLLM's own timings, the serving session
     "server_ttft_ms": _NUMBER,
     "server_e2e_ms": _NUMBER,
+    "server_tpot_ms": _NUMBER,
     "vllm_session": (str,),
     "decode_ms": _NUMBER,
     "finish_reason": (str,),

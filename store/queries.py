@@ -7,8 +7,17 @@ EVENT_COLUMNS = (
     "run_id, request_id, source, ts, model, team, workload, concurrency, target_rate,"
     " prompt_tokens, completion_tokens, cached_tokens, cache_hit, ttft_ms, tpot_ms, e2e_ms,"
     " itl_ms, queue_ms, prefill_ms, decode_ms, finish_reason, status, http_status, error,"
-    " trace_id, doc, server_ttft_ms, server_e2e_ms, vllm_session, error_detail"
+    " trace_id, doc, server_ttft_ms, server_e2e_ms, vllm_session, error_detail, server_tpot_ms"
 )
+
+# vLLM's TPOT of a request: its decode time over the output tokens after the first, or what the
+# record says (a request served in parts, `store.db._sum_parts`: its samples' mean, where the
+# summed tokens would halve it for n = 2).
+_SERVER_TPOT = """COALESCE(
+        TRY_CAST(doc->>'server_tpot_ms' AS DOUBLE),
+        TRY_CAST(doc->>'decode_ms' AS DOUBLE)
+        / NULLIF(TRY_CAST(doc->>'completion_tokens' AS INTEGER) - 1, 0)
+    )"""
 
 # The typed columns of `events`, projected from the merged document held in `incoming`.
 # `status` is derived when the record has none: an error class or finish_reason "error" means
@@ -56,9 +65,10 @@ SELECT
     TRY_CAST(doc->>'server_ttft_ms' AS DOUBLE),
     TRY_CAST(doc->>'server_e2e_ms' AS DOUBLE),
     doc->>'vllm_session',
-    doc->>'error_detail'
+    doc->>'error_detail',
+    SERVER_TPOT
 FROM incoming
-""".replace("COLUMNS", EVENT_COLUMNS)
+""".replace("COLUMNS", EVENT_COLUMNS).replace("SERVER_TPOT", _SERVER_TPOT)
 
 STAGE_EVENTS = (
     "CREATE OR REPLACE TEMP TABLE incoming (run_id VARCHAR, request_id VARCHAR, doc JSON)"
@@ -87,6 +97,7 @@ ADDED_COLUMNS = (
     ("events", "server_e2e_ms", "DOUBLE", "TRY_CAST(doc->>'server_e2e_ms' AS DOUBLE)"),
     ("events", "vllm_session", "VARCHAR", "doc->>'vllm_session'"),
     ("events", "error_detail", "VARCHAR", "doc->>'error_detail'"),
+    ("events", "server_tpot_ms", "DOUBLE", _SERVER_TPOT),
     ("lever_flips", "before_run_id", "VARCHAR", None),
 )
 MISSING_COLUMNS = """
@@ -210,7 +221,7 @@ REPORT_LATENCY_METRICS: dict[str, str] = {
 # bootstrapped like the others; a report shows them, or uses them where the client's are absent.
 SERVER_LATENCY: dict[str, str] = {
     "server_ttft_ms": "server_ttft_ms",
-    "server_tpot_ms": "decode_ms / NULLIF(completion_tokens - 1, 0)",
+    "server_tpot_ms": "server_tpot_ms",
     "server_e2e_ms": "server_e2e_ms",
 }
 _PER_REQUEST = {**REPORT_LATENCY_METRICS, **SERVER_LATENCY}
@@ -693,7 +704,10 @@ SELECT run_key, request_key, source->>'$',
     ),
     TRY_CAST(http_status::VARCHAR AS INTEGER), error->>'$', trace_id->>'$', line,
     TRY_CAST(server_ttft_ms::VARCHAR AS DOUBLE), TRY_CAST(server_e2e_ms::VARCHAR AS DOUBLE),
-    vllm_session->>'$', error_detail->>'$'
+    vllm_session->>'$', error_detail->>'$',
+    COALESCE(TRY_CAST(server_tpot_ms::VARCHAR AS DOUBLE),
+             TRY_CAST(decode_ms::VARCHAR AS DOUBLE)
+             / NULLIF(TRY_CAST(completion_tokens::VARCHAR AS INTEGER) - 1, 0))
 FROM (
     SELECT *, request_id->>'$' AS request_key,
            COALESCE(NULLIF(run_id->>'$', ''),

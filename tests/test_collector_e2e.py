@@ -306,3 +306,6 @@ def test_n_samples_and_prompt_lists_are_stored_with_the_apis_usage(
         assert doc["n"] == 2 and doc["log_ts"] is not None  # the log's pieces joined too
         assert doc["server_ttft_ms"] == min(p["server_ttft_ms"] for p in doc["parts"].values())
         assert doc["server_e2e_ms"] == max(p["server_e2e_ms"] for p in doc["parts"].values())
+        # vLLM's TPOT is a sample's, not the longest decode over every sample's tokens
+        tpots = [p["decode_ms"] / (p["completion_tokens"] - 1) for p in doc["parts"].values()]
+        assert event["server_tpot_ms"] == pytest.approx(sum(tpots) / len(tpots))
