@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
+from rich.console import Console
 from rich.table import Table
 
 from servescope.commands.common import add_store_option, byte_progress, console, open_store, run_arg
@@ -24,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "is merged, never duplicated. Bad lines go to ingest_errors with a reason.",
     )
     imp.add_argument("files", nargs="+", type=Path)
-    imp.add_argument("--json", action="store_true")
+    imp.add_argument("--json", action="store_true", help="print the totals as JSON")
     add_store_option(imp)
     imp.set_defaults(func=run_import)
 
@@ -44,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     exp.set_defaults(func=run_export)
 
     runs = stores.add_parser("runs", help="list runs with their event counts")
-    runs.add_argument("--json", action="store_true")
+    runs.add_argument("--json", action="store_true", help="print the runs as JSON")
     add_store_option(runs)
     runs.set_defaults(func=run_runs)
 
@@ -122,5 +124,6 @@ def run_runs(args: argparse.Namespace) -> int:
             run["status"] or "",
             levers,
         )
-    console.print(table)
+    # the listing is the output (stdout, like `report list`); messages go to stderr
+    Console(markup=False, width=None if sys.stdout.isatty() else 240).print(table)
     return 0
