@@ -400,6 +400,28 @@ def _result(values: dict[str, Any], targets: dict[str, float], shape: dict[str, 
     }  # fmt: skip
 
 
+def _number(value: Any) -> float | None:
+    try:
+        return float(str(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def _moves_as_wanted(entry: dict[str, Any], before: Any, after: Any) -> bool | None:
+    """Does a lever change go the way a finding's lever entry asks (`want` reached, `raise` /
+    `lower` by number)? None when that cannot be told (an unset or non-numeric side, `fit`,
+    `set`, `tune`)."""
+    if entry.get("want") is not None:
+        if after is None:
+            return None
+        return holds(lever_value({"lever": after}, "lever", {}), entry["want"])
+    direction = entry.get("direction")
+    old, new = _number(before), _number(after)
+    if direction not in ("raise", "lower") or old is None or new is None or old == new:
+        return None
+    return new > old if direction == "raise" else new < old
+
+
 def assess_flip(
     before: dict[str, Any],
     after: dict[str, Any],
@@ -415,16 +437,24 @@ def assess_flip(
     out = []
     for change in changes:
         lever = change["lever"]
-        target = next((f for f in before["findings"]
-                       if any(x["lever"] == lever for x in f["levers"])), None)  # fmt: skip
+        naming = [f for f in before["findings"] if any(x["lever"] == lever for x in f["levers"])]
+        target = next((f for f in naming if any(
+            x["lever"] == lever and _moves_as_wanted(x, change.get("before"), change.get("after"))
+            is not False for x in f["levers"])), None)  # fmt: skip
         row: dict[str, Any] = {"lever": lever, "before": change.get("before"),
                                "after": change.get("after")}  # fmt: skip
         if target is None:
+            other = ""
+            if naming:
+                wanted = next(x for x in naming[0]["levers"] if x["lever"] == lever)
+                way = wanted.get("direction") or wanted.get("want")
+                other = (f" (its finding {naming[0]['symptom']} ({naming[0]['title']}) wants "
+                         f"{lever} {way}: this change goes the other way)")  # fmt: skip
             row.update(
                 rule=None,
                 symptom=None,
                 verdict="no diagnosed symptom",
-                text=f"{lever}: the before run had no finding this lever addresses",
+                text=f"{lever}: the before run had no finding this change addresses{other}",
             )
             out.append(row)
             continue

@@ -236,10 +236,15 @@ def headline(change: str, rows: list[dict[str, Any]], before: Side, after: Side)
     tput = by["throughput.output_tokens_per_s"]
     if tput["delta_pct"] is not None:
         parts.append(f"throughput {_signed_pct(tput['delta_pct'])} [{tput['verdict']}]")
+    elif by["throughput.requests_per_s"]["delta_pct"] is not None:
+        # no token counts (e.g. `collect --once` on a log): the request rate still compares
+        rate = by["throughput.requests_per_s"]
+        parts.append(f"requests/s {_signed_pct(rate['delta_pct'])} [{rate['verdict']}]")
     err = by["error_rate"]
     if err["verdict"] in (IMPROVED, REGRESSED):
         parts.append(f"error rate {_share(err['before'])} → {_share(err['after'])}")
-    return f"{change}: " + (", ".join(parts) if parts else "no indicator measured on both sides")
+    return f"{change}: " + (", ".join(parts) if parts else
+                            "no TTFT, prefix hits or throughput measured on both sides")
 
 
 # -- apples to pears ------------------------------------------------------------------------

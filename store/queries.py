@@ -473,7 +473,8 @@ FROM (TIMED) GROUP BY b ORDER BY b
 
 # The seeds' pass criteria that need the events themselves. Chat calls are the requests of the
 # workloads the run's spec sends to the chat endpoint ($chat_workloads), and those vLLM named
-# itself as chat completions (a server session's requests: no client id, no spec). The latency
+# itself as chat completions (a server session's requests: no client id, no spec; or refused on
+# the chat path). The latency
 # is the client's, or vLLM's own where no client measured it.
 SLICE_CHECKS = _sliced(
     """
@@ -489,7 +490,12 @@ SELECT
     count(*) FILTER (WHERE status = 'ok' AND CHAT) AS chat_ok
 FROM events WHERE SLICE
 """.replace(
-        "CHAT", "(list_contains($chat_workloads, workload) OR starts_with(request_id, 'chatcmpl-'))"
+        "CHAT",
+        "(list_contains($chat_workloads, workload) OR starts_with(request_id, 'chatcmpl-') OR "
+        # the collector keys a session's request by the id inside vLLM's (`chatcmpl-R` → R) and
+        # keeps vLLM's in the doc; a refused call is known by its access line's path
+        "CASE WHEN workload IS NULL THEN starts_with(doc->>'vllm_request_id', 'chatcmpl-') "
+        "OR doc->>'http_path' = '/v1/chat/completions' ELSE false END)",
     )
 )
 

@@ -118,6 +118,22 @@ RUNS: dict[str, dict[str, Any]] = {
                               "error": lambda i: "http_4xx" if i % 5 == 0 else None,
                               "http_status": lambda i: 400 if i % 5 == 0 else None},
                    "spec": _spec(), "levers": BASE_LEVERS, "gauges": (0.3, (0.0, 0.0), 0.0)},
+    # an operator's restart: a few invalid requests (400) on both sides, and a queue at
+    # max_num_seqs 2 that max_num_seqs 16 empties
+    "run-seqs-2": {"events": {"ttft_ms": lambda i: 2400.0 + 10 * i, "queue_ms": 2000.0,
+                              "prefill_ms": 300.0,
+                              "status": lambda i: "error" if i % 10 == 0 else "ok",
+                              "error": lambda i: "http_4xx" if i % 10 == 0 else None,
+                              "http_status": lambda i: 400 if i % 10 == 0 else None},
+                   "spec": _spec(concurrency=16),
+                   "levers": {**BASE_LEVERS, "max_num_seqs": "2"},
+                   "gauges": (0.5, (0.0, 0.0), 14.0)},
+    "run-seqs-16": {"events": {"status": lambda i: "error" if i % 10 == 0 else "ok",
+                               "error": lambda i: "http_4xx" if i % 10 == 0 else None,
+                               "http_status": lambda i: 400 if i % 10 == 0 else None},
+                    "spec": _spec(concurrency=16),
+                    "levers": {**BASE_LEVERS, "max_num_seqs": "16"},
+                    "gauges": (0.5, (0.0, 0.0), 0.0)},
 }  # fmt: skip
 
 
@@ -218,6 +234,28 @@ def test_the_diff_says_whether_the_flip_moved_its_symptom(store_path: Path,
     assert hit["before"] == pytest.approx(0.0) and hit["after"] > 0.9
     md = (folder / "report.md").read_text()
     assert "## What should I flip first?" in md and "resolved" in md
+
+
+def test_a_flip_is_judged_against_the_finding_that_wants_its_direction(
+        store_path: Path, tmp_path: Path) -> None:  # fmt: skip
+    """max_num_seqs 2 → 16: the errors finding wants max_num_seqs lower, the queue finding
+    wants it raised; the raise was meant for the queue, and the queue is gone."""
+    before = diagnose(store_path, "run-seqs-2")
+    assert [f["rule"] for f in before["findings"]][:2] == ["errors", "queue-bound"]
+    servescope("report", "build", "run-seqs-16", "--vs", "run-seqs-2", "--format", "json,md",
+               "--store", str(store_path), "--out", str(tmp_path), check=True)  # fmt: skip
+    folder = tmp_path / "run-seqs-16-vs-run-seqs-2"
+    (flip,) = json.loads((folder / "report.json").read_text())["diagnosis"]["flip"]
+    assert flip["lever"] == "max_num_seqs" and flip["rule"] == "queue-bound", flip
+    assert flip["verdict"] == "resolved"
+    md = (folder / "report.md").read_text()
+    assert "max_num_seqs was meant to fix queue" in md and "meant to fix api" not in md
+    # the other way round (16 → 2) goes the way the errors finding asks
+    servescope("report", "build", "run-seqs-2", "--vs", "run-seqs-16", "--format", "json",
+               "--store", str(store_path), "--out", str(tmp_path), check=True)  # fmt: skip
+    back = json.loads((tmp_path / "run-seqs-2-vs-run-seqs-16" / "report.json").read_text())
+    (flip,) = back["diagnosis"]["flip"]
+    assert flip["rule"] == "errors" and flip["verdict"] == "still present", flip
 
 
 def test_every_report_format_carries_the_diagnosis(store_path: Path, tmp_path: Path) -> None:

@@ -430,6 +430,26 @@ def test_tail_quantiles_of_small_runs_say_too_few_samples(tmp_path: Path) -> Non
     assert ": TTFT p50 −" in headline and "[improved]" in headline  # the tested quantile leads
 
 
+def test_runs_read_from_a_log_alone_get_a_headline_of_what_they_have(tmp_path: Path) -> None:
+    """`collect --once` on a log gives requests with a status and a time but no latency or token
+    count: the headline compares the request rate, never says nothing was measured."""
+    db = tmp_path / "s.duckdb"
+    store = Store(db)
+    for run, n, start in (("run-log-a", 20, T0), ("run-log-b", 60, T0 + timedelta(minutes=5))):
+        events = [{"request_id": f"{run}-{i}", "run_id": run, "model": "tiny", "status": "ok",
+                   "ts": (start + timedelta(milliseconds=500 * i)).isoformat() + "Z"}
+                  for i in range(n)]  # fmt: skip
+        store_run(store, run, events, levers={"max_num_seqs": 2 if n == 20 else 16}, spec=None)
+    out = tmp_path / "r"
+    servescope("report", "build", "run-log-b", "--vs", "run-log-a", "--store", str(db),
+               "--out", str(out), "--format", "json", check=True)  # fmt: skip
+    report = json.loads((out / "run-log-b-vs-run-log-a/report.json").read_text())
+    rows = {d["metric"]: d for d in report["diff"]}
+    assert rows["throughput.requests_per_s"]["before"] is not None
+    assert "no indicator measured" not in report["headline"], report["headline"]
+    assert report["headline"].startswith("max_num_seqs 2 → 16: requests/s "), report["headline"]
+
+
 def test_speculation_headline_names_a_workload_whose_tpot_was_zero_before() -> None:
     """On 2 shared cores a fast server can send a whole answer in one chunk (client TPOT 0):
     no percentage from 0, so the change is given in ms, and the workload is still named."""

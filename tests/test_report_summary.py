@@ -191,6 +191,33 @@ def test_a_bare_seed_run_marks_every_criterion_it_cannot_fill(tmp_path: Path) ->
     assert checks["Observability"]["status"] == "fail"  # no model, no tokens on the event
 
 
+def test_chat_calls_are_known_as_the_collector_stores_them(tmp_path: Path) -> None:
+    """What the collector writes for an OpenAI SDK's chat calls to a vLLM it follows: the event's
+    id is the one inside vLLM's (`chatcmpl-R` → R, `vllm_request_id` keeps vLLM's), and a call
+    vLLM refused is its access line (`http_path`). They are chat calls, not "no chat requests"."""
+    run = "vllm-tiny-8000-20261124T230000Z"
+    common = {"run_id": run, "model": "tiny", "source": "vllm-log", "vllm_session": run}
+    docs = [
+        {**common, "request_id": f"b8c4d1c368f6b67{i}", "vllm_request_id":
+         f"chatcmpl-b8c4d1c368f6b67{i}", "prompt_tokens": 12, "completion_tokens": 8,
+         "server_e2e_ms": 30.0, "status": "ok"} for i in range(3)
+    ] + [
+        {**common, "request_id": "http-e4b75ba9-68216", "status": "error", "http_status": 400,
+         "error": "http_4xx", "http_method": "POST", "http_path": "/v1/chat/completions"},
+        {**common, "request_id": "a1b2c3d4e5f60718", "vllm_request_id": "cmpl-a1b2c3d4e5f60718-0",
+         "prompt_tokens": 12, "completion_tokens": 8, "server_e2e_ms": 20.0, "status": "ok"},
+    ]  # fmt: skip
+    db = tmp_path / "s.duckdb"
+    Store(db).add_events(docs)
+    out = tmp_path / "r"
+    servescope("report", "build", run, "--store", str(db), "--out", str(out), "--format", "json",
+               check=True)  # fmt: skip
+    report = json.loads(next(out.glob("*/report.json")).read_text())
+    checks = {c["item"]: c for c in report["checklist"]}
+    assert checks["API compatibility"]["status"] == "pass", checks["API compatibility"]
+    assert "3 of 4 chat calls succeeded" in checks["API compatibility"]["evidence"]
+
+
 def test_a_server_sessions_chat_calls_pass_on_vllms_own_records(tmp_path: Path) -> None:
     """A session run (an OpenAI client, no X-Request-Id, no workload spec): chat calls are known
     by vLLM's `chatcmpl-` ids and the latency is vLLM's own (`server_e2e_ms`)."""

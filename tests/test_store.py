@@ -236,6 +236,10 @@ def test_store_runs_lists_event_counts(tmp_path: Path) -> None:
         assert (imported["started_at"], imported["ended_at"]) == (
             "2026-11-20 10:00:00", "2026-11-20 10:00:02"
         )  # fmt: skip
+    # the table is the command's output: on stdout, as `report list` (`store runs | less`)
+    for command in (("store", "runs"), ("report", "list")):
+        table = servescope(*command, "--store", str(db), check=True).stdout
+        assert "run-a" in table and "run-b" in table, command
 
 
 def test_env_var_selects_the_store(tmp_path: Path) -> None:

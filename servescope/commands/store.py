@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "is merged, never duplicated. Bad lines go to ingest_errors with a reason.",
     )
     imp.add_argument("files", nargs="+", type=Path)
-    imp.add_argument("--json", action="store_true")
+    imp.add_argument("--json", action="store_true", help="print the totals as JSON")
     add_store_option(imp)
     imp.set_defaults(func=run_import)
 
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     exp.set_defaults(func=run_export)
 
     runs = stores.add_parser("runs", help="list runs with their event counts")
-    runs.add_argument("--json", action="store_true")
+    runs.add_argument("--json", action="store_true", help="print the runs as JSON")
     add_store_option(runs)
     runs.set_defaults(func=list_runs)
 
