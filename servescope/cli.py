@@ -36,6 +36,7 @@ def guarded(func: Callable[[argparse.Namespace], int | None], args: argparse.Nam
     """Run a command; what escapes it is one line on stderr and an exit code, not a traceback."""
     import duckdb
 
+    from servescope.commands.common import UsageError
     from store import StoreBusy
 
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "servescope"
@@ -47,6 +48,9 @@ def guarded(func: Callable[[argparse.Namespace], int | None], args: argparse.Nam
     except Exception as exc:
         if os.environ.get("SERVESCOPE_DEBUG"):
             raise
+        if isinstance(exc, UsageError):
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
         if isinstance(exc, StoreBusy | duckdb.Error):
             print(f"{prog}: the store cannot be used: {exc}", file=sys.stderr)
             return 1

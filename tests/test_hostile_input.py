@@ -313,6 +313,21 @@ def test_no_command_prints_a_traceback_on_bad_paths_or_stores(tmp_path: Path) ->
         assert result.stderr.strip(), args
 
 
+def test_a_reading_command_refuses_a_store_that_is_not_there(tmp_path: Path) -> None:
+    """A mistyped --store made an empty store and listed nothing, exit 0: now exit 2, said so,
+    and no file made."""
+    typo = tmp_path / "typo.duckdb"
+    cases = [
+        ("report", "list"), ("report", "flips"), ("report", "build", "x"), ("store", "runs"),
+        ("store", "export", "x", "--out", str(tmp_path / "x.jsonl")), ("diagnose", "x"),
+    ]  # fmt: skip
+    for args in cases:
+        result = servescope(*args, "--store", str(typo))
+        assert result.returncode == 2, (args, result.returncode, result.stderr)
+        assert f"no store at {typo}" in result.stderr, (args, result.stderr)
+    assert list(tmp_path.iterdir()) == []
+
+
 POISONS = [
     b"[" * DEEP,
     b'{"request_id":"p-000001","ttft_ms":NaN}',

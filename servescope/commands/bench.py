@@ -101,7 +101,7 @@ def run_bench(args: argparse.Namespace) -> int:
         result = execute(
             config,
             args.target,
-            open_store(args),
+            open_store(args, create=True),
             run_id=args.run_id,
             model=args.model,
             slo=slo,

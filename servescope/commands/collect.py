@@ -128,7 +128,7 @@ def run_collect(args: argparse.Namespace) -> int:
         return 2
     metrics = SelfMetrics()
     collector = Collector(
-        open_store(args),
+        open_store(args, create=True),
         vllm_logs=args.vllm_log,
         events=args.events,
         metrics_urls=args.metrics_url,
@@ -157,7 +157,8 @@ def run_collect(args: argparse.Namespace) -> int:
     else:
         t = collector.totals
         console.print(
-            f"{t['events']} events written, {t['errors']} lines quarantined, "
+            f"{t['events']} request records committed (a request's log, trace and client "
+            f"records merge into one event), {t['errors']} lines quarantined, "
             f"{t['samples']} metric samples, {t['flips']} lever flips"
         )
     return 0

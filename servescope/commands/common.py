@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from store import Store
+from store.db import default_path
 from store.paths import name_of
 
 # Messages carry run ids, paths and server text: never read as rich markup (a run id `[/]x`
@@ -31,8 +32,20 @@ def add_store_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def open_store(args: argparse.Namespace) -> Store:
-    return Store(args.store)
+class UsageError(Exception):
+    """Bad usage or unknown input: the message is printed as it is, and the exit code is 2."""
+
+
+def open_store(args: argparse.Namespace, *, create: bool = False) -> Store:
+    """The store of `--store`. A command that only reads refuses a path with no store: a typo
+    would otherwise create an empty store and report nothing, with exit 0."""
+    path = Path(args.store) if args.store else default_path()
+    if not create and not path.exists():
+        raise UsageError(
+            f"no store at {path}: point --store (or $SERVESCOPE_STORE) at one, or make one with "
+            "`servescope store import` or `servescope collect`"
+        )
+    return Store(path)
 
 
 def add_window_options(parser: argparse.ArgumentParser, what: str = "RUN") -> None:

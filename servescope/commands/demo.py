@@ -42,7 +42,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if not is_built(args.model):
         with console.status(f"building the tiny model in {args.model}"):
             make_tiny_model(args.model)
-    store = open_store(args)
+    store = open_store(args, create=True)
     spec = load_experiments()[DEMO_EXPERIMENT]
     console.print(Text.assemble((spec.name, "bold"), f": {spec.description}"))
     result = Experiment(

@@ -109,7 +109,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     if model is None:
         console.print(f"experiment {args.name}: unknown model kind {spec.model!r}", style="red")
         return 2
-    store = open_store(args)
+    store = open_store(args, create=True)
     try:
         experiment = Experiment(
             spec,

@@ -55,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    store = open_store(args)
+    store = open_store(args, create=True)
     totals = {"events": 0, "runtime_events": 0, "errors": 0, "runs": set()}
     for path in args.files:
         if not path.is_file():
