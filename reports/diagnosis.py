@@ -38,7 +38,9 @@ class Indicator:
 
 INDICATORS: dict[str, Indicator] = {
     "requests": Indicator("requests", "count", "events"),
-    "failure_rate": Indicator("failure rate (rejections excluded)", "ratio", "events: status"),
+    "failure_rate": Indicator(
+        "failure rate (rejections and 4xx excluded)", "ratio", "events: status, error class"),
+    "invalid_rate": Indicator("share refused as invalid (HTTP 4xx)", "ratio", "events: http_4xx"),
     "rejection_rate": Indicator("rejection rate", "ratio", "events: status = rejected"),
     "errors_top_class": Indicator("most common error", "text", "events: error class"),
     "rejections_top_reason": Indicator(
@@ -163,8 +165,11 @@ def indicators(report: dict[str, Any]) -> dict[str, Any]:
     spec = run.get("workload") or {}
     workloads = [w for w in spec.get("workloads") or [] if isinstance(w, dict)]
     requests = overall["requests"]
-    failed = overall["errors"] - overall["rejected"]
     classes = {k: v for k, v in overall["errors_by_class"].items() if not k.startswith("rejected")}
+    # a 4xx is a request the server refused as sent (a client's mistake, or over the context
+    # limit): no server lever makes it succeed but max_model_len, so it is a symptom of its own
+    invalid = classes.get("http_4xx", 0)
+    failed = overall["errors"] - overall["rejected"] - invalid
     reasons = report.get("admission", {}).get("rejections") or []
     hit = server.get("prefix_cache_hit_ratio")
     levels = [g["concurrency"] for g in report.get("groups", []) if g.get("concurrency")]
@@ -173,6 +178,7 @@ def indicators(report: dict[str, Any]) -> dict[str, Any]:
     values: dict[str, Any] = {
         "requests": requests,
         "failure_rate": _ratio(failed, requests),
+        "invalid_rate": _ratio(invalid, requests),
         "rejection_rate": _ratio(overall["rejected"], requests),
         "errors_top_class": max(classes, key=classes.__getitem__) if classes else None,
         "rejections_top_reason": max(reasons, key=lambda r: r["n"])["reason"] if reasons else None,

@@ -118,22 +118,24 @@ RUNS: dict[str, dict[str, Any]] = {
                               "error": lambda i: "http_4xx" if i % 5 == 0 else None,
                               "http_status": lambda i: 400 if i % 5 == 0 else None},
                    "spec": _spec(), "levers": BASE_LEVERS, "gauges": (0.3, (0.0, 0.0), 0.0)},
-    # an operator's restart: a few invalid requests (400) on both sides, and a queue at
+    # an operator's restart: a few requests timing out on both sides, and a queue at
     # max_num_seqs 2 that max_num_seqs 16 empties
     "run-seqs-2": {"events": {"ttft_ms": lambda i: 2400.0 + 10 * i, "queue_ms": 2000.0,
                               "prefill_ms": 300.0,
-                              "status": lambda i: "error" if i % 10 == 0 else "ok",
-                              "error": lambda i: "http_4xx" if i % 10 == 0 else None,
-                              "http_status": lambda i: 400 if i % 10 == 0 else None},
+                              "status": lambda i: "timeout" if i % 10 == 0 else "ok",
+                              "error": lambda i: "timeout" if i % 10 == 0 else None},
                    "spec": _spec(concurrency=16),
                    "levers": {**BASE_LEVERS, "max_num_seqs": "2"},
                    "gauges": (0.5, (0.0, 0.0), 14.0)},
-    "run-seqs-16": {"events": {"status": lambda i: "error" if i % 10 == 0 else "ok",
-                               "error": lambda i: "http_4xx" if i % 10 == 0 else None,
-                               "http_status": lambda i: 400 if i % 10 == 0 else None},
+    "run-seqs-16": {"events": {"status": lambda i: "timeout" if i % 10 == 0 else "ok",
+                               "error": lambda i: "timeout" if i % 10 == 0 else None},
                     "spec": _spec(concurrency=16),
                     "levers": {**BASE_LEVERS, "max_num_seqs": "16"},
                     "gauges": (0.5, (0.0, 0.0), 0.0)},
+    # requests that fail on the server's side (timeouts), not refused as invalid
+    "run-failing": {"events": {"status": lambda i: "timeout" if i % 5 == 0 else "ok",
+                               "error": lambda i: "timeout" if i % 5 == 0 else None},
+                    "spec": _spec(), "levers": BASE_LEVERS, "gauges": (0.3, (0.0, 0.0), 0.0)},
 }  # fmt: skip
 
 
@@ -165,6 +167,7 @@ def diagnose(store: Path, run: str) -> dict[str, Any]:
         ("run-decode", "decode", "speculative_config"),
         ("run-kv", "memory", "max_num_seqs"),
         ("run-errors", "api", "max_model_len"),
+        ("run-failing", "api", "max_num_seqs"),
         ("run-prefix-missed", "cache", "stable_prefix"),
         ("run-spec-rejected", "decode", "speculative_config"),
     ],
@@ -180,7 +183,9 @@ def test_each_symptom_gets_its_first_lever(store_path: Path, run: str, symptom: 
 
 def test_evidence_carries_the_runs_numbers(store_path: Path) -> None:
     d = diagnose(store_path, "run-errors")
-    assert "failure rate (rejections excluded) 20.0 % (≥ 2.0 %)" in d["findings"][0]["evidence"]
+    assert "share refused as invalid (HTTP 4xx) 20.0 % (≥ 2.0 %)" in d["findings"][0]["evidence"]
+    failing = diagnose(store_path, "run-failing")["findings"][0]["evidence"]
+    assert "failure rate (rejections and 4xx excluded) 20.0 % (≥ 2.0 %)" in failing
     kv = diagnose(store_path, "run-kv")["findings"][0]["evidence"]
     assert "preemptions 14 (≥ 1)" in kv and "KV-cache usage peak 99.0 % (≥ 90.0 %)" in kv
 
@@ -238,8 +243,8 @@ def test_the_diff_says_whether_the_flip_moved_its_symptom(store_path: Path,
 
 def test_a_flip_is_judged_against_the_finding_that_wants_its_direction(
         store_path: Path, tmp_path: Path) -> None:  # fmt: skip
-    """max_num_seqs 2 → 16: the errors finding wants max_num_seqs lower, the queue finding
-    wants it raised; the raise was meant for the queue, and the queue is gone."""
+    """max_num_seqs 2 → 16: the errors finding (timeouts) wants max_num_seqs lower, the queue
+    finding wants it raised; the raise was meant for the queue, and the queue is gone."""
     before = diagnose(store_path, "run-seqs-2")
     assert [f["rule"] for f in before["findings"]][:2] == ["errors", "queue-bound"]
     servescope("report", "build", "run-seqs-16", "--vs", "run-seqs-2", "--format", "json,md",
@@ -256,6 +261,15 @@ def test_a_flip_is_judged_against_the_finding_that_wants_its_direction(
     back = json.loads((tmp_path / "run-seqs-2-vs-run-seqs-16" / "report.json").read_text())
     (flip,) = back["diagnosis"]["flip"]
     assert flip["rule"] == "errors" and flip["verdict"] == "still present", flip
+
+
+def test_requests_refused_as_invalid_get_only_the_context_limit(store_path: Path) -> None:
+    """HTTP 400s (a bad parameter, a prompt over the context limit) are not server failures:
+    max_model_len is the one lever, never fewer sequences or more memory."""
+    d = diagnose(store_path, "run-errors")
+    assert [f["rule"] for f in d["findings"]][:1] == ["invalid-requests"]
+    assert [lever["lever"] for lever in d["findings"][0]["levers"]] == ["max_model_len"]
+    assert "errors" not in [f["rule"] for f in d["findings"]]
 
 
 def test_every_report_format_carries_the_diagnosis(store_path: Path, tmp_path: Path) -> None:
