@@ -212,9 +212,19 @@ def _share(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.0f} %"
 
 
+def _tested(name: str, row: dict[str, Any]) -> str:
+    """A tested change as "TTFT p95 −81 % (−84 … −78 %) [improved]": the interval says why a
+    large change can still be `unchanged` (bursty traffic over a few seconds gives throughput
+    a wide one)."""
+    ci = row["ci95_pct"]
+    interval = f" ({_signed_pct(ci[0])[:-2]} … {_signed_pct(ci[1])})" if ci else ""
+    return f"{name} {_signed_pct(row['delta_pct'])}{interval} [{row['verdict']}]"
+
+
 def headline(change: str, rows: list[dict[str, Any]], before: Side, after: Side) -> str:
-    """E.g. "enable_prefix_caching false → true: TTFT p95 −81 % (−84 … −78 %), prefix hit
-    ratio 0 % → 93 %, throughput +12 %" (TTFT p50 when the runs are too small for a p95)."""
+    """E.g. "enable_prefix_caching false → true: TTFT p95 −81 % (−84 … −78 %) [improved], prefix
+    hit ratio 0 % → 93 %, throughput +12 % (+3 … +20 %) [improved]" (TTFT p50 when the runs are
+    too small for a p95)."""
     for side in (before, after):
         if side.summary["overall"]["requests"] == 0:
             return f"{change}: {side.name} has no events, nothing to compare"
@@ -224,10 +234,7 @@ def headline(change: str, rows: list[dict[str, Any]], before: Side, after: Side)
     q = next((q for q in ("p95", "p50") if by[f"ttft_ms.{q}"]["verdict"] != TOO_FEW), "p95")
     ttft = by[f"ttft_ms.{q}"]
     if ttft["delta_pct"] is not None:
-        ci = ttft["ci95_pct"]
-        interval = f" ({_signed_pct(ci[0])[:-2]} … {_signed_pct(ci[1])})" if ci else ""
-        name = f"TTFT {q}" + (" (server)" if ttft["source"] == SERVER else "")
-        parts.append(f"{name} {_signed_pct(ttft['delta_pct'])}{interval} [{ttft['verdict']}]")
+        parts.append(_tested(f"TTFT {q}" + (" (server)" if ttft["source"] == SERVER else ""), ttft))
     hit = by["server.prefix_cache_hit_ratio"]
     if hit["before"] is None or hit["after"] is None:
         hit = by["cached_token_ratio"]
@@ -235,11 +242,10 @@ def headline(change: str, rows: list[dict[str, Any]], before: Side, after: Side)
         parts.append(f"prefix hit ratio {_share(hit['before'])} → {_share(hit['after'])}")
     tput = by["throughput.output_tokens_per_s"]
     if tput["delta_pct"] is not None:
-        parts.append(f"throughput {_signed_pct(tput['delta_pct'])} [{tput['verdict']}]")
+        parts.append(_tested("throughput", tput))
     elif by["throughput.requests_per_s"]["delta_pct"] is not None:
         # no token counts (e.g. `collect --once` on a log): the request rate still compares
-        rate = by["throughput.requests_per_s"]
-        parts.append(f"requests/s {_signed_pct(rate['delta_pct'])} [{rate['verdict']}]")
+        parts.append(_tested("requests/s", by["throughput.requests_per_s"]))
     err = by["error_rate"]
     if err["verdict"] in (IMPROVED, REGRESSED):
         parts.append(f"error rate {_share(err['before'])} → {_share(err['after'])}")
