@@ -100,7 +100,10 @@ def list_runs(args: argparse.Namespace) -> int:
     for column in ("run", *counts, "started (UTC)", "model", "status", "levers"):
         table.add_column(column, justify="right" if column in counts else "left")
     for run in runs:
-        levers = "\n".join(f"{k}={v}" for k, v in (run["levers"] or {}).items())
+        levers = "\n".join(
+            f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+            for k, v in (run["levers"] or {}).items()
+        )
         started = run["started_at"]
         cells = (
             run["run_id"],

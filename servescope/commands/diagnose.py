@@ -28,7 +28,7 @@ DESCRIPTION = (
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("diagnose", help="what to flip first, from a run's indicators",
                        description=DESCRIPTION)  # fmt: skip
-    p.add_argument("run_id", metavar="RUN")
+    p.add_argument("run_id", metavar="RUN", help="a run id (`servescope report list` lists them)")
     p.add_argument(
         "--slo",
         type=_slo,

@@ -19,7 +19,15 @@ from store.parquet import count_parquet, export_parquet
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("store", help="import, export and list runs in the DuckDB store")
+    parser = sub.add_parser(
+        "store",
+        help="import, export and list runs in the DuckDB store",
+        description="The DuckDB store every command reads: one file (--store, $SERVESCOPE_STORE, "
+        "default servescope-data/servescope.duckdb). Import .events.jsonl files (bad lines go to "
+        "the ingest_errors table with a reason), export a run back as .events.jsonl or every run "
+        "as Parquet, list the runs. Exit codes: 0 done, 1 the store or a file cannot be read or "
+        "written, 2 bad usage or an unknown run.",
+    )
     stores = parser.add_subparsers(dest="store_command", required=True, metavar="SUBCOMMAND")
 
     imp = stores.add_parser(
@@ -48,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_store_option(exp)
     exp.set_defaults(func=run_export)
 
-    runs = stores.add_parser("runs", help="list runs with their event counts")
+    runs = stores.add_parser("runs", help="list runs with their event counts (as `report list`)")
     runs.add_argument("--json", action="store_true", help="print the runs as JSON")
     add_store_option(runs)
     runs.set_defaults(func=list_runs)
