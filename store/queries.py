@@ -493,9 +493,10 @@ FROM events WHERE SLICE
         "CHAT",
         "(list_contains($chat_workloads, workload) OR starts_with(request_id, 'chatcmpl-') OR "
         # the collector keys a session's request by the id inside vLLM's (`chatcmpl-R` → R) and
-        # keeps vLLM's in the doc; a refused call is known by its access line's path
-        "CASE WHEN workload IS NULL THEN starts_with(doc->>'vllm_request_id', 'chatcmpl-') "
-        "OR doc->>'http_path' = '/v1/chat/completions' ELSE false END)",
+        # keeps vLLM's in the doc; a refused call is known by its access line's path. Only a
+        # session's slice reads `doc`: for any other run the condition folds away.
+        f"({_SESSION_RUN} AND (starts_with(doc->>'vllm_request_id', 'chatcmpl-') "
+        "OR doc->>'http_path' = '/v1/chat/completions')))",
     )
 )
 
