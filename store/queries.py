@@ -10,15 +10,6 @@ EVENT_COLUMNS = (
     " trace_id, doc, server_ttft_ms, server_e2e_ms, vllm_session, error_detail, server_tpot_ms"
 )
 
-# vLLM's TPOT of a request: its decode time over the output tokens after the first, or what the
-# record says (a request served in parts, `store.db._sum_parts`: its samples' mean, where the
-# summed tokens would halve it for n = 2).
-_SERVER_TPOT = """COALESCE(
-        TRY_CAST(doc->>'server_tpot_ms' AS DOUBLE),
-        TRY_CAST(doc->>'decode_ms' AS DOUBLE)
-        / NULLIF(TRY_CAST(doc->>'completion_tokens' AS INTEGER) - 1, 0)
-    )"""
-
 # The typed columns of `events`, projected from the merged document held in `incoming`.
 # `status` is derived when the record has none: an error class or finish_reason "error" means
 # the request failed, anything else succeeded (seed-format lines carry no status). `events` has
@@ -66,9 +57,9 @@ SELECT
     TRY_CAST(doc->>'server_e2e_ms' AS DOUBLE),
     doc->>'vllm_session',
     doc->>'error_detail',
-    SERVER_TPOT
+    TRY_CAST(doc->>'server_tpot_ms' AS DOUBLE)
 FROM incoming
-""".replace("COLUMNS", EVENT_COLUMNS).replace("SERVER_TPOT", _SERVER_TPOT)
+""".replace("COLUMNS", EVENT_COLUMNS)
 
 STAGE_EVENTS = (
     "CREATE OR REPLACE TEMP TABLE incoming (run_id VARCHAR, request_id VARCHAR, doc JSON)"
@@ -97,7 +88,7 @@ ADDED_COLUMNS = (
     ("events", "server_e2e_ms", "DOUBLE", "TRY_CAST(doc->>'server_e2e_ms' AS DOUBLE)"),
     ("events", "vllm_session", "VARCHAR", "doc->>'vllm_session'"),
     ("events", "error_detail", "VARCHAR", "doc->>'error_detail'"),
-    ("events", "server_tpot_ms", "DOUBLE", _SERVER_TPOT),
+    ("events", "server_tpot_ms", "DOUBLE", "TRY_CAST(doc->>'server_tpot_ms' AS DOUBLE)"),
     ("lever_flips", "before_run_id", "VARCHAR", None),
 )
 MISSING_COLUMNS = """
@@ -217,11 +208,13 @@ REPORT_LATENCY_METRICS: dict[str, str] = {
     "decode_ms": "decode_ms",
 }
 # vLLM's own figures of the client's indicators (name → SQL): TTFT and e2e from its trace, TPOT
-# as vLLM defines it (decode time over the output tokens after the first). Summarised and
-# bootstrapped like the others; a report shows them, or uses them where the client's are absent.
+# as vLLM defines it (decode time over the output tokens after the first), or as the record says
+# (a request served in parts, `store.db._sum_parts`: its samples' mean, where its summed tokens
+# would halve it for n = 2). Summarised and bootstrapped like the others; a report shows them,
+# or uses them where the client's are absent.
 SERVER_LATENCY: dict[str, str] = {
     "server_ttft_ms": "server_ttft_ms",
-    "server_tpot_ms": "server_tpot_ms",
+    "server_tpot_ms": "COALESCE(server_tpot_ms, decode_ms / NULLIF(completion_tokens - 1, 0))",
     "server_e2e_ms": "server_e2e_ms",
 }
 _PER_REQUEST = {**REPORT_LATENCY_METRICS, **SERVER_LATENCY}
@@ -711,10 +704,7 @@ SELECT run_key, request_key, source->>'$',
     ),
     TRY_CAST(http_status::VARCHAR AS INTEGER), error->>'$', trace_id->>'$', line,
     TRY_CAST(server_ttft_ms::VARCHAR AS DOUBLE), TRY_CAST(server_e2e_ms::VARCHAR AS DOUBLE),
-    vllm_session->>'$', error_detail->>'$',
-    COALESCE(TRY_CAST(server_tpot_ms::VARCHAR AS DOUBLE),
-             TRY_CAST(decode_ms::VARCHAR AS DOUBLE)
-             / NULLIF(TRY_CAST(completion_tokens::VARCHAR AS INTEGER) - 1, 0))
+    vllm_session->>'$', error_detail->>'$', TRY_CAST(server_tpot_ms::VARCHAR AS DOUBLE)
 FROM (
     SELECT *, request_id->>'$' AS request_key,
            COALESCE(NULLIF(run_id->>'$', ''),

@@ -75,8 +75,8 @@ class Event(SQLModel, table=True):
     # the failure's own words (a gateway keeps the server's error body), read by the checks for
     # out-of-memory failures without touching `doc`
     error_detail: str | None = None
-    # vLLM's TPOT of the request (store/queries.py `_SERVER_TPOT`), a column so a report reads it
-    # for requests served in parts without touching `doc`
+    # vLLM's TPOT of a request served in parts (the mean of its samples'; NULL otherwise: a
+    # report derives it from decode_ms), a column so a report never touches `doc` for it
     server_tpot_ms: float | None = Field(default=None, sa_column=Column(Double))
 
 
