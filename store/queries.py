@@ -467,8 +467,7 @@ FROM (TIMED) GROUP BY b ORDER BY b
 # The seeds' pass criteria that need the events themselves. Chat calls are the requests of the
 # workloads the run's spec sends to the chat endpoint ($chat_workloads), and those vLLM named
 # itself as chat completions (a server session's requests: no client id, no spec; or refused on
-# the chat path). The latency
-# is the client's, or vLLM's own where no client measured it.
+# the chat path). The latency is the client's, or vLLM's own where no client measured it.
 SLICE_CHECKS = _sliced(
     """
 SELECT
