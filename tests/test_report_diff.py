@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -230,7 +231,12 @@ def test_headline_and_lever_changes(ab: dict[str, Any]) -> None:
     assert headline.startswith("enable_prefix_caching off → on: TTFT p95 −")
     assert f"−{abs(ttft['delta_pct']):.0f} %" in headline
     assert "prefix hit ratio 0 % → 93 %" in headline
-    assert "throughput" in headline
+    tput = next(d for d in report["diff"] if d["metric"] == "throughput.output_tokens_per_s")
+    low, high = (f"{abs(v):.0f} %" for v in tput["ci95_pct"])
+    # the interval next to the change, as for TTFT: it says why a large change can be unchanged
+    assert re.search(
+        rf"throughput [+−±]\d+ % \([+−±]{low[:-2]} … [+−±]{high}\) \[{tput['verdict']}\]", headline
+    ), headline
     assert report["lever_changes"] == [
         {"lever": "enable_prefix_caching", "before": False, "after": True}
     ]
