@@ -50,7 +50,7 @@ $(STAMPS)/system-deps:
 
 model: $(MODEL)/model.safetensors
 
-$(MODEL)/model.safetensors: $(STAMPS)/install bench/tiny_model.py
+$(MODEL)/model.safetensors: $(STAMPS)/install loadgen/tiny_model.py
 	$(BIN)/servescope model make-tiny $(MODEL) --force
 
 clean:

@@ -8,7 +8,7 @@ same request count, at each concurrency of `--concurrency`, in `--rounds` interl
 its best (the highest rate it sustains at any of those concurrencies, in any round). Ours also
 reports its TTFT against the instant server (p50, best round) at concurrency 64 and at
 concurrency 1: the clock read right before the request goes to the kernel → the kernel's
-receive stamp of the first token's bytes (`bench.http1`). Against an instant server that is
+receive stamp of the first token's bytes (`loadgen.transport`). Against an instant server that is
 an upper bound of what the client adds to a TTFT it measures; the wait of an arrived response
 for a saturated event loop is not in it (it was, 17 ms at 64, when arrivals were read times).
 The reference's TTFT is its own definition (`perf_counter` when its loop handles the chunk).
@@ -133,8 +133,9 @@ http {{
 async def _ours(url: str, requests: int, concurrency: int) -> dict[str, Any]:
     """What `bench run` does per request: stream it with the shared client over the runner's
     HTTP/1.1 keep-alive pool, and write the event out."""
-    from bench.client import COMPLETIONS, stream_request
-    from bench.http1 import Http1Pool
+    from servescope.loadgen.client import stream_request
+    from servescope.loadgen.transport import Http1Pool
+    from servescope.wire.stream import COMPLETIONS
 
     body = {"model": MODEL, "prompt": "hello " * 16, "max_tokens": 16, "ignore_eos": True}
     events: list[dict[str, Any]] = []

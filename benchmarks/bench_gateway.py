@@ -4,7 +4,7 @@ The instant server is nginx returning a canned SSE completion of 16 chunks (plus
 `[DONE]`), so every millisecond measured is the client's or the gateway's own. The gateway runs
 as a user runs it (`servescope gateway --config …`), in its own process, with one team whose
 limits never bind (events and metrics on), so the figures are the proxy's cost, not admission's.
-Both paths are driven by bench's streaming client (`bench.client.stream_request` over `Http1Pool`,
+Both paths are driven by bench's streaming client (`wire.stream.stream_request` over `Http1Pool`,
 in the same run, so machine noise hits both alike. Two measurements, because "concurrency 100"
 means two different things:
 
@@ -25,7 +25,7 @@ means two different things:
     .venv/bin/python benchmarks/bench_gateway.py --server uvicorn   # the same gateway on uvicorn
 
 `--server uvicorn` serves the gateway's routes on uvicorn (httptools, uvloop) through a raw ASGI
-adapter (benchmarks/gateway_asgi.py) instead of its own `gateway/http1.py`: what the home-made
+adapter (benchmarks/gateway_asgi.py) instead of its own `gateway/httpserver.py`: what the home-made
 server saves, measured.
 
 Last line (JSON): `ours` / `reference` = TTFT p50 through the gateway / direct below saturation,
@@ -57,8 +57,9 @@ from rich.progress import Progress
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.client import COMPLETIONS, stream_request  # noqa: E402
-from bench.http1 import Http1Pool  # noqa: E402
+from servescope.loadgen.client import stream_request  # noqa: E402
+from servescope.loadgen.transport import Http1Pool  # noqa: E402
+from servescope.wire.stream import COMPLETIONS  # noqa: E402
 
 KEY = "sk-bench-gateway"
 CHUNKS = 16

@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 _CODE = sys.argv[sys.argv.index("--code-root") + 1] if "--code-root" in sys.argv else str(ROOT)
 sys.path.insert(0, _CODE)
 
-from collector import Collector, FlushReport  # noqa: E402
-from store import Store  # noqa: E402
+from servescope.collector import Collector, FlushReport  # noqa: E402
+from servescope.store import Store  # noqa: E402
 
 console = Console(stderr=True)
 
@@ -218,8 +218,8 @@ def switch_rules_off() -> None:
     cost: no strict-JSON screen of ASCII pieces (others keep it: DuckDB refuses a file that is
     not UTF-8), and the statement's conditions as they were before the rules (types only: no
     range, finiteness or depth)."""
-    from store import bulk, queries
-    from store.events import COUNTS, STATUSES
+    from servescope.store import bulk, queries
+    from servescope.store.validation import COUNTS, STATUSES
 
     def types_only() -> str:
         rid = "request_id::VARCHAR"

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from collector.otlp_export import OtlpExport  # noqa: E402
-from store import Store  # noqa: E402
+from servescope.collector.otlp_export import OtlpExport  # noqa: E402
+from servescope.store import Store  # noqa: E402
 
 
 class Accept(BaseHTTPRequestHandler):

@@ -40,8 +40,8 @@ from rich.progress import Progress
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from store import Store  # noqa: E402
-from store.bulk import ingest_lines  # noqa: E402
+from servescope.store import Store  # noqa: E402
+from servescope.store.bulk import ingest_lines  # noqa: E402
 
 RUNS = ("run-20261122-bench-off", "run-20261122-bench-on")
 T0 = datetime(2026, 11, 22, 0, 0, 0)

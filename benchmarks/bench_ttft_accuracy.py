@@ -2,7 +2,7 @@
 
 Starts a real vLLM (the tiny model, on the CPU) that exports its `llm_request` traces to the
 collector's OTLP receiver, sends `--requests` streaming requests one at a time (concurrency 1)
-with the bench client as `bench run` uses it (`bench.http1.Http1Pool`: the send clock read right
+with the client as `bench run` uses it (`loadgen.transport.Http1Pool`: the send clock read
 before the request goes to the kernel, the first token's arrival from the kernel's receive
 stamp), and joins each client event to its span by request id. The gap, client TTFT minus the
 trace's `gen_ai.latency.time_to_first_token`, is what lies outside the engine's own TTFT: HTTP
@@ -31,12 +31,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.client import COMPLETIONS, stream_request  # noqa: E402
-from bench.http1 import Http1Pool  # noqa: E402
-from bench.launcher import VllmServer  # noqa: E402
-from bench.prompts import PromptMaker, payload_for  # noqa: E402
-from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model  # noqa: E402
-from collector.otlp import OtlpReceiver  # noqa: E402
+from servescope.collector.otlp import OtlpReceiver  # noqa: E402
+from servescope.loadgen.client import stream_request  # noqa: E402
+from servescope.loadgen.launcher import VllmServer  # noqa: E402
+from servescope.loadgen.prompts import PromptMaker, payload_for  # noqa: E402
+from servescope.loadgen.tiny_model import DEFAULT_DIR, is_built, make_tiny_model  # noqa: E402
+from servescope.loadgen.transport import Http1Pool  # noqa: E402
+from servescope.wire.stream import COMPLETIONS  # noqa: E402
 
 TARGET_MS = 5.0
 

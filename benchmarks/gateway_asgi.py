@@ -1,7 +1,7 @@
 """The gateway's routes served by uvicorn (httptools parser, uvloop) through a raw ASGI adapter,
-for comparison with its own server (`gateway/http1.py`): `bench_gateway.py --server uvicorn`
+for comparison with its own server (`gateway/httpserver.py`): `bench_gateway.py --server uvicorn`
 measures its cost, tests/test_gateway_hostile.py compares how each refuses hostile clients.
-Not for users: the gateway serves on `gateway/http1.py`.
+Not for users: the gateway serves on `gateway/httpserver.py`.
 
     .venv/bin/python benchmarks/gateway_asgi.py --config gateway.yaml --port 8080
 """
@@ -17,16 +17,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.config import load_config  # noqa: E402
-from gateway.http1 import Request, Response, Server  # noqa: E402
-from gateway.server import Gateway, build_server  # noqa: E402
+from servescope.gateway.config import load_config  # noqa: E402
+from servescope.gateway.httpserver import Request, Response, Server  # noqa: E402
+from servescope.gateway.server import Gateway, build_server  # noqa: E402
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 
 class AsgiReply:
-    """`gateway.http1.Reply`'s interface over ASGI `send`: the handlers stream through it."""
+    """`gateway.httpserver.Reply`'s interface over ASGI `send`: the handlers stream through it."""
 
     __slots__ = ("_send", "_start", "chunked", "prepared", "finished")
 

@@ -1,6 +1,6 @@
 """The collector sidecar: vLLM logs, `.events.jsonl` files, OTLP traces and `/metrics` into the
 store, one event per request, exactly once."""
 
-from collector.core import Collector, FlushReport
+from servescope.collector.core import Collector, FlushReport
 
 __all__ = ["Collector", "FlushReport"]

@@ -26,14 +26,14 @@ from urllib.parse import urlparse
 
 import duckdb
 
-from collector import logparse
-from collector.ids import UNATTRIBUTED_RUN, is_generated
-from collector.scrape import Scrape, scrape, server_version
-from collector.selfmetrics import SelfMetrics
-from collector.sessions import Session, session_run_id
-from collector.tail import Chunk, Tailer
-from store import InvalidEvent, Store, bulk, check_built, checkpoints, run_id_of
-from store.metrics import Sample
+from servescope.collector.scrape import Scrape, scrape, server_version
+from servescope.collector.selfmetrics import SelfMetrics
+from servescope.collector.sessions import Session, session_run_id
+from servescope.collector.tail import Chunk, Tailer
+from servescope.store import InvalidEvent, Store, bulk, check_built, checkpoints, run_id_of
+from servescope.wire import vllm_log
+from servescope.wire.exposition import Sample
+from servescope.wire.ids import UNATTRIBUTED_RUN, is_generated
 
 log = logging.getLogger("servescope.collector")
 MAX_FLUSH_BYTES = 256 * 1024 * 1024  # a backlog in few statements: see docs/architecture.md
@@ -154,12 +154,12 @@ def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[tuple[str, list[Chunk]]
     return groups
 
 
-def _checked(piece: logparse.Piece) -> logparse.Piece | logparse.Bad:
+def _checked(piece: vllm_log.Piece) -> vllm_log.Piece | vllm_log.Bad:
     """A piece of a request as the store's rules take it, or the reason they refuse it."""
     try:
         check_built(piece.doc)
     except InvalidEvent as exc:
-        return logparse.Bad(str(exc))
+        return vllm_log.Bad(str(exc))
     return piece
 
 
@@ -316,20 +316,20 @@ class Collector:
             if not line.strip():
                 continue
             self._pending.lines[source.name] += 1
-            item = logparse.parse_line(line, year=chunk.year)
+            item = vllm_log.parse_line(line, year=chunk.year)
             session = source.session
-            if isinstance(item, logparse.Piece):
+            if isinstance(item, vllm_log.Piece):
                 item = _checked(item)
-            if isinstance(item, logparse.Piece):
+            if isinstance(item, vllm_log.Piece):
                 if session is not None:
                     session.seen(_parse_ts(item.doc.get("log_ts")))
                 self._pending.docs.append(self._attribute(item.doc, session))
-            elif isinstance(item, logparse.Tick):
+            elif isinstance(item, vllm_log.Tick):
                 if session is not None:
                     session.seen(item.ts)
-            elif isinstance(item, logparse.Bad):
+            elif isinstance(item, vllm_log.Bad):
                 self._pending.errors.append((chunk.file.error_source, here, item.reason, line))
-            elif isinstance(item, logparse.Stats):
+            elif isinstance(item, vllm_log.Stats):
                 if session is not None:
                     session.seen(item.ts)
                 ts = (item.ts or datetime.now(UTC)).replace(tzinfo=None)
@@ -338,15 +338,15 @@ class Collector:
                     self._pending.samples.append(
                         (ts, source.name, f"vllm_log:{key}", {"engine": item.engine}, run, value)
                     )
-            elif isinstance(item, logparse.Access):
+            elif isinstance(item, vllm_log.Access):
                 access[(item.method, item.path, str(item.status))] += 1
                 if item.status >= 400 and item.path.split("?", 1)[0] in INFERENCE_PATHS:
                     self._refused(item, session, chunk, here, written)
-            elif isinstance(item, logparse.Startup):
+            elif isinstance(item, vllm_log.Startup):
                 self._startup(source, item)
-            elif isinstance(item, logparse.Levers):
+            elif isinstance(item, vllm_log.Levers):
                 self._configure(source, item)
-            elif isinstance(item, logparse.KvCache):
+            elif isinstance(item, vllm_log.KvCache):
                 self._kv_cache(source, item)
         now = datetime.now(UTC).replace(tzinfo=None)
         run = source.session.run_id if source.session else None
@@ -364,7 +364,7 @@ class Collector:
 
     # -- server sessions -----------------------------------------------------------------------
 
-    def _startup(self, source: _LogSource, item: logparse.Startup) -> None:
+    def _startup(self, source: _LogSource, item: vllm_log.Startup) -> None:
         session = source.session
         if item.version is not None:
             self._end(source, item.ts)
@@ -380,7 +380,7 @@ class Collector:
             session.end(item.ts)
             self._touch(session)
 
-    def _configure(self, source: _LogSource, item: logparse.Levers) -> None:
+    def _configure(self, source: _LogSource, item: vllm_log.Levers) -> None:
         """`non-default args`: the session's levers and name. A second such line in one
         session (a log without version banners) is a new session."""
         if source.session is None or source.session.args or source.session.named:
@@ -397,7 +397,7 @@ class Collector:
             session.run_id = f"{session.run_id}-2"
         self._touch(session)
 
-    def _kv_cache(self, source: _LogSource, item: logparse.KvCache) -> None:
+    def _kv_cache(self, source: _LogSource, item: vllm_log.KvCache) -> None:
         """vLLM's start-up KV-cache statement: into the session's runs row (`notes.kv_cache.vllm`)
         and stored as samples `vllm_log:kv_cache_tokens{device}` and
         `vllm_log:max_concurrency{max_model_len}` of the session's run."""
@@ -480,7 +480,7 @@ class Collector:
 
     def _refused(
         self,
-        item: logparse.Access,
+        item: vllm_log.Access,
         session: Session | None,
         chunk: Chunk,
         offset: int,
@@ -500,7 +500,7 @@ class Collector:
         doc: dict[str, Any] = {
             "request_id": f"http-{chunk.file.fp[:8] or 'log'}-{offset}",
             "run_id": run,
-            "source": logparse.SOURCE,
+            "source": vllm_log.SOURCE,
             "log_ts": ts,
             "status": status,
             "http_status": item.status,

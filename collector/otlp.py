@@ -25,9 +25,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from collector.ids import client_request_id
-from store.events import InvalidEvent
-from store.events import decode as decode_json
+from servescope.store.validation import InvalidEvent
+from servescope.store.validation import decode as decode_json
+from servescope.wire.ids import client_request_id
 
 log = logging.getLogger("servescope.collector.otlp")
 

@@ -48,8 +48,8 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-from store import queries
-from store.events import is_runtime_event
+from servescope.store import queries
+from servescope.store.validation import is_runtime_event
 
 log = logging.getLogger(__name__)
 

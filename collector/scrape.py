@@ -10,7 +10,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from store.metrics import Sample, parse_exposition
+from servescope.wire.exposition import Sample, parse_exposition
 
 CACHE_CONFIG = "vllm:cache_config_info"
 PROCESS_START = "process_start_time_seconds"

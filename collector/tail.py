@@ -26,11 +26,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from store.events import MAX_LINE_BYTES
+from servescope.store.validation import MAX_LINE_BYTES
 
 FP_BYTES = 1024
 CHUNK_BYTES = 16 * 1024 * 1024
-MAX_LINE = MAX_LINE_BYTES  # the store's bound on a line (store.events): longer ones are skipped
+MAX_LINE = MAX_LINE_BYTES  # the store's bound on a line (store.validation): longer ones are skipped
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """servescope's Grafana dashboards as code (grafanalib), their lint, the provisioning files
 Grafana loads them with, and the Prometheus recording/alert rules in `rules/`.
 
-    from dashboards import build
+    from servescope.dashboards import build
     build(Path("servescope-data/dashboards"))   # JSON + provisioning YAML, lint-checked
 
 Imports nothing of servescope's other rooms.
 """
 
-from dashboards.provisioning import (
+from servescope.dashboards.provisioning import (
     DASHBOARDS,
     DATASOURCE_UID,
     RULES_DIR,

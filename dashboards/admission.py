@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from grafanalib.core import Dashboard
 
-from dashboards.panels import RATE, Query, dashboard, label_variable, quantile, row, timeseries
+from servescope.dashboards.panels import (
+    RATE,
+    Query,
+    dashboard,
+    label_variable,
+    quantile,
+    row,
+    timeseries,
+)
 
 UID = "servescope-admission"
 TEAM = 'team=~"$team"'

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from grafanalib.core import Dashboard
 
-from dashboards.panels import RATE, Query, dashboard, row, timeseries
+from servescope.dashboards.panels import RATE, Query, dashboard, row, timeseries
 
 UID = "servescope-collector"
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import promql_parser
 
-from dashboards.panels import VALID_UNITS
+from servescope.dashboards.panels import VALID_UNITS
 
 COUNTER_SUFFIXES = ("_total", "_bucket", "_count", "_sum")
 RATE_FUNCTIONS = {"rate", "increase"}

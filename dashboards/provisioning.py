@@ -22,9 +22,9 @@ import yaml
 from grafanalib._gen import DashboardEncoder
 from grafanalib.core import Dashboard
 
-from dashboards import admission, collector_health, vllm_serving
-from dashboards.lint import lint
-from dashboards.panels import DATASOURCE_UID
+from servescope.dashboards import admission, collector_health, vllm_serving
+from servescope.dashboards.lint import lint
+from servescope.dashboards.panels import DATASOURCE_UID
 
 DASHBOARDS: dict[str, Callable[[], Dashboard]] = {
     vllm_serving.UID: vllm_serving.build,

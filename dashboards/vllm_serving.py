@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from grafanalib.core import Dashboard
 
-from dashboards.panels import (
+from servescope.dashboards.panels import (
     RATE,
     TOKENS_PER_SECOND,
     Query,

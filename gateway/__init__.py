@@ -3,8 +3,8 @@ servers, with per-team queues, token budgets, priorities, timeouts and fallback,
 event per request. `gateway.server.Gateway` + `gateway.server.serve` run it; `servescope gateway`
 is the command."""
 
-from gateway.config import ConfigError, GatewayConfig, load_config, parse_config
-from gateway.server import Gateway, build_server, serve
+from servescope.gateway.config import ConfigError, GatewayConfig, load_config, parse_config
+from servescope.gateway.server import Gateway, build_server, serve
 
 __all__ = [
     "ConfigError",

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from gateway.config import Team
+from servescope.gateway.config import Team
 
 
 class Rejected(Exception):

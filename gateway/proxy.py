@@ -3,7 +3,7 @@
 Bytes go to the client as soon as the upstream hands them over, whole SSE lines at a time (a
 line split across two reads waits for its end, so an error message written after a failure
 never lands inside a half-sent one); the lines of each read feed `gateway.timing.RelayTiming`
-(`bench.client.StreamTiming`'s rules, without decoding plain token messages), so the gateway's
+(`wire.stream.StreamTiming`'s rules, without decoding plain token messages), so the gateway's
 TTFT/TPOT/ITL follow the same rules as the bench client. The client's response
 starts with the upstream's first body bytes: until then nothing is committed, and a failed
 upstream can be replaced by the fallback transparently. After that a failure ends the stream
@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bench.client import Endpoint, usage_into
-from gateway.http1 import Reply, Response, json_response
-from gateway.timing import RelayTiming
-from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from servescope.gateway.httpserver import Reply, Response, json_response
+from servescope.gateway.timing import RelayTiming
+from servescope.gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from servescope.wire.stream import Endpoint, usage_into
 
 # uvloop keeps its clock and its timers in whole milliseconds, so a deadline taken from it can
 # fire up to a tick before the limit measured on `perf_counter` (the clock of TTFT and e2e):

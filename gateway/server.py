@@ -23,17 +23,17 @@ from typing import Any
 import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from bench import tracing
-from bench.client import CHAT, COMPLETIONS, Endpoint, utc_now_iso
-from gateway.admission import Rejected, Scheduler, Slot
-from gateway.config import GatewayConfig, Team, Upstream, load_config
-from gateway.events import EventLog
-from gateway.http1 import Reply, Request, Response, Server, json_response
-from gateway.metrics import GatewayMetrics
-from gateway.proxy import Attempt, ClientGone, UpstreamFailed, forward
-from gateway.timing import RelayTiming
-from gateway.tokens import TokenCounter
-from gateway.upstream import UpstreamPool
+from servescope.gateway.admission import Rejected, Scheduler, Slot
+from servescope.gateway.config import GatewayConfig, Team, Upstream, load_config
+from servescope.gateway.eventlog import EventLog
+from servescope.gateway.httpserver import Reply, Request, Response, Server, json_response
+from servescope.gateway.metrics import GatewayMetrics
+from servescope.gateway.proxy import Attempt, ClientGone, UpstreamFailed, forward
+from servescope.gateway.timing import RelayTiming
+from servescope.gateway.tokens import TokenCounter
+from servescope.gateway.upstream import UpstreamPool
+from servescope.wire import tracing
+from servescope.wire.stream import CHAT, COMPLETIONS, Endpoint, utc_now_iso
 
 log = logging.getLogger("servescope.gateway")
 

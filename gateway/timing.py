@@ -1,4 +1,4 @@
-"""`bench.client.StreamTiming` with a shortcut for the message vLLM sends most: one more token.
+"""`wire.stream.StreamTiming` with a shortcut for the message vLLM sends most: one more token.
 
 Decoding every SSE message as JSON is most of what the timing rules cost the proxy, yet nearly
 all messages of a stream are byte-for-byte the same apart from the token's text:
@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from bench.client import StreamTiming
+from servescope.wire.stream import StreamTiming
 
 _NOT_PLAIN = re.compile(rb'["\\\x00-\x1f]')  # what a JSON string cannot hold unescaped
 _WS = b" \t\r\n"

@@ -5,10 +5,16 @@ its lever flip), rendered to self-contained HTML, Markdown and JSON.
     write_report(report, Path("servescope-data/reports"), ("html", "md", "json"))
 """
 
-from reports.build import NoLeverFlip, NoPreviousRun, build_diff, build_split, build_summary
-from reports.render import DEFAULT_OUT, FORMATS, render, write_report
-from reports.summary import ReportOptions, UnknownRun
-from reports.windows import BadWindow, Window
+from servescope.reports.build import (
+    NoLeverFlip,
+    NoPreviousRun,
+    build_diff,
+    build_split,
+    build_summary,
+)
+from servescope.reports.render import DEFAULT_OUT, FORMATS, render, write_report
+from servescope.reports.summary import ReportOptions, UnknownRun
+from servescope.reports.windows import BadWindow, Window
 
 __all__ = [
     "BadWindow",

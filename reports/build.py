@@ -11,11 +11,11 @@ from typing import Any
 
 import duckdb
 
-from reports import bootstrap
-from reports.charts import charts
-from reports.checklist import checklist
-from reports.diagnosis import assess_flip, diagnose
-from reports.diff import (
+from servescope.reports import bootstrap
+from servescope.reports.charts import charts
+from servescope.reports.checklist import checklist
+from servescope.reports.diagnosis import assess_flip, diagnose
+from servescope.reports.diff import (
     Side,
     describe_change,
     diff_rows,
@@ -23,12 +23,12 @@ from reports.diff import (
     lever_changes,
     workload_warnings,
 )
-from reports.samples import Samples, Slice, choose_sources
-from reports.specdecode import headline_part, spec_diff
-from reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
-from reports.windows import WHOLE, Window, resolve
-from reports.windows import label as window_label
-from store import Store, queries
+from servescope.reports.samples import Samples, Slice, choose_sources
+from servescope.reports.specdecode import headline_part, spec_diff
+from servescope.reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
+from servescope.reports.windows import WHOLE, Window, resolve
+from servescope.reports.windows import label as window_label
+from servescope.store import Store, queries
 
 
 class NoLeverFlip(LookupError):

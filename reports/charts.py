@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from reports.diff import Side
-from reports.svg import TIME_BUCKETS, Marker, Series, chart
+from servescope.reports.diff import Side
+from servescope.reports.svg import TIME_BUCKETS, Marker, Series, chart
 
 CDF_METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end latency"))
 

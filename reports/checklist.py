@@ -12,9 +12,9 @@ from typing import Any
 
 import duckdb
 
-from reports.samples import Slice
-from reports.summary import ReportOptions
-from store import queries
+from servescope.reports.samples import Slice
+from servescope.reports.summary import ReportOptions
+from servescope.store import queries
 
 PASS, FAIL, NOT_MEASURED = "pass", "fail", "not measured"
 STABILITY_LIMIT_PER_100 = 2.0

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from reports import bootstrap
-from reports.bootstrap import Draws, Floats
-from reports.samples import FIXED_SOURCES, SERVER, TESTED, Samples
-from store import queries
+from servescope.reports import bootstrap
+from servescope.reports.bootstrap import Draws, Floats
+from servescope.reports.samples import FIXED_SOURCES, SERVER, TESTED, Samples
+from servescope.store import queries
 
 LOWER, HIGHER = "lower", "higher"
 IMPROVED, REGRESSED, UNCHANGED = "improved", "regressed", "unchanged"

@@ -31,8 +31,8 @@ import duckdb
 import numpy as np
 from numpy.typing import NDArray
 
-from reports.bootstrap import Floats
-from store import queries
+from servescope.reports.bootstrap import Floats
+from servescope.store import queries
 
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 BUCKETS = 1 << 12  # per histogram pass (more: a bigger hash table costs more than the fetch saves)

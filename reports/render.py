@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from markupsafe import Markup
 
-from reports.summary import LATENCY_METRICS, SERVER_METRICS
-from store.paths import inside
+from servescope.reports.summary import LATENCY_METRICS, SERVER_METRICS
+from servescope.store.paths import inside
 
 if TYPE_CHECKING:
     from jinja2 import Environment

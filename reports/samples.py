@@ -20,10 +20,10 @@ import duckdb
 import numpy as np
 from numpy.typing import NDArray
 
-from reports.bootstrap import Floats, quantile
-from reports.quantiles import QUANTILES, by_level
-from reports.svg import cdf_series
-from store import queries
+from servescope.reports.bootstrap import Floats, quantile
+from servescope.reports.quantiles import QUANTILES, by_level
+from servescope.reports.svg import cdf_series
+from servescope.store import queries
 
 CLIENT, SERVER = "client", "server"
 # The client's indicators vLLM measures too (its trace; its decode time for TPOT): the figure

@@ -21,9 +21,9 @@ from typing import Any
 import duckdb
 import numpy as np
 
-from reports import bootstrap
-from reports.samples import Slice
-from store import queries
+from servescope.reports import bootstrap
+from servescope.reports.samples import Slice
+from servescope.store import queries
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
@@ -102,7 +102,7 @@ def _tpots(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, np.ndarray]
 
 def _tpot_test(before: np.ndarray | None, after: np.ndarray | None, seed: int, key: str) -> dict:
     """TPOT p50 of one workload on both sides, with the diff's bootstrap interval and verdict."""
-    from reports.diff import LOWER, TOO_FEW, _verdict
+    from servescope.reports.diff import LOWER, TOO_FEW, _verdict
 
     b = bootstrap.quantile(before, 0.5) if before is not None else None
     a = bootstrap.quantile(after, 0.5) if after is not None else None

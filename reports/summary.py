@@ -12,11 +12,11 @@ from typing import Any
 
 import duckdb
 
-from reports.quantiles import pooled_itl
-from reports.samples import CLIENT, FIXED_SOURCES, SERVER, SERVER_FIGURES, Samples, Slice
-from reports.specdecode import spec_decode
-from store import queries
-from store.metrics import prefix_cache_hit_ratio
+from servescope.reports.quantiles import pooled_itl
+from servescope.reports.samples import CLIENT, FIXED_SOURCES, SERVER, SERVER_FIGURES, Samples, Slice
+from servescope.reports.specdecode import spec_decode
+from servescope.store import queries
+from servescope.wire.exposition import prefix_cache_hit_ratio
 
 PERCENTILES = ("p50", "p90", "p95", "p99", "mean")
 # The report's latency rows: the per-request metrics, with the pooled ITL after TPOT.

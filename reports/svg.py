@@ -15,7 +15,7 @@ from html import escape
 
 import numpy as np
 
-from reports.bootstrap import Floats
+from servescope.reports.bootstrap import Floats
 
 WIDTH, HEIGHT = 640, 300
 LEFT, RIGHT, TOP, BOTTOM = 64, 16, 28, 62

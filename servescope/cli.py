@@ -37,7 +37,7 @@ def guarded(func: Callable[[argparse.Namespace], int | None], args: argparse.Nam
     import duckdb
 
     from servescope.commands.common import UsageError
-    from store import StoreBusy
+    from servescope.store import StoreBusy
 
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "servescope"
     try:

@@ -4,7 +4,7 @@ rest.
 Decoding a million lines in Python costs seconds before the database sees one; DuckDB's readers
 split and parse them in parallel in native code. A chunk of complete lines is written to a
 temporary file and inserted by one SQL statement (`queries.BULK_INSERT`) that parses each line
-once and checks it with conditions deliberately stricter than `store.events.check`, so a line
+once and checks it with conditions deliberately stricter than `store.validation.check`, so a line
 it takes is one `parse_line` accepts too. DuckDB's JSON reader is more lenient than JSON
 (NaN/Infinity in any case, trailing commas, any depth), so a pre-screen (`_screen`: msgspec's
 strict validation of the whole chunk at C speed, plus UTF-8) keeps the lines that are not
@@ -33,8 +33,8 @@ import duckdb
 import msgspec
 import numpy as np
 
-from store import queries
-from store.events import (
+from servescope.store import queries
+from servescope.store.validation import (
     CONTRACT_TYPES,
     COUNTS,
     DURATIONS,
@@ -46,10 +46,12 @@ from store.events import (
     parse_line,
     run_id_of,
 )
-from store.events import clip as clip  # the collector's quarantine path keeps lines so too
+from servescope.store.validation import (
+    clip as clip,
+)  # the collector's quarantine path keeps lines so too
 
 if TYPE_CHECKING:
-    from store.db import Store
+    from servescope.store.db import Store
 
 PREFIX = "servescope-bulk-"
 RAM_DIR = "/dev/shm"

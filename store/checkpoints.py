@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
-from store import queries
+from servescope.store import queries
 
 if TYPE_CHECKING:
-    from store.db import Store
+    from servescope.store.db import Store
 
 STATE_KEY = ""  # file_key of a source's own state row
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import duckdb
 
-from store import queries, runtime
-from store.events import clip, dumps, load_doc, run_id_of
+from servescope.store import queries, runtime
+from servescope.store.validation import clip, dumps, load_doc, run_id_of
 
 DEFAULT_PATH = Path("servescope-data") / "servescope.duckdb"
 
@@ -46,7 +46,7 @@ def _ddl() -> list[str]:
     from sqlalchemy.schema import CreateTable
     from sqlmodel import SQLModel
 
-    from store.schema import TABLES
+    from servescope.store.schema import TABLES
 
     dialect = Dialect()
     statements = []
@@ -357,7 +357,7 @@ class Store:
 
         Records of the same request (same run and request_id) become one row, merged with
         `merge_docs`, so ingesting the same record twice changes nothing. Agent-runtime lines
-        (`store.events.is_runtime_event`) go to `runtime_events`; pass the same `cursor` for
+        (`store.validation.is_runtime_event`) go to `runtime_events`; pass the same `cursor` for
         every batch of one file so each keeps its place among the requests.
         """
         requests, runtime_rows = runtime.split(docs, cursor or runtime.RuntimeCursor())

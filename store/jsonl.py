@@ -7,9 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from store.db import Store
-from store.events import MAX_LINE_BYTES, InvalidEvent, dumps, is_runtime_event, parse_line
-from store.runtime import RuntimeCursor
+from servescope.store.db import Store
+from servescope.store.runtime import RuntimeCursor
+from servescope.store.validation import (
+    MAX_LINE_BYTES,
+    InvalidEvent,
+    dumps,
+    is_runtime_event,
+    parse_line,
+)
 
 BATCH = 10_000
 _READ = MAX_LINE_BYTES + 2  # a longest line with its CR LF
@@ -46,7 +52,7 @@ def import_file(
 ) -> ImportResult:
     """Import every valid record; quarantine every other line in `ingest_errors` with a reason.
     `on_read(bytes)` is told of the bytes read (a progress bar)."""
-    from store.events import run_id_of
+    from servescope.store.validation import run_id_of
 
     result = ImportResult()
     batch: list[dict[str, Any]] = []

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import duckdb
 
-from store import queries, runtime
-from store.db import Store, quiet
-from store.paths import partition_value
+from servescope.store import queries, runtime
+from servescope.store.db import Store, quiet
+from servescope.store.paths import partition_value
 
 
 def export_parquet(store: Store, out: Path, run_id: str | None = None) -> dict[str, int]:

@@ -677,7 +677,7 @@ BULK_LINES_TEXT = """(SELECT rtrim(unnest(string_split(content, chr(10))), chr(1
 BULK_LAST_ROWID = "SELECT COALESCE(max(rowid), -1) FROM events"
 
 # Each line parsed once, into the raw JSON of each contract key (NULL when absent, null or not
-# an object). `{ok}` (store/bulk.py, from the contract) is stricter than `store.events.check`,
+# an object). `{ok}` (store/bulk.py, from the contract) is stricter than `store.validation.check`,
 # so every line it accepts `check` accepts too; such a line is inserted when its request is not
 # stored yet, with the typed columns of INSERT_STAGED_EVENTS computed from the same parse.
 BULK_INSERT = """

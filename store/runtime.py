@@ -24,8 +24,8 @@ from typing import Any
 
 import duckdb
 
-from store import queries
-from store.events import dumps, is_runtime_event, load_doc, run_id_of
+from servescope.store import queries
+from servescope.store.validation import dumps, is_runtime_event, load_doc, run_id_of
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.tiny_model import DEFAULT_DIR, PREDICTABLE_DIR, is_built, make_tiny_model
+from servescope.loadgen.tiny_model import DEFAULT_DIR, PREDICTABLE_DIR, is_built, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVESCOPE = [sys.executable, "-m", "servescope.cli"]

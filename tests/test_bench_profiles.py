@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from bench.launcher import load_profiles, server_set
+from servescope.loadgen.launcher import load_profiles, server_set
 from tests.conftest import servescope
 
 MODEL = "deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct"

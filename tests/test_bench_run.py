@@ -13,10 +13,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bench.plan import unit_plan
-from bench.prompts import PromptBook, PromptMaker
-from bench.workload import load_config
-from store import Store
+from servescope.loadgen.plan import unit_plan
+from servescope.loadgen.prompts import PromptBook, PromptMaker
+from servescope.loadgen.workload import load_config
+from servescope.store import Store
 from tests.conftest import ROOT, SERVESCOPE, RunningServer, bench_args, read_events, servescope
 
 OPEN_LOOP = """

@@ -9,8 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.launcher import VllmServer
-from store import Store
+from servescope.loadgen.launcher import VllmServer
+from servescope.store import Store
 from tests.conftest import ROOT, SERVESCOPE, bench_args, free_port, read_events
 
 

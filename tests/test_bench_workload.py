@@ -8,11 +8,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.experiment import lever_flips, load_experiments
-from bench.launcher import load_profiles
-from bench.plan import open_loop_units, prefix_size, unit_plan, units_per_level, warmup_units
-from bench.runner import meets_slo, parse_slo
-from bench.workload import WorkloadError, load_config, parse_config, shipped
+from servescope.loadgen.experiment import lever_flips, load_experiments
+from servescope.loadgen.launcher import load_profiles
+from servescope.loadgen.plan import (
+    open_loop_units,
+    prefix_size,
+    unit_plan,
+    units_per_level,
+    warmup_units,
+)
+from servescope.loadgen.runner import meets_slo, parse_slo
+from servescope.loadgen.workload import WorkloadError, load_config, parse_config, shipped
 from tests.conftest import servescope
 
 SEED_FILE = """

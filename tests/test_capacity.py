@@ -11,7 +11,7 @@ from typing import Any
 import duckdb
 import pytest
 
-from store.startup import kv_cache_from_log, kv_cache_statement
+from servescope.wire.kv_statement import kv_cache_from_log, kv_cache_statement
 from tests.conftest import ROOT, RunningServer, servescope
 
 GIB = 1 << 30

@@ -19,11 +19,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from pythonjsonlogger.jsonlogger import JsonFormatter  # the class vLLM's JSON logging uses
 
-from collector import Collector
-from collector.ids import client_request_id
-from collector.logparse import Access, Bad, Levers, Piece, Stats, Tick, parse_line
-from collector.otlp import OtlpReceiver
-from store import Store
+from servescope.collector import Collector
+from servescope.collector.otlp import OtlpReceiver
+from servescope.store import Store
+from servescope.wire.ids import client_request_id
+from servescope.wire.vllm_log import Access, Bad, Levers, Piece, Stats, Tick, parse_line
 from tests.conftest import RestartableVllmMetrics, free_port, servescope
 
 # Lines as vLLM 0.32 writes them (from a real server log, text format).
@@ -372,7 +372,7 @@ def test_a_backlog_larger_than_the_ram_folder_is_still_ingested(
     free space is reported as 1 MiB), as a full RAM disk cannot be made without root: before,
     every flush failed with ENOSPC and was retried forever; now the chunk goes to the system's
     temporary folder and every event is stored."""
-    from store import bulk
+    from servescope.store import bulk
 
     ram = tmp_path / "ram"
     ram.mkdir()

@@ -17,8 +17,8 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from bench.launcher import VllmServer
-from store import Store
+from servescope.loadgen.launcher import VllmServer
+from servescope.store import Store
 from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, servescope
 
 pytestmark = pytest.mark.vllm

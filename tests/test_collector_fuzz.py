@@ -1,5 +1,5 @@
 """Fuzzing the collector's line parsers (hypothesis): they never raise, every valid line is
-ingested, and every invalid one is in `ingest_errors` at its offset. `store.events.parse_line`
+ingested, and every invalid one is in `ingest_errors` at its offset. `store.validation.parse_line`
 is the definition of a valid `.events.jsonl` line; the collector's fast path must agree."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collector import Collector
-from collector.logparse import Piece, parse_line
-from store import InvalidEvent, Store, merge_docs, run_id_of
-from store import parse_line as parse_event
+from servescope.collector import Collector
+from servescope.store import InvalidEvent, Store, merge_docs, run_id_of
+from servescope.store import parse_line as parse_event
+from servescope.wire.vllm_log import Piece, parse_line
 
 TYPED_COLUMNS = "SELECT * EXCLUDE (doc) FROM events ORDER BY run_id, request_id"
 TEXT_PREFIX = "(APIServer pid=7) INFO 11-22 04:29:59 [request_logger.py:65] "

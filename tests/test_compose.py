@@ -185,7 +185,7 @@ def test_cpu_profile_serves_the_tiny_model_built_first() -> None:
     assert vllm["depends_on"]["tiny-model"]["condition"] == "service_completed_successfully"
     assert "--model=/models/tiny" in args_of(vllm)
     maker = config["services"]["tiny-model"]
-    assert (Path(mounts_of(maker)["/opt/servescope/bench"]) / "tiny_model.py").exists()
+    assert (Path(mounts_of(maker)["/opt/servescope/loadgen"]) / "tiny_model.py").exists()
 
 
 def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:

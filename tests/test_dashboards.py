@@ -20,11 +20,17 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder as SdkEncoder
 from grafana_foundation_sdk.models.dashboard import Dashboard as SdkDashboard
 from grafanalib.core import Target
 
-from dashboards import DASHBOARDS, DATASOURCE_UID, RULES_DIR, dashboard_json, provisioning
-from dashboards import panels as kit
-from dashboards.lint import annotation_queries, lint, panels, parse, queries, substitute
-from dashboards.panels import LEVER_FLIP_TAG
 from servescope.commands.dashboards import run_build
+from servescope.dashboards import (
+    DASHBOARDS,
+    DATASOURCE_UID,
+    RULES_DIR,
+    dashboard_json,
+    provisioning,
+)
+from servescope.dashboards import panels as kit
+from servescope.dashboards.lint import annotation_queries, lint, panels, parse, queries, substitute
+from servescope.dashboards.panels import LEVER_FLIP_TAG
 from tests.conftest import servescope
 
 BUILT = {uid: dashboard_json(make) for uid, make in DASHBOARDS.items()}

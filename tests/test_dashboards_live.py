@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
-from dashboards import DASHBOARDS, RULES_DIR, dashboard_json
-from dashboards.lint import PanelQuery, annotation_queries, queries, substitute
+from servescope.dashboards import DASHBOARDS, RULES_DIR, dashboard_json
+from servescope.dashboards.lint import PanelQuery, annotation_queries, queries, substitute
 from tests.conftest import ROOT, SERVESCOPE, RunningServer, bench_args, free_port, servescope
 
 pytestmark = pytest.mark.vllm

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from reports.diagnosis import load_rules
-from store import Store
+from servescope.reports.diagnosis import load_rules
+from servescope.store import Store
 from tests.conftest import servescope
 
 T0 = datetime(2026, 11, 23, 9, 0, 0)

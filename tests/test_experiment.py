@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from store import Store
+from servescope.store import Store
 from tests.conftest import servescope
 
 

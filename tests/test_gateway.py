@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.client import CHAT, COMPLETIONS, StreamTiming
-from gateway.admission import Rejected, Scheduler
-from gateway.config import ConfigError, Team, key_digest, parse_config
-from gateway.timing import RelayTiming
+from servescope.gateway.admission import Rejected, Scheduler
+from servescope.gateway.config import ConfigError, Team, key_digest, parse_config
+from servescope.gateway.timing import RelayTiming
+from servescope.wire.stream import CHAT, COMPLETIONS, StreamTiming
 from tests.conftest import servescope
 
 BASE: dict[str, Any] = {
@@ -141,7 +141,7 @@ def test_queue_timeout_and_cancelled_waiters_free_their_place() -> None:
 
 
 def test_token_budget_rejects_with_the_window_reset_as_retry_after() -> None:
-    from gateway.config import TokenBudget
+    from servescope.gateway.config import TokenBudget
 
     async def scenario() -> None:
         teams = {"a": team("a", token_budget=TokenBudget(tokens=100, window_s=60))}
@@ -238,7 +238,7 @@ def _streams(draw: st.DrawFn) -> tuple[bool, list[bytes]]:
 @given(_streams())
 def test_relay_timing_equals_the_bench_timing_rules(stream: tuple[bool, list[bytes]]) -> None:
     """`gateway.timing.RelayTiming` skips decoding the messages it can prove are plain tokens;
-    whatever the stream, it concludes what `bench.client.StreamTiming` concludes."""
+    whatever the stream, it concludes what `wire.stream.StreamTiming` concludes."""
     chat, lines = stream
     endpoint = CHAT if chat else COMPLETIONS
     ours, theirs = RelayTiming(endpoint, 0.0), StreamTiming(endpoint, 0.0)

@@ -24,10 +24,10 @@ import pytest
 import uvicorn
 import uvloop
 
-from gateway import http1
-from gateway.config import parse_config
-from gateway.http1 import Reply, Request, Response, Server, json_response
-from gateway.server import Gateway, build_server
+from servescope.gateway import httpserver
+from servescope.gateway.config import parse_config
+from servescope.gateway.httpserver import Reply, Request, Response, Server, json_response
+from servescope.gateway.server import Gateway, build_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from gateway_asgi import asgi_app  # noqa: E402
@@ -251,8 +251,8 @@ def test_a_trailer_never_sets_a_header() -> None:
 def test_slowloris_heads_and_endless_bodies_are_closed_and_others_served(
     run: Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(http1, "KEEPALIVE_S", 1.0)
-    monkeypatch.setattr(http1, "SWEEP_S", 0.2)
+    monkeypatch.setattr(httpserver, "KEEPALIVE_S", 1.0)
+    monkeypatch.setattr(httpserver, "SWEEP_S", 0.2)
 
     async def main() -> None:
         recorder = Recorder()

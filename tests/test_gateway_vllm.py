@@ -26,7 +26,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.client import CHAT, COMPLETIONS, stream_request
+from servescope.loadgen.client import stream_request
+from servescope.wire.stream import CHAT, COMPLETIONS
 from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, read_events, servescope
 
 pytestmark = pytest.mark.vllm
@@ -642,7 +643,7 @@ def test_bench_multi_tenant_flood_through_the_gateway(
 def test_upstream_client_reuses_connections_and_reports_a_dead_upstream(tmp_path: Path) -> None:
     """The proxy path's own HTTP client against a real nginx (Content-Length bodies; vLLM's
     chunked streams are covered above): keep-alive reuse, then a killed server → `connect`."""
-    from gateway.upstream import UpstreamError, UpstreamPool
+    from servescope.gateway.upstream import UpstreamError, UpstreamPool
 
     port = free_port()
     folder = tmp_path / "nginx"

@@ -19,9 +19,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from collector import Collector, FlushReport
-from store import Store
-from store.paths import name_of, safe_name
+from servescope.collector import Collector, FlushReport
+from servescope.store import Store
+from servescope.store.paths import name_of, safe_name
 from tests.conftest import ROOT
 from tests.conftest import servescope as _servescope
 

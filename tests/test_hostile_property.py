@@ -21,13 +21,13 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collector import Collector
-from collector.logparse import parse_line as parse_log_line
-from collector.otlp import OtlpReceiver
-from reports import ReportOptions, build_summary, write_report
-from store import InvalidEvent, Store, export_run, import_file, parse_line
-from store.events import CONTRACT_TYPES, DURATIONS, load_doc
-from store.parquet import export_parquet
+from servescope.collector import Collector
+from servescope.collector.otlp import OtlpReceiver
+from servescope.reports import ReportOptions, build_summary, write_report
+from servescope.store import InvalidEvent, Store, export_run, import_file, parse_line
+from servescope.store.parquet import export_parquet
+from servescope.store.validation import CONTRACT_TYPES, DURATIONS, load_doc
+from servescope.wire.vllm_log import parse_line as parse_log_line
 
 TYPED = "SELECT * EXCLUDE (doc) FROM events ORDER BY run_id, request_id"
 RUN_IDS = st.sampled_from(

@@ -2,7 +2,13 @@
 
 import sys
 
-from bench.launcher import ALWAYS_FLAGS, extend_flags, levers_of, load_profiles, server_command
+from servescope.loadgen.launcher import (
+    ALWAYS_FLAGS,
+    extend_flags,
+    levers_of,
+    load_profiles,
+    server_command,
+)
 from tests.conftest import servescope
 
 

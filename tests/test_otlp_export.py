@@ -19,7 +19,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
-from collector.otlp_export import (
+from servescope.collector.otlp_export import (
     DURATION_BUCKETS,
     TOKEN_BUCKETS,
     TPOT_BUCKETS,
@@ -29,7 +29,7 @@ from collector.otlp_export import (
     current_attributes,
     exporters,
 )
-from store import Store, import_file
+from servescope.store import Store, import_file
 from tests.conftest import servescope
 from tests.otlp_sink import otlp_http_sink
 

@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from store import Store
+from servescope.store import Store
 from tests.conftest import servescope
 from tests.test_store import SEED_LINE
 

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from reports import bootstrap
-from store import Store
+from servescope.reports import bootstrap
+from servescope.store import Store
 from tests.conftest import servescope
 
 T0 = datetime(2026, 11, 22, 4, 0, 0)
@@ -280,7 +280,7 @@ def test_pictures_are_inline_svg_with_the_flip_marked(ab: dict[str, Any]) -> Non
 
 
 def test_the_idle_gap_between_runs_is_folded_and_time_stays_monotonic() -> None:
-    from reports.charts import _Timeline
+    from servescope.reports.charts import _Timeline
 
     clock = _Timeline([(100.0, 120.0), (400.0, 420.0)])  # each side's first and last start
     assert clock.x(100.0) == 0.0 and clock.x(120.0) == 20.0
@@ -460,7 +460,7 @@ def test_runs_read_from_a_log_alone_get_a_headline_of_what_they_have(tmp_path: P
 def test_speculation_headline_names_a_workload_whose_tpot_was_zero_before() -> None:
     """On 2 shared cores a fast server can send a whole answer in one chunk (client TPOT 0):
     no percentage from 0, so the change is given in ms, and the workload is still named."""
-    from reports.specdecode import headline_part
+    from servescope.reports.specdecode import headline_part
 
     def workload(name: str, before: float, after: float, accept: float) -> dict[str, Any]:
         change = (after - before) / before * 100 if before else None

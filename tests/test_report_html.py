@@ -27,7 +27,7 @@ import aiohttp
 import pytest
 from PIL import Image
 
-from store import Store
+from servescope.store import Store
 from tests.conftest import servescope
 from tests.test_report_diff import T0, store_run, synthetic_events
 

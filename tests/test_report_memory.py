@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from reports import bootstrap, quantiles
-from reports import samples as samples_module
-from reports.samples import Samples, Slice, Sorted
-from store import Store
+from servescope.reports import bootstrap, quantiles
+from servescope.reports import samples as samples_module
+from servescope.reports.samples import Samples, Slice, Sorted
+from servescope.store import Store
 
 T0 = datetime(2026, 11, 22, 6, 0, 0)
 RUN = "run-20261122-memory"

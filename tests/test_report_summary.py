@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from store import Store
+from servescope.store import Store
 from tests.conftest import servescope
 from tests.test_report_diff import percentile
 

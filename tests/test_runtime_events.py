@@ -8,9 +8,9 @@ from pathlib import Path
 
 import duckdb
 
-from store import Store, export_run, import_file
-from store.events import parse_line
-from store.parquet import export_parquet
+from servescope.store import Store, export_run, import_file
+from servescope.store.parquet import export_parquet
+from servescope.store.validation import parse_line
 from tests.conftest import servescope
 
 RUN = "run-20260512"

@@ -141,7 +141,7 @@ def test_windows_of_a_session(tmp_path: Path) -> None:
 
 
 def test_indicators_come_from_the_server_where_the_client_timed_nothing(tmp_path: Path) -> None:
-    from store import Store
+    from servescope.store import Store
 
     store = Store(tmp_path / "s.duckdb")
     ttft = [100.0 + 10 * i for i in range(20)]
@@ -200,8 +200,8 @@ def test_a_restart_not_scraped_yet_flips_only_the_lever_that_changed(tmp_path: P
     new session knows none of the cache levers only `/metrics` shows (block size, KV dtype…):
     unknown is not "unset", so the only flip is the flag the operator changed — in the store and
     in the collector's `servescope_lever_flip_info` that dashboards annotate."""
-    from collector import Collector
-    from store import Store
+    from servescope.collector import Collector
+    from servescope.store import Store
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RestartingVllmMetrics)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -250,8 +250,8 @@ def test_a_refusal_read_live_is_dated_when_it_was_written_not_at_the_last_dated_
     finds a 400 on the next poll knows it was written since: the refusal is dated then, not
     at the server's last dated line (a start-up a minute earlier, on an idle server hours),
     which shifted it out of `--since` windows and stretched the run's throughput span."""
-    from collector import Collector
-    from store import Store
+    from servescope.collector import Collector
+    from servescope.store import Store
 
     started = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=30)
     head = f"(APIServer pid=1) INFO {started:%m-%d %H:%M:%S}"

@@ -23,7 +23,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from bench.prompts import seeded_text
+from servescope.loadgen.prompts import seeded_text
 from tests.conftest import ROOT, SERVESCOPE, free_port, servescope
 
 pytestmark = pytest.mark.vllm

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.launcher import VllmServer
-from store import Store
+from servescope.loadgen.launcher import VllmServer
+from servescope.store import Store
 from tests.conftest import RunningServer, free_port, servescope
 
 pytestmark = pytest.mark.vllm

@@ -9,9 +9,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from store import Store, bulk, export_run, import_file, merge_docs, queries, run_id_of
-from store.db import _ddl
-from store.events import InvalidEvent, parse_line
+from servescope.store import Store, bulk, export_run, import_file, merge_docs, queries, run_id_of
+from servescope.store.db import _ddl
+from servescope.store.validation import InvalidEvent, parse_line
 from tests.conftest import servescope
 
 SEED_LINE = (
@@ -285,7 +285,7 @@ def test_a_server_sessions_first_sample_counts_from_zero(tmp_path: Path) -> None
     A window (`--split-at-flip`) starts from the sample before it."""
     from datetime import datetime, timedelta
 
-    from store import queries
+    from servescope.store import queries
 
     store = Store(tmp_path / "s.duckdb")
     t0 = datetime(2026, 11, 25, 1, 21)
@@ -322,7 +322,7 @@ def test_a_store_a_newer_version_gave_more_columns_still_takes_rows_on_both_path
 ) -> None:
     """A newer `servescope` (a report on the operator's laptop) may add columns to a store that
     an older sidecar keeps writing: every insert names its columns, so both ingest paths go on."""
-    from store.schema import Event
+    from servescope.store.schema import Event
 
     assert queries.EVENT_COLUMNS.split(", ") == [c.name for c in Event.__table__.columns]
     path = tmp_path / "s.duckdb"

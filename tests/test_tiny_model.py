@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from bench.tiny_model import checksum
+from servescope.loadgen.tiny_model import checksum
 from tests.conftest import servescope
 
 
@@ -47,8 +47,8 @@ def test_predictable_model_continues_the_passage_greedily(tmp_path: Path) -> Non
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bench.prompts import decoy_text, passage_text
-    from bench.tiny_model import PASSAGE, make_tiny_model
+    from servescope.loadgen.prompts import decoy_text, passage_text
+    from servescope.loadgen.tiny_model import PASSAGE, make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "p", kind="predictable")
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -19,7 +19,8 @@ import duckdb
 import pytest
 import yaml
 
-from bench.client import COMPLETIONS, stream_request
+from servescope.loadgen.client import stream_request
+from servescope.wire.stream import COMPLETIONS
 from tests.conftest import ROOT, SERVESCOPE, RunningServer, bench_args, free_port
 from tests.otlp_sink import otlp_http_sink
 

@@ -9,10 +9,16 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.runner import BenchRun, LevelProgress, RunResult, TargetUnreachable, parse_slo
-from bench.workload import BenchConfig, Workload, WorkloadError, load_config, shipped
 from servescope.commands.common import add_store_option, console, open_store
-from store import Store
+from servescope.loadgen.runner import (
+    BenchRun,
+    LevelProgress,
+    RunResult,
+    TargetUnreachable,
+    parse_slo,
+)
+from servescope.loadgen.workload import BenchConfig, Workload, WorkloadError, load_config, shipped
+from servescope.store import Store
 
 EXIT_HELP = (
     "Exit codes: 0 every request succeeded; 1 requests failed, the target was unreachable or "

@@ -10,7 +10,8 @@ from typing import Any
 
 import yaml
 
-from bench.capacity import (
+from servescope.commands.common import add_store_option, console, open_store
+from servescope.loadgen.capacity import (
     CapacityError,
     Settings,
     Traffic,
@@ -20,7 +21,6 @@ from bench.capacity import (
     run_traffic,
     worksheet,
 )
-from servescope.commands.common import add_store_option, console, open_store
 
 DESCRIPTION = (
     "Fill the seeds' capacity worksheet for a model: weight bytes, KV bytes per token (per GPU "
@@ -149,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _from_run(args: argparse.Namespace) -> dict[str, Any] | None:
-    from reports import UnknownRun
-    from reports.summary import require_run
+    from servescope.reports import UnknownRun
+    from servescope.reports.summary import require_run
 
     store = open_store(args)
     try:

@@ -12,10 +12,10 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from collector import Collector
-from collector.otlp import OtlpReceiver
-from collector.otlp_export import OtlpExport, StoredRequestForwarder
-from collector.selfmetrics import SelfMetrics
+from servescope.collector import Collector
+from servescope.collector.otlp import OtlpReceiver
+from servescope.collector.otlp_export import OtlpExport, StoredRequestForwarder
+from servescope.collector.selfmetrics import SelfMetrics
 from servescope.commands.common import add_store_option, byte_progress, console, open_store
 
 DESCRIPTION = (

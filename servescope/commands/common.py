@@ -13,9 +13,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 from rich.table import Table
 from rich.text import Text
 
-from store import Store
-from store.db import default_path
-from store.paths import name_of
+from servescope.store import Store
+from servescope.store.db import default_path
+from servescope.store.paths import name_of
 
 # Messages carry run ids, paths and server text: never read as rich markup (a run id `[/]x`
 # would raise); colour goes in `style=`.

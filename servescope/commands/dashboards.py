@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from dashboards import RULES_DIR, LintFailed, build
 from servescope.commands.common import console
+from servescope.dashboards import RULES_DIR, LintFailed, build
 
 DEFAULT_OUT = Path("servescope-data/dashboards")
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from rich.text import Text
 
-from bench.experiment import Experiment, load_experiments
-from bench.tiny_model import DEFAULT_DIR, is_built, make_tiny_model
-from dashboards import build as build_dashboards
-from reports.render import DEFAULT_OUT
 from servescope.commands import experiment
 from servescope.commands.common import add_store_option, console, open_store
 from servescope.commands.dashboards import DEFAULT_OUT as DASHBOARDS_OUT
+from servescope.dashboards import build as build_dashboards
+from servescope.loadgen.experiment import Experiment, load_experiments
+from servescope.loadgen.tiny_model import DEFAULT_DIR, is_built, make_tiny_model
+from servescope.reports.render import DEFAULT_OUT
 
 DEMO_EXPERIMENT = "prefix-caching"
 

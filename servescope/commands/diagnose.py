@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from reports import BadWindow, ReportOptions, UnknownRun, Window, build_summary
 from servescope.commands.common import add_store_option, add_window_options, console, open_store
 from servescope.commands.report import _slo
+from servescope.reports import BadWindow, ReportOptions, UnknownRun, Window, build_summary
 
 DESCRIPTION = (
     "Read a stored run's indicators and say what to flip first: the workload's shape (chat, "

@@ -5,31 +5,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 from rich.text import Text
 
-from bench.experiment import (
+from servescope.commands import bench
+from servescope.commands.common import add_store_option, console, open_store
+from servescope.loadgen.experiment import (
     Experiment,
     ExperimentHooks,
     ExperimentResult,
-    free_port,
     load_experiments,
 )
-from bench.launcher import VllmServer
-from bench.runner import parse_slo, percentile
-from bench.tiny_model import DIRS, is_built, make_tiny_model
-from bench.workload import BenchConfig, WorkloadError
-from reports import DEFAULT_OUT, build_diff, build_summary, write_report
-from servescope.commands import bench
-from servescope.commands.common import add_store_option, console, open_store
-from store import Store
+from servescope.loadgen.launcher import VllmServer
+from servescope.loadgen.runner import parse_slo, percentile
+from servescope.loadgen.sidecar import CollectorSidecar
+from servescope.loadgen.tiny_model import DIRS, is_built, make_tiny_model
+from servescope.loadgen.workload import BenchConfig, WorkloadError
+from servescope.reports import DEFAULT_OUT, build_diff, build_summary, write_report
+from servescope.store import Store
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -153,7 +149,7 @@ def hooks(store: Store) -> ExperimentHooks:
     return ExperimentHooks(
         starting=starting,
         ready=ready,
-        sidecar=lambda log, url: CollectorSidecar(store, log, url),
+        sidecar=lambda log, url: CollectorSidecar(store, log, url, notice=_notice),
     )
 
 
@@ -161,64 +157,8 @@ def execute(config: BenchConfig, target: str, store: Store, options: dict[str, A
     return bench.execute(config, target, store, **options)
 
 
-SETTLE_S = 30.0  # vLLM exports a request's span within seconds of its end
-
-
-class CollectorSidecar:
-    """`servescope collect` next to an experiment's servers, as an operator runs it next to
-    theirs: the log they append to tailed, their traces received, their `/metrics` scraped,
-    into the experiment's store. Each server becomes a session run joined with the bench
-    runs by request id, so the reports hold vLLM's queue, prefill and decode times and its own
-    TTFT beside the client's."""
-
-    def __init__(self, store: Store, log: Path, url: str) -> None:
-        self.store = store
-        otlp_port = free_port()
-        self.flags = ["--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_port}/v1/traces"]
-        self.env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.output = log.with_suffix(".collector.log")
-        command = [
-            sys.executable, "-m", "servescope.cli", "collect", "--vllm-log", str(log),
-            "--otlp-port", str(otlp_port), "--metrics-url", f"{url}/metrics",
-            "--scrape-interval", "1", "--metrics-port", "0", "--store", str(store.path),
-        ]  # fmt: skip
-        with self.output.open("ab") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not _listening(otlp_port):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the collector did not start: see {self.output}")
-            time.sleep(0.2)
-        console.print(f"collector sidecar (pid {self.process.pid}) → {self.output}")
-
-    def settle(self, run_id: str) -> None:
-        """Wait until vLLM's trace of every successful request of the run is stored."""
-        deadline = time.monotonic() + SETTLE_S
-        while time.monotonic() < deadline and self.process.poll() is None:
-            ok, traced = self.store.traced_requests(run_id)
-            if traced >= ok:
-                return
-            time.sleep(0.5)
-        console.print(
-            f"{run_id}: some vLLM traces did not arrive in {SETTLE_S:.0f} s", style="yellow"
-        )
-
-    def close(self) -> None:
-        self.process.terminate()  # flushes what it read, exits 0
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
+def _notice(message: str, warning: bool = False) -> None:
+    console.print(message, style="yellow" if warning else None)
 
 
 def starting(profile: str, server: VllmServer) -> None:

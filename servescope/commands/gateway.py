@@ -8,9 +8,9 @@ import logging
 import sys
 from pathlib import Path
 
-from gateway import ConfigError, Gateway, load_config, serve
-from gateway.config import key_digest
 from servescope.commands.common import console
+from servescope.gateway import ConfigError, Gateway, load_config, serve
+from servescope.gateway.config import key_digest
 
 DESCRIPTION = """\
 An OpenAI-compatible proxy (/v1/completions, /v1/chat/completions, /v1/models, /health,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.tiny_model import DIRS, KINDS, checksum, is_built, make_tiny_model
 from servescope.commands.common import console
+from servescope.loadgen.tiny_model import DIRS, KINDS, checksum, is_built, make_tiny_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:

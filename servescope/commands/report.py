@@ -12,7 +12,16 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from reports import (
+from servescope.commands.common import (
+    add_store_option,
+    add_window_options,
+    console,
+    list_runs,
+    open_store,
+    rows,
+    run_arg,
+)
+from servescope.reports import (
     DEFAULT_OUT,
     FORMATS,
     BadWindow,
@@ -26,18 +35,9 @@ from reports import (
     build_summary,
     write_report,
 )
-from reports.build import PREVIOUS
-from reports.summary import SLO_METRICS
-from servescope.commands.common import (
-    add_store_option,
-    add_window_options,
-    console,
-    list_runs,
-    open_store,
-    rows,
-    run_arg,
-)
-from store import queries
+from servescope.reports.build import PREVIOUS
+from servescope.reports.summary import SLO_METRICS
+from servescope.store import queries
 
 DESCRIPTION = "Render stored runs as self-contained HTML, Markdown and JSON reports."
 

@@ -8,9 +8,15 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from bench.launcher import ServerFailed, has_gpu, load_profiles, server_set, with_mig_uuids
-from bench.tiny_model import DEFAULT_DIR
 from servescope.commands.common import console
+from servescope.loadgen.launcher import (
+    ServerFailed,
+    has_gpu,
+    load_profiles,
+    server_set,
+    with_mig_uuids,
+)
+from servescope.loadgen.tiny_model import DEFAULT_DIR
 
 
 def register(sub: argparse._SubParsersAction) -> None:

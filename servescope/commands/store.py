@@ -14,8 +14,8 @@ from servescope.commands.common import (
     open_store,
     run_arg,
 )
-from store import export_run, import_file
-from store.parquet import count_parquet, export_parquet
+from servescope.store import export_run, import_file
+from servescope.store.parquet import count_parquet, export_parquet
 
 
 def register(sub: argparse._SubParsersAction) -> None:

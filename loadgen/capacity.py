@@ -5,7 +5,7 @@ then cuts its KV space into blocks of `block_size` tokens (one page per layer), 
 capacity as a request of `max_model_len` tokens needs ceil(max_model_len / block_size) blocks:
 max concurrency = blocks / that, KV tokens = int(max concurrency × max_model_len)
 (`vllm/v1/core/kv_cache_utils.py`, `get_kv_cache_capacity`). This module does the same sums, so
-its numbers can be checked against the line vLLM logs at start-up (`store.startup`).
+its numbers can be checked against the line vLLM logs at start-up (`wire.kv_statement`).
 
 With tensor parallelism each GPU holds max(1, KV heads / TP) heads of every layer (vLLM replicates
 KV heads when TP exceeds them) and its own KV space: per-GPU numbers are what bound concurrency.
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from store import Store
+from servescope.store import Store
 
 GIB = 1 << 30
 DTYPE_BYTES = {
@@ -298,7 +298,7 @@ def compute(
 def run_traffic(store: Store, run_id: str) -> dict[str, Any]:
     """A stored run's request shape and measured speed: p50/p95 prompt and output tokens,
     TTFT p95, ITL p95, tokens per second (successful requests)."""
-    from store import queries
+    from servescope.store import queries
 
     with store.read() as con:
         row = con.execute(queries.RUN_TRAFFIC, {"run_id": run_id}).fetchone()

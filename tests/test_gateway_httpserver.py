@@ -1,4 +1,4 @@
-"""The gateway's lean HTTP/1.1 server (`gateway.http1`) on its own, over real sockets: streams
+"""The gateway's lean HTTP/1.1 server (`gateway.httpserver`) on its own, over real sockets: streams
 that outgrow the socket buffers reach a slow reader whole (flow control), pipelined requests are
 answered in order, a client that leaves cancels its handler, bad input is refused."""
 
@@ -12,8 +12,8 @@ from contextlib import asynccontextmanager
 import pytest
 import uvloop
 
-from gateway import http1
-from gateway.http1 import Handler, Reply, Request, Response, Server, json_response
+from servescope.gateway import httpserver
+from servescope.gateway.httpserver import Handler, Reply, Request, Response, Server, json_response
 
 Runner = Callable[[Callable[[], Awaitable[None]]], None]
 BIG_CHUNK = b"x" * 65_536
@@ -194,9 +194,9 @@ def test_http10_streams_unchunked_and_closes(run: Runner) -> None:
 def test_oversized_heads_and_idle_connections_are_closed(
     run: Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(http1, "KEEPALIVE_S", 0.2)
-    monkeypatch.setattr(http1, "SWEEP_S", 0.1)
-    monkeypatch.setattr(http1, "MAX_BODY", 1000)
+    monkeypatch.setattr(httpserver, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(httpserver, "SWEEP_S", 0.1)
+    monkeypatch.setattr(httpserver, "MAX_BODY", 1000)
 
     async def main() -> None:
         async with serving(routed(("GET", "/ok", ok))) as port:

@@ -5,7 +5,7 @@ vLLM (0.32, `v1/core/kv_cache_utils.py`) logs once per start:
 (`GPU …` on CUDA; older versions log the two halves as separate lines, `GPU KV cache size:
 N tokens` and `Maximum concurrency for L tokens per request: Xx`). The launcher (bench) and the
 collector both record it, next to servescope's own arithmetic (`servescope capacity`); this one
-parser serves both, as `store.metrics` serves both their `/metrics` scrapes.
+parser serves both, as `wire.exposition` serves both their `/metrics` scrapes.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from bench.workload import Workload
+from servescope.loadgen.workload import Workload
 
 WARMUP_LEVEL = "warmup"
 

@@ -22,10 +22,17 @@ from typing import Any, Protocol
 
 import yaml
 
-from bench.launcher import ALWAYS_FLAGS, LOG_DIR, VllmServer, levers_of, load_profiles, state_for
-from bench.runner import RunResult
-from bench.workload import BenchConfig, WorkloadError, load_config
-from store import Store
+from servescope.loadgen.launcher import (
+    ALWAYS_FLAGS,
+    LOG_DIR,
+    VllmServer,
+    levers_of,
+    load_profiles,
+    state_for,
+)
+from servescope.loadgen.runner import RunResult
+from servescope.loadgen.workload import BenchConfig, WorkloadError, load_config
+from servescope.store import Store
 
 EXPERIMENTS_FILE = Path(__file__).with_name("experiments.yaml")
 DEFAULT_LEVER = "default"  # a lever a profile leaves to vLLM's own default
@@ -40,7 +47,7 @@ class ExperimentSpec:
     workloads: list[str] = field(default_factory=list)
     scale: float = 1.0
     requests: int | None = None
-    model: str = "random"  # the tiny model kind (bench/tiny_model.py KINDS) the servers load
+    model: str = "random"  # the tiny model kind (loadgen/tiny_model.py KINDS) the servers load
 
 
 def load_experiments(path: Path = EXPERIMENTS_FILE) -> dict[str, ExperimentSpec]:

@@ -30,16 +30,17 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from bench.client import ENDPOINTS, Endpoint, get_json, stream_request
-from bench.http1 import Http1Pool
-from bench.launcher import process_tree_rss, state_for
-from bench.plan import Unit, open_loop_units, unit_plan, units_per_level, warmup_units
-from bench.prompts import PromptBook, PromptMaker, prompt_digest
-from bench.scrape import MetricsScraper
-from bench.tracing import tracer_from_env
-from bench.workload import BenchConfig, Workload
-from store import Store
-from store.paths import inside
+from servescope.loadgen.client import get_json, stream_request
+from servescope.loadgen.launcher import process_tree_rss, state_for
+from servescope.loadgen.plan import Unit, open_loop_units, unit_plan, units_per_level, warmup_units
+from servescope.loadgen.prompts import PromptBook, PromptMaker, prompt_digest
+from servescope.loadgen.server_metrics import MetricsScraper
+from servescope.loadgen.transport import Http1Pool
+from servescope.loadgen.workload import BenchConfig, Workload
+from servescope.store import Store
+from servescope.store.paths import inside
+from servescope.wire.stream import ENDPOINTS, Endpoint
+from servescope.wire.tracing import tracer_from_env
 
 EVENTS_DIR = Path("servescope-data") / "events"
 MEMORY_SAMPLE_S = 0.5

@@ -13,7 +13,7 @@ workloads:
     requests_per_level: 12               # or duration_s
     warmup: 2                            # requests sent before measuring, not stored
     endpoint: completions                # or chat
-    text: words                          # or passage | decoy (bench/prompts.py)
+    text: words                          # or passage | decoy (loadgen/prompts.py)
     team: lab10
     seed: 7
 metrics: [ttft_ms, tpot_ms, qps, tokens_per_second, memory_peak_gb]
@@ -40,7 +40,7 @@ ARRIVALS = ("constant", "poisson", "gamma")
 ENDPOINTS = ("completions", "chat")
 # Prompt text: a seeded word stream; the predictable tiny model's passage (its outputs repeat the
 # prompt: n-gram drafts accepted); or decoys (the passage's word pairs continued otherwise: drafts
-# proposed and rejected). See bench/prompts.py and bench/tiny_model.py.
+# proposed and rejected). See loadgen/prompts.py and loadgen/tiny_model.py.
 TEXTS = ("words", "passage", "decoy")
 DISTRIBUTIONS = ("uniform", "normal", "lognormal")
 
@@ -326,7 +326,7 @@ def parse_config(data: Any, *, source: str = "workload file") -> BenchConfig:
 
 
 def resolve(name_or_path: str | Path) -> Path:
-    """A workload file path, or the name of a shipped one (`ralph-loop` → bench/workloads/…)."""
+    """A workload file path, or the name of a shipped one (`ralph-loop` → loadgen/workloads/…)."""
     path = Path(name_or_path)
     if path.exists() or path.suffix in (".yaml", ".yml"):
         return path

@@ -28,8 +28,8 @@ from typing import Any
 import psutil
 import yaml
 
-from bench.capacity import from_levers
-from store.startup import kv_cache_from_log
+from servescope.loadgen.capacity import from_levers
+from servescope.wire.kv_statement import kv_cache_from_log
 
 PROFILES_FILE = Path(__file__).with_name("profiles.yaml")
 STATE_DIR = Path("servescope-data") / "servers"

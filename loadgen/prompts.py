@@ -18,10 +18,10 @@ from typing import Any
 
 import aiohttp
 
-from bench.client import get_json
-from bench.plan import RequestPlan, prefix_size, rng_for
-from bench.tiny_model import PASSAGE
-from bench.workload import Workload
+from servescope.loadgen.client import get_json
+from servescope.loadgen.plan import RequestPlan, prefix_size, rng_for
+from servescope.loadgen.tiny_model import PASSAGE
+from servescope.loadgen.workload import Workload
 
 WORDS = [
     "the",

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from bench.client import Endpoint, StreamTiming, _failed, utc_now_iso
+from servescope.wire.stream import Endpoint, StreamTiming, mark_failed, utc_now_iso
 
 READ_SIZE = 65536
 # Linux's SO_TIMESTAMPNS (= its SCM_TIMESTAMPNS cmsg type), the generic value (x86, arm, riscv,
@@ -341,7 +341,7 @@ async def stream_request_http1(
     timeout_s: float | None = None,
     keep_text: bool = False,
 ) -> dict[str, Any]:
-    """`bench.client.stream_request` over this transport (what `bench run` uses against
+    """`wire.stream.stream_request` over this transport (what `bench run` uses against
     `http://` targets): the same timing rules (`StreamTiming`), the same event, with the times
     of the module docstring."""
     body = json.dumps({**payload, "stream": True, "stream_options": {"include_usage": True}})
@@ -353,20 +353,20 @@ async def stream_request_http1(
         async with asyncio.timeout(timeout_s):
             await post(pool, endpoint.path, body.encode(), send_headers, stream)
     except TimeoutError as exc:
-        return _failed(event, timing.start, "timeout", "timeout", repr(exc), wire_now)
+        return mark_failed(event, timing.start, "timeout", "timeout", repr(exc), wire_now)
     except ConnectFailed as exc:
-        return _failed(event, timing.start, "connect", "error", str(exc), wire_now)
+        return mark_failed(event, timing.start, "connect", "error", str(exc), wire_now)
     except (OSError, EOFError, ValueError) as exc:
-        return _failed(event, timing.start, "disconnect", "error", repr(exc), wire_now)
+        return mark_failed(event, timing.start, "disconnect", "error", repr(exc), wire_now)
     status = stream.status
     if status != 200:
         kind = "http_5xx" if status >= 500 else "http_4xx"
         detail = b"".join(stream.refused)[:500].decode("utf-8", "replace")
-        return _failed(event, timing.start, kind, "error", detail, wire_now)
+        return mark_failed(event, timing.start, kind, "error", detail, wire_now)
     if stream.error is not None:
-        return _failed(event, timing.start, "http_5xx", "error", stream.error, wire_now)
+        return mark_failed(event, timing.start, "http_5xx", "error", stream.error, wire_now)
     if not timing.done:
-        return _failed(
+        return mark_failed(
             event, timing.start, "disconnect", "error", "stream ended before [DONE]", wire_now
         )
     if keep_text:

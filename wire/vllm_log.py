@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from collector.ids import client_request_id
-from store.events import InvalidEvent, decode
-from store.startup import kv_cache_statement
+from servescope.store.validation import InvalidEvent, decode
+from servescope.wire.ids import client_request_id
+from servescope.wire.kv_statement import kv_cache_statement
 
 SOURCE = "vllm-log"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -15,8 +15,8 @@ from typing import Any
 
 import aiohttp
 
-from store import Store
-from store.metrics import parse_exposition, prefix_cache_hit_ratio
+from servescope.store import Store
+from servescope.wire.exposition import parse_exposition, prefix_cache_hit_ratio
 
 INTERVAL_S = 1.0
 FLUSH_EVERY = 5

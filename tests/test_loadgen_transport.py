@@ -1,4 +1,4 @@
-"""bench.http1 against a real local server on a real TCP socket: arrivals are the kernel's
+"""loadgen.transport against a real local server on a real TCP socket: arrivals are the kernel's
 receive stamps, not the moment a busy event loop gets round to reading."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.client import COMPLETIONS, stream_request
-from bench.http1 import Http1Pool
+from servescope.loadgen.client import stream_request
+from servescope.loadgen.transport import Http1Pool
+from servescope.wire.stream import COMPLETIONS
 
 GAP_S = 0.3  # between the first SSE message and the rest, on the server
 BLOCK_S = 0.4  # how long the client's loop is kept busy, from half-way through the gap

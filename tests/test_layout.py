@@ -1,0 +1,115 @@
+"""The house's layout, as docs/architecture.md states it: one installed namespace, rooms that
+import only what the contract allows, and no import circle."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ROOMS = {  # folder → the rooms of ours it may import (docs/architecture.md, "Rooms")
+    "store": set(),
+    "wire": {"store"},
+    "collector": {"store", "wire"},
+    "loadgen": {"store", "wire"},
+    "gateway": {"store", "wire"},
+    "reports": {"store", "wire"},
+    "dashboards": set(),
+    "servescope": {
+        "store", "wire", "collector", "loadgen", "gateway", "reports", "dashboards"
+    },
+}  # fmt: skip
+
+
+def module_of(path: Path) -> str:
+    room, *rest = path.relative_to(ROOT).with_suffix("").parts
+    parts = ["servescope"] + ([] if room == "servescope" else [room]) + rest
+    return ".".join(p for p in parts if p != "__init__")
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every `servescope.…` module this file imports, at any depth (imports inside functions
+    count: a late import is still an arrow)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith("servescope"):
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("servescope"))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    files = [f for room in ROOMS for f in (ROOT / room).rglob("*.py")]
+    modules = {module_of(f): f for f in files}
+    return {
+        name: {target for target in imports_of(path) if target in modules and target != name}
+        for name, path in modules.items()
+    }
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ROOMS else "servescope"
+
+
+def test_rooms_import_only_what_the_contract_allows() -> None:
+    wrong = sorted(
+        f"{source} → {target}"
+        for source, targets in graph().items()
+        for target in targets
+        if room_of(target) != room_of(source) and room_of(target) not in ROOMS[room_of(source)]
+    )
+    assert not wrong
+
+
+def test_no_import_circle() -> None:
+    edges = graph()
+    # a package's __init__ re-exporting its own modules is not a circle between modules
+    edges = {
+        m: {t for t in ts if not (m.startswith(t + ".") and m.rsplit(".", 1)[0] == t)}
+        for m, ts in edges.items()
+    }
+    seen: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        seen[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if seen.get(nxt) == 1:
+                cycle = path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+                raise AssertionError("import circle: " + " → ".join(cycle))
+            if nxt not in seen:
+                visit(nxt, path + [nxt])
+        seen[node] = 2
+
+    for module in sorted(edges):
+        if module not in seen:
+            visit(module, [module])
+
+
+def test_the_wheel_installs_one_top_level_package(tmp_path: Path) -> None:
+    """`pip install .` puts exactly one package into site-packages, with its data files."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("servescope-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {
+        "servescope"
+    }
+    for data in (
+        "servescope/loadgen/profiles.yaml",
+        "servescope/loadgen/workloads/ralph-loop.yaml",
+        "servescope/reports/diagnosis.yaml",
+        "servescope/dashboards/rules/servescope.rules.yml",
+        "servescope/reports/templates/report.html.j2",
+        "servescope/wire/stream.py",
+    ):
+        assert data in names
