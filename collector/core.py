@@ -31,6 +31,8 @@ from servescope.collector.selfmetrics import SelfMetrics
 from servescope.collector.sessions import Session, session_run_id
 from servescope.collector.tail import Chunk, Tailer
 from servescope.store import InvalidEvent, Store, bulk, check_built, checkpoints, run_id_of
+from servescope.store.lake import LakeWriter, Written
+from servescope.store.lakecompact import compact
 from servescope.wire import vllm_log
 from servescope.wire.exposition import Sample
 from servescope.wire.ids import UNATTRIBUTED_RUN, is_generated
@@ -62,6 +64,21 @@ REMEMBERED_IDS = 200_000  # vLLM-made request ids → their session, for traces 
 START_SLACK = timedelta(seconds=5)
 START_WINDOW = timedelta(minutes=15)
 HELD_SCRAPE_S = 600.0  # a scrape waits this long for its server's session to appear in the log
+COMPACT_INTERVAL_S = 30.0  # how often the lake's small files of this sidecar are merged
+
+
+def failure_reason(exc: BaseException) -> str:
+    """A failed flush's cause as a metric label: `disk_full` (the store's or the lake's disk;
+    DuckDB and the OS word it differently), else the exception's class."""
+    text = str(exc).lower()
+    if (
+        isinstance(exc, OSError)
+        and exc.errno == 28
+        or "no space left" in text
+        or ("not enough space" in text)
+    ):
+        return "disk_full"
+    return type(exc).__name__
 
 
 @dataclass
@@ -211,8 +228,11 @@ class Collector:
         max_flush_bytes: int = MAX_FLUSH_BYTES,
         want_keys: bool = False,
         metrics: SelfMetrics | None = None,
+        lake: LakeWriter | None = None,
     ) -> None:
         self.store = store
+        self.lake = lake
+        self.failing: str | None = None  # why flushes fail now (None: they commit)
         bulk.remove_stale_chunks()
         self.once = once
         self.scrape_interval = scrape_interval
@@ -525,6 +545,8 @@ class Collector:
             except InvalidEvent as exc:  # the store's rules hold for pieces of traces too
                 refused.append((str(exc), repr(piece)[:4096]))
         pieces = good
+        if self.failing is not None and self.pending_bytes() >= self.max_flush_bytes:
+            return done  # never set: the receiver answers 503 and the exporter retries
         with self._lock:
             self._pending.touch()
             self._pending.docs.extend(pieces)
@@ -537,6 +559,8 @@ class Collector:
     def scrape_all(self) -> None:
         """Scrape every `/metrics` target once; the samples wait for `flush` to find the
         server session they belong to."""
+        if self.failing is not None:
+            return  # nothing can be stored now; counters are cumulative, the next scrape has it
         for url, state in self.targets.items():
             result = scrape(url, timeout=min(5.0, max(1.0, self.scrape_interval)))
             version = None
@@ -663,10 +687,12 @@ class Collector:
             return None
         try:
             report = self._commit(batch)
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self._pending = batch.then(self._pending)
+            self._flush_failed(exc)
             raise
+        self._flush_recovered()
         for done in batch.waiters:
             done.set()
         self._account(batch, report)
@@ -677,40 +703,87 @@ class Collector:
                 log.exception("exporter %r failed", exporter)
         return report
 
+    def _flush_failed(self, exc: BaseException) -> None:
+        """Count the failure; say it once, in one log line, when flushes start failing."""
+        reason = failure_reason(exc)
+        self.metrics.flush_failures.labels(reason).inc()
+        self.metrics.flush_failing.set(1)
+        self.metrics.pending.set(self.pending_bytes())
+        if self.failing is None:
+            log.error(
+                "flush failed (%s: %s); nothing is lost: the batch and the checkpoints are kept, "
+                "files are read on up to %d MiB pending, the flush is retried every second",
+                reason, str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__,
+                self.max_flush_bytes >> 20,
+            )  # fmt: skip
+            log.debug("flush failure", exc_info=exc)
+        self.failing = reason
+
+    def _flush_recovered(self) -> None:
+        if self.failing is not None:
+            log.warning("flushes commit again (after %s); catching up", self.failing)
+            self.failing = None
+            self.metrics.flush_failing.set(0)
+
     def _commit(self, batch: _Pending) -> FlushReport:
-        report = FlushReport(lines=Counter(batch.lines))
-        with self.store.write() as con:
-            for source, group in _contiguous(batch.chunks):
-                result = bulk.ingest_lines(
-                    self.store,
-                    con,
-                    [chunk.data for chunk in group],
-                    source=group[0].file.error_source,
-                    offset=group[0].start,
-                    want_keys=self.want_keys,
-                )
-                report.lines[source] += result.lines
-                report.events += result.events
-                report.keys.extend(result.keys)
-                for _off, reason in result.errors:
-                    report.reasons[reason_class(reason)] += 1
-            if batch.docs:
-                self._place_pieces(batch.docs, con)
-                report.events += self.store.add_events(batch.docs, con)
-                if self.want_keys:
-                    report.keys.extend((run_id_of(d), d["request_id"]) for d in batch.docs)
-            for source, offset, reason, raw in batch.errors:
-                self.store.add_ingest_error(source, offset, reason, raw, con)
-                report.reasons[reason_class(reason)] += 1
-            report.errors = sum(report.reasons.values())
-            self.store.add_metric_samples(batch.samples, con)
-            report.samples = len(batch.samples)
-            for session in batch.sessions.values():
-                self._write_session(session, con, report)
-            for source, rows in batch.checkpoints.items():
-                checkpoints.save(con, source, rows.values())
+        written: Written | None = None
+        try:
+            with self.store.write() as con:
+                mark = self.lake.mark(con) if self.lake is not None else None
+                report = self._write(batch, con)
+                if self.lake is not None and mark is not None:
+                    # the flush's rows into the lake before the store commits them, with the
+                    # lake's flush number in the same transaction (store/lake.py)
+                    groups = [
+                        (s.run_id, s.previous)
+                        for s in batch.sessions.values()
+                        if s.run_id and s.previous
+                    ]
+                    written = self.lake.write(
+                        con, mark, runs=list(batch.sessions), flip_groups=groups
+                    )
+        except BaseException:
+            if self.lake is not None:
+                self.lake.failed(written)
+            raise
+        if self.lake is not None:
+            self.lake.committed(written)
         report.committed_at = time.time()
         report.lag_s = report.committed_at - (batch.oldest or report.committed_at)
+        return report
+
+    def _write(self, batch: _Pending, con: duckdb.DuckDBPyConnection) -> FlushReport:
+        """The batch into the store, inside the flush's transaction."""
+        report = FlushReport(lines=Counter(batch.lines))
+        for source, group in _contiguous(batch.chunks):
+            result = bulk.ingest_lines(
+                self.store,
+                con,
+                [chunk.data for chunk in group],
+                source=group[0].file.error_source,
+                offset=group[0].start,
+                want_keys=self.want_keys,
+            )
+            report.lines[source] += result.lines
+            report.events += result.events
+            report.keys.extend(result.keys)
+            for _off, reason in result.errors:
+                report.reasons[reason_class(reason)] += 1
+        if batch.docs:
+            self._place_pieces(batch.docs, con)
+            report.events += self.store.add_events(batch.docs, con)
+            if self.want_keys:
+                report.keys.extend((run_id_of(d), d["request_id"]) for d in batch.docs)
+        for source, offset, reason, raw in batch.errors:
+            self.store.add_ingest_error(source, offset, reason, raw, con)
+            report.reasons[reason_class(reason)] += 1
+        report.errors = sum(report.reasons.values())
+        self.store.add_metric_samples(batch.samples, con)
+        report.samples = len(batch.samples)
+        for session in batch.sessions.values():
+            self._write_session(session, con, report)
+        for source, rows in batch.checkpoints.items():
+            checkpoints.save(con, source, rows.values())
         return report
 
     def _write_session(
@@ -814,6 +887,7 @@ class Collector:
                 self.flush()
             if not read:
                 break
+        self.compact_lake()
         self.close()
 
     def run(self, stop: threading.Event) -> None:
@@ -823,8 +897,15 @@ class Collector:
             scraper = threading.Thread(target=self._scrape_loop, args=(stop,), daemon=True)
             scraper.start()
         last_flush = time.monotonic()
+        compactor = None
+        if self.lake is not None:
+            compactor = threading.Thread(target=self._compact_loop, args=(stop,), daemon=True)
+            compactor.start()
         while not stop.is_set():
-            read = self.poll()
+            # bounded memory: while flushes fail, reading stops at one flush's worth pending
+            # (the files keep the rest; the checkpoints have not moved)
+            read = self.poll() if self.pending_bytes() < self.max_flush_bytes else 0
+            self.metrics.pending.set(self.pending_bytes())
             full = self.pending_bytes() >= self.max_flush_bytes
             backlog = read >= 1 << 20  # catching up: fill the flush, fewer and bigger commits
             since = time.monotonic() - last_flush
@@ -832,8 +913,7 @@ class Collector:
                 last_flush = time.monotonic()  # from its start: slow flushes run back to back
                 try:
                     self.flush()
-                except Exception:
-                    log.exception("flush failed; the batch is kept and retried")
+                except Exception:  # logged once by flush; the batch is kept and retried
                     stop.wait(1.0)
             if not full and not backlog:  # a trickle: wait for more, never spin on it
                 wait = self.poll_interval if not read else self.flush_interval - since
@@ -844,7 +924,25 @@ class Collector:
         self.flush()
         if scraper is not None:
             scraper.join(timeout=10)
+        if compactor is not None:
+            compactor.join(timeout=60)
         self.close()
+
+    def _compact_loop(self, stop: threading.Event) -> None:
+        """Merge this sidecar's small lake files in the background (store/lakecompact.py)."""
+        assert self.lake is not None
+        while not stop.wait(COMPACT_INTERVAL_S):
+            self.compact_lake()
+
+    def compact_lake(self) -> None:
+        """One compaction pass over the flushes committed so far; a failure (a full disk) is
+        retried at the next pass, and leaves the lake as it was."""
+        if self.lake is None:
+            return
+        try:
+            compact(self.lake.root, self.lake.sidecar, self.lake.seq)
+        except Exception as exc:
+            log.warning("lake compaction failed (%s); retried later", failure_reason(exc))
 
     def _scrape_loop(self, stop: threading.Event) -> None:
         while not stop.is_set():

@@ -36,6 +36,23 @@ class SelfMetrics:
             "Unix time of the last committed flush.",
             registry=self.registry,
         )
+        self.flush_failing = Gauge(
+            "servescope_collector_flush_failing",
+            "1 while flushes fail (a full disk: the store's or the lake's); the batch and the "
+            "checkpoints are kept and the flush is retried.",
+            registry=self.registry,
+        )
+        self.flush_failures = Counter(
+            "servescope_collector_flush_failures",
+            "Flushes that failed and were kept for a retry, by reason (disk_full, …).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.pending = Gauge(
+            "servescope_collector_pending_bytes",
+            "Input read and not committed yet (bounded: reading pauses at one flush's worth).",
+            registry=self.registry,
+        )
         self.flips = Gauge(
             "servescope_lever_flip_info",
             "A lever flip seen by the collector (value: unix time of the flip).",

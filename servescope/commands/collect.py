@@ -17,6 +17,7 @@ from servescope.collector.otlp import OtlpReceiver
 from servescope.collector.otlp_export import OtlpExport, StoredRequestForwarder
 from servescope.collector.selfmetrics import SelfMetrics
 from servescope.commands.common import add_store_option, byte_progress, console, open_store
+from servescope.store.lake import LakeWriter
 
 DESCRIPTION = (
     "Tail vLLM server logs (text or JSON format, detected per line) and .events.jsonl files, "
@@ -100,6 +101,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print totals as JSON on exit (for scripts)"
     )
+    parser.add_argument(
+        "--lake",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also append every committed flush to this shared Parquet lake (hive-partitioned "
+        "run_id=…/date=…, one folder per table): many sidecars on many hosts can write one "
+        "folder (NFS, a mounted bucket) without coordination; reports read it with --lake, as "
+        "do DuckDB, ClickHouse, Spark and Trino (docs/lake.md)",
+    )
     add_store_option(parser)
     parser.set_defaults(func=run_collect)
 
@@ -127,8 +138,15 @@ def run_collect(args: argparse.Namespace) -> int:
         console.print(f"{problem}", style="red")
         return 2
     metrics = SelfMetrics()
+    store = open_store(args, create=True)
+    try:
+        lake = LakeWriter(args.lake, store) if args.lake is not None else None
+    except OSError as exc:
+        console.print(f"cannot write the lake at {args.lake}: {exc}", style="red")
+        return 1
     collector = Collector(
-        open_store(args, create=True),
+        store,
+        lake=lake,
         vllm_logs=args.vllm_log,
         events=args.events,
         metrics_urls=args.metrics_url,

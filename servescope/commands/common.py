@@ -15,6 +15,7 @@ from rich.text import Text
 
 from servescope.store import Store
 from servescope.store.db import default_path
+from servescope.store.lakeread import Lake, NoLake
 from servescope.store.paths import name_of
 
 # Messages carry run ids, paths and server text: never read as rich markup (a run id `[/]x`
@@ -32,6 +33,18 @@ def add_store_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_lake_option(parser: argparse.ArgumentParser) -> None:
+    """`--lake`: read a shared Parquet lake in place of the store (reading commands only)."""
+    parser.add_argument(
+        "--lake",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="read the shared Parquet lake that `servescope collect --lake` writes, in place "
+        "(no import), instead of the store: a folder or a quoted glob of folders; repeatable",
+    )
+
+
 class UsageError(Exception):
     """Bad usage or unknown input: the message is printed as it is, and the exit code is 2."""
 
@@ -39,6 +52,13 @@ class UsageError(Exception):
 def open_store(args: argparse.Namespace, *, create: bool = False) -> Store:
     """The store of `--store`. A command that only reads refuses a path with no store: a typo
     would otherwise create an empty store and report nothing, with exit 0."""
+    if not create and getattr(args, "lake", None):
+        if args.store:
+            raise UsageError("give --store or --lake, not both")
+        try:
+            return Lake(args.lake)
+        except NoLake as exc:
+            raise UsageError(str(exc)) from None
     path = Path(args.store) if args.store else default_path()
     if not create and not path.exists():
         raise UsageError(

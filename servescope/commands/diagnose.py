@@ -10,9 +10,16 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from servescope.commands.common import add_store_option, add_window_options, console, open_store
+from servescope.commands.common import (
+    add_lake_option,
+    add_store_option,
+    add_window_options,
+    console,
+    open_store,
+)
 from servescope.commands.report import _slo
 from servescope.reports import BadWindow, ReportOptions, UnknownRun, Window, build_summary
+from servescope.store.lakeread import Lake
 
 DESCRIPTION = (
     "Read a stored run's indicators and say what to flip first: the workload's shape (chat, "
@@ -39,11 +46,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_window_options(p, "diagnose RUN")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     add_store_option(p)
+    add_lake_option(p)
     p.set_defaults(func=run)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     store = open_store(args)
+    if isinstance(store, Lake):
+        store = store.scoped([args.run_id])
     try:
         options = ReportOptions(slo=args.slo, charts=False)
         report = build_summary(store, args.run_id, options, Window(args.since, args.until))

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from servescope.commands.common import (
+    add_lake_option,
     add_store_option,
     add_window_options,
     console,
@@ -35,9 +36,10 @@ from servescope.reports import (
     build_summary,
     write_report,
 )
-from servescope.reports.build import PREVIOUS
-from servescope.reports.summary import SLO_METRICS
+from servescope.reports.build import PREVIOUS, previous_run
+from servescope.reports.summary import SLO_METRICS, require_run
 from servescope.store import queries
+from servescope.store.lakeread import Lake
 
 DESCRIPTION = "Render stored runs as self-contained HTML, Markdown and JSON reports."
 
@@ -124,6 +126,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         "--json", action="store_true", help="print the headline, paths and verdicts as JSON"
     )
     add_store_option(build)
+    add_lake_option(build)
     build.set_defaults(func=run_build)
 
     flips = reports.add_parser(
@@ -135,6 +138,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     )
     flips.add_argument("--json", action="store_true", help="print the flips as JSON")
     add_store_option(flips)
+    add_lake_option(flips)
     flips.set_defaults(func=run_flips)
 
     listing = reports.add_parser(
@@ -145,6 +149,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     )
     listing.add_argument("--json", action="store_true", help="print the runs as JSON")
     add_store_option(listing)
+    add_lake_option(listing)
     listing.set_defaults(func=list_runs)
 
 
@@ -172,6 +177,12 @@ def run_build(args: argparse.Namespace) -> int:
     run_id = run_arg(store, args.run_id)
     base = args.vs if args.vs == PREVIOUS else run_arg(store, args.vs) if args.vs else None
     try:
+        if isinstance(store, Lake):  # read only the partitions of the runs compared
+            store = store.scoped([run_id])
+            if base == PREVIOUS:
+                with store.read() as con:
+                    base = previous_run(con, require_run(con, run_id))
+            store = store.scoped([run_id, base] if base else [run_id])
         with console.status("building the report…"):
             if base:
                 report = build_diff(store, run_id, base, options, window, base_window)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from servescope.commands.common import (
+    add_lake_option,
     add_store_option,
     byte_progress,
     console,
@@ -59,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     runs = stores.add_parser("runs", help="list runs with their event counts (as `report list`)")
     runs.add_argument("--json", action="store_true", help="print the runs as JSON")
     add_store_option(runs)
+    add_lake_option(runs)
     runs.set_defaults(func=list_runs)
 
 

@@ -1,0 +1,587 @@
+"""The shared Parquet lake: what many sidecars on many hosts write into one folder, and what
+`report build --lake`, DuckDB, ClickHouse, Spark or Trino read in place.
+
+Layout (the hive layout of `store export --format parquet`, one folder per table):
+
+    LAKE/<table>/run_id=<run>/date=<YYYY-MM-DD>/part-<sidecar>-<seq>.parquet
+    LAKE/<table>/run_id=<run>/date=<YYYY-MM-DD>/merged-<sidecar>-<lo>-<hi>.parquet
+    LAKE/_schema/<table>/<sidecar>.<digest>.parquet   (no rows: the columns this version writes)
+
+`<table>` is `events`, `metric_samples`, `runs`, `lever_flips` or `runtime_events`. `<sidecar>`
+is made once per store (host name and a random 48-bit id, kept in the store's checkpoints), so
+sidecars never need to agree on anything and never write the same name; `<seq>` is the flush's
+sequence number, 12 digits. A file is written under `LAKE/.staging/` and renamed into place, so
+it is there whole or not at all. Every file also holds `run_id` and `date` as columns, so an
+engine that reads no hive partitions still has them. `<run>` is the run id percent-encoded
+(`store.paths.safe_name`); an id that encoding cannot carry (too long for a folder, empty,
+Hive's null marker) lives under a folder whose name has a `~` (`store.paths.partition_value`),
+and is read from the file's own `run_id` column. `date` is the UTC day of the row's `ts`
+(`__HIVE_DEFAULT_PARTITION__` without one); a NULL run id is `__HIVE_DEFAULT_PARTITION__` too.
+
+Exactly once with the store (`LakeWriter`): flush k writes its files *inside* the store
+transaction that commits flush k, just before the commit, and the transaction also saves
+"flush k written" in the store's checkpoints. A crash before the files are renamed leaves only
+staging files (removed at the next start); a crash between the rename and the commit leaves
+files of flush k that the store never committed: the next start removes this sidecar's files
+with a sequence above the last committed one before anything else, and flush k is written
+again from what the collector reads again. A failed flush (a full disk) removes what it wrote.
+
+Versions: a request's pieces can reach the store in several flushes (a log line, then its
+trace), and the store merges them into one row; the lake gets the merged row of every flush
+that touched it. Each row carries `lake_version` (`<commit µs>.<sidecar>.<seq>`: the flush
+that wrote it, ordered by time), `lake_update` (true when the request was already stored
+before that flush: an older version of it may be in the lake) and `lake_deleted` (a tombstone:
+the request left this run, as a trace's request kept under `vllm-unattributed` does when its
+session is known). **The one rule for every reader: per (run_id, request_id) the row with the
+greatest `lake_version` is the request, unless it is a tombstone.** servescope's reader applies
+it only to requests with an update (few: a bench run's client records have none), which costs
+nothing when there are none. `runs` rows are written whole (the latest version per run_id
+wins); `lever_flips` as the whole set of a restart's flips (per (run_id, before_run_id) the
+latest version's rows, a row with a NULL lever saying "none"); `metric_samples` and
+`runtime_events` are appended once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import duckdb
+
+from servescope.store import checkpoints, queries
+from servescope.store.paths import MAX_NAME, name_of, partition_value, safe_name
+
+if TYPE_CHECKING:
+    from servescope.store.db import Store
+
+log = logging.getLogger("servescope.lake")
+
+NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
+STAGING = ".staging"
+SCHEMA = "_schema"
+SEQ_DIGITS = 12
+COMPRESSION = "zstd"
+LAKE_COLUMNS = ("lake_version", "lake_update", "lake_deleted")
+
+# Each table's columns, named (as the store's inserts name theirs): a sidecar of this version
+# writes exactly these whatever columns a newer servescope has added to its store, so files of
+# one version share one schema and readers need no schema merging between them.
+TABLE_COLUMNS: dict[str, str] = {
+    "events": queries.EVENT_COLUMNS,
+    "metric_samples": "ts, target, name, labels, run_id, value",
+    "runs": "run_id, started_at, ended_at, label, target, model, vllm_version,"
+    " CAST(levers AS VARCHAR) AS levers, CAST(workload AS VARCHAR) AS workload, status,"
+    " CAST(notes AS VARCHAR) AS notes",
+    "lever_flips": "ts, lever, run_id, before, after, note, before_run_id",
+    "runtime_events": "run_id, event_id, type, ts, request_id, trace_id, after_request_id,"
+    " ingested_at, seq, CAST(doc AS VARCHAR) AS doc",
+}
+TABLES = tuple(TABLE_COLUMNS)
+# The column a row's `date` partition is the UTC day of.
+DATE_COLUMN = {"runs": "started_at"}
+
+# `.<k>` numbers the files of one flush in one partition when DuckDB writes it in several.
+_PART = re.compile(r"^part-(?P<sidecar>.+)-(?P<lo>\d{12})(?:\.\d+)?\.parquet$")
+_MERGED = re.compile(r"^merged-(?P<sidecar>.+)-(?P<lo>\d{12})-(?P<hi>\d{12})(?:\.\d+)?\.parquet$")
+
+
+# -- names ---------------------------------------------------------------------------------------
+
+
+def run_folder(run_id: str | None) -> str:
+    """The `run_id=` folder value of a run: its percent-encoded id, which every hive reader
+    decodes back to the id; else (an id the encoding cannot carry) a name with a `~`."""
+    if run_id is None:
+        return NULL_PARTITION
+    name = safe_name(run_id)
+    if (
+        run_id
+        and run_id != NULL_PARTITION
+        and "~" not in name
+        and len(name) <= MAX_NAME - len("run_id=")
+        and name_of(name) == run_id
+        and run_id.isprintable()
+    ):
+        return name
+    stand_in = partition_value(run_id)
+    return safe_name(stand_in) if "~" in stand_in else f"{safe_name(run_id)[:100]}~"
+
+
+def hived(folder_value: str) -> bool:
+    """A `run_id=` folder whose name a hive reader decodes to the run id (no `~`)."""
+    return "~" not in folder_value
+
+
+@dataclass(frozen=True)
+class LakeFile:
+    """One data file of the lake, known by its name: whose, and which flushes it holds."""
+
+    path: Path
+    table: str
+    sidecar: str
+    lo: int
+    hi: int
+    merged: bool
+
+    @property
+    def partition(self) -> Path:
+        return self.path.parent
+
+
+def parse_name(path: Path, table: str) -> LakeFile | None:
+    match = _PART.match(path.name)
+    if match:
+        seq = int(match["lo"])
+        return LakeFile(path, table, match["sidecar"], seq, seq, False)
+    match = _MERGED.match(path.name)
+    if match:
+        return LakeFile(path, table, match["sidecar"], int(match["lo"]), int(match["hi"]), True)
+    return None
+
+
+def part_name(sidecar: str, seq: int, k: int = 0) -> str:
+    index = f".{k}" if k else ""
+    return f"part-{sidecar}-{seq:0{SEQ_DIGITS}d}{index}.parquet"
+
+
+def merged_name(sidecar: str, lo: int, hi: int, k: int = 0) -> str:
+    index = f".{k}" if k else ""
+    return f"merged-{sidecar}-{lo:0{SEQ_DIGITS}d}-{hi:0{SEQ_DIGITS}d}{index}.parquet"
+
+
+def list_files(
+    root: Path,
+    table: str,
+    run_folders: Iterable[str] | None = None,
+    date_ok: Callable[[str], bool] | None = None,
+) -> list[LakeFile]:
+    """The data files of one table (of some runs' folders, some `date=` folders, when given),
+    without those a merged file covers: a reader never sees a row twice while compaction
+    removes parts (store/lakecompact.py)."""
+    base = root / table
+    if run_folders is None:
+        folders = [p for p in subdirs(base) if p.name.startswith("run_id=")]
+    else:
+        folders = [base / f"run_id={value}" for value in run_folders]
+    found: list[LakeFile] = []
+    for folder in folders:
+        for partition in subdirs(folder):
+            if date_ok is not None and not date_ok(partition.name.partition("=")[2]):
+                continue
+            found.extend(visible(files_in(partition, table)))
+    return found
+
+
+def subdirs(path: Path) -> list[Path]:
+    try:
+        with os.scandir(path) as entries:
+            return [Path(e.path) for e in entries if e.is_dir() and not e.name.startswith(".")]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def files_in(partition: Path, table: str) -> list[LakeFile]:
+    try:
+        with os.scandir(partition) as entries:
+            names = [e.name for e in entries if e.name.endswith(".parquet")]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    files = (parse_name(partition / n, table) for n in names)
+    return [f for f in files if f is not None]
+
+
+def visible(files: Sequence[LakeFile]) -> list[LakeFile]:
+    """Files not covered by another file of the same sidecar with a wider range of flushes."""
+    merged = [f for f in files if f.merged]
+    out = []
+    for f in files:
+        covered = any(
+            m is not f and m.sidecar == f.sidecar and m.lo <= f.lo and f.hi <= m.hi
+            and (m.lo, m.hi) != (f.lo, f.hi)
+            for m in merged
+        )  # fmt: skip
+        if not covered:
+            out.append(f)
+    return out
+
+
+def schema_name(sidecar: str, table: str) -> str:
+    """`<sidecar>.<digest of the columns>.parquet`: one per sidecar and servescope version."""
+    digest = hashlib.sha256(TABLE_COLUMNS[table].encode()).hexdigest()[:8]
+    return f"{sidecar}.{digest}.parquet"
+
+
+def new_sidecar_id() -> str:
+    """This store's name in the lake: the host (for people) and 48 random bits (for
+    uniqueness); only `[A-Za-z0-9.]` and `_`, so it never breaks a file name."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:40] or "host"
+    return f"{host}_{secrets.token_hex(6)}"
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Mark:
+    """Where the store's tables stood when a flush began (inside its transaction)."""
+
+    rowids: dict[str, int]
+    events: int
+
+
+@dataclass
+class Written:
+    """The files one flush wrote (renamed into place), and the rows per table."""
+
+    seq: int
+    paths: list[Path] = field(default_factory=list)
+    rows: dict[str, int] = field(default_factory=dict)
+
+
+class LakeWriter:
+    """Appends each committed flush of one store to the lake (see the module docstring).
+
+    `mark(con)` at the start of the flush's transaction; `write(con, mark, …)` just before its
+    commit; `committed(written)` after the commit, `failed(written)` after a rollback.
+    """
+
+    def __init__(self, root: str | Path, store: Store) -> None:
+        self.root = Path(root).resolve()
+        self.store = store
+        self.source = f"lake:{self.root}"
+        state = checkpoints.state_of(checkpoints.load(store, self.source))
+        self.sidecar: str = state.get("sidecar") or new_sidecar_id()
+        self.seq: int = int(state.get("seq") or 0)  # the last flush the store committed
+        self._clock = 0
+        self._unsettled: list[Written] = []
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.remove_uncommitted()
+        self._write_schema()
+
+    @property
+    def staging(self) -> Path:
+        return self.root / STAGING / self.sidecar
+
+    def remove_uncommitted(self) -> int:
+        """Remove this sidecar's files of flushes the store never committed (a crash between
+        the rename and the commit) and its staging files; returns how many files went."""
+        removed = 0
+        shutil.rmtree(self.staging, ignore_errors=True)
+        for table in TABLES:
+            for folder in subdirs(self.root / table):
+                for partition in subdirs(folder):
+                    for found in files_in(partition, table):
+                        if (
+                            found.sidecar == self.sidecar
+                            and not found.merged
+                            and found.lo > self.seq
+                        ):
+                            found.path.unlink(missing_ok=True)
+                            removed += 1
+        if removed:
+            log.info("lake: removed %d files of flushes the store had not committed", removed)
+        return removed
+
+    def _write_schema(self) -> None:
+        """`_schema/<table>/<sidecar>.parquet`: the columns this version writes, no rows; what a
+        reader reads a table from before any data file exists, and how it sees versions differ."""
+        with self.store.read() as con:
+            for table in TABLES:
+                target = self.root / SCHEMA / table / schema_name(self.sidecar, table)
+                if target.exists():
+                    continue
+                if not _table_exists(con, table):
+                    continue
+                select = _select(table, "FALSE")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+                con.execute(
+                    f"COPY ({select} LIMIT 0) TO '{sql_literal(tmp)}' (FORMAT parquet)"  # noqa: S608
+                )
+                os.replace(tmp, target)
+
+    def mark(self, con: duckdb.DuckDBPyConnection) -> Mark:
+        rowids = {}
+        for table in ("events", "metric_samples", "lever_flips", "runtime_events"):
+            if _table_exists(con, table):
+                row = con.execute(f"SELECT COALESCE(max(rowid), -1) FROM {table}").fetchone()  # noqa: S608
+                rowids[table] = int(row[0]) if row else -1
+        count = con.execute("SELECT count(*) FROM events").fetchone()
+        return Mark(rowids, int(count[0]) if count else 0)
+
+    def write(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        mark: Mark,
+        *,
+        runs: Iterable[str] = (),
+        flip_groups: Iterable[tuple[str, str]] = (),
+    ) -> Written | None:
+        """Write what this transaction changed as flush `seq + 1`, and save that number in the
+        store's checkpoints (in the same transaction). None when nothing changed."""
+        self._settle(con)
+        seq = self.seq + 1
+        self._clock = max(self._clock + 1, time.time_ns() // 1000)
+        version = f"{self._clock:017d}.{self.sidecar}.{seq:0{SEQ_DIGITS}d}"
+        staged = self.staging / f"{seq:0{SEQ_DIGITS}d}"
+        shutil.rmtree(staged, ignore_errors=True)
+        written = Written(seq)
+        try:
+            self._stage_all(con, mark, version, staged, list(runs), list(flip_groups), written)
+            if not written.rows:
+                shutil.rmtree(staged, ignore_errors=True)
+                return None
+            self._publish(staged, seq, written)
+            state = {"sidecar": self.sidecar, "seq": seq}
+            checkpoints.save(
+                con, self.source, [{"file_key": checkpoints.STATE_KEY, "state": state}]
+            )
+        except BaseException:
+            for path in written.paths:  # not committed: the store is not saying otherwise yet
+                path.unlink(missing_ok=True)
+            written.paths.clear()
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        con.execute("DROP TABLE IF EXISTS lake_stage")
+        return written
+
+    def committed(self, written: Written | None) -> None:
+        if written is not None:
+            self.seq = written.seq
+
+    def failed(self, written: Written | None) -> None:
+        """The flush's transaction raised. Its files stay until the next flush's transaction
+        reads whether the store did commit it (a commit can succeed and its connection still
+        fail to close): kept if so, removed if not (`_settle`)."""
+        if written is not None and written.paths:
+            self._unsettled.append(written)
+
+    def _settle(self, con: duckdb.DuckDBPyConnection) -> None:
+        if not self._unsettled:
+            return
+        rows = con.execute(queries.LIST_CHECKPOINTS, [self.source]).fetchall()
+        stored = 0
+        for row in rows:
+            if row[1] == checkpoints.STATE_KEY and row[6]:
+                stored = int(json.loads(row[6]).get("seq") or 0)
+        for written in self._unsettled:
+            if written.seq <= stored:
+                self.seq = max(self.seq, written.seq)
+            else:
+                for path in written.paths:
+                    path.unlink(missing_ok=True)
+        self._unsettled.clear()
+
+    # -- the tables ------------------------------------------------------------------------------
+
+    def _stage_all(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        mark: Mark,
+        version: str,
+        staged: Path,
+        runs: list[str],
+        flip_groups: list[tuple[str, str]],
+        written: Written,
+    ) -> None:
+        self._stage_events(con, mark, version, staged, written)
+        for table in ("metric_samples", "runtime_events"):
+            if table in mark.rowids:
+                where = f"rowid > {int(mark.rowids[table])}"
+                self._stage(con, table, _select(table, where, version), staged, written)
+        if runs:
+            con.execute("CREATE OR REPLACE TEMP TABLE lake_keys (run_id VARCHAR)")
+            con.execute("INSERT INTO lake_keys SELECT unnest($1::VARCHAR[])", [runs])
+            where = "run_id IN (SELECT run_id FROM lake_keys)"
+            self._stage(con, "runs", _select("runs", where, version), staged, written)
+        if flip_groups:
+            self._stage_flips(con, mark, version, staged, flip_groups, written)
+
+    def _stage_events(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        mark: Mark,
+        version: str,
+        staged: Path,
+        written: Written,
+    ) -> None:
+        after = int(mark.rowids["events"])
+        select = _select("events", f"rowid > {after}", version)
+        con.execute(f"CREATE OR REPLACE TEMP TABLE lake_stage AS {select}")  # noqa: S608
+        touched = _count(con, "SELECT count(*) FROM lake_stage")
+        now = _count(con, "SELECT count(*) FROM events")
+        if touched != now - mark.events:
+            # some touched requests were stored before this flush (updates), or left a run
+            # (moves): found in the store as it was before the flush, on a second connection
+            # whose snapshot does not see this transaction
+            self._mark_updates(con, version)
+        self._stage(con, "events", "SELECT * FROM lake_stage", staged, written)
+
+    def _mark_updates(self, con: duckdb.DuckDBPyConnection, version: str) -> None:
+        ids = [r for (r,) in con.execute("SELECT DISTINCT request_id FROM lake_stage").fetchall()]
+        with con.cursor() as before:
+            prior = before.execute(
+                "SELECT e.run_id, e.request_id FROM events e"
+                " JOIN (SELECT unnest($1::VARCHAR[]) AS request_id) k USING (request_id)",
+                [ids],
+            ).fetchall()
+        if not prior:
+            return
+        runs = [r for r, _ in prior]
+        requests = [q for _, q in prior]
+        con.execute("CREATE OR REPLACE TEMP TABLE lake_prior (run_id VARCHAR, request_id VARCHAR)")
+        con.execute(
+            "INSERT INTO lake_prior SELECT unnest($1::VARCHAR[]), unnest($2::VARCHAR[])",
+            [runs, requests],
+        )
+        con.execute(
+            """UPDATE lake_stage s SET lake_update = true FROM lake_prior p
+               WHERE s.run_id = p.run_id AND s.request_id = p.request_id"""
+        )
+        # requests that were stored under a run and are no longer: a tombstone each
+        con.execute(
+            f"""INSERT INTO lake_stage BY NAME
+            SELECT p.run_id, p.request_id, CAST(NULL AS DATE) AS date, '{sql_literal(version)}' AS
+                   lake_version, true AS lake_update, true AS lake_deleted, '{{}}' AS doc
+            FROM lake_prior p
+            WHERE NOT EXISTS (SELECT 1 FROM events e
+                              WHERE e.run_id = p.run_id AND e.request_id = p.request_id)"""  # noqa: S608
+        )
+        con.execute("DROP TABLE lake_prior")
+
+    def _stage_flips(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        mark: Mark,
+        version: str,
+        staged: Path,
+        groups: list[tuple[str, str]],
+        written: Written,
+    ) -> None:
+        """The whole current set of each restart's flips that this flush rewrote, or a marker
+        row (NULL lever) for a set that became empty."""
+        params = [[g[0] for g in groups], [g[1] for g in groups]]
+        after = int(mark.rowids.get("lever_flips", -1))
+        changed = {
+            tuple(r) for r in con.execute(_FLIP_GROUPS + f" AND rowid > {after}", params).fetchall()
+        }
+        now = {tuple(r) for r in con.execute(_FLIP_GROUPS, params).fetchall()}
+        with con.cursor() as before:  # the store as it was before this flush
+            had = {tuple(r) for r in before.execute(_FLIP_GROUPS, params).fetchall()}
+        emptied = sorted(had - now)
+        if not changed and not emptied:
+            return
+        keys = sorted(changed)
+        where = "(run_id, before_run_id) IN (SELECT unnest($1::VARCHAR[]), unnest($2::VARCHAR[]))"
+        select = _select("lever_flips", where, version)
+        con.execute(
+            f"CREATE OR REPLACE TEMP TABLE lake_flips AS {select}",  # noqa: S608
+            [[k[0] for k in keys], [k[1] for k in keys]],
+        )
+        for run_id, before_run_id in emptied:
+            con.execute(
+                f"""INSERT INTO lake_flips BY NAME SELECT
+                    CAST(now() AS TIMESTAMP) AS ts, $1 AS run_id, $2 AS before_run_id,
+                    '{sql_literal(version)}' AS lake_version, false AS lake_update,
+                    false AS lake_deleted""",  # noqa: S608
+                [run_id, before_run_id],
+            )
+        self._stage(con, "lever_flips", "SELECT * FROM lake_flips", staged, written)
+        con.execute("DROP TABLE lake_flips")
+
+    def _stage(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        table: str,
+        select: str,
+        staged: Path,
+        written: Written,
+    ) -> None:
+        """One table's rows into `staged/<table>/`, one file per (run folder, date)."""
+        ids = [r for (r,) in con.execute(f"SELECT DISTINCT run_id FROM ({select})").fetchall()]  # noqa: S608
+        if not ids:
+            return
+        folders = {r: run_folder(r) for r in ids if r is not None}
+        target = staged / table
+        staged.mkdir(parents=True, exist_ok=True)
+        con.execute(
+            f"""COPY (
+                SELECT s.*, COALESCE(m.folder, '{NULL_PARTITION}') AS lake_run_folder,
+                       COALESCE(CAST(s.date AS VARCHAR), '{NULL_PARTITION}') AS lake_date_folder
+                FROM ({select}) s
+                LEFT JOIN (SELECT unnest($1::VARCHAR[]) AS rid, unnest($2::VARCHAR[]) AS folder) m
+                    ON m.rid = s.run_id
+            ) TO '{sql_literal(target)}' (FORMAT parquet, COMPRESSION {COMPRESSION},
+                PARTITION_BY (lake_run_folder, lake_date_folder), FILENAME_PATTERN 'f{{i}}',
+                OVERWRITE)""",  # noqa: S608 - folder names and the version are ours
+            [list(folders), list(folders.values())],
+        )
+        rows = _count(con, f"SELECT count(*) FROM ({select})")  # noqa: S608
+        written.rows[table] = written.rows.get(table, 0) + rows
+
+    def _publish(self, staged: Path, seq: int, written: Written) -> None:
+        """Rename the staged files into their partitions (each whole, or not there)."""
+        from urllib.parse import unquote
+
+        for table in TABLES:
+            for folder in sorted((staged / table).glob("lake_run_folder=*/lake_date_folder=*")):
+                run_value = unquote(folder.parent.name.split("=", 1)[1])
+                date_value = unquote(folder.name.split("=", 1)[1])
+                partition = self.root / table / f"run_id={run_value}" / f"date={date_value}"
+                partition.mkdir(parents=True, exist_ok=True)
+                for k, path in enumerate(sorted(folder.glob("*.parquet"))):
+                    target = partition / part_name(self.sidecar, seq, k)
+                    os.replace(path, target)
+                    written.paths.append(target)
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+_FLIP_GROUPS = """
+SELECT DISTINCT run_id, before_run_id FROM lever_flips
+WHERE (run_id, before_run_id) IN (SELECT unnest($1::VARCHAR[]), unnest($2::VARCHAR[]))
+"""
+
+
+def _select(table: str, where: str, version: str | None = None) -> str:
+    """A table's rows as the lake holds them: its columns, the `date` partition, the lake's
+    version columns (constants of this flush)."""
+    date = DATE_COLUMN.get(table, "ts")
+    lake = (
+        f"'{sql_literal(version)}' AS lake_version, false AS lake_update, false AS lake_deleted"
+        if version is not None
+        else "CAST(NULL AS VARCHAR) AS lake_version, CAST(NULL AS BOOLEAN) AS lake_update,"
+        " CAST(NULL AS BOOLEAN) AS lake_deleted"
+    )
+    return (
+        f"SELECT {TABLE_COLUMNS[table]}, CAST({date} AS DATE) AS date, {lake} "  # noqa: S608
+        f"FROM {table} WHERE {where}"
+    )
+
+
+def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
+    row = con.execute(sql).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _table_exists(con: duckdb.DuckDBPyConnection, table: str) -> bool:
+    row = con.execute(
+        "SELECT count(*) > 0 FROM duckdb_tables() WHERE table_name = $1", [table]
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def sql_literal(value: Any) -> str:
+    """A value inside a single-quoted SQL literal (paths in COPY … TO, which takes no parameter)."""
+    return str(value).replace("'", "''")
