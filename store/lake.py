@@ -115,8 +115,11 @@ def run_folder(run_id: str | None) -> str:
         and run_id.isprintable()
     ):
         return name
-    stand_in = partition_value(run_id)
-    return safe_name(stand_in) if "~" in stand_in else f"{safe_name(run_id)[:100]}~"
+    value = partition_value(run_id)
+    if value != run_id:  # too long: its head, and a digest of the whole id
+        head, _, digest = value.rpartition("~")
+        return f"{safe_name(head)}~{digest}"
+    return f"{safe_name(run_id)}~"
 
 
 def hived(folder_value: str) -> bool:

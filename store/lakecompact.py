@@ -125,7 +125,7 @@ def _merge(
     tmp = staging / f"{uuid.uuid4().hex}.parquet"
     files = "[" + ", ".join(f"'{sql_literal(f.path)}'" for f in group) + "]"
     con.execute(
-        f"COPY (SELECT * FROM read_parquet({files}, union_by_name = true)) "  # noqa: S608
+        f"COPY (SELECT * FROM read_parquet({files}, hive_partitioning = false, union_by_name = true)) "  # noqa: S608
         f"TO '{sql_literal(tmp)}' (FORMAT parquet, COMPRESSION {COMPRESSION})"
     )
     target = partition / merged_name(sidecar, lo, hi)

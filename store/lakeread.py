@@ -39,7 +39,7 @@ from servescope.store.lake import (
 )
 
 SESSION_PREFIX = "vllm-"  # a server session's run (collector/sessions.py)
-_HIVE = "hive_partitioning = true, hive_types = {'run_id': VARCHAR, 'date': DATE}"
+_HIVE = "hive_partitioning = true, hive_types = {'run_id': 'VARCHAR', 'date': 'DATE'}"
 
 
 class NoLake(ValueError):
@@ -142,7 +142,8 @@ def _source(files: Sequence[Any], schemas: list[Path], union: bool) -> str:
     if hive:
         parts.append(_READ.replace("FILES", _list(hive)).replace("OPTIONS", f"{_HIVE}, {by_name}"))
     if plain:
-        parts.append(_READ.replace("FILES", _list(plain)).replace("OPTIONS", by_name))
+        plain_options = f"hive_partitioning = false, {by_name}"  # the file's own run_id
+        parts.append(_READ.replace("FILES", _list(plain)).replace("OPTIONS", plain_options))
     if not parts:
         if not schemas:
             raise NoLake("the lake has no schema files: was it written by `collect --lake`?")

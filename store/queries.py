@@ -264,7 +264,7 @@ ORDER BY workload NULLS FIRST, concurrency NULLS FIRST, target_rate NULLS FIRST
 """
 )
 _LEVEL_LATENCY = ",\n    ".join(
-    f"avg({x}) FILTER (WHERE status = 'ok') AS {m}_mean" for m, x in _PER_REQUEST.items()
+    f"favg({x}) FILTER (WHERE status = 'ok') AS {m}_mean" for m, x in _PER_REQUEST.items()
 )
 SLICE_LEVELS = (
     SLICE_LEVELS.replace("COLUMNS", _SUMMARY_COLUMNS)
@@ -272,6 +272,9 @@ SLICE_LEVELS = (
     .replace("LEVEL_KEY", _LEVEL_KEY)
 )
 
+# Means of doubles are `favg` (compensated summation): the correctly rounded mean whatever order
+# the rows come in (parallel scans, a lake's files in any order), so the same data gives the
+# same report to the last digit from any store or lake that holds it; `avg` sums in row order.
 # ITL as `vllm bench serve` pools it: every gap between content chunks of successful requests,
 # overall and per level. A slice with few gaps (`reports.quantiles.SMALL`) takes DuckDB's
 # quantile aggregate (SLICE_ITL, SLICE_GROUP_ITL: two plain aggregations, faster than grouping
@@ -284,13 +287,13 @@ SLICE_LEVELS = (
 # in DuckDB.) The level key is hashed once per request, before the gaps are unnested.
 SLICE_ITL = _sliced(
     """
-SELECT quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, avg(gap) AS mean
+SELECT quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, favg(gap) AS mean
 FROM (SELECT unnest(itl_ms) AS gap FROM events WHERE status = 'ok' AND SLICE)
 """
 )
 SLICE_GROUP_ITL = _sliced(
     """
-SELECT level_key, quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, avg(gap) AS mean
+SELECT level_key, quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, favg(gap) AS mean
 FROM (SELECT LEVEL_KEY AS level_key, unnest(itl_ms) AS gap
       FROM events WHERE status = 'ok' AND SLICE)
 GROUP BY level_key
@@ -308,7 +311,7 @@ _GAP_BUCKET = """LEAST(GREATEST(floor((gap - $lo) / $width), 0), $last)::BIGINT"
 QUANTILE_PROBE = "SELECT quantile_cont(x, $qs) FROM (SELECT unnest($rows::DOUBLE[]) AS x)"
 _ITL_STATS = """count(gap) AS n,
        min(gap) FILTER (WHERE NOT isnan(gap)) AS lo, max(gap) FILTER (WHERE NOT isnan(gap)) AS hi,
-       avg(gap) AS mean"""
+       favg(gap) AS mean"""
 # (two plain aggregations, as SLICE_ITL and SLICE_GROUP_ITL compute the means: grouping sets
 # sum a mean in another order, a last-digit difference)
 SLICE_ITL_STATS = _sliced(
