@@ -124,8 +124,9 @@ def _merge(
     staging.mkdir(parents=True, exist_ok=True)
     tmp = staging / f"{uuid.uuid4().hex}.parquet"
     files = "[" + ", ".join(f"'{sql_literal(f.path)}'" for f in group) + "]"
+    options = "hive_partitioning = false, union_by_name = true"  # the files' own columns
     con.execute(
-        f"COPY (SELECT * FROM read_parquet({files}, hive_partitioning = false, union_by_name = true)) "  # noqa: S608
+        f"COPY (SELECT * FROM read_parquet({files}, {options})) "  # noqa: S608
         f"TO '{sql_literal(tmp)}' (FORMAT parquet, COMPRESSION {COMPRESSION})"
     )
     target = partition / merged_name(sidecar, lo, hi)
