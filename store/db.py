@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -324,7 +324,9 @@ class Store:
             yield con
             con.commit()
         except BaseException:
-            con.rollback()
+            # a commit that failed (a full disk) has rolled back already
+            with suppress(duckdb.TransactionException):
+                con.rollback()
             raise
         finally:
             con.close()
