@@ -48,6 +48,7 @@ sys.path.insert(0, _CODE)
 
 from servescope.collector import Collector, FlushReport  # noqa: E402
 from servescope.store import Store  # noqa: E402
+from servescope.store.lake import LakeWriter  # noqa: E402
 
 console = Console(stderr=True)
 
@@ -90,10 +91,11 @@ def reference(path: Path, folder: Path) -> float:
     return elapsed
 
 
-def ours(path: Path, folder: Path, n: int) -> float:
+def ours(path: Path, folder: Path, n: int, lake: bool = False) -> float:
     store = Store(folder / "ours.duckdb")
     store._ensure_schema()
-    collector = Collector(store, events=[str(path)])
+    writer = LakeWriter(folder / "lake-ours", store) if lake else None
+    collector = Collector(store, events=[str(path)], lake=writer)
     written = {"n": 0}
     done = threading.Event()
 
@@ -141,13 +143,14 @@ def write_floor(folder: Path) -> float:
     return elapsed
 
 
-def steady(folder: Path, rate: int, seconds: float) -> dict[str, float]:
+def steady(folder: Path, rate: int, seconds: float, lake: bool = False) -> dict[str, float]:
     """Lag of each event from its write to its commit, at a steady rate; and peak RSS."""
     path = folder / "steady.events.jsonl"
     path.touch()
     store = Store(folder / "steady.duckdb")
     store._ensure_schema()
-    collector = Collector(store, events=[str(path)], want_keys=True)
+    writer = LakeWriter(folder / "lake-steady", store) if lake else None
+    collector = Collector(store, events=[str(path)], want_keys=True, lake=writer)
     total = int(rate * seconds)
     sent: list[float] = [0.0] * total
     lags: list[float] = []
@@ -342,6 +345,11 @@ def main() -> int:
         " against this tree, alternately (no steady run)",
     )
     parser.add_argument("--rounds", type=int, default=4, help="rounds of --baseline (default 4)")
+    parser.add_argument(
+        "--lake",
+        action="store_true",
+        help="the collector also appends every flush to a Parquet lake (`collect --lake`)",
+    )
     parser.add_argument("--measure-once", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--code-root", help=argparse.SUPPRESS)
     parser.add_argument("--rules-off", action="store_true", help=argparse.SUPPRESS)
@@ -357,16 +365,18 @@ def main() -> int:
         with console.status(f"writing {args.events:,} seed-format events"):
             write_file(path, args.events)
         size_mb = path.stat().st_size / 2**20
-        result = steady(folder, args.rate, args.seconds)  # first: its RSS is the collector's own
+        # first: its RSS is the collector's own
+        result = steady(folder, args.rate, args.seconds, args.lake)
         with console.status("reference: DuckDB read_json_auto bulk load"):
             ref_s = reference(path, folder)
-        ours_s = ours(path, folder, args.events)
+        ours_s = ours(path, folder, args.events, args.lake)
         with console.status("floor: the stored rows written again, nothing to parse"):
             floor_s = write_floor(folder)
     ours_rate = args.events / ours_s
     ref_rate = args.events / ref_s
     print(f"file: {args.events:,} events, {size_mb:.0f} MB")
-    print(f"ours (collector, tailing, checkpoints on): {ours_s:.2f} s = {ours_rate:,.0f} events/s")
+    lake = " + lake" if args.lake else ""
+    print(f"ours (collector, tailing, checkpoints on{lake}): {ours_s:.2f} s = {ours_rate:,.0f}/s")
     print(f"reference (DuckDB read_json_auto):         {ref_s:.2f} s = {ref_rate:,.0f} events/s")
     print(
         f"floor (our rows alone, already parsed):    {floor_s:.2f} s = "
@@ -383,6 +393,7 @@ def main() -> int:
         json.dumps(
             {
                 "metric": "ingest_events_per_s",
+                "lake": args.lake,
                 "ours": round(ours_rate, 1),
                 "reference": round(ref_rate, 1),
                 "ratio": round(ours_rate / ref_rate, 4),
