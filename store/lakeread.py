@@ -102,6 +102,9 @@ class Lake(Store):
     def read(self) -> Iterator[duckdb.DuckDBPyConnection]:
         con = quiet(duckdb.connect())
         con.execute("SET parquet_metadata_cache = true")  # each query would read the footers again
+        # a report's reads are order-free (quantiles, `favg` means, sorted samples): copying a
+        # scope's rows in whatever order the threads read them takes a third less CPU
+        con.execute("SET preserve_insertion_order = false")
         try:
             self._views(con)
             yield con
