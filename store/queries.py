@@ -145,7 +145,7 @@ SELECT t.name, t.col FROM (SELECT unnest($tables) AS name, unnest($columns) AS c
 WHERE NOT EXISTS (SELECT 1 FROM duckdb_columns() c
                   WHERE c.table_name = t.name AND c.column_name = t.col)
 """
-# What a store says of its schema: the comment of its `events` table (see `store.db.STAMP`).
+# What a store says of its schema: the comment of its `events` table (`store.db.schema_stamp`).
 SCHEMA_STAMP = "SELECT comment FROM duckdb_tables() WHERE table_name = 'events'"
 
 
