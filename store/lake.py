@@ -78,8 +78,8 @@ LAKE_COLUMNS = ("lake_version", "lake_update", "lake_deleted")
 # Each table's columns, named (as the store's inserts name theirs): a sidecar of this version
 # writes exactly these whatever columns a newer servescope has added to its store, so files of
 # one version share one schema and readers need no schema merging between them.
-TABLE_COLUMNS: dict[str, str] = {
-    "events": queries.EVENT_COLUMNS,
+_COLUMNS: dict[str, str] = {
+    "events": "",  # the schema's (store.tables.EVENT_COLUMNS), read by the writer alone
     "metric_samples": "ts, target, name, labels, run_id, value",
     "runs": "run_id, started_at, ended_at, label, target, model, vllm_version,"
     " CAST(levers AS VARCHAR) AS levers, CAST(workload AS VARCHAR) AS workload, status,"
@@ -88,7 +88,18 @@ TABLE_COLUMNS: dict[str, str] = {
     "runtime_events": "run_id, event_id, type, ts, request_id, trace_id, after_request_id,"
     " ingested_at, seq, CAST(doc AS VARCHAR) AS doc",
 }
-TABLES = tuple(TABLE_COLUMNS)
+
+
+def table_columns(table: str) -> str:
+    """The columns the lake holds of `table`, as a SELECT list."""
+    if table == "events":
+        from servescope.store import tables  # the ORM: writers only (a reader never needs it)
+
+        return ", ".join(f'"{name}"' for name, _type in tables.EVENT_COLUMNS)
+    return _COLUMNS[table]
+
+
+TABLES = tuple(_COLUMNS)
 # The column a row's `date` partition is the UTC day of.
 DATE_COLUMN = {"runs": "started_at"}
 
@@ -222,7 +233,7 @@ def visible(files: Sequence[LakeFile]) -> list[LakeFile]:
 
 def schema_name(sidecar: str, table: str) -> str:
     """`<sidecar>.<digest of the columns>.parquet`: one per sidecar and servescope version."""
-    digest = hashlib.sha256(TABLE_COLUMNS[table].encode()).hexdigest()[:8]
+    digest = hashlib.sha256(table_columns(table).encode()).hexdigest()[:8]
     return f"{sidecar}.{digest}.parquet"
 
 
@@ -568,7 +579,7 @@ def _select(table: str, where: str, version: str | None = None) -> str:
         " CAST(NULL AS BOOLEAN) AS lake_deleted"
     )
     return (
-        f"SELECT {TABLE_COLUMNS[table]}, CAST({date} AS DATE) AS date, {lake} "  # noqa: S608
+        f"SELECT {table_columns(table)}, CAST({date} AS DATE) AS date, {lake} "  # noqa: S608
         f"FROM {table} WHERE {where}"
     )
 

@@ -129,7 +129,7 @@ class Lake(Store):
             # a report queries its runs' events some fifty times, and each query of a view
             # opens every listed file again (a run served by 64 sidecars is 64 files or more):
             # the runs' rows are read once into one in-memory table instead. `doc`, the
-            # verbatim record, only a server session's report reads (store.queries.SLICE_CHECKS).
+            # verbatim record, only a server session's report reads (reports.sql.SLICE_CHECKS).
             doc = "doc" if sessions else "CAST(NULL AS VARCHAR) AS doc"
             con.execute("ALTER VIEW events RENAME TO events_in_files")
             con.execute(_COPY_EVENTS.replace("DOC", doc))
