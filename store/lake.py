@@ -385,7 +385,7 @@ class LakeWriter:
     def _settle(self, con: duckdb.DuckDBPyConnection) -> None:
         if not self._unsettled:
             return
-        rows = con.execute(queries.LIST_CHECKPOINTS, [self.source]).fetchall()
+        rows = con.execute(queries.LIST_CHECKPOINTS, {"source": self.source}).fetchall()
         stored = 0
         for row in rows:
             if row[1] == checkpoints.STATE_KEY and row[6]:
@@ -433,14 +433,16 @@ class LakeWriter:
     ) -> None:
         after = int(mark.rowids["events"])
         select = _select("events", f"rowid > {after}", version)
-        con.execute(f"CREATE OR REPLACE TEMP TABLE lake_stage AS {select}")  # noqa: S608
-        touched = _count(con, "SELECT count(*) FROM lake_stage")
+        touched = _count(con, f"SELECT count(*) FROM events WHERE rowid > {after}")  # noqa: S608
         now = _count(con, "SELECT count(*) FROM events")
-        if touched != now - mark.events:
-            # some touched requests were stored before this flush (updates), or left a run
-            # (moves): found in the store as it was before the flush, on a second connection
-            # whose snapshot does not see this transaction
-            self._mark_updates(con, version)
+        if touched == now - mark.events:  # every touched request is new: written as it is
+            self._stage(con, "events", select, staged, written)
+            return
+        # some touched requests were stored before this flush (updates), or left a run (moves):
+        # found in the store as it was before the flush, on a second connection whose snapshot
+        # does not see this transaction
+        con.execute(f"CREATE OR REPLACE TEMP TABLE lake_stage AS {select}")  # noqa: S608
+        self._mark_updates(con, version)
         self._stage(con, "events", "SELECT * FROM lake_stage", staged, written)
 
     def _mark_updates(self, con: duckdb.DuckDBPyConnection, version: str) -> None:
@@ -530,7 +532,7 @@ class LakeWriter:
         folders = {r: run_folder(r) for r in ids if r is not None}
         target = staged / table
         staged.mkdir(parents=True, exist_ok=True)
-        con.execute(
+        copied = con.execute(
             f"""COPY (
                 SELECT s.*, COALESCE(m.folder, '{NULL_PARTITION}') AS lake_run_folder,
                        COALESCE(CAST(s.date AS VARCHAR), '{NULL_PARTITION}') AS lake_date_folder
@@ -541,8 +543,8 @@ class LakeWriter:
                 PARTITION_BY (lake_run_folder, lake_date_folder), FILENAME_PATTERN 'f{{i}}',
                 OVERWRITE)""",  # noqa: S608 - folder names and the version are ours
             [list(folders), list(folders.values())],
-        )
-        rows = _count(con, f"SELECT count(*) FROM ({select})")  # noqa: S608
+        ).fetchone()
+        rows = int(copied[0]) if copied else 0
         written.rows[table] = written.rows.get(table, 0) + rows
 
     def _publish(self, staged: Path, seq: int, written: Written) -> None:
