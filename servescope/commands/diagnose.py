@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     store = open_store(args)
-    if isinstance(store, Lake):
+    if isinstance(store, Lake) and store.has_run(args.run_id):  # its partitions alone
         store = store.scoped([args.run_id])
     try:
         options = ReportOptions(slo=args.slo, charts=False)

@@ -178,7 +178,13 @@ def run_build(args: argparse.Namespace) -> int:
     run_id = run_arg(store, args.run_id)
     base = args.vs if args.vs == PREVIOUS else run_arg(store, args.vs) if args.vs else None
     try:
-        if isinstance(store, Lake):  # read only the partitions of the runs compared
+        if (
+            isinstance(store, Lake)
+            and store.has_run(run_id)
+            and (base in (None, PREVIOUS) or store.has_run(base))
+        ):
+            # read only the partitions of the runs compared (an unknown run is reported from
+            # the whole lake, with the runs it knows)
             store = store.scoped([run_id])
             if base == PREVIOUS:
                 with store.read() as con:
