@@ -254,6 +254,12 @@ def test_listing_commands_read_the_lake(fleet: dict[str, Any]) -> None:
     )  # fmt: skip
     assert missing.returncode == 2 and "no lake at" in missing.stderr
     assert "Traceback" not in missing.stderr
+    unknown = subprocess.run(
+        [*SERVESCOPE, "report", "build", "run-nope", "--lake", str(fleet["lake"]),
+         "--out", str(fleet["tmp"] / "nope")],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert unknown.returncode == 2 and all(run in unknown.stderr for run in RUNS)
 
 
 def test_clickhouse_reads_the_same_numbers(fleet: dict[str, Any]) -> None:
