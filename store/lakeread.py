@@ -39,6 +39,7 @@ from servescope.store.lake import (
 )
 
 SESSION_PREFIX = "vllm-"  # a server session's run (collector/sessions.py)
+COPY_ROWS = 2_000_000  # the most events a scoped read copies into memory (see `_views`)
 _HIVE = "hive_partitioning = true, hive_types = {'run_id': 'VARCHAR', 'date': 'DATE'}"
 
 
@@ -125,14 +126,23 @@ class Lake(Store):
             self._view(con, "events", None, None, lambda d: any(_within(d, s) for s in spans))
         else:
             self._view(con, "events", None, folders)
-        if self.scope is not None:
+        if self.scope is not None and _count(con, "SELECT count(*) FROM events") <= COPY_ROWS:
             # a report queries its runs' events some fifty times, and each query of a view
             # opens every listed file again (a run served by 64 sidecars is 64 files or more):
-            # the runs' rows are read once into one in-memory table instead. `doc`, the
-            # verbatim record, only a server session's report reads (reports.sql.SLICE_CHECKS).
+            # the runs' rows are read once into one in-memory table instead, when they fit
+            # (~350 bytes a row: COPY_ROWS keeps a report under 1 GiB; larger runs are read
+            # through the views, slower, in bounded memory). `doc`, the verbatim record, only a
+            # server session's report reads (reports.sql.SLICE_CHECKS).
+            # One run at a time, so each run's rows lie together and a query of one run skips
+            # the other's row groups (a session's requests of other runs come last).
             doc = "doc" if sessions else "CAST(NULL AS VARCHAR) AS doc"
             con.execute("ALTER VIEW events RENAME TO events_in_files")
-            con.execute(_COPY_EVENTS.replace("DOC", doc))
+            con.execute(_COPY_EVENTS.replace("DOC", doc) + " LIMIT 0")
+            for run in self.scope:
+                con.execute(_ADD_EVENTS.replace("DOC", doc) + " WHERE run_id = $1", [run])
+            if sessions:
+                others = " WHERE NOT list_contains($1, run_id)"
+                con.execute(_ADD_EVENTS.replace("DOC", doc) + others, [list(self.scope)])
 
 
     def _view(
@@ -180,6 +190,11 @@ def _list(paths: Sequence[Path]) -> str:
     return "[" + ", ".join(f"'{sql_literal(p)}'" for p in paths) + "]"
 
 
+def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
+    row = con.execute(sql).fetchone()
+    return int(row[0]) if row else 0
+
+
 def _has_updates(con: duckdb.DuckDBPyConnection, source: str) -> bool:
     """Whether any listed request has more than one version (few do: only those whose pieces
     reached the store in several flushes)."""
@@ -200,6 +215,7 @@ LEFT JOIN (SELECT run_id, request_id, max(lake_version) AS latest
 WHERE (u.latest IS NULL OR s.lake_version = u.latest) AND NOT s.lake_deleted
 """.replace("HIDDEN", _HIDDEN)
 _COPY_EVENTS = "CREATE TABLE events AS SELECT * REPLACE (DOC) FROM events_in_files"
+_ADD_EVENTS = "INSERT INTO events SELECT * REPLACE (DOC) FROM events_in_files"
 # A restart's flips are the set its latest version wrote (a NULL lever: the set is empty).
 _FLIPS = """
 SELECT * EXCLUDE (HIDDEN, latest) FROM (
