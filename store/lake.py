@@ -72,7 +72,9 @@ NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
 STAGING = ".staging"
 SCHEMA = "_schema"
 SEQ_DIGITS = 12
-COMPRESSION = "zstd"
+# zstd at its fastest level: a flush's copy is on the collector's path (level 3, the default,
+# costs ~25 % more CPU for files 3 % smaller); compaction writes at the default level
+COMPRESSION = "zstd, COMPRESSION_LEVEL 1"
 LAKE_COLUMNS = ("lake_version", "lake_update", "lake_deleted")
 
 # Each table's columns, named (as the store's inserts name theirs): a sidecar of this version

@@ -29,7 +29,6 @@ import duckdb
 
 from servescope.store.db import quiet
 from servescope.store.lake import (
-    COMPRESSION,
     STAGING,
     TABLES,
     LakeFile,
@@ -127,7 +126,7 @@ def _merge(
     options = "hive_partitioning = false, union_by_name = true"  # the files' own columns
     con.execute(
         f"COPY (SELECT * FROM read_parquet({files}, {options})) "  # noqa: S608
-        f"TO '{sql_literal(tmp)}' (FORMAT parquet, COMPRESSION {COMPRESSION})"
+        f"TO '{sql_literal(tmp)}' (FORMAT parquet, COMPRESSION zstd)"
     )
     target = partition / merged_name(sidecar, lo, hi)
     os.replace(tmp, target)
