@@ -348,6 +348,9 @@ class Collector:
                 self._configure(source, item)
             elif isinstance(item, vllm_log.KvCache):
                 self._kv_cache(source, item)
+            elif isinstance(item, vllm_log.Phase) and session is not None:
+                session.phase(item.values, item.ts, ready=item.ready)
+                self._touch(session)
         now = datetime.now(UTC).replace(tzinfo=None)
         run = source.session.run_id if source.session else None
         for (method, path, status), n in access.items():

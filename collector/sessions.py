@@ -20,6 +20,8 @@ from pathlib import PurePath
 from typing import Any
 from urllib.parse import urlparse
 
+from servescope.wire.vllm_log import add_phase
+
 DEFAULT_PORT = 8000
 LABEL = "vLLM server session"
 KIND = "vllm-session"
@@ -98,6 +100,7 @@ class Session:
     args: dict[str, Any] = field(default_factory=dict)  # `non-default args`, secrets left out
     cache_config: dict[str, str] = field(default_factory=dict)
     kv_cache: dict[str, Any] = field(default_factory=dict)  # vLLM's start-up KV statement
+    cold_start: dict[str, float] = field(default_factory=dict)  # its start-up phases (seconds, GiB)
     previous: str | None = None  # the run of the session this one followed, on the same log
     previous_levers: dict[str, Any] | None = None
     previous_args: dict[str, Any] | None = None  # its `non-default args`
@@ -187,6 +190,16 @@ class Session:
             if before.get(lever) != after.get(lever)
         ]
 
+    def phase(self, values: dict[str, float], ts: datetime | None, *, ready: bool) -> None:
+        """A start-up phase line (`wire.vllm_log.PHASES`); `ready` (uvicorn's `Application
+        startup complete`) gives `ready_s`, from the session's first line, timed by `ts` or,
+        for an undated text line, the last dated line before it."""
+        self.cold_start = add_phase(self.cold_start, values)
+        self.seen(ts)
+        start, at = self.started(), _parse(self.last_ts)
+        if ready and "ready_s" not in self.cold_start and start is not None and at is not None:
+            self.cold_start["ready_s"] = round((at - start).total_seconds(), 3)
+
     def end(self, ts: datetime | None) -> None:
         self.ended_at = _iso(ts) if ts else (self.last_ts or self.started_at)
 
@@ -199,6 +212,8 @@ class Session:
             notes["cache_config"] = self.cache_config
         if self.kv_cache:
             notes["kv_cache"] = {"vllm": self.kv_cache, "servescope": None}
+        if self.cold_start:
+            notes["cold_start"] = self.cold_start
         return {
             "started_at": _naive(self.started()),
             "ended_at": _naive(self.ended()),

@@ -11,9 +11,10 @@ from typing import Any
 
 import duckdb
 
-from servescope.reports import bootstrap
+from servescope.reports import bootstrap, coldstart
 from servescope.reports.charts import charts
 from servescope.reports.checklist import checklist
+from servescope.reports.coldstart import cold_start_of
 from servescope.reports.diagnosis import assess_flip, diagnose
 from servescope.reports.diff import (
     Side,
@@ -173,6 +174,7 @@ def build_summary(
         options = _with_slo(options, run)
         side, summary = _side(con, part, options)
         meta = run_meta(run, summary["overall"]["models"])
+        meta["cold_start"] = cold_start_of(con, run)
         checks = checklist(con, part, meta, summary, options)
         flips = _flips(con, [run_id], [side])
         drawn = charts([side], flips) if options.charts else {}
@@ -188,6 +190,7 @@ def build_summary(
         "checklist": checks,
         "flips": flips,
         "charts": drawn,
+        "cold_start": coldstart.rows(meta["cold_start"]),
     }
     report["diagnosis"] = diagnose(report)
     return report
@@ -217,6 +220,8 @@ def _compare(
     (b_side, b_summary), (a_side, a_summary) = _both_sides(con, (before, after), options, stack)
     b_meta = run_meta(runs[0], b_summary["overall"]["models"])
     a_meta = run_meta(runs[1], a_summary["overall"]["models"])
+    b_meta["cold_start"] = cold_start_of(con, runs[0])
+    a_meta["cold_start"] = cold_start_of(con, runs[1])
     same_run = before.run_id == after.run_id
     rows = diff_rows(b_side, a_side, seed)
     flips = _flips(con, sorted({before.run_id, after.run_id}), [b_side, a_side])
@@ -237,6 +242,9 @@ def _compare(
             **_public(a_summary),
         },
         "diff": rows,
+        "cold_start": []
+        if same_run
+        else coldstart.diff_rows(b_meta["cold_start"], a_meta["cold_start"]),
         "spec_decode": spec_diff(con, (before, after), (b_summary, a_summary), rows, seed),
         "warnings": workload_warnings(
             b_side, a_side, b_meta["workload"], a_meta["workload"], same_run
