@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 
 import duckdb
 
+from servescope.collector.gpu import GpuSource
 from servescope.collector.scrape import Scrape, scrape, server_version
 from servescope.collector.selfmetrics import SelfMetrics
 from servescope.collector.sessions import Session, session_run_id
@@ -211,8 +212,10 @@ class Collector:
         max_flush_bytes: int = MAX_FLUSH_BYTES,
         want_keys: bool = False,
         metrics: SelfMetrics | None = None,
+        gpu: GpuSource | None = None,
     ) -> None:
         self.store = store
+        self.gpu = gpu
         bulk.remove_stale_chunks()
         self.once = once
         self.scrape_interval = scrape_interval
@@ -556,6 +559,23 @@ class Collector:
                     state["version"] = version
                 self._held.append((time.monotonic(), result))
 
+    def read_gpu(self) -> None:
+        """One reading of the GPUs (`collector/gpu.py`), stored as samples of the server session
+        running now when there is exactly one (several servers sharing the GPUs, or none:
+        no session; the reports take those too, by time)."""
+        if self.gpu is None:
+            return
+        samples = self.gpu.read()
+        with self._lock:
+            running = [s for s in self._sessions() if s.ended_at is None and s.run_id]
+            run = running[0].run_id if len(running) == 1 else None
+            self._pending.touch()
+            self._pending.lines[f"gpu:{self.gpu.name}"] += 1
+            self._pending.samples.extend(
+                (ts, target, name, labels, run, value)
+                for ts, target, name, labels, _run, value in samples
+            )
+
     def _place_scrapes(self) -> None:
         """Give held scrapes their server session's run (called under the lock).
 
@@ -822,7 +842,7 @@ class Collector:
     def run(self, stop: threading.Event) -> None:
         """Tail, scrape and flush until `stop` is set; then a last read and flush."""
         scraper = None
-        if self.targets:
+        if self.targets or self.gpu is not None:
             scraper = threading.Thread(target=self._scrape_loop, args=(stop,), daemon=True)
             scraper.start()
         last_flush = time.monotonic()
@@ -854,6 +874,7 @@ class Collector:
             started = time.monotonic()
             try:
                 self.scrape_all()
+                self.read_gpu()
             except Exception:
                 log.exception("scrape failed")
             stop.wait(max(0.0, self.scrape_interval - (time.monotonic() - started)))

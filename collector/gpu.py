@@ -12,7 +12,9 @@ MIG: those stay the physical GPU's; memory used is read per MIG instance too (la
 from __future__ import annotations
 
 import logging
+import os
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -65,8 +67,11 @@ def nvml_record() -> dict[str, Any]:
             return None
 
     gpus = []
+    wanted = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
     for index in range(pynvml.nvmlDeviceGetCount()):
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        if wanted is not None and not wanted(index, _text(read(pynvml.nvmlDeviceGetUUID, handle))):
+            continue
         util = read(pynvml.nvmlDeviceGetUtilizationRates, handle)
         memory = read(pynvml.nvmlDeviceGetMemoryInfo, handle)
         gpu: dict[str, Any] = {
@@ -95,6 +100,18 @@ def nvml_record() -> dict[str, Any]:
                 })  # fmt: skip
         gpus.append({k: _text(v) for k, v in gpu.items() if v is not None})
     return {"ts": datetime.now(UTC).isoformat(), "gpus": gpus}
+
+
+def visible_devices(value: str | None) -> Callable[[int, str | None], bool] | None:
+    """Which GPUs a `CUDA_VISIBLE_DEVICES` value names (indices or `GPU-…` UUIDs), as a test of
+    (index, UUID); None when it names none in particular (unset, or MIG instances, whose
+    power and energy are their GPU's anyway)."""
+    if not value or not value.strip():
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if any(n.startswith("MIG-") for n in names):
+        return None
+    return lambda index, uuid: str(index) in names or (uuid is not None and uuid in names)
 
 
 def _text(value: Any) -> Any:
@@ -140,8 +157,16 @@ def _scaled(value: Any, factor: float) -> float | None:
 def dcgm_samples(text: str, *, url: str, ts: datetime, run_id: str | None = None) -> list[Sample]:
     """The GPU samples of a dcgm-exporter `/metrics` page (its own names and labels; the
     other families it exports are left out). Raises ValueError on text that is not
-    exposition format."""
-    return [s for s in parse_exposition(text, target=url, ts=ts, run_id=run_id) if s[2] in NAMES]
+    exposition format. The client library's parser names a counter's sample `…_total`; the
+    energy counter keeps dcgm-exporter's own name, as Prometheus stores it."""
+    out: list[Sample] = []
+    for ts_, target, name, labels, run, value in parse_exposition(
+        text, target=url, ts=ts, run_id=run_id
+    ):
+        name = name if name in NAMES else name.removesuffix("_total")
+        if name in NAMES:
+            out.append((ts_, target, name, labels, run, value))
+    return out
 
 
 @dataclass

@@ -18,6 +18,7 @@ from servescope.reports.coldstart import cold_start_of
 from servescope.reports.diagnosis import assess_flip, diagnose
 from servescope.reports.diff import (
     Side,
+    attach_gpu,
     describe_change,
     diff_rows,
     headline,
@@ -91,7 +92,9 @@ def _side(
     samples = Samples(con, part)
     samples.use(choose_sources(samples))
     summary = summarize(con, part, options, samples)
-    return Side(part.name, summary, samples), summary
+    side = Side(part.name, summary, samples)
+    attach_gpu(con, side)
+    return side, summary
 
 
 def _both_sides(
@@ -112,10 +115,13 @@ def _both_sides(
         summaries = list(
             pool.map(lambda c, p, s: summarize(c, p, options, s), cursors, parts, samples)
         )
-    return [
+    sides = [
         (Side(part.name, summary, side), summary)
         for part, summary, side in zip(parts, summaries, samples, strict=True)
     ]
+    for side, _summary in sides:
+        attach_gpu(con, side)
+    return sides
 
 
 def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
@@ -152,7 +158,7 @@ def _window_of(part: Slice) -> dict[str, str | None] | None:
 
 
 def _public(summary: dict[str, Any]) -> dict[str, Any]:
-    return {k: summary[k] for k in ("overall", "groups", "server", "admission")}
+    return {k: summary[k] for k in ("overall", "groups", "server", "admission", "gpu")}
 
 
 def _with_slo(options: ReportOptions | None, run: dict[str, Any]) -> ReportOptions:
@@ -306,7 +312,7 @@ def build_diff(
         "base_window": _window_of(before),
         "levers": run.get("levers") or {},
         "run": meta,
-        **{k: compared["after"][k] for k in ("overall", "groups", "server", "admission")},
+        **{k: compared["after"][k] for k in ("overall", "groups", "server", "admission", "gpu")},
         "headline": _headline(change, compared, b_side, a_side),
         "lever_changes": changes,
         **compared,
