@@ -2,8 +2,8 @@
 stored as `metric_samples` under dcgm-exporter's names so the two are one thing to the reports
 and the dashboards.
 
-The NVML boundary is `nvml_record()` and nothing else: one call per field, returning a plain
-record (the same one `benchmarks/gpu/run.sh` writes to `nvml.jsonl`), so every step after it is
+The NVML boundary is `nvml_rows()` and nothing else: one call per field, returning plain rows
+(those `benchmarks/gpu/nvml_record.py` records on a GPU server), so every step after it is
 tested on records recorded from a real GPU server. NVML has no per-instance power or energy on
 MIG: those stay the physical GPU's; memory used is read per MIG instance too (label
 `GPU_I_ID`, as dcgm-exporter does).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,9 +56,11 @@ def nvml_open() -> int:
     return count
 
 
-def nvml_record() -> dict[str, Any]:
-    """One reading of every GPU (and MIG instance) NVML sees, as a plain record. A field the
-    GPU does not support is left out. The only code here that touches a GPU."""
+def nvml_rows() -> list[dict[str, Any]]:
+    """One reading of every GPU NVML sees (those of `CUDA_VISIBLE_DEVICES` when set), one plain
+    row per GPU — the rows `benchmarks/gpu/nvml_record.py` records on a GPU server — with its
+    MIG instances' memory under `mig`. A field the GPU does not support is left out. The only
+    code here that touches a GPU."""
     import pynvml
 
     def read(call: Any, *args: Any) -> Any:
@@ -66,40 +69,44 @@ def nvml_record() -> dict[str, Any]:
         except pynvml.NVMLError:
             return None
 
-    gpus = []
+    now = time.time()
+    rows = []
     wanted = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
     for index in range(pynvml.nvmlDeviceGetCount()):
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        if wanted is not None and not wanted(index, _text(read(pynvml.nvmlDeviceGetUUID, handle))):
+        uuid = _text(read(pynvml.nvmlDeviceGetUUID, handle))
+        if wanted is not None and not wanted(index, uuid):
             continue
         util = read(pynvml.nvmlDeviceGetUtilizationRates, handle)
         memory = read(pynvml.nvmlDeviceGetMemoryInfo, handle)
-        gpu: dict[str, Any] = {
-            "index": index,
-            "uuid": read(pynvml.nvmlDeviceGetUUID, handle),
-            "name": read(pynvml.nvmlDeviceGetName, handle),
+        row: dict[str, Any] = {
+            "ts": now,
+            "gpu": index,
+            "uuid": uuid,
+            "name": _text(read(pynvml.nvmlDeviceGetName, handle)),
             "power_mw": read(pynvml.nvmlDeviceGetPowerUsage, handle),
             "energy_mj": read(pynvml.nvmlDeviceGetTotalEnergyConsumption, handle),
             "fb_used_bytes": memory.used if memory is not None else None,
+            "fb_total_bytes": memory.total if memory is not None else None,
             "gpu_util_pct": util.gpu if util is not None else None,
             "mem_util_pct": util.memory if util is not None else None,
             "sm_clock_mhz": read(pynvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_SM),
         }
         mode = read(pynvml.nvmlDeviceGetMigMode, handle)
         if mode is not None and mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE:
-            gpu["mig"] = []
+            row["mig"] = []
             for slot in range(read(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0):
                 mig = read(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
                 if mig is None:
                     continue
                 used = read(pynvml.nvmlDeviceGetMemoryInfo, mig)
-                gpu["mig"].append({
+                row["mig"].append({
                     "gi_id": read(pynvml.nvmlDeviceGetGpuInstanceId, mig),
-                    "uuid": read(pynvml.nvmlDeviceGetUUID, mig),
+                    "uuid": _text(read(pynvml.nvmlDeviceGetUUID, mig)),
                     "fb_used_bytes": used.used if used is not None else None,
                 })  # fmt: skip
-        gpus.append({k: _text(v) for k, v in gpu.items() if v is not None})
-    return {"ts": datetime.now(UTC).isoformat(), "gpus": gpus}
+        rows.append({k: v for k, v in row.items() if v is not None})
+    return rows
 
 
 def visible_devices(value: str | None) -> Callable[[int, str | None], bool] | None:
@@ -118,34 +125,30 @@ def _text(value: Any) -> Any:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def samples_of(record: dict[str, Any], run_id: str | None = None) -> list[Sample]:
-    """An NVML record as dcgm-exporter would have exposed it: (ts, target, name, labels,
+def samples_of(row: dict[str, Any], run_id: str | None = None) -> list[Sample]:
+    """One GPU's NVML row as dcgm-exporter would have exposed it: (ts, target, name, labels,
     run_id, value) rows, labels `gpu`, `UUID`, `modelName` (and `GPU_I_ID` per MIG instance)."""
-    ts = datetime.fromisoformat(record["ts"]).astimezone(UTC).replace(tzinfo=None)
-    rows: list[Sample] = []
-    for gpu in record.get("gpus") or []:
-        labels = {"gpu": str(gpu.get("index", "")), "UUID": str(gpu.get("uuid", ""))}
-        if gpu.get("name"):
-            labels["modelName"] = str(gpu["name"])
-        values = {
-            POWER: _scaled(gpu.get("power_mw"), 1e-3),
-            ENERGY: _scaled(gpu.get("energy_mj"), 1.0),
-            FB_USED: _scaled(gpu.get("fb_used_bytes"), 1 / MIB),
-            GPU_UTIL: _scaled(gpu.get("gpu_util_pct"), 1.0),
-            MEM_COPY_UTIL: _scaled(gpu.get("mem_util_pct"), 1.0),
-            SM_CLOCK: _scaled(gpu.get("sm_clock_mhz"), 1.0),
-        }
-        rows += [
-            (ts, NVML_TARGET, name, labels, run_id, v)
-            for name, v in values.items()
-            if v is not None
-        ]
-        for mig in gpu.get("mig") or []:
-            used = _scaled(mig.get("fb_used_bytes"), 1 / MIB)
-            if used is not None:
-                mig_labels = {**labels, "GPU_I_ID": str(mig.get("gi_id", ""))}
-                rows.append((ts, NVML_TARGET, FB_USED, mig_labels, run_id, used))
-    return rows
+    ts = datetime.fromtimestamp(float(row["ts"]), UTC).replace(tzinfo=None)
+    labels = {"gpu": str(row.get("gpu", "")), "UUID": str(row.get("uuid", ""))}
+    if row.get("name"):
+        labels["modelName"] = str(row["name"])
+    values = {
+        POWER: _scaled(row.get("power_mw"), 1e-3),
+        ENERGY: _scaled(row.get("energy_mj"), 1.0),
+        FB_USED: _scaled(row.get("fb_used_bytes"), 1 / MIB),
+        GPU_UTIL: _scaled(row.get("gpu_util_pct"), 1.0),
+        MEM_COPY_UTIL: _scaled(row.get("mem_util_pct"), 1.0),
+        SM_CLOCK: _scaled(row.get("sm_clock_mhz"), 1.0),
+    }
+    out: list[Sample] = [
+        (ts, NVML_TARGET, name, labels, run_id, v) for name, v in values.items() if v is not None
+    ]
+    for mig in row.get("mig") or []:
+        used = _scaled(mig.get("fb_used_bytes"), 1 / MIB)
+        if used is not None:
+            mig_labels = {**labels, "GPU_I_ID": str(mig.get("gi_id", ""))}
+            out.append((ts, NVML_TARGET, FB_USED, mig_labels, run_id, used))
+    return out
 
 
 def _scaled(value: Any, factor: float) -> float | None:
@@ -184,7 +187,7 @@ class GpuSource:
     def read(self) -> list[Sample]:
         try:
             if self.url is None:
-                return samples_of(nvml_record())
+                return [s for row in nvml_rows() for s in samples_of(row)]
             with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:
                 text = resp.read().decode("utf-8", "replace")
             return dcgm_samples(text, url=self.url, ts=datetime.now(UTC).replace(tzinfo=None))

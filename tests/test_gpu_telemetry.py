@@ -14,7 +14,7 @@ import signal
 import subprocess
 import threading
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
@@ -34,16 +34,15 @@ def _records() -> list[dict]:
 
 
 def test_nvml_records_read_as_dcgm_exporter_would_expose_them() -> None:
-    record = _records()[len(_records()) // 2]
-    samples = gpu.samples_of(record, run_id="vllm-x")
+    first = _records()[len(_records()) // 2]
+    samples = gpu.samples_of(first, run_id="vllm-x")
     by = {(s[2], s[3].get("GPU_I_ID")): s for s in samples}
-    first = record["gpus"][0]
     power = by[(gpu.POWER, None)]
     assert power[1] == gpu.NVML_TARGET and power[4] == "vllm-x"
     assert power[5] == pytest.approx(first["power_mw"] / 1000)  # mW → W
     assert by[(gpu.ENERGY, None)][5] == first["energy_mj"]  # mJ, as DCGM counts
     assert by[(gpu.FB_USED, None)][5] == pytest.approx(first["fb_used_bytes"] / 2**20)  # MiB
-    assert power[3]["UUID"] == first["uuid"] and power[3]["gpu"] == str(first["index"])
+    assert power[3]["UUID"] == first["uuid"] and power[3]["gpu"] == str(first["gpu"])
     dcgm = gpu.dcgm_samples(DCGM.read_text(), url="http://h:9400/metrics", ts=datetime(2026, 1, 1))
     # the same names and label keys either way
     assert {s[2] for s in dcgm} <= set(gpu.NAMES) and gpu.ENERGY in {s[2] for s in dcgm}
@@ -52,10 +51,10 @@ def test_nvml_records_read_as_dcgm_exporter_would_expose_them() -> None:
 
 
 def test_a_mig_gpu_has_memory_per_instance_and_one_power() -> None:
-    record = {"ts": "2026-11-25T14:00:00+00:00", "gpus": [{
-        "index": 0, "uuid": "GPU-a", "power_mw": 300000, "energy_mj": 5, "fb_used_bytes": 2**30,
-        "mig": [{"gi_id": 1, "uuid": "MIG-1", "fb_used_bytes": 2**29},
-                {"gi_id": 2, "uuid": "MIG-2", "fb_used_bytes": 2**28}]}]}  # fmt: skip
+    record = {"ts": 1795000000.0, "gpu": 0, "uuid": "GPU-a", "power_mw": 300000, "energy_mj": 5,
+              "fb_used_bytes": 2**30,
+              "mig": [{"gi_id": 1, "uuid": "MIG-1", "fb_used_bytes": 2**29},
+                      {"gi_id": 2, "uuid": "MIG-2", "fb_used_bytes": 2**28}]}  # fmt: skip
     samples = gpu.samples_of(record)
     fb = sorted((s[3].get("GPU_I_ID", ""), s[5]) for s in samples if s[2] == gpu.FB_USED)
     assert fb == [("", 1024.0), ("1", 512.0), ("2", 256.0)]
@@ -142,7 +141,7 @@ def _run_over(records: list[dict], run_id: str, start: int, stop: int, tokens: i
     tokens each), as `.events.jsonl` lines."""
     out = []
     for i, rec in enumerate(records[start:stop]):
-        ts = datetime.fromisoformat(rec["ts"]).replace(tzinfo=None).isoformat() + "Z"
+        ts = datetime.fromtimestamp(float(rec["ts"]), UTC).replace(tzinfo=None).isoformat() + "Z"
         out.append(json.dumps({
             "request_id": f"{run_id}-{i:06d}", "run_id": run_id, "ts": ts, "status": "ok",
             "prompt_tokens": 2015, "completion_tokens": tokens, "ttft_ms": 40.0 + i % 7,
