@@ -62,6 +62,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="use a running server for a profile instead of launching one (caches stay warm)",
     )
     run.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a vLLM flag added to every server the experiment starts, after the profile's "
+        "(so it wins), recorded in the runs' levers; repeatable, written with '=': "
+        "--server-arg=--max-model-len=4096",
+    )
+    run.add_argument(
         "--model",
         type=Path,
         default=None,
@@ -118,6 +127,7 @@ def run_experiment(args: argparse.Namespace) -> int:
             requests=args.requests,
             slo=parse_slo(args.slo),
             hooks=hooks(store),
+            server_flags=args.server_arg,
         )
     except (WorkloadError, ValueError) as exc:
         console.print(f"{exc}", style="red")
