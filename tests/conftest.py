@@ -215,3 +215,36 @@ class RestartableVllmMetrics(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         return
+
+
+GPU_FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
+
+
+class RecordedDcgmExporter(http.server.BaseHTTPRequestHandler):
+    """A dcgm-exporter's `/metrics` page recorded on a GPU server (`tests/fixtures/gpu/`),
+    served as it was scraped: a stand-in for the exporter, which needs a GPU."""
+
+    PAGE = GPU_FIXTURES / "dcgm-exporter.txt"
+
+    def do_GET(self) -> None:  # noqa: N802
+        body = self.PAGE.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+@pytest.fixture(scope="module")
+def dcgm_exporter() -> Iterator[str]:
+    """The recorded dcgm-exporter page on a loopback port; yields its base URL."""
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RecordedDcgmExporter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()

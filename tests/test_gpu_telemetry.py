@@ -8,11 +8,9 @@ see its README); everything past the NVML calls is the code that runs there.
 
 from __future__ import annotations
 
-import http.server
 import json
 import signal
 import subprocess
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -77,30 +75,15 @@ def test_without_a_gpu_the_collector_says_so_in_one_line(tmp_path: Path) -> None
     assert len(on.stderr.strip().splitlines()) == 1
 
 
-class RecordedDcgmExporter(http.server.BaseHTTPRequestHandler):
-    """Serves a dcgm-exporter `/metrics` page recorded on a GPU server (a stand-in for the
-    exporter, which needs a GPU): the file's bytes, as they were scraped."""
-
-    def do_GET(self) -> None:  # noqa: N802
-        body = DCGM.read_bytes()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        return
-
-
-def test_the_live_collector_stores_dcgm_samples_on_the_running_session(tmp_path: Path) -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RecordedDcgmExporter)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+def test_the_live_collector_stores_dcgm_samples_on_the_running_session(
+    tmp_path: Path, dcgm_exporter: str
+) -> None:
     lines = (FIXTURES / "vllm-h100.log").read_text().splitlines()
     end = next(i for i, line in enumerate(lines) if "shutdown triggered" in line)
     log = tmp_path / "vllm.log"
     log.write_text("\n".join(lines[:end]) + "\n")  # a server still running
     store = tmp_path / "s.duckdb"
-    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    url = f"{dcgm_exporter}/metrics"
     proc = subprocess.Popen(
         [*SERVESCOPE, "collect", "--vllm-log", str(log), "--dcgm-url", url, "--scrape-interval",
          "0.2", "--metrics-port", str(free_port()), "--store", str(store)],
@@ -120,7 +103,6 @@ def test_the_live_collector_stores_dcgm_samples_on_the_running_session(tmp_path:
     finally:
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
-        server.shutdown()
     assert proc.returncode == 0, output
     assert f"GPU telemetry: scraping dcgm-exporter at {url}" in output
     with duckdb.connect(str(store), read_only=True) as con:
