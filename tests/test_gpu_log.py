@@ -136,8 +136,11 @@ def test_collect_once_on_a_gpu_server_log_counts_refusals_and_cold_starts(tmp_pa
     # the report of a session shows its cold start; a diff compares two
     first, second = runs[0][0], runs[1][0]
     out = tmp_path / "reports"
-    built = servescope("report", "build", second, "--vs", first, "--format", "json,md",
-                       "--out", str(out), "--store", str(store), "--json", check=True)  # fmt: skip
+    # from outside the repository, as on a GPU server where servescope is installed: the HTML
+    # templates come from the installed package, not from a `reports/` folder in the cwd
+    built = servescope("report", "build", second, "--vs", first, "--format", "json,md,html",
+                       "--out", str(out), "--store", str(store), "--json", cwd=tmp_path,
+                       check=True)  # fmt: skip
     paths = [Path(p) for p in json.loads(built.stdout)["paths"]]
     report = json.loads(next(p for p in paths if p.suffix == ".json").read_text())
     rows = {r["phase"]: r for r in report["cold_start"]}
