@@ -25,6 +25,7 @@ PHASES = (
     ("graph_compile_s", "compiling graphs (all compile ranges)", "s"),
     ("compile_cache_load_s", "loading compiled graphs from the cache", "s"),
     ("torch_compile_s", "torch.compile in total", "s"),
+    ("profile_run_s", "initial profiling/warm-up run", "s"),
     ("memory_profiling_s", "memory profiling", "s"),
     ("activation_peak_gib", "profiled activation peak", "GiB"),
     ("non_torch_gib", "profiled non-torch memory", "GiB"),

@@ -67,6 +67,8 @@ def test_an_access_line_with_a_process_prefix_is_an_access() -> None:
         ("Available KV cache memory: 53.14 GiB", {"kv_cache_available_gib": 53.14}),
         ("Estimated CUDA graph memory: 0.61 GiB total", {"cudagraph_estimate_gib": 0.61}),
         ("Loading weights took 0.01 seconds", {"weights_load_s": 0.01}),
+        ("Initial profiling/warmup run took 0.55 s", {"profile_run_s": 0.55}),
+        ("[backbone] Initial profiling/warmup run took 0.07 s", {"profile_run_s": 0.07}),
         ("Memory profiling takes 4.21 seconds. Total non KV cache memory: 14.17GiB; torch peak "
          "memory increase: 0.79GiB; non-torch forward increase memory: 0.37GiB; weights memory: "
          "13.01GiB.", {"memory_profiling_s": 4.21, "non_kv_cache_gib": 14.17,

@@ -23,7 +23,7 @@ from servescope.store import Store
 from tests.conftest import ROOT, SERVESCOPE, free_port, servescope
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
-NVML = FIXTURES / "nvml-h100.jsonl"
+NVML = FIXTURES / "nvml-samples.jsonl"
 DCGM = FIXTURES / "dcgm-exporter.txt"
 
 

@@ -65,6 +65,8 @@ PHASES: tuple[tuple[str, re.Pattern[str], tuple[str, ...]], ...] = (
     ("torch.compile", re.compile(
         rf"^torch\.compile (?:and initial profiling/warmup run together )?(?:took|takes) {_NUM} s "
         r"in total"), ("torch_compile_s",)),
+    ("Initial profiling/warmup", re.compile(rf"Initial profiling/warmup run took {_NUM} s"),
+     ("profile_run_s",)),
     ("Memory profiling takes", re.compile(
         rf"^Memory profiling takes {_NUM} seconds\. Total non KV cache memory: {_NUM} ?GiB; "
         rf"torch peak memory increase: {_NUM} ?GiB; "
