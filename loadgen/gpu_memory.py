@@ -18,7 +18,9 @@ each mode and one more graph cost, the latter times the graphs left
 Each term here is computed from the model's shape and the flags, never fitted to a
 measurement:
 
-- weights: parameters × dtype bytes (÷ tensor-parallel size).
+- weights: parameters × dtype bytes (÷ tensor-parallel size), each tensor as torch's caching
+  allocator holds it (above 1 MiB, a multiple of 2 MiB: a 13B shape's down projections of
+  135 MiB take 136), the vocabulary padded to a multiple of 64 as vLLM's embedding pads it.
 - activation peak: the largest of one decoder layer's live tensors for T tokens — the residual
   stream (2 × T × hidden), the MLP's gate/up output (T × 2 × intermediate) while its activation
   output (T × intermediate) is written, or attention's QKV (T × (heads + 2 × KV heads) × head
@@ -110,6 +112,28 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
     return sizes
 
 
+def _allocated(nbytes: int) -> int:
+    """What torch's CUDA caching allocator takes for one tensor: above 1 MiB a multiple of
+    2 MiB, else of 512 bytes."""
+    step = 2 * MIB if nbytes > MIB else 512
+    return -(-nbytes // step) * step
+
+
+def rounding(shape: Shape, dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes the allocator adds to the weights of a Llama-style model as vLLM lays them out:
+    merged QKV and gate/up projections, the output and down projections, two norms per layer,
+    embeddings and head with the vocabulary padded to a multiple of 64."""
+    heads, kv_heads = math.ceil(shape.heads / tp), max(1, shape.kv_heads // tp)
+    inter = math.ceil(shape.intermediate / tp)
+    vocab = -(-shape.vocab // 64) * 64
+    h, d, b = shape.hidden, shape.head_dim, dtype_bytes
+    layer = [h * (heads + 2 * kv_heads) * d * b, heads * d * h * b, h * 2 * inter * b,
+             inter * h * b, h * b, h * b]  # fmt: skip
+    tensors = layer * shape.layers + [math.ceil(vocab / tp) * h * b] * 2 + [h * b]
+    exact = (sum(layer) * shape.layers + 2 * shape.vocab * h * b // tp + h * b)
+    return sum(_allocated(t) for t in tensors) - exact
+
+
 def layer_peak(shape: Shape, tokens: int, dtype_bytes: int, tp: int = 1) -> int:
     """Bytes live at the busiest point of one decoder layer for `tokens` tokens (per GPU)."""
     residual = 2 * tokens * shape.hidden
@@ -141,6 +165,7 @@ def predict(
     tokens = max_num_batched_tokens or tokens_default
     seqs = max_num_seqs or seqs_default
     requested = math.ceil(total_bytes * utilization)
+    weights = weight_bytes + max(0, rounding(shape, dtype_bytes, tp))
     activation = (
         max(layer_peak(shape, tokens, dtype_bytes, tp),  # the forward pass, or the sampler
             sampler_peak(shape, min(seqs, tokens), dtype_bytes)  # beside the pass's output
@@ -153,11 +178,11 @@ def predict(
         pool = layer_peak(shape, max(sizes), dtype_bytes, tp)
         graphs = pool + GRAPH_FLOOR * (2 * len(sizes) - 2)  # PIECEWISE and FULL, less the firsts
     non_torch = int(NON_TORCH_GIB * GIB)
-    available = requested - weight_bytes - activation - non_torch - graphs - extra_bytes
+    available = requested - weights - activation - non_torch - graphs - extra_bytes
     return GpuMemory(
         total=total_bytes,
         requested=requested,
-        weights=weight_bytes,
+        weights=weights,
         activation_peak=activation,
         non_torch=non_torch,
         cudagraphs=graphs,
