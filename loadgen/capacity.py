@@ -209,7 +209,11 @@ def concurrency(blocks: int, tokens_per_request: float, block_size: int) -> floa
 def _resolved(shape: ModelShape, settings: Settings) -> tuple[str, str, int]:
     dtype = settings.dtype
     if dtype == "auto":
+        # vLLM's `auto`: the config's dtype, but a float32 model is downcast to the platform's
+        # first choice (bfloat16 on CUDA and on vLLM-CPU); `_resolve_auto_dtype`
         dtype = shape.dtype or "bfloat16"
+        if dtype.lower().removeprefix("torch.") in ("float32", "fp32", "float"):
+            dtype = "bfloat16"
     kv_dtype = dtype if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype
     max_len = settings.max_model_len or shape.max_position_embeddings
     if not max_len:

