@@ -44,7 +44,7 @@ from servescope.wire.kv_statement import kv_cache_from_log
 from servescope.wire.vllm_log import cold_start_from_log
 
 SHAPES = Path(__file__).parent / "gpu" / "shapes"
-DEFAULT_CASES = ["8b:0.85:8192", "8b:0.70:4096", "13b:0.85:8192", "13b:0.70:4096"]
+DEFAULT_CASES = ["8b:0.85:8192", "8b:0.6:4096", "13b:0.85:8192", "13b:0.6:4096"]  # as recorded
 ENGINE_UP = "init engine (profile, create kv cache, warmup model) took"
 START_TIMEOUT_S = 400.0
 
