@@ -1,7 +1,8 @@
 """Every import is declared: each third-party module that the package, its tests or the
-benchmarks (which tests import) import comes from a distribution named in pyproject's
+benchmarks run here (which tests import) import comes from a distribution named in pyproject's
 dependencies or one of its extras. A fresh `pip install -e .[dev]` then runs every test that
-does not need vLLM, without anything arriving by chance through vLLM's own requirements."""
+does not need vLLM, without anything arriving by chance through vLLM's own requirements.
+`benchmarks/gpu/` is left out: its scripts run on a GPU server, in that server's environment."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGE_DIRS = sorted(set(PYPROJECT["tool"]["setuptools"]["package-dir"].values()))
-SCANNED = [*PACKAGE_DIRS, "tests", "benchmarks"]
+SCANNED = [*PACKAGE_DIRS, "tests"]  # and benchmarks/*.py
 # Our own top-level names: the namespace, the tests, and the benchmarks' modules (tests put
 # benchmarks/ on sys.path to import them).
 OWN = {"servescope", "tests"} | {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
@@ -44,16 +45,16 @@ def declared() -> dict[str, str]:
 def imports() -> Iterator[tuple[str, Path, int]]:
     """(dotted name, file, line) for every absolute import in the scanned folders; `from M
     import N` gives `M.N`, which names a module or something of M's."""
-    for folder in SCANNED:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            tree = ast.parse(path.read_text(), filename=str(path))
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Import):
-                    for alias in node.names:
-                        yield alias.name, path, node.lineno
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    for alias in node.names:  # `from opentelemetry import trace`: a module
-                        yield f"{node.module}.{alias.name}", path, node.lineno
+    paths = [p for folder in SCANNED for p in sorted((ROOT / folder).rglob("*.py"))]
+    for path in [*paths, *sorted((ROOT / "benchmarks").glob("*.py"))]:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    yield alias.name, path, node.lineno
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:  # `from opentelemetry import trace`: a module
+                    yield f"{node.module}.{alias.name}", path, node.lineno
 
 
 @cache
