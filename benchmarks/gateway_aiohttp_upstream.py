@@ -12,8 +12,9 @@ headers, `readany`, `read`, `at_eof`, `release`, `close`, failures as `UpstreamE
 
 from __future__ import annotations
 
-import argparse
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
@@ -25,7 +26,19 @@ from servescope.gateway.config import load_config  # noqa: E402
 from servescope.gateway.server import Gateway, serve  # noqa: E402
 from servescope.gateway.upstream import CONNECT_TIMEOUT_S, UpstreamError  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gateway_asgi import gateway_args  # noqa: E402
+
 TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+
+
+@contextmanager
+def _disconnects() -> Iterator[None]:
+    """aiohttp's failures while a response is read, as the proxy expects them."""
+    try:
+        yield
+    except aiohttp.ClientError as exc:
+        raise UpstreamError("disconnect", repr(exc)) from exc
 
 
 class AiohttpResponse:
@@ -40,16 +53,12 @@ class AiohttpResponse:
         return self._response.content.at_eof()
 
     async def readany(self) -> bytes:
-        try:
+        with _disconnects():
             return await self._response.content.readany()
-        except aiohttp.ClientError as exc:
-            raise UpstreamError("disconnect", repr(exc)) from exc
 
     async def read(self) -> bytes:
-        parts = []
-        while data := await self.readany():
-            parts.append(data)
-        return b"".join(parts)
+        with _disconnects():
+            return await self._response.read()
 
     def release(self) -> None:
         self._response.release()
@@ -91,11 +100,7 @@ class AiohttpGateway(Gateway):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    args = parser.parse_args()
+    args = gateway_args(__doc__)
     gateway = AiohttpGateway(load_config(args.config), args.config)
     uvloop.run(serve(gateway, args.host, args.port))  # as `servescope gateway` runs
     return 0
