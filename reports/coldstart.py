@@ -15,6 +15,8 @@ from typing import Any
 
 import duckdb
 
+from servescope.reports import sql
+
 # (key in notes.cold_start, what people call it, unit), in the order vLLM starts
 PHASES = (
     ("ready_s", "first log line → Application startup complete", "s"),
@@ -37,16 +39,6 @@ PHASES = (
     ("init_engine_compile_s", "init engine: of which compilation", "s"),
 )
 
-# the sessions that served a run's requests, with their notes
-SERVING_SESSIONS = """
-SELECT r.run_id, r.notes
-FROM runs r
-WHERE r.run_id IN (SELECT DISTINCT vllm_session FROM events
-                   WHERE run_id = $run_id AND vllm_session IS NOT NULL)
-ORDER BY r.started_at
-"""
-
-
 def _notes(raw: Any) -> dict[str, Any]:
     if isinstance(raw, dict):
         return raw
@@ -65,7 +57,7 @@ def cold_start_of(con: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[s
         return {"session": run["run_id"], "phases": own}
     found = [
         (run_id, _notes(notes).get("cold_start"))
-        for run_id, notes in con.execute(SERVING_SESSIONS, {"run_id": run["run_id"]}).fetchall()
+        for run_id, notes in con.execute(sql.SERVING_SESSIONS, {"run_id": run["run_id"]}).fetchall()
     ]
     found = [(run_id, phases) for run_id, phases in found if phases]
     if len(found) != 1:

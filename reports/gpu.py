@@ -27,6 +27,7 @@ from typing import Any
 import duckdb
 import numpy as np
 
+from servescope.reports import sql
 from servescope.reports.bootstrap import Draws, Floats, ratio_draws, total_draws
 
 POWER = "DCGM_FI_DEV_POWER_USAGE"
@@ -35,19 +36,6 @@ FB_USED = "DCGM_FI_DEV_FB_USED"
 GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
 NAMES = (POWER, ENERGY, FB_USED, GPU_UTIL)
 EDGE_S = 30.0  # samples this far outside the window still anchor the interpolation at its edges
-
-GPU_SAMPLES = """
-SELECT epoch(ts) AS t, target, name, labels, value
-FROM metric_samples
-WHERE name IN ($power, $energy, $fb_used, $gpu_util)
-  AND epoch(ts) BETWEEN $lo AND $hi
-  AND (run_id IS NULL OR run_id = $run_id
-       OR run_id IN (SELECT DISTINCT vllm_session FROM events
-                     WHERE run_id = $run_id AND vllm_session IS NOT NULL))
-ORDER BY t
-"""
-ANY_GPU_SAMPLE = "SELECT count(*) FROM metric_samples WHERE name IN ($power, $energy)"
-
 
 @dataclass(frozen=True)
 class Window:
@@ -162,7 +150,7 @@ def gpu_numbers(
     if window is None:
         return none, {}
     rows = con.execute(
-        GPU_SAMPLES,
+        sql.GPU_SAMPLES,
         {
             **params,
             "run_id": run_id,
@@ -202,8 +190,3 @@ def gpu_numbers(
             out["j_per_request"] = float(energy.sum() / ok_requests.sum())
             draws["gpu.j_per_request"] = ratio_draws(energy, ok_requests)
     return out, draws
-
-
-def any_gpu_samples(con: duckdb.DuckDBPyConnection) -> bool:
-    row = con.execute(ANY_GPU_SAMPLE, {"power": POWER, "energy": ENERGY}).fetchone()
-    return bool(row and row[0])
