@@ -43,9 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import duckdb
-
 from servescope.loadgen.launcher import VllmServer
+from servescope.store import Store
 
 
 def free_port() -> int:
@@ -126,7 +125,7 @@ def bench_round(args: argparse.Namespace, url: str, run_id: str, store: Path) ->
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode not in (0, 1):
         raise RuntimeError(f"bench run failed: {done.stderr[-2000:]}")
-    with duckdb.connect(str(store), read_only=True) as con:
+    with Store(store).read() as con:  # waits out the attached collector's flushes
         row = con.execute(
             """
             SELECT sum(completion_tokens) FILTER (WHERE status = 'ok'),
