@@ -1,7 +1,8 @@
 """The vLLM serving dashboard: the five core indicators first (TTFT, TPOT/ITL, queue time and
 depth, prefix-cache hit ratio, error rate), then throughput, latency detail, KV cache and
-preemptions, prompt/generation length heatmaps, and speculative decoding (draft acceptance).
-Metric names are vLLM's (0.32, V1 engine).
+preemptions, prompt/generation length heatmaps, speculative decoding (draft acceptance), and the
+GPU under it (dcgm-exporter's series: power, utilisation, memory, energy per token). Metric
+names are vLLM's (0.32, V1 engine) and dcgm-exporter's.
 """
 
 from __future__ import annotations
@@ -295,6 +296,67 @@ def speculative_decoding() -> list:
     ]
 
 
+GPU = 'gpu=~"$gpu"'
+ENERGY = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"  # mJ since the driver loaded (a counter)
+
+
+def gpu_row() -> list:
+    """The GPU under the server, from dcgm-exporter's series (`DCGM_FI_DEV_*`, the names the
+    collector also stores NVML's readings under). Empty where no dcgm-exporter is scraped."""
+    return [
+        row("GPU (dcgm-exporter)"),
+        timeseries(
+            "GPU power by GPU",
+            "Power draw of each GPU (DCGM_FI_DEV_POWER_USAGE). Bad: near the board's limit "
+            "(about 700 W on an H100 SXM) while throughput is flat means the GPU is "
+            "power-capped and its clocks drop; near idle power under load means the GPU waits "
+            "on something else (CPU, network, a small batch).",
+            "watt",
+            [Query(f"sum by (gpu, modelName) (DCGM_FI_DEV_POWER_USAGE{{{GPU}}})",
+                   "GPU {{gpu}} {{modelName}}")],  # fmt: skip
+        ),
+        timeseries(
+            "GPU and memory-copy utilisation",
+            "Share of time a kernel ran (DCGM_FI_DEV_GPU_UTIL) and the memory copy engines were "
+            "busy (DCGM_FI_DEV_MEM_COPY_UTIL). Bad: low GPU utilisation while requests wait "
+            "means the batch is too small (raise max_num_seqs or max_num_batched_tokens) or the "
+            "server is starved; pinned at 100 % with a rising queue means the GPU is the limit.",
+            "percent",
+            [
+                Query(f"avg by (gpu) (DCGM_FI_DEV_GPU_UTIL{{{GPU}}})", "GPU util {{gpu}}"),
+                Query(f"avg by (gpu) (DCGM_FI_DEV_MEM_COPY_UTIL{{{GPU}}})", "mem copy {{gpu}}"),
+            ],
+            max_value=100,
+        ),
+        timeseries(
+            "GPU memory used",
+            "Framebuffer memory in use per GPU (DCGM_FI_DEV_FB_USED; per MIG instance where "
+            "there are any). vLLM takes gpu_memory_utilization of it at start and keeps it. "
+            "Bad: a second process on the GPU (the sum above vLLM's share) - vLLM profiled "
+            "less free memory and sized a smaller KV cache.",
+            "mbytes",
+            [Query(f"sum by (gpu) (DCGM_FI_DEV_FB_USED{{{GPU}}})", "used {{gpu}}")],
+        ),
+        timeseries(
+            "Energy rate and joules per output token",
+            "Energy used per second (the rate of the energy counter "
+            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION, mJ → J) and, across the GPUs, joules per "
+            "generated token (energy rate / vLLM's generation tokens rate). Bad: joules per token "
+            "rising after a lever flip at the same load - the GPU does more work (or waits "
+            "longer at high power) for each token.",
+            "short",
+            [
+                Query(f"sum by (gpu) (rate({ENERGY}{{{GPU}}}[{RATE}])) / 1000", "W {{gpu}}"),
+                Query(
+                    f"sum(rate({ENERGY}{{{GPU}}}[{RATE}])) / 1000 / "
+                    f"sum(rate(vllm:generation_tokens_total{{{MODEL}}}[{RATE}]))",
+                    "J per output token",
+                ),
+            ],
+        ),
+    ]
+
+
 def build() -> Dashboard:
     return dashboard(
         UID,
@@ -307,6 +369,10 @@ def build() -> Dashboard:
             *throughput_and_latency(),
             *memory_and_lengths(),
             *speculative_decoding(),
+            *gpu_row(),
         ],
-        [label_variable("model_name", "vllm:num_requests_running", "Model")],
+        [
+            label_variable("model_name", "vllm:num_requests_running", "Model"),
+            label_variable("gpu", "DCGM_FI_DEV_POWER_USAGE", "GPU"),
+        ],
     )

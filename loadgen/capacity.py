@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from servescope.loadgen import gpu_memory
 from servescope.store import Store
 
 GIB = 1 << 30
@@ -52,14 +53,18 @@ class ModelShape:
     parameters: int | None
     parameters_basis: str
     max_position_embeddings: int | None
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
 
 
 @dataclass(frozen=True)
 class Settings:
     """The serving flags the arithmetic needs (vLLM's names), and where the KV space comes from:
-    `kv_cache_gib` (vLLM-CPU's `VLLM_CPU_KVCACHE_SPACE`) or GPU memory × utilization − weights
-    per GPU − `overhead_gib` (the activation peak vLLM profiles at start-up; 0 gives an upper
-    bound)."""
+    `kv_cache_gib` (vLLM-CPU's `VLLM_CPU_KVCACHE_SPACE`, or a GPU's `--kv-cache-memory`), or
+    GPU memory × utilization less what vLLM subtracts (`loadgen/gpu_memory.py`: weights,
+    activation peak, non-torch memory, CUDA graphs) and `overhead_gib` (anything else the
+    GPU holds). `device` (`cpu`, `cuda`; `auto`: cuda with `gpu_memory_gib`) sets the
+    default block size."""
 
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -70,6 +75,10 @@ class Settings:
     gpu_memory_utilization: float = 0.9
     overhead_gib: float = 0.0
     block_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enforce_eager: bool = False
+    device: str = "auto"
 
 
 def _config_path(model: Path) -> Path:
@@ -158,6 +167,8 @@ def load_shape(model: Path) -> ModelShape:
         parameters=None,
         parameters_basis="unknown",
         max_position_embeddings=_int(config, "max_position_embeddings", "n_positions"),
+        intermediate_size=_int(config, "intermediate_size", "n_inner", "ffn_dim"),
+        vocab_size=_int(config, "vocab_size"),
     )
     counted = weights_parameters(path.parent)
     if counted:
@@ -198,7 +209,11 @@ def concurrency(blocks: int, tokens_per_request: float, block_size: int) -> floa
 def _resolved(shape: ModelShape, settings: Settings) -> tuple[str, str, int]:
     dtype = settings.dtype
     if dtype == "auto":
+        # vLLM's `auto`: the config's dtype, but a float32 model is downcast to the platform's
+        # first choice (bfloat16 on CUDA and on vLLM-CPU); `_resolve_auto_dtype`
         dtype = shape.dtype or "bfloat16"
+        if dtype.lower().removeprefix("torch.") in ("float32", "fp32", "float"):
+            dtype = "bfloat16"
     kv_dtype = dtype if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype
     max_len = settings.max_model_len or shape.max_position_embeddings
     if not max_len:
@@ -206,22 +221,41 @@ def _resolved(shape: ModelShape, settings: Settings) -> tuple[str, str, int]:
     return dtype, kv_dtype, max_len
 
 
-def _kv_space(settings: Settings, weight_bytes_per_gpu: int | None) -> tuple[int | None, str]:
+def device_of(settings: Settings) -> str:
+    if settings.device != "auto":
+        return settings.device
+    return "cuda" if settings.gpu_memory_gib is not None else "cpu"
+
+
+def _kv_space(
+    shape: ModelShape, settings: Settings, weight_bytes_per_gpu: int | None, dtype: str
+) -> tuple[int | None, str, dict[str, Any] | None]:
     if settings.kv_cache_gib is not None:
-        return int(settings.kv_cache_gib * GIB), "--kv-cache-gib (VLLM_CPU_KVCACHE_SPACE)"
-    if settings.gpu_memory_gib is not None:
-        if weight_bytes_per_gpu is None:
-            raise CapacityError("the weights' size is unknown: give --kv-cache-gib instead")
-        budget = settings.gpu_memory_gib * GIB * settings.gpu_memory_utilization
-        space = int(budget - weight_bytes_per_gpu - settings.overhead_gib * GIB)
-        basis = (
-            "GPU memory × gpu_memory_utilization − weights per GPU − overhead "
-            f"({settings.overhead_gib:g} GiB"
-            + ("; vLLM also subtracts the activation peak it profiles: an upper bound)"
-               if not settings.overhead_gib else ")")
-        )  # fmt: skip
-        return max(space, 0), basis
-    return None, "not given (--kv-cache-gib, or --gpu-memory-gib)"
+        return int(settings.kv_cache_gib * GIB), "--kv-cache-gib", None
+    if settings.gpu_memory_gib is None:
+        return None, "not given (--kv-cache-gib, or --gpu-memory-gib)", None
+    if weight_bytes_per_gpu is None:
+        raise CapacityError("the weights' size is unknown: give --kv-cache-gib instead")
+    if shape.intermediate_size is None or shape.vocab_size is None:
+        raise CapacityError("the config lacks intermediate_size or vocab_size: give --kv-cache-gib")
+    model = gpu_memory.predict(
+        gpu_memory.Shape(shape.layers, shape.hidden_size, shape.intermediate_size,
+                         shape.attention_heads, shape.kv_heads, shape.head_dim, shape.vocab_size),
+        total_bytes=int(settings.gpu_memory_gib * GIB),
+        utilization=settings.gpu_memory_utilization,
+        weight_bytes=weight_bytes_per_gpu,
+        dtype_bytes=dtype_bytes(dtype, "--dtype"),
+        tp=settings.tensor_parallel_size,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        cudagraphs=not settings.enforce_eager,
+        extra_bytes=int(settings.overhead_gib * GIB),
+    )  # fmt: skip
+    basis = (
+        "GPU memory × gpu_memory_utilization − weights − activation peak − non-torch memory − "
+        "CUDA graphs − overhead, as vLLM profiles them (loadgen/gpu_memory.py)"
+    )
+    return model.available, basis, model.gib()
 
 
 @dataclass(frozen=True)
@@ -249,20 +283,22 @@ def compute(
     weight_bytes = shape.parameters * dtype_bytes(dtype, "--dtype") if shape.parameters else None
     per_gpu_weights = math.ceil(weight_bytes / tp) if weight_bytes else None
     per_token = kv_bytes_per_token(shape, kv_size, tp)
-    default_block = CPU_BLOCK_SIZE if settings.kv_cache_gib is not None else GPU_BLOCK_SIZE
+    default_block = CPU_BLOCK_SIZE if device_of(settings) == "cpu" else GPU_BLOCK_SIZE
     block = settings.block_size or block_size_default or default_block
-    space, basis = _kv_space(settings, per_gpu_weights)
+    space, basis, memory = _kv_space(shape, settings, per_gpu_weights, dtype)
     out: dict[str, Any] = {
         "model": {**asdict(shape), "weight_bytes": weight_bytes,
                   "weight_bytes_per_gpu": per_gpu_weights,
                   "kv_heads_per_gpu": kv_heads_per_gpu(shape, tp)},
         "settings": {**asdict(settings), "dtype": dtype, "kv_cache_dtype": kv_dtype,
-                     "max_model_len": max_len, "block_size": block},
+                     "max_model_len": max_len, "block_size": block,
+                     "device": device_of(settings)},
         "kv_bytes_per_token": per_token,
         "kv_bytes_per_token_all_gpus": per_token * tp,
         "kv_bytes_per_sequence_at_max_model_len": per_token * max_len,
         "kv_cache_bytes": space,
         "kv_cache_bytes_basis": basis,
+        "gpu_memory": memory,
         "kv_blocks": None,
         "kv_tokens": None,
         "max_concurrency": None,

@@ -159,6 +159,7 @@ class Experiment:
         requests: int | None = None,
         slo: dict[str, float] | None = None,
         hooks: ExperimentHooks | None = None,
+        server_flags: list[str] | None = None,
     ) -> None:
         profiles = load_profiles()
         if unknown := [p for p in spec.profiles if p not in profiles]:
@@ -174,6 +175,7 @@ class Experiment:
         self.repeats = repeats
         self.slo = slo or {}
         self.hooks = hooks or ExperimentHooks()
+        self.server_flags = list(server_flags or [])  # after every profile's own: they win
         config = load_config(spec.workload)
         if spec.workloads:
             config = config.select(spec.workloads)
@@ -253,7 +255,7 @@ class Experiment:
             self.model,
             profile=run.profile,
             port=self._port or free_port(),
-            extra_flags=sidecar.flags if sidecar else None,
+            extra_flags=self.server_flags + (sidecar.flags if sidecar else []),
             env=sidecar.env if sidecar else None,
             log_path=LOG_DIR / f"{self.experiment_id}.log" if sidecar else None,
         )

@@ -221,6 +221,16 @@ def server_command(
     return head + args + ALWAYS_FLAGS + profile.flags
 
 
+def runnable(command: list[str]) -> list[str]:
+    """`vllm serve MODEL …` as it can run here: where no `vllm` script is on PATH (vLLM unpacked
+    into a folder on PYTHONPATH, as on a GPU server without network) the same server through
+    its module, as `python -m vllm.entrypoints.openai.api_server --model MODEL …`."""
+    if command[:2] == ["vllm", "serve"] and shutil.which("vllm") is None:
+        api = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        return [*api, *command[2:]]
+    return command
+
+
 @dataclass
 class ServerState:
     """What a running launcher tells other processes (the state file's content)."""
@@ -317,7 +327,7 @@ class VllmServer:
         self._log_start = log.tell()  # the log may hold earlier starts: read only this one's
         started = time.monotonic()
         self.process = subprocess.Popen(
-            self.command,
+            runnable(self.command),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -98,6 +98,32 @@ def total_draws(values: Floats, scale: float = 1.0, draws: int = DRAWS) -> Draws
     return draw
 
 
+def ratio_draws(numerators: Floats, denominators: Floats, draws: int = DRAWS) -> Draws | None:
+    """Bootstrap draws of sum(numerators) ÷ sum(denominators), the pairs resampled together
+    (windows of a run: each window's energy with its own tokens). None without pairs or
+    without a positive denominator; a draw whose denominators sum to 0 (it drew only empty
+    windows) counts as the sample's own ratio."""
+    n = len(numerators)
+    if n == 0 or len(denominators) != n:
+        return None
+    pairs = np.stack([np.asarray(numerators, np.float64), np.asarray(denominators, np.float64)])
+    if pairs[1].sum() <= 0:
+        return None
+    whole = pairs[0].sum() / pairs[1].sum()
+
+    def draw(rng: np.random.Generator) -> Floats:
+        chunk = max(1, 2_000_000 // n)  # bounded memory however many windows
+        parts = []
+        for start in range(0, draws, chunk):
+            counts = rng.multinomial(n, np.full(n, 1.0 / n), size=min(chunk, draws - start))
+            top, bottom = counts @ pairs[0], counts @ pairs[1]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                parts.append(np.where(bottom > 0, top / bottom, whole))
+        return np.concatenate(parts)
+
+    return draw
+
+
 def delta_interval(
     before: Draws | None, after: Draws | None, seed: int, key: str
 ) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:

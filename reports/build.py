@@ -11,12 +11,14 @@ from typing import Any
 
 import duckdb
 
-from servescope.reports import bootstrap, sql
+from servescope.reports import bootstrap, coldstart, sql
 from servescope.reports.charts import charts
 from servescope.reports.checklist import checklist
+from servescope.reports.coldstart import cold_start_of
 from servescope.reports.diagnosis import assess_flip, diagnose
 from servescope.reports.diff import (
     Side,
+    attach_gpu,
     describe_change,
     diff_rows,
     headline,
@@ -90,7 +92,9 @@ def _side(
     samples = Samples(con, part)
     samples.use(choose_sources(samples))
     summary = summarize(con, part, options, samples)
-    return Side(part.name, summary, samples), summary
+    side = Side(part.name, summary, samples)
+    attach_gpu(con, side)
+    return side, summary
 
 
 def _both_sides(
@@ -111,10 +115,13 @@ def _both_sides(
         summaries = list(
             pool.map(lambda c, p, s: summarize(c, p, options, s), cursors, parts, samples)
         )
-    return [
+    sides = [
         (Side(part.name, summary, side), summary)
         for part, summary, side in zip(parts, summaries, samples, strict=True)
     ]
+    for side, _summary in sides:
+        attach_gpu(con, side)
+    return sides
 
 
 def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
@@ -149,7 +156,7 @@ def _window_of(part: Slice) -> dict[str, str | None] | None:
 
 
 def _public(summary: dict[str, Any]) -> dict[str, Any]:
-    return {k: summary[k] for k in ("overall", "groups", "server", "admission")}
+    return {k: summary[k] for k in ("overall", "groups", "server", "admission", "gpu")}
 
 
 def _with_slo(options: ReportOptions | None, run: dict[str, Any]) -> ReportOptions:
@@ -171,6 +178,7 @@ def build_summary(
         options = _with_slo(options, run)
         side, summary = _side(con, part, options)
         meta = run_meta(run, summary["overall"]["models"])
+        meta["cold_start"] = cold_start_of(con, run)
         checks = checklist(con, part, meta, summary, options)
         flips = _flips(con, [run_id], [side])
         drawn = charts([side], flips) if options.charts else {}
@@ -186,6 +194,7 @@ def build_summary(
         "checklist": checks,
         "flips": flips,
         "charts": drawn,
+        "cold_start": coldstart.rows(meta["cold_start"]),
     }
     report["diagnosis"] = diagnose(report)
     return report
@@ -215,6 +224,8 @@ def _compare(
     (b_side, b_summary), (a_side, a_summary) = _both_sides(con, (before, after), options, stack)
     b_meta = run_meta(runs[0], b_summary["overall"]["models"])
     a_meta = run_meta(runs[1], a_summary["overall"]["models"])
+    b_meta["cold_start"] = cold_start_of(con, runs[0])
+    a_meta["cold_start"] = cold_start_of(con, runs[1])
     same_run = before.run_id == after.run_id
     rows = diff_rows(b_side, a_side, seed)
     flips = _flips(con, sorted({before.run_id, after.run_id}), [b_side, a_side])
@@ -235,6 +246,9 @@ def _compare(
             **_public(a_summary),
         },
         "diff": rows,
+        "cold_start": []
+        if same_run
+        else coldstart.diff_rows(b_meta["cold_start"], a_meta["cold_start"]),
         "spec_decode": spec_diff(con, (before, after), (b_summary, a_summary), rows, seed),
         "warnings": workload_warnings(
             b_side, a_side, b_meta["workload"], a_meta["workload"], same_run
@@ -296,7 +310,7 @@ def build_diff(
         "base_window": _window_of(before),
         "levers": run.get("levers") or {},
         "run": meta,
-        **{k: compared["after"][k] for k in ("overall", "groups", "server", "admission")},
+        **{k: compared["after"][k] for k in ("overall", "groups", "server", "admission", "gpu")},
         "headline": _headline(change, compared, b_side, a_side),
         "lever_changes": changes,
         **compared,

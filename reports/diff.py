@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import duckdb
 import numpy as np
 
-from servescope.reports import bootstrap, sql
+from servescope.reports import bootstrap, gpu, sql
 from servescope.reports.bootstrap import Draws, Floats
 from servescope.reports.samples import FIXED_SOURCES, SERVER, TESTED, Samples
 
@@ -71,14 +72,52 @@ def _windows(side: Side, column: str) -> Floats | None:
     Throughput varies with time, not only with which requests ran, so its interval comes from
     resampling windows of the run (a block bootstrap): 1 s windows, or 1/20 of a shorter run.
     """
+    found = throughput_windows(side)
+    if found is None:
+        return None
+    width, count = found
+    good = side.summary["overall"]["goodput"]
+    totals = side.samples.window_totals(width, count, good["slo"] if good else {})
+    return totals[column] if totals is not None else None
+
+
+def throughput_windows(side: Side) -> tuple[float, int] | None:
+    """(width, count) of the side's throughput windows: 1 s, or 1/20 of a shorter run."""
     seconds = side.summary["overall"]["throughput"]["duration_s"]
     if not seconds:
         return None
     width = 1.0 if seconds >= 20 else seconds / 20
-    count = max(1, int(np.ceil(seconds / width)))
-    good = side.summary["overall"]["goodput"]
-    totals = side.samples.window_totals(width, count, good["slo"] if good else {})
-    return totals[column] if totals is not None else None
+    return width, max(1, int(np.ceil(seconds / width)))
+
+
+def attach_gpu(con: duckdb.DuckDBPyConnection, side: Side) -> None:
+    """The side's GPU figures (`summary["gpu"]`, see reports/gpu.py) over its throughput
+    windows, and the draws of those a diff tests (`cache["gpu"]`)."""
+    found, span = throughput_windows(side), side.samples.span
+    window = gpu.Window(span[0], *found) if found and span else None
+    totals = None
+    if window is not None:
+        good = side.summary["overall"]["goodput"]
+        totals = side.samples.window_totals(window.width, window.count, good["slo"] if good else {})
+    figures, draws = gpu.gpu_numbers(
+        con,
+        side.samples.part.run_id,
+        window,
+        totals["output_tokens"] if totals is not None else None,
+        totals["ok"] if totals is not None else None,
+    )
+    side.summary["gpu"] = figures
+    side.cache["gpu"] = draws
+
+
+def _gpu(metric: str) -> Estimator:
+    """A GPU figure of the side (reports/gpu.py) and its window-bootstrap draws."""
+    key = metric.partition(".")[2]
+
+    def estimate(side: Side) -> tuple[float | None, Draws | None]:
+        return (side.summary.get("gpu") or {}).get(key), side.cache.get("gpu", {}).get(metric)
+
+    return estimate
 
 
 _TOTALS = {None: ("ok", "ok"), "prompt_tokens": ("input_tokens", "input_known"),
@@ -142,6 +181,11 @@ INDICATORS: list[tuple[str, str, Estimator]] = [
     ("cached_token_ratio", HIGHER, _cached_token_ratio),
     ("server.prefix_cache_hit_ratio", HIGHER, _server_ratio),
     ("server.spec_decode_acceptance_ratio", HIGHER, _acceptance_rate),
+    # the GPU (reports/gpu.py): energy is a cost, utilisation the share of the GPU put to work
+    ("gpu.j_per_output_token", LOWER, _gpu("gpu.j_per_output_token")),
+    ("gpu.j_per_request", LOWER, _gpu("gpu.j_per_request")),
+    ("gpu.mean_power_w", LOWER, _gpu("gpu.mean_power_w")),
+    ("gpu.gpu_util_pct", HIGHER, _gpu("gpu.gpu_util_pct")),
 ]
 
 
@@ -245,6 +289,9 @@ def headline(change: str, rows: list[dict[str, Any]], before: Side, after: Side)
     elif by["throughput.requests_per_s"]["delta_pct"] is not None:
         # no token counts (e.g. `collect --once` on a log): the request rate still compares
         parts.append(_tested("requests/s", by["throughput.requests_per_s"]))
+    energy = by["gpu.j_per_output_token"]
+    if energy["delta_pct"] is not None:
+        parts.append(_tested("energy per output token", energy))
     err = by["error_rate"]
     if err["verdict"] in (IMPROVED, REGRESSED):
         parts.append(f"error rate {_share(err['before'])} → {_share(err['after'])}")

@@ -117,7 +117,7 @@ def _environment(fmt_name: str) -> Environment:
     # of escaped values, is not escaped again.
     markdown = fmt_name == "md"
     env = Environment(
-        loader=PackageLoader("reports", "templates"),
+        loader=PackageLoader("servescope.reports", "templates"),
         autoescape=True,
         finalize=_markdown_value if markdown else None,
         undefined=StrictUndefined,

@@ -3,8 +3,10 @@ here on loopback with its own TSDB) that scraped, every second, the session's re
 servescope gateway and a real servescope collector while a short bench ran: prompts sharing a
 prefix straight at vLLM, streaming requests of two teams through the gateway (some rejected),
 a half-written line for the collector, and prompts that quote the predictable model's passage
-at a second real vLLM with n-gram speculative decoding (drafts proposed and accepted). A panel
-whose query returns nothing fails by its title.
+at a second real vLLM with n-gram speculative decoding (drafts proposed and accepted). The GPU
+row reads dcgm-exporter's series: CI has no GPU, so Prometheus scrapes a dcgm-exporter page
+recorded on a GPU server (tests/fixtures/gpu/dcgm-exporter.txt). A panel whose query returns
+nothing fails by its title.
 """
 
 from __future__ import annotations
@@ -197,6 +199,7 @@ def prometheus(
     spec_vllm_server: RunningServer,
     gateway: str,
     collector: Collector,
+    dcgm_exporter: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Prometheus]:
     binary = shutil.which("prometheus")
@@ -207,6 +210,7 @@ def prometheus(
         "vllm-speculative": spec_vllm_server.url,
         "servescope-gateway": gateway,
         "servescope-collector": collector.url,
+        "dcgm-exporter": dcgm_exporter,  # a page recorded on a GPU server (tests/fixtures/gpu/)
     }
     config = {
         "global": {"scrape_interval": SCRAPE, "evaluation_interval": SCRAPE},

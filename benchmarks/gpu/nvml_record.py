@@ -1,6 +1,7 @@
 """nvml_record.py OUT INTERVAL — NVML samples of every GPU as JSON lines until killed: the raw
-readings the collector's GPU sampler turns into metric samples, recorded on a GPU server so tests
-without a GPU replay real values."""
+readings the collector's GPU sampler turns into metric samples (`collector/gpu.py`, whose
+`nvml_rows()` reads them: one row per GPU), recorded on a GPU server so tests without a GPU
+replay real values."""
 
 from __future__ import annotations
 
@@ -9,31 +10,20 @@ import signal
 import sys
 import time
 
-import pynvml
+from servescope.collector.gpu import nvml_open, nvml_rows
 
 
 def main() -> None:
     out, interval = sys.argv[1], float(sys.argv[2])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    pynvml.nvmlInit()
-    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    nvml_open()
     with open(out, "a") as f:
         while True:
-            for i, h in enumerate(handles):
-                util = pynvml.nvmlDeviceGetUtilizationRates(h)
-                mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-                row = {
-                    "ts": time.time(), "gpu": i, "uuid": str(pynvml.nvmlDeviceGetUUID(h)),
-                    "name": str(pynvml.nvmlDeviceGetName(h)),
-                    "power_mw": pynvml.nvmlDeviceGetPowerUsage(h),
-                    "energy_mj": pynvml.nvmlDeviceGetTotalEnergyConsumption(h),
-                    "fb_used_bytes": mem.used, "fb_total_bytes": mem.total,
-                    "gpu_util_pct": util.gpu, "mem_util_pct": util.memory,
-                    "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                }  # fmt: skip
+            started = time.monotonic()
+            for row in nvml_rows():
                 f.write(json.dumps(row) + "\n")
             f.flush()
-            time.sleep(interval)
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,10 @@ DESCRIPTION = (
     "max_model_len (as vLLM states it at start-up) and at the p50/p95 request shape, whether "
     "max_model_len fits at all, and the cost per 1K tokens at a stored run's measured "
     "throughput. The KV space is --kv-cache-gib (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE) or "
-    "--gpu-memory-gib × --gpu-memory-utilization − weights per GPU − --overhead-gib. "
+    "--gpu-memory-gib × --gpu-memory-utilization less what vLLM subtracts at start-up "
+    "(weights, the activation peak of a --max-num-batched-tokens step, non-torch memory, CUDA "
+    "graphs; docs/architecture.md 'Capacity on a GPU') and --overhead-gib: vLLM's 'Available "
+    "KV cache memory' and 'GPU KV cache size'. "
     "Prints Markdown (--json or --yaml for scripts; --out DIR writes capacity.yaml and "
     "capacity.md). Exit codes: 0 done, 2 bad input (unreadable config, unknown dtype, "
     "unknown run)."
@@ -51,14 +54,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--overhead-gib",
         type=float,
         default=0.0,
-        help="activation peak and runtime buffers per GPU (default 0: an upper bound)",
+        help="memory per GPU held by anything vLLM does not profile (another process, a "
+        "second replica's share…); default 0",
     )
+    p.add_argument("--max-num-batched-tokens", type=int, metavar="B",
+                   help="the profiled step (default: vLLM's, 8192 on GPUs of 70 GiB or more, "
+                   "else 2048)")  # fmt: skip
+    p.add_argument("--max-num-seqs", type=int, metavar="S",
+                   help="requests per step (default: vLLM's, 1024 or 256 as above)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
-        "--block-size",
-        type=int,
-        help="tokens per KV block (default 128 with --kv-cache-gib as on vLLM-CPU, "
-        "else 16 as on CUDA)",
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="the server's device, which sets the default block size (16 on CUDA, 128 on "
+        "vLLM-CPU); auto: cuda with --gpu-memory-gib, else cpu",
     )
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default: the device's)")
     for q in ("p50", "p95"):
         for kind in ("prompt", "output"):
             p.add_argument(f"--{q}-{kind}-tokens", type=float, metavar="N")
@@ -84,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _positive(args: argparse.Namespace) -> str | None:
     for name in ("max_model_len", "tensor_parallel_size", "block_size", "kv_cache_gib",
-                 "gpu_memory_gib"):  # fmt: skip
+                 "gpu_memory_gib", "max_num_batched_tokens", "max_num_seqs"):  # fmt: skip
         value = getattr(args, name)
         if value is not None and value <= 0:
             return f"--{name.replace('_', '-')} must be positive, got {value}"
@@ -107,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         overhead_gib=args.overhead_gib,
         block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
+        device=args.device,
     )
     traffic = Traffic(args.p50_prompt_tokens, args.p95_prompt_tokens,
                       args.p50_output_tokens, args.p95_output_tokens)  # fmt: skip
@@ -176,6 +192,20 @@ def _bytes(value: int | None) -> str:
     return "n/a" if value is None else f"{value:,} B ({value / 2**30:,.2f} GiB)"
 
 
+def _gpu_terms(memory: dict[str, Any] | None) -> list[str]:
+    """The terms of the GPU memory model, one row each (GiB)."""
+    if not memory:
+        return []
+    return [
+        f"| GPU: {memory['total']} GiB × utilization = {memory['requested']} GiB − weights "
+        f"{memory['weights']} − activation peak {memory['activation_peak']} (a "
+        f"{memory['max_num_batched_tokens']:,}-token step, {memory['max_num_seqs']:,} sequences) "
+        f"− non-torch {memory['non_torch']} − CUDA graphs {memory['cudagraphs']} "
+        f"({memory['cudagraph_sizes']} sizes) − overhead {memory['extra']} | "
+        f"available KV cache memory {memory['available']} GiB |"
+    ]
+
+
 def markdown(result: dict[str, Any], sheet: dict[str, Any]) -> str:
     """The worksheet for people: what was read, what it implies."""
     m, s = result["model"], result["settings"]
@@ -195,6 +225,7 @@ def markdown(result: dict[str, Any], sheet: dict[str, Any]) -> str:
         f"| KV bytes per sequence at max_model_len {_n(s['max_model_len'])} | "
         f"{_bytes(result['kv_bytes_per_sequence_at_max_model_len'])} |",
         f"| KV space | {_bytes(result['kv_cache_bytes'])}: {result['kv_cache_bytes_basis']} |",
+        *_gpu_terms(result.get("gpu_memory")),
         f"| KV blocks ({s['block_size']} tokens) | {_n(result['kv_blocks'])} |",
         f"| KV tokens | {_n(result['kv_tokens'])} |",
         f"| max concurrency at {_n(s['max_model_len'])} tokens per request | "

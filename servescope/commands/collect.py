@@ -13,6 +13,7 @@ from pathlib import Path
 from types import FrameType
 
 from servescope.collector import Collector
+from servescope.collector.gpu import NoGpu, open_gpu_source
 from servescope.collector.otlp import OtlpReceiver
 from servescope.collector.otlp_export import OtlpExport, StoredRequestForwarder
 from servescope.collector.selfmetrics import SelfMetrics
@@ -94,6 +95,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         "servescope_collector_export_dropped_total. Other OTEL_EXPORTER_OTLP_* variables apply",
     )
     parser.add_argument(
+        "--gpu",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="GPU telemetry through NVML every --scrape-interval into metric_samples, under "
+        "dcgm-exporter's names: auto (default) = on when NVML finds a GPU; on = fail without "
+        "one. NVML reads the GPUs of CUDA_VISIBLE_DEVICES when it is set. Not with --once",
+    )
+    parser.add_argument(
+        "--dcgm-url",
+        default=None,
+        metavar="URL",
+        help="scrape a dcgm-exporter /metrics (e.g. http://127.0.0.1:9400/metrics) for the GPU "
+        "samples instead of NVML",
+    )
+    parser.add_argument(
         "--once",
         action="store_true",
         help="ingest what the files hold now (and scrape once), then exit",
@@ -137,6 +153,14 @@ def run_collect(args: argparse.Namespace) -> int:
     if problem:
         console.print(f"{problem}", style="red")
         return 2
+    gpu = None
+    if not args.once:
+        try:
+            gpu, said = open_gpu_source(args.gpu, args.dcgm_url)
+        except NoGpu as exc:
+            console.print(f"--gpu on: no GPU ({exc})", style="red")
+            return 2
+        console.print(said)
     metrics = SelfMetrics()
     store = open_store(args, create=True)
     try:
@@ -153,6 +177,7 @@ def run_collect(args: argparse.Namespace) -> int:
         scrape_interval=args.scrape_interval,
         once=args.once,
         metrics=metrics,
+        gpu=gpu,
     )
     forwarder = None
     if args.otlp_export:

@@ -1,0 +1,194 @@
+"""What vLLM subtracts from a GPU's memory before the KV cache, modelled from first principles.
+
+vLLM (0.2x, `v1/worker/gpu_worker.py` `determine_available_memory`) sizes its KV cache once, at
+start-up:
+
+    available = ceil(total × gpu_memory_utilization)
+                − weights − activation peak − non-torch increase − CUDA graph estimate
+
+where `total` is the device memory CUDA reports (`cudaMemGetInfo`), the weights are what model
+loading allocated, the activation peak is the rise of torch's allocated-bytes peak during one
+dummy forward pass of `max_num_batched_tokens` tokens and one sampler pass over `max_num_seqs`
+dummy requests (`profile_run`), the non-torch increase is device memory allocated outside
+torch since the worker's first snapshot (taken after the CUDA context and NCCL exist, so
+neither counts), and the CUDA graph estimate is what capturing the first (largest) graph of
+each mode and one more graph cost, the latter times the graphs left
+(`profile_cudagraph_memory`; on since v0.21, `VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`).
+
+Each term here is computed from the model's shape and the flags, never fitted to a
+measurement:
+
+- weights: parameters × dtype bytes (÷ tensor-parallel size), each tensor as torch's caching
+  allocator holds it (above 1 MiB, a multiple of 2 MiB: a 13B shape's down projections of
+  135 MiB take 136), the vocabulary padded to a multiple of 64 as vLLM's embedding pads it.
+- activation peak: the largest of one decoder layer's live tensors for T tokens — the residual
+  stream (2 × T × hidden), the MLP's gate/up output (T × 2 × intermediate) while its activation
+  output (T × intermediate) is written, or attention's QKV (T × (heads + 2 × KV heads) × head
+  dim) beside its output (T × heads × head dim) — and the sampler's: logits of `max_num_seqs`
+  requests in float32 with softmax, sort values and int64 sort indices for top-k/top-p
+  (4 + 4 + 4 + 8 bytes per logit, plus the dtype's logits) beside the forward pass's output
+  (T × hidden), whichever is larger, plus torch's cuBLAS workspace
+  (32 MiB on Hopper, `:4096:8`), which it allocates on the first GEMM.
+- non-torch: the CUDA kernel images loaded on first use during the profile run (cuBLAS/cuBLASLt,
+  FlashAttention, vLLM's and inductor's kernels): `NON_TORCH_GIB`, a stated assumption (vLLM
+  logs report 0.1–0.3 GiB for a dense model at TP 1); the one term the shape cannot give.
+- CUDA graphs: the capture sizes vLLM picks (1, 2, 4, then every 8 up to 256, every 16 up to
+  `max_cudagraph_capture_size` = min(2 × max_num_seqs, 512, max_num_batched_tokens)), each
+  captured once PIECEWISE and once FULL (FULL_AND_PIECEWISE, the default); the first capture
+  holds one step's activations at the largest size in the graph pool, every further graph
+  costs at least vLLM's own floor of 1 MiB.
+
+`benchmarks/bench_capacity_gpu.py` measures each term on a GPU server (vLLM's debug line
+"Memory profiling takes … Total non KV cache memory … torch peak memory increase …
+non-torch forward increase memory … weights memory …" and "Estimated CUDA graph memory"),
+so a wrong term shows by itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+GIB = 1 << 30
+MIB = 1 << 20
+CUBLAS_WORKSPACE = 32 * MIB  # torch's default on sm90: 8 chunks of 4 MiB
+NON_TORCH_GIB = 0.10  # assumption, see the module docstring
+GRAPH_FLOOR = 1 * MIB  # vLLM's minimum per captured graph
+SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 8  # float32 logits, probs, sorted values; int64 indices
+LARGE_GPU_GIB = 70  # vLLM's larger defaults above this (H100/H200/MI300; A100-80GB excepted)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model dimensions the activation terms need."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """Each term in bytes (per GPU), and the KV space they leave."""
+
+    total: int
+    requested: int
+    weights: int
+    activation_peak: int
+    non_torch: int
+    cudagraphs: int
+    extra: int
+    available: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    cudagraph_sizes: int
+
+    def gib(self) -> dict[str, Any]:
+        return {
+            k: round(v / GIB, 3) if isinstance(v, int) and k not in _COUNTS else v
+            for k, v in asdict(self).items()
+        }
+
+
+_COUNTS = {"max_num_batched_tokens", "max_num_seqs", "cudagraph_sizes"}
+
+
+def scheduler_defaults(total_gib: float) -> tuple[int, int]:
+    """vLLM's API-server defaults (max_num_batched_tokens, max_num_seqs) for a GPU this big."""
+    return (8192, 1024) if total_gib >= LARGE_GPU_GIB else (2048, 256)
+
+
+def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """vLLM's CUDA graph capture sizes (`VllmConfig._set_cudagraph_sizes`)."""
+    top = min(max_num_seqs * 2, 512, max_num_batched_tokens)
+    sizes = [s for s in (1, 2, 4) if s <= top]
+    sizes += list(range(8, min(top + 1, 256), 8))
+    sizes += list(range(256, top + 1, 16))
+    return sizes
+
+
+def _allocated(nbytes: int) -> int:
+    """What torch's CUDA caching allocator takes for one tensor: above 1 MiB a multiple of
+    2 MiB, else of 512 bytes."""
+    step = 2 * MIB if nbytes > MIB else 512
+    return -(-nbytes // step) * step
+
+
+def rounding(shape: Shape, dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes the allocator adds to the weights of a Llama-style model as vLLM lays them out:
+    merged QKV and gate/up projections, the output and down projections, two norms per layer,
+    embeddings and head with the vocabulary padded to a multiple of 64."""
+    heads, kv_heads = math.ceil(shape.heads / tp), max(1, shape.kv_heads // tp)
+    inter = math.ceil(shape.intermediate / tp)
+    vocab = -(-shape.vocab // 64) * 64
+    h, d, b = shape.hidden, shape.head_dim, dtype_bytes
+    layer = [h * (heads + 2 * kv_heads) * d * b, heads * d * h * b, h * 2 * inter * b,
+             inter * h * b, h * b, h * b]  # fmt: skip
+    tensors = layer * shape.layers + [math.ceil(vocab / tp) * h * b] * 2 + [h * b]
+    exact = (sum(layer) * shape.layers + 2 * shape.vocab * h * b // tp + h * b)
+    return sum(_allocated(t) for t in tensors) - exact
+
+
+def layer_peak(shape: Shape, tokens: int, dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes live at the busiest point of one decoder layer for `tokens` tokens (per GPU)."""
+    residual = 2 * tokens * shape.hidden
+    mlp = 3 * tokens * math.ceil(shape.intermediate / tp)  # gate/up output + activation output
+    heads, kv_heads = math.ceil(shape.heads / tp), max(1, shape.kv_heads // tp)
+    attention = tokens * shape.head_dim * ((heads + 2 * kv_heads) + heads)
+    return dtype_bytes * (residual + max(mlp, attention))
+
+
+def sampler_peak(shape: Shape, requests: int, dtype_bytes: int) -> int:
+    return requests * shape.vocab * (SAMPLER_BYTES_PER_LOGIT + dtype_bytes)
+
+
+def predict(
+    shape: Shape,
+    *,
+    total_bytes: int,
+    utilization: float,
+    weight_bytes: int,
+    dtype_bytes: int,
+    tp: int = 1,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+    cudagraphs: bool = True,
+    extra_bytes: int = 0,
+) -> GpuMemory:
+    """vLLM's available KV memory on one GPU, term by term (see the module docstring)."""
+    tokens_default, seqs_default = scheduler_defaults(total_bytes / GIB)
+    tokens = max_num_batched_tokens or tokens_default
+    seqs = max_num_seqs or seqs_default
+    requested = math.ceil(total_bytes * utilization)
+    weights = weight_bytes + max(0, rounding(shape, dtype_bytes, tp))
+    activation = (
+        max(layer_peak(shape, tokens, dtype_bytes, tp),  # the forward pass, or the sampler
+            sampler_peak(shape, min(seqs, tokens), dtype_bytes)  # beside the pass's output
+            + tokens * shape.hidden * dtype_bytes)
+        + CUBLAS_WORKSPACE
+    )  # fmt: skip
+    sizes = capture_sizes(seqs, tokens) if cudagraphs else []
+    graphs = 0
+    if sizes:
+        pool = layer_peak(shape, max(sizes), dtype_bytes, tp)
+        graphs = pool + GRAPH_FLOOR * (2 * len(sizes) - 2)  # PIECEWISE and FULL, less the firsts
+    non_torch = int(NON_TORCH_GIB * GIB)
+    available = requested - weights - activation - non_torch - graphs - extra_bytes
+    return GpuMemory(
+        total=total_bytes,
+        requested=requested,
+        weights=weights,
+        activation_peak=activation,
+        non_torch=non_torch,
+        cudagraphs=graphs,
+        extra=extra_bytes,
+        available=max(available, 0),
+        max_num_batched_tokens=tokens,
+        max_num_seqs=seqs,
+        cudagraph_sizes=len(sizes),
+    )

@@ -1,0 +1,192 @@
+"""The GPU during a slice: mean power, GPU utilisation, memory used, and energy per output token
+and per request, from the samples the collector stored under dcgm-exporter's names (NVML read by
+the sidecar, or a dcgm-exporter target: `collector/gpu.py`).
+
+Which samples: those of the slice's run, of the server sessions that served its requests, or
+of no session (several servers on one GPU), stamped in the slice's throughput window — from the
+first request's start to the last completion, the window throughput is measured over. A
+physical GPU is one series (`gpu`/`UUID` labels); MIG instances' own rows (`GPU_I_ID`) are left
+out of the totals, since NVML measures power and energy per physical GPU only.
+
+Energy per window: the cumulative energy counter (`DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION`, mJ)
+read at each window edge by linear interpolation between its samples, summed over the GPUs;
+without a counter, power integrated over time (trapezoids) — `energy_basis` says which. J per
+output token = Σ energy ÷ Σ output tokens over the throughput windows (1 s, or 1/20 of a
+shorter run). Its interval, like throughput's, resamples those windows (a block bootstrap),
+each window's energy drawn with its own tokens (`bootstrap.ratio_draws`); mean power is energy
+÷ duration with the windows resampled as for throughput; utilisation is the mean of the
+windows' mean readings, resampled the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import duckdb
+import numpy as np
+
+from servescope.reports import sql
+from servescope.reports.bootstrap import Draws, Floats, ratio_draws, total_draws
+
+POWER = "DCGM_FI_DEV_POWER_USAGE"
+ENERGY = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"
+FB_USED = "DCGM_FI_DEV_FB_USED"
+GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
+NAMES = (POWER, ENERGY, FB_USED, GPU_UTIL)
+EDGE_S = 30.0  # samples this far outside the window still anchor the interpolation at its edges
+
+@dataclass(frozen=True)
+class Window:
+    """The slice's throughput windows: `count` windows of `width` s from `t0` (epoch s)."""
+
+    t0: float
+    width: float
+    count: int
+
+    @property
+    def edges(self) -> Floats:
+        return self.t0 + self.width * np.arange(self.count + 1, dtype=np.float64)
+
+
+Series = dict[tuple[str, str], tuple[Floats, Floats]]  # (target, gpu) → (times, values)
+
+
+def _series(rows: list[tuple[Any, ...]], name: str) -> Series:
+    """Samples of one name per physical GPU (MIG instances' rows left out)."""
+    by: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for t, target, sample_name, labels, value in rows:
+        if sample_name != name:
+            continue
+        tags = json.loads(labels) if isinstance(labels, str) else dict(labels or {})
+        if tags.get("GPU_I_ID"):
+            continue
+        gpu = str(tags.get("UUID") or tags.get("gpu") or "")
+        by.setdefault((str(target), gpu), []).append((float(t), float(value)))
+    out: Series = {}
+    for key, points in by.items():
+        arr = np.array(sorted(points), dtype=np.float64)
+        out[key] = (arr[:, 0], arr[:, 1])
+    return out
+
+
+def _counter_at(times: Floats, values: Floats, edges: Floats) -> Floats | None:
+    """The counter at each edge, interpolated; None unless samples bracket the window."""
+    if len(times) < 2 or times[0] > edges[0] or times[-1] < edges[-1]:
+        return None
+    return np.interp(edges, times, values)
+
+
+def _integral_at(times: Floats, values: Floats, edges: Floats) -> Floats | None:
+    """∫ power dt from the first edge to each edge (J), trapezoids over the samples."""
+    if len(times) < 2 or times[0] > edges[0] or times[-1] < edges[-1]:
+        return None
+    grid = np.union1d(times, edges)
+    power = np.interp(grid, times, values)
+    cumulative = np.concatenate([[0.0], np.cumsum(np.diff(grid) * (power[1:] + power[:-1]) / 2)])
+    return np.interp(edges, grid, cumulative)
+
+
+def window_energy(rows: list[tuple[Any, ...]], window: Window) -> tuple[Floats | None, str | None]:
+    """Energy (J) used by all GPUs in each window, and its basis; (None, None) without
+    samples that cover the window."""
+    edges = window.edges
+    counters = _series(rows, ENERGY)
+    total = np.zeros(window.count, dtype=np.float64)
+    if counters:
+        ok = True
+        for times, values in counters.values():
+            at = _counter_at(times, values, edges)
+            if at is None:
+                ok = False
+                break
+            total += np.diff(at) / 1000.0  # mJ → J
+        if ok:
+            return total, "energy counter"
+    powers = _series(rows, POWER)
+    if not powers:
+        return None, None
+    total = np.zeros(window.count, dtype=np.float64)
+    for times, values in powers.values():
+        at = _integral_at(times, values, edges)
+        if at is None:
+            return None, None
+        total += np.diff(at)
+    return total, "power integrated over time"
+
+
+def _window_means(rows: list[tuple[Any, ...]], name: str, window: Window) -> Floats | None:
+    """Each window's mean reading (averaged over GPUs), windows without a reading left out."""
+    series = _series(rows, name)
+    if not series:
+        return None
+    sums = np.zeros(window.count)
+    counts = np.zeros(window.count)
+    for times, values in series.values():
+        inside = (times >= window.t0) & (times < window.t0 + window.width * window.count)
+        which = ((times[inside] - window.t0) // window.width).astype(np.int64)
+        sums += np.bincount(which, weights=values[inside], minlength=window.count)
+        counts += np.bincount(which, minlength=window.count)
+    kept = counts > 0
+    return sums[kept] / counts[kept] if kept.any() else None
+
+
+def _mean_draws(values: Floats) -> Draws | None:
+    return total_draws(values, 1.0 / len(values)) if len(values) else None
+
+
+def gpu_numbers(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    window: Window | None,
+    output_tokens: Floats | None,
+    ok_requests: Floats | None,
+) -> tuple[dict[str, Any], dict[str, Draws | None]]:
+    """The slice's GPU figures for the report and the bootstrap draws of those a diff tests.
+    `output_tokens` and `ok_requests`: the slice's per-window totals (by completion)."""
+    params = {"power": POWER, "energy": ENERGY, "fb_used": FB_USED, "gpu_util": GPU_UTIL}
+    none: dict[str, Any] = {"measured": False, "gpus": 0}
+    if window is None:
+        return none, {}
+    rows = con.execute(
+        sql.GPU_SAMPLES,
+        {
+            **params,
+            "run_id": run_id,
+            "lo": window.t0 - EDGE_S,
+            "hi": window.t0 + window.width * window.count + EDGE_S,
+        },
+    ).fetchall()
+    if not rows:
+        return none, {}
+    seconds = window.width * window.count
+    energy, basis = window_energy(rows, window)
+    util = _window_means(rows, GPU_UTIL, window)
+    power = _window_means(rows, POWER, window)
+    fb = _window_means(rows, FB_USED, window)
+    gpus = sorted({key[1] for key in (_series(rows, POWER) | _series(rows, ENERGY))})
+    out: dict[str, Any] = {
+        "measured": True,
+        "gpus": len(gpus),
+        "gpu_ids": gpus,
+        "energy_basis": basis,
+        "energy_j": float(energy.sum()) if energy is not None else None,
+        "mean_power_w": float(energy.sum() / seconds) if energy is not None else None,
+        "sampled_power_w": float(power.mean()) if power is not None else None,
+        "gpu_util_pct": float(util.mean()) if util is not None else None,
+        "fb_used_mib_peak": float(fb.max()) if fb is not None else None,
+        "j_per_output_token": None,
+        "j_per_request": None,
+    }
+    draws: dict[str, Draws | None] = {"gpu.gpu_util_pct": _mean_draws(util) if util is not None
+                                      else None}  # fmt: skip
+    if energy is not None:
+        draws["gpu.mean_power_w"] = total_draws(energy, 1.0 / seconds)
+        if output_tokens is not None and output_tokens.sum() > 0:
+            out["j_per_output_token"] = float(energy.sum() / output_tokens.sum())
+            draws["gpu.j_per_output_token"] = ratio_draws(energy, output_tokens)
+        if ok_requests is not None and ok_requests.sum() > 0:
+            out["j_per_request"] = float(energy.sum() / ok_requests.sum())
+            draws["gpu.j_per_request"] = ratio_draws(energy, ok_requests)
+    return out, draws
