@@ -135,7 +135,7 @@ class Lake(Store):
             # server session's report reads (reports.sql.SLICE_CHECKS).
             # One run at a time, so each run's rows lie together and a query of one run skips
             # the other's row groups (a session's requests of other runs come last).
-            doc = "doc" if sessions else "CAST(NULL AS VARCHAR) AS doc"
+            doc = "doc AS doc" if sessions else "CAST(NULL AS VARCHAR) AS doc"
             con.execute("ALTER VIEW events RENAME TO events_in_files")
             con.execute(_COPY_EVENTS.replace("DOC", doc) + " LIMIT 0")
             for run in self.scope:

@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -404,3 +405,32 @@ def test_run_ids_that_are_no_folder_names(tmp_path: Path) -> None:
             assert con.execute(
                 "SELECT count(*) FROM events WHERE run_id = $1", [run]
             ).fetchone() == (1,)
+
+
+def test_a_server_sessions_report_from_the_lake_equals_the_stores(tmp_path: Path) -> None:
+    """A session's run holds its own requests and those it served for client runs (in other
+    runs' folders): a lake scoped to it reads the folders of its lifetime's days."""
+    from servescope.reports import ReportOptions, build_summary
+
+    store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
+    writer = LakeWriter(lake, store)
+    session = "vllm-tiny-8000-20261125T100000Z"
+    served = [
+        _doc("run-client", i, vllm_session=session, server_ttft_ms=float(i) / 3, source="client")
+        for i in range(40)
+    ]
+    own = [
+        {**_doc(session, i, vllm_session=session, source="vllm-log"), "request_id": f"{i:032x}"}
+        for i in range(30)
+    ]
+    elsewhere = [_doc("run-other", i, ts="2026-11-01T10:00:00Z") for i in range(20)]
+    with store.write() as con:
+        mark = writer.mark(con)
+        store.add_events(served + own + elsewhere, con)
+        store.upsert_run(session, con, started_at=datetime(2026, 11, 25, 10), label="session")
+        writer.committed(writer.write(con, mark, runs=[session]))
+    options = ReportOptions(charts=False)
+    from_store = build_summary(store, session, options)
+    from_lake = build_summary(Lake([lake]).scoped([session]), session, options)
+    assert from_store["overall"]["requests"] == 70
+    assert from_lake == from_store
