@@ -78,7 +78,7 @@ def _environment() -> Environment:
     from jinja2 import Environment, PackageLoader, StrictUndefined
 
     env = Environment(
-        loader=PackageLoader("reports", "templates"),
+        loader=PackageLoader("servescope.reports", "templates"),
         autoescape=True,
         undefined=StrictUndefined,
         trim_blocks=True,

@@ -19,6 +19,7 @@ from servescope.loadgen.experiment import (
     ExperimentResult,
     load_experiments,
 )
+from servescope.loadgen.fleet import FleetExperiment
 from servescope.loadgen.launcher import VllmServer
 from servescope.loadgen.runner import parse_slo, percentile
 from servescope.loadgen.sidecar import CollectorSidecar
@@ -106,19 +107,38 @@ def run_experiment(args: argparse.Namespace) -> int:
         console.print(f"experiment {args.name}: unknown model kind {spec.model!r}", style="red")
         return 2
     store = open_store(args, create=True)
+    experiment: Experiment | FleetExperiment
     try:
-        experiment = Experiment(
-            spec,
-            store=store,
-            execute=execute,
-            model=model,
-            targets=_targets(args.target),
-            repeats=args.repeats,
-            scale=args.scale,
-            requests=args.requests,
-            slo=parse_slo(args.slo),
-            hooks=hooks(store),
-        )
+        if spec.fleet is not None:
+            if args.target:
+                raise ValueError(
+                    f"experiment {spec.name} starts its own replicas behind a gateway: "
+                    "--target is not for it"
+                )
+            experiment = FleetExperiment(
+                spec,
+                store=store,
+                execute=execute,
+                model=model,
+                repeats=args.repeats,
+                scale=args.scale,
+                requests=args.requests,
+                slo=parse_slo(args.slo),
+                hooks=ExperimentHooks(starting=starting, ready=ready),
+            )
+        else:
+            experiment = Experiment(
+                spec,
+                store=store,
+                execute=execute,
+                model=model,
+                targets=_targets(args.target),
+                repeats=args.repeats,
+                scale=args.scale,
+                requests=args.requests,
+                slo=parse_slo(args.slo),
+                hooks=hooks(store),
+            )
     except (WorkloadError, ValueError) as exc:
         console.print(f"{exc}", style="red")
         return 2
