@@ -39,8 +39,9 @@ reason}` (one per attempt):
 | `retry` | the replica chosen before it failed before sending a byte |
 | `fallback` | the pool failed before sending a byte: the route's fallback |
 
-Health is the gateway's (`server.Gateway`): a replica that refuses a connection or drops a
-stream is down for a short while and skipped; it comes back by itself when that while ends.
+Health is the gateway's (`server.Gateway`): a replica that refuses a connection, drops a
+stream or fails its `/health` probe is down and skipped (tried last); a probe that answers 200
+brings it back by itself.
 """
 
 from __future__ import annotations

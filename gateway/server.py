@@ -8,6 +8,7 @@ writes exactly one event (`source = gateway`), whatever happens: admitted and se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -41,6 +42,8 @@ from servescope.wire.stream import CHAT, COMPLETIONS, Endpoint, utc_now_iso
 log = logging.getLogger("servescope.gateway")
 
 DOWN_FOR_S = 2.0  # an upstream that refused a connection or dropped a stream is skipped this long
+PROBE_EVERY_S = 0.5  # pool replicas' /health, so a dead one is skipped even with no traffic to it
+PROBE_TIMEOUT_S = 5.0
 MAX_REQUEST_ID = 200
 PASSED_HEADERS = ("traceparent", "tracestate")
 
@@ -65,6 +68,7 @@ class Gateway:
         self.store = store  # where a reload that changes a routing policy writes its lever flip
         self.router = Router()
         self._flip_writers: list[threading.Thread] = []
+        self._prober: asyncio.Task[None] | None = None
         self.metrics = GatewayMetrics()
         self.scheduler = Scheduler(config.teams, self._caps(config))
         self.events = EventLog(config.events_dir)
@@ -103,8 +107,13 @@ class Gateway:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.tokens = TokenCounter(self.session)
+        self._prober = asyncio.create_task(self._probe_replicas())
 
     async def stop(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
         if self.session is not None:
             await self.session.close()
         for pool in self.pools.values():
@@ -195,6 +204,32 @@ class Gateway:
             return [Pick(route.pool[0], "only")]
         now = time.monotonic()
         return self.router.plan(route, body, chat, lambda n: self._health(n).usable(now))
+
+    async def _probe_replicas(self) -> None:
+        """Every `PROBE_EVERY_S`, `GET /health` on each replica of a pool (routes of one upstream
+        keep the passive rule alone): a refused, failed or timed-out probe marks it down, a 200
+        brings it back at once. Requests that fail mark an upstream down too, without waiting."""
+        while True:
+            names = sorted({n for r in self.config.routes.values() if len(r.pool) > 1
+                            for n in r.pool})  # fmt: skip
+            await asyncio.gather(*(self._probe(n) for n in names))
+            await asyncio.sleep(PROBE_EVERY_S)
+
+    async def _probe(self, name: str) -> None:
+        upstream = self.config.upstreams.get(name)
+        if upstream is None or self.session is None:
+            return
+        try:
+            async with self.session.get(
+                f"{upstream.url}/health", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            ) as resp:
+                healthy = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            healthy = False
+        if healthy:
+            self._health(name).down_until = 0.0
+        else:
+            self.mark_down(name)
 
     def mark_down(self, name: str) -> None:
         """Skip an upstream for `DOWN_FOR_S`; it is tried again after that by itself."""

@@ -176,7 +176,7 @@ def build_summary(
         checks = checklist(con, part, meta, summary, options)
         flips = _flips(con, [run_id], [side])
         drawn = charts([side], flips) if options.charts else {}
-        by_replica = replicas.fleet(con, part, run)
+        by_replica = replicas.fleet(con, part, run, options.prometheus)
     report = {
         "report_id": _report_id(part),
         "kind": "run",
@@ -222,7 +222,8 @@ def _compare(
     same_run = before.run_id == after.run_id
     rows = diff_rows(b_side, a_side, seed)
     flips = _flips(con, sorted({before.run_id, after.run_id}), [b_side, a_side])
-    b_fleet, a_fleet = replicas.fleet(con, before, runs[0]), replicas.fleet(con, after, runs[1])
+    b_fleet = replicas.fleet(con, before, runs[0], options.prometheus)
+    a_fleet = replicas.fleet(con, after, runs[1], options.prometheus)
     return {
         "sides": (b_side, a_side),
         "before": {
@@ -306,7 +307,15 @@ def build_diff(
         "run": meta,
         **{
             k: compared["after"][k]
-            for k in ("overall", "groups", "server", "admission", "replicas", "skew")
+            for k in (
+                "overall",
+                "groups",
+                "server",
+                "admission",
+                "replicas",
+                "skew",
+                "replicas_server",
+            )
         },
         "headline": _headline(change, compared, b_side, a_side),
         "lever_changes": changes,
@@ -345,7 +354,7 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         after = Slice(run_id, since=at, label="after flip")
         whole = Slice(run_id)
         _whole_side, summary = _side(con, whole, options)
-        by_replica = replicas.fleet(con, whole, run)
+        by_replica = replicas.fleet(con, whole, run, options.prometheus)
         meta = run_meta(run, summary["overall"]["models"])
         compared = _compare(con, before, after, (run, run), options, stack)
         checks = checklist(con, whole, meta, summary, options)

@@ -84,12 +84,18 @@ COUNTERS = (
     "vllm:request_success_total",
 )
 GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
-QUEUE_BUCKETS = "vllm:request_queue_time_seconds_bucket"
+# vLLM's histograms whose p95 each row gets (bucket growth → Prometheus's histogram_quantile)
+HISTOGRAMS = {
+    "queue": "vllm:request_queue_time_seconds_bucket",
+    "server_ttft": "vllm:time_to_first_token_seconds_bucket",
+    "prefill": "vllm:request_prefill_time_seconds_bucket",
+    "decode": "vllm:request_decode_time_seconds_bucket",
+}
 
 # Counter growth per scraped server (the store's step rule, grouped by target).
 COUNTERS_BY_TARGET = queries._slice_counters("list_contains($names, name)", "target, name")
 BUCKETS_BY_TARGET = queries._slice_counters(
-    "name = $bucket", "target, CAST(labels AS JSON)->>'le' AS le"
+    "list_contains($names, name)", "target, name, CAST(labels AS JSON)->>'le' AS le"
 )
 GAUGE_PEAKS_BY_TARGET = """
 SELECT target, name, max(value) AS peak
@@ -124,15 +130,15 @@ def _server_side(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, dict[
         GAUGE_PEAKS_BY_TARGET, {**params, "names": list(GAUGES)}
     ).fetchall():
         out.setdefault(target, {})[name] = peak
-    buckets: dict[str, list[tuple[float, float]]] = {}
-    for target, le, delta, steps in con.execute(
-        BUCKETS_BY_TARGET, {**params, "bucket": QUEUE_BUCKETS}
+    keys = {name: key for key, name in HISTOGRAMS.items()}
+    buckets: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for target, name, le, delta, steps in con.execute(
+        BUCKETS_BY_TARGET, {**params, "names": list(HISTOGRAMS.values())}
     ).fetchall():
         if steps and le is not None:
-            buckets.setdefault(target, []).append((bucket_bound(le), delta))
-    for target, series in buckets.items():
-        p95 = histogram_quantile(0.95, series)
-        out.setdefault(target, {})["queue_p95_s"] = p95
+            buckets.setdefault((target, name), []).append((bucket_bound(le), delta))
+    for (target, name), series in buckets.items():
+        out.setdefault(target, {})[f"{keys[name]}_p95_s"] = histogram_quantile(0.95, series)
     return out
 
 
@@ -140,11 +146,19 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return None if num is None or not den else num / den
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
 def replica_rows(
-    con: duckdb.DuckDBPyConnection, part: Slice, urls: dict[str, str]
+    con: duckdb.DuckDBPyConnection,
+    part: Slice,
+    urls: dict[str, str],
+    server: dict[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per replica (and one for requests that reached none), events and scrapes joined
-    by the replica's URL in the run's notes."""
+    """One row per replica (and one for requests that reached none), events and server numbers
+    joined by the replica's URL in the run's notes; `server` (by URL) replaces servescope's own
+    scrapes (reports/prometheus.py)."""
     params = part.params()
     rows = _rows(con.execute(BY_REPLICA, params))
     errors: dict[str | None, dict[str, int]] = {}
@@ -153,7 +167,8 @@ def replica_rows(
     reasons: dict[str | None, dict[str, int]] = {}
     for replica, reason, n in con.execute(REASONS_BY_REPLICA, params).fetchall():
         reasons.setdefault(replica, {})[reason] = n
-    server = _server_side(con, part) if urls else {}
+    if server is None:
+        server = _server_side(con, part) if urls else {}
     seen = {r["replica"] for r in rows}
     for name in urls:  # a replica that served nothing is a row too: that is skew
         if name not in seen:
@@ -167,7 +182,6 @@ def replica_rows(
         scraped = server.get(url, {}) if url else {}
         hits = scraped.get("vllm:prefix_cache_hits_total")
         queries_ = scraped.get("vllm:prefix_cache_queries_total")
-        queue = scraped.get("queue_p95_s")
         out.append(
             {
                 "replica": name,
@@ -180,7 +194,10 @@ def replica_rows(
                 "ttft_ms_p50": row["ttft_ms_p50"],
                 "ttft_ms_p95": row["ttft_ms_p95"],
                 "cached_token_ratio": _ratio(row["cached_tokens"], row["prompt_tokens"]),
-                "queue_ms_p95": None if queue is None else queue * 1000.0,
+                "queue_ms_p95": _ms(scraped.get("queue_p95_s")),
+                "server_ttft_ms_p95": _ms(scraped.get("server_ttft_p95_s")),
+                "prefill_ms_p95": _ms(scraped.get("prefill_p95_s")),
+                "decode_ms_p95": _ms(scraped.get("decode_p95_s")),
                 "prefix_cache_hit_ratio": _ratio(hits, queries_),
                 "prefix_cache_hits": hits,
                 "prefix_cache_queries": queries_,
@@ -218,13 +235,40 @@ def skew(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def fleet(con: duckdb.DuckDBPyConnection, part: Slice, run: dict[str, Any]) -> dict[str, Any]:
-    """`{"replicas": [...], "skew": {...}}` of a fleet run's slice; both None otherwise."""
-    if not is_fleet(con, run):
-        return {"replicas": None, "skew": None}
+class NotAFleet(LookupError):
+    """`--prometheus` on a run that names no replicas to look up."""
+
+
+def fleet(
+    con: duckdb.DuckDBPyConnection,
+    part: Slice,
+    run: dict[str, Any],
+    prometheus: str | None = None,
+) -> dict[str, Any]:
+    """`{"replicas": [...], "skew": {...}}` of a fleet run's slice; both None otherwise. With
+    `prometheus` (a URL), the replicas' server numbers come from that Prometheus over the
+    slice's window, and `replicas_server` says so."""
     urls = (run.get("notes") or {}).get("replicas") or {}
-    rows = replica_rows(con, part, urls if isinstance(urls, dict) else {})
-    return {"replicas": rows, "skew": skew(rows)}
+    urls = urls if isinstance(urls, dict) else {}
+    if prometheus and not urls:
+        raise NotAFleet(
+            f"run {run['run_id']!r} names no replicas (bench run --replica NAME=URL): "
+            "--prometheus reads a fleet run's replicas"
+        )
+    if not is_fleet(con, run):
+        return {"replicas": None, "skew": None, "replicas_server": None}
+    server, source = None, {"source": "servescope scrapes"}
+    if prometheus:
+        from servescope.reports.prometheus import server_side
+
+        start = part.since or run.get("started_at")
+        end = part.until or run.get("ended_at")
+        if start is None or end is None:
+            raise NotAFleet(f"run {run['run_id']!r} has no start or end to ask Prometheus about")
+        server, asked = server_side(prometheus, urls, start, end)
+        source = {"source": "prometheus", **asked}
+    rows = replica_rows(con, part, urls, server)
+    return {"replicas": rows, "skew": skew(rows), "replicas_server": source}
 
 
 def replicas_diff(
