@@ -444,6 +444,7 @@ class Gateway:
                 self.router.let_go(held.pop())
                 self.router.hold(upstream.name)
                 held.append(upstream.name)
+            if pick.reason in ("retry", "fallback"):  # not the policy's first choice
                 event["fallback"] = True
             event["upstream"] = upstream.name
             event["route_reason"] = pick.reason

@@ -29,10 +29,9 @@ import json
 import math
 import re
 import urllib.parse
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
-
-from servescope.reports.replicas import COUNTERS, GAUGES, HISTOGRAMS
 
 DEFAULT_SCRAPE_S = 15.0
 UNKNOWN_INTERVAL_PAD_S = 30.0
@@ -102,11 +101,17 @@ def _vector(base: str, promql: str, at: datetime) -> dict[str, Any]:
 
 
 def server_side(
-    base: str, urls: dict[str, str], start: datetime, end: datetime
+    base: str,
+    urls: dict[str, str],
+    start: datetime,
+    end: datetime,
+    names: tuple[Sequence[str], Sequence[str], dict[str, str]],
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """Per replica URL the numbers `reports.replicas` reads from its own scrapes (counter
-    growth, gauge peaks, `<histogram>_p95_s`), from Prometheus; and what was asked (URL,
-    window, instances) for the report. `start`/`end` are naive UTC."""
+    """Per replica URL the numbers `reports.replicas` reads from its own scrapes (the growth
+    of `names`' counters, its gauges' peaks, `<key>_p95_s` of its histograms by key), from
+    Prometheus; and what was asked (URL, window, instances) for the report. `start`/`end` are
+    naive UTC."""
+    counters, gauges, histograms = names
     by_instance = {instance_of(url): url for url in urls.values()}
     instances = sorted(by_instance)
     pad = scrape_pad_s(base, instances)
@@ -148,11 +153,11 @@ def server_side(
         kept = f'({plain}) unless on (instance) {name}{{instance=~"{again}"}} {at_e}'
         return f"sum by ({by}) (({kept}) or {reset})"
 
-    for name in COUNTERS:
+    for name in counters:
         fill(name, growth(name, "instance"))
-    for name in GAUGES:
+    for name in gauges:
         fill(name, f"max by (instance) (max_over_time({name}{selector}[{window}]))")
-    for key, name in HISTOGRAMS.items():
+    for key, name in histograms.items():
         fill(f"{key}_p95_s", f"histogram_quantile(0.95, {growth(name, 'instance, le')})")
     asked = {
         "url": base,

@@ -28,6 +28,7 @@ from typing import Any
 import duckdb
 
 from servescope.reports.histograms import bucket_bound, histogram_quantile
+from servescope.reports.prometheus import server_side
 from servescope.reports.samples import Slice
 from servescope.store import queries
 
@@ -259,13 +260,11 @@ def fleet(
         return {"replicas": None, "skew": None, "replicas_server": None}
     server, source = None, {"source": "servescope scrapes"}
     if prometheus:
-        from servescope.reports.prometheus import server_side
-
         start = part.since or run.get("started_at")
         end = part.until or run.get("ended_at")
         if start is None or end is None:
             raise NotAFleet(f"run {run['run_id']!r} has no start or end to ask Prometheus about")
-        server, asked = server_side(prometheus, urls, start, end)
+        server, asked = server_side(prometheus, urls, start, end, (COUNTERS, GAUGES, HISTOGRAMS))
         source = {"source": "prometheus", **asked}
     rows = replica_rows(con, part, urls, server)
     return {"replicas": rows, "skew": skew(rows), "replicas_server": source}
