@@ -11,7 +11,7 @@ from typing import Any
 
 import duckdb
 
-from servescope.reports import bootstrap, replicas
+from servescope.reports import bootstrap, replicas, sql
 from servescope.reports.charts import charts
 from servescope.reports.checklist import checklist
 from servescope.reports.diagnosis import assess_flip, diagnose
@@ -28,7 +28,7 @@ from servescope.reports.specdecode import headline_part, spec_diff
 from servescope.reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
 from servescope.reports.windows import WHOLE, Window, resolve
 from servescope.reports.windows import label as window_label
-from servescope.store import Store, queries
+from servescope.store import Store
 
 
 class NoLeverFlip(LookupError):
@@ -50,7 +50,7 @@ def previous_run(con: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> str:
         return named
     if run.get("target") and run.get("started_at"):
         params = {"target": run["target"], "started": run["started_at"], "run_id": run["run_id"]}
-        row = con.execute(queries.PREVIOUS_RUN, params).fetchone()
+        row = con.execute(sql.PREVIOUS_RUN, params).fetchone()
         if row:
             return str(row[0])
     raise NoPreviousRun(
@@ -64,7 +64,7 @@ def _slice(
     """The part of `run` a window selects (the whole run without one)."""
     if not window:
         return Slice(run["run_id"], label=label)
-    span = con.execute(queries.RUN_SPAN, {"run_id": run["run_id"]}).fetchone()
+    span = con.execute(sql.RUN_SPAN, {"run_id": run["run_id"]}).fetchone()
     first, last = span if span else (None, None)
     start = run.get("started_at") or first
     end = run.get("ended_at") or last
@@ -131,9 +131,7 @@ def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
 
 def _flips(con: duckdb.DuckDBPyConnection, run_ids: list[str], sides: list[Side]) -> list[dict]:
     start, end = _span(sides)
-    cursor = con.execute(
-        queries.REPORT_LEVER_FLIPS, {"run_ids": run_ids, "start": start, "end": end}
-    )
+    cursor = con.execute(sql.REPORT_LEVER_FLIPS, {"run_ids": run_ids, "start": start, "end": end})
     names = [d[0] for d in cursor.description]
     flips = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
     for flip in flips:
@@ -343,7 +341,7 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
     with store.read() as con, ExitStack() as stack:
         run = require_run(con, run_id)
         options = _with_slo(options, run)
-        flips = con.execute(queries.RUN_LEVER_FLIPS, {"run_id": run_id}).fetchall()
+        flips = con.execute(sql.RUN_LEVER_FLIPS, {"run_id": run_id}).fetchall()
         if not flips:
             raise NoLeverFlip(f"run {run_id!r} has no lever_flips row to split at")
         at = flips[0][0]

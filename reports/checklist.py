@@ -12,9 +12,9 @@ from typing import Any
 
 import duckdb
 
+from servescope.reports import sql
 from servescope.reports.samples import Slice
 from servescope.reports.summary import ReportOptions
-from servescope.store import queries
 
 PASS, FAIL, NOT_MEASURED = "pass", "fail", "not measured"
 STABILITY_LIMIT_PER_100 = 2.0
@@ -164,10 +164,10 @@ def checklist(
     options: ReportOptions,
 ) -> list[dict[str, str]]:
     params = {**part.params(), "chat_workloads": _chat_workloads(meta.get("workload"))}
-    cursor = con.execute(queries.SLICE_CHECKS, params)
+    cursor = con.execute(sql.SLICE_CHECKS, params)
     names = [d[0] for d in cursor.description]
     checks = dict(zip(names, cursor.fetchone() or (), strict=True))
-    row = con.execute(queries.SLICE_OOMS, part.params()).fetchone()
+    row = con.execute(sql.SLICE_OOMS, part.params()).fetchone()
     checks["ooms"] = row[0] if row else 0
     return [
         _loading(meta),

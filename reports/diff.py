@@ -16,10 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from servescope.reports import bootstrap
+from servescope.reports import bootstrap, sql
 from servescope.reports.bootstrap import Draws, Floats
 from servescope.reports.samples import FIXED_SOURCES, SERVER, TESTED, Samples
-from servescope.store import queries
 
 LOWER, HIGHER = "lower", "higher"
 IMPROVED, REGRESSED, UNCHANGED = "improved", "regressed", "unchanged"
@@ -131,7 +130,7 @@ def _acceptance_rate(side: Side) -> tuple[float | None, Draws | None]:
 INDICATORS: list[tuple[str, str, Estimator]] = [
     *[
         (f"{m}.{p}", LOWER, _quantile(m, q))
-        for m in queries.REPORT_LATENCY_METRICS
+        for m in sql.REPORT_LATENCY_METRICS
         for p, q in TESTED.items()
     ],
     ("error_rate", LOWER, _error_rate),
@@ -163,7 +162,7 @@ def _verdict(
 def _too_few(metric: str, before: Side, after: Side) -> bool:
     """True for a quantile with fewer than MIN_TAIL_SAMPLES requests beyond it on a side."""
     column, _, name = metric.rpartition(".")
-    if not name.startswith("p") or column not in queries.REPORT_LATENCY_METRICS:
+    if not name.startswith("p") or column not in sql.REPORT_LATENCY_METRICS:
         return False
     q = int(name[1:]) / 100
     n = min(len(before.samples.successful(column)), len(after.samples.successful(column)))

@@ -9,7 +9,7 @@ at two ranks per quantile are needed, so:
   each level's order statistics by a partial sort of that level's values (`np.partition`).
 * `pooled_itl`: up to SMALL gaps, DuckDB's own aggregate (fastest, and little to hold). Beyond,
   the gaps are never fetched whole: a histogram of equal buckets per level
-  (`store.queries.SLICE_ITL_HISTOGRAM`) finds the bucket holding each wanted rank, and only
+  (`reports.sql.SLICE_ITL_HISTOGRAM`) finds the bucket holding each wanted rank, and only
   those buckets' gaps are fetched (`SLICE_ITL_GAPS`); a bucket too full to fetch is split the
   same way over its own range. Four passes over the gaps (counts and means overall and per
   level, the histogram, the wanted buckets), a few megabytes held.
@@ -31,8 +31,8 @@ import duckdb
 import numpy as np
 from numpy.typing import NDArray
 
+from servescope.reports import sql
 from servescope.reports.bootstrap import Floats
-from servescope.store import queries
 
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 BUCKETS = 1 << 12  # per histogram pass (more: a bigger hash table costs more than the fetch saves)
@@ -60,7 +60,7 @@ def _fused() -> bool:
     rows = [lo] * 5 + [hi] * 5  # quantile q interpolates between ranks 4 and 5 at d = 9q − 4
     qs = [0.45 + i / 1000 for i in range(1, 100)]
     with duckdb.connect() as con:
-        got = con.execute(queries.QUANTILE_PROBE, {"qs": qs, "rows": rows}).fetchone()
+        got = con.execute(sql.QUANTILE_PROBE, {"qs": qs, "rows": rows}).fetchone()
     assert got is not None
     fused = plain = 0
     for q, value in zip(qs, got[0], strict=True):
@@ -128,17 +128,17 @@ def pooled_itl(
     """The pooled ITL of a slice with at most `gaps` gaps: {"q": [p50, p90, p95, p99] or None,
     "mean": …} overall and per level key."""
     if gaps <= SMALL:  # DuckDB's own aggregate holds them all: little, and fastest
-        row = con.execute(queries.SLICE_ITL, params).fetchone()
+        row = con.execute(sql.SLICE_ITL, params).fetchone()
         overall = {"q": row[0], "mean": row[1]} if row else {"q": None, "mean": None}
         levels = {
             int(key): {"q": q, "mean": mean}
-            for key, q, mean in con.execute(queries.SLICE_GROUP_ITL, params).fetchall()
+            for key, q, mean in con.execute(sql.SLICE_GROUP_ITL, params).fetchall()
         }
         return overall, levels
     groups: dict[int | None, tuple[int, float | None, float | None, float | None]] = {}
-    for n, lo, hi, mean in con.execute(queries.SLICE_ITL_STATS, params).fetchall():
+    for n, lo, hi, mean in con.execute(sql.SLICE_ITL_STATS, params).fetchall():
         groups[OVERALL] = (n, lo, hi, mean)
-    for key, n, lo, hi, mean in con.execute(queries.SLICE_GROUP_ITL_STATS, params).fetchall():
+    for key, n, lo, hi, mean in con.execute(sql.SLICE_GROUP_ITL_STATS, params).fetchall():
         groups[int(key)] = (n, lo, hi, mean)
     n_all, lo, hi, _ = groups.get(OVERALL, (0, None, None, None))
     found: dict[tuple[int | None, int], float] = {}
@@ -172,7 +172,7 @@ def _find(
     """Find each wanted rank among the gaps in [lo, hi] (ranks past them are NaN gaps)."""
     width = (hi - lo) / BUCKETS if hi > lo else 1.0
     bucket_params = {**params, "lo": lo, "hi": hi, "width": width, "last": BUCKETS - 1}
-    rows = con.execute(queries.SLICE_ITL_HISTOGRAM, bucket_params).fetchnumpy()
+    rows = con.execute(sql.SLICE_ITL_HISTOGRAM, bucket_params).fetchnumpy()
     level = np.asarray(rows["level_key"], dtype=np.uint64)
     # per bucket, over every level: its gaps' count, min and max
     order, inverse = np.unique(np.asarray(rows["b"], dtype=np.int64), return_inverse=True)
@@ -208,7 +208,7 @@ def _find(
                 fetch.setdefault(int(order[i]), []).append(want)
                 sizes[int(order[i])] = int(total[i])
     for batch in _batches(sizes):
-        gaps = con.execute(queries.SLICE_ITL_GAPS, {**bucket_params, "buckets": batch}).fetchnumpy()
+        gaps = con.execute(sql.SLICE_ITL_GAPS, {**bucket_params, "buckets": batch}).fetchnumpy()
         g_level = np.asarray(gaps["level_key"], dtype=np.uint64)
         g_bucket = np.asarray(gaps["b"], dtype=np.int64)
         g_gap = np.asarray(gaps["gap"], dtype=np.float64)

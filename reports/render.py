@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,18 +74,59 @@ def ci_of(row: dict[str, Any]) -> str:
     return interval(row["ci95"], 2)
 
 
-def _environment() -> Environment:
+# What could start Markdown of its own inside a value: emphasis, code, links and images, HTML
+# tags and entities, table cells, strikethrough, a heading's closing marks. CommonMark reads
+# a backslash before any ASCII punctuation as that character itself; an underscore inside a word
+# (`max_num_seqs`) starts nothing, so it stays as it is.
+_MARKDOWN_SPECIAL = re.compile(r"[\\`*\[\]<&|~#]|(?<![^\W_])_|_(?![^\W_])")
+
+
+def md_escape(value: Any) -> Markup:
+    """A value as Markdown text that shows exactly it: its special characters backslash-escaped
+    (never HTML entities, which a Markdown file shows as they are), on one line (a line break
+    would end a table row or a list item). A viewer that renders it to HTML gets text, never a
+    tag. (`Markup`: done, so the template's autoescape leaves it as it is.)"""
+    return Markup(_MARKDOWN_SPECIAL.sub(r"\\\g<0>", _one_line(value)))
+
+
+def md_code(value: Any) -> Markup:
+    """A value as a Markdown code span, which shows its text as it is; one holding what a code
+    span cannot (a backtick, a table's `|`) or nothing but spaces is escaped text instead."""
+    text = _one_line(value)
+    if not text.strip() or "`" in text or "|" in text:
+        return md_escape(text)
+    return Markup(f"`{text}`")
+
+
+def _one_line(value: Any) -> str:
+    return " ".join(str(value).splitlines())
+
+
+def _markdown_value(value: Any) -> Any:
+    """Every value a Markdown template writes, escaped as Markdown; what a macro wrote or a
+    filter made Markdown already (`Markup`) is left as it is."""
+    return value if hasattr(value, "__html__") else md_escape(value)
+
+
+def _environment(fmt_name: str) -> Environment:
     # imported here: a JSON-only report (what scripts ask for) never pays for jinja2
     from jinja2 import Environment, PackageLoader, StrictUndefined
 
+    # HTML is autoescaped as HTML. Markdown too is autoescaped, after `finalize` has escaped
+    # each value as Markdown (`Markup`, which autoescape passes through): a macro's output, made
+    # of escaped values, is not escaped again.
+    markdown = fmt_name == "md"
     env = Environment(
         loader=PackageLoader("servescope.reports", "templates"),
         autoescape=True,
+        finalize=_markdown_value if markdown else None,
         undefined=StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
+    if markdown:
+        env.filters["code"] = md_code
     env.filters["fmt"] = fmt
     env.filters["pct"] = pct
     env.filters["count"] = count
@@ -101,8 +143,7 @@ def render(report: dict[str, Any], fmt_name: str) -> str:
     if fmt_name == "json":
         data = {k: v for k, v in report.items() if k != "charts"}
         return json.dumps(data, indent=2, default=str) + "\n"
-    # Markdown is escaped like HTML too: a viewer that renders it to HTML gets text, never tags
-    env = _environment()
+    env = _environment(fmt_name)
     charts = {k: Markup(v) for k, v in report.get("charts", {}).items()}  # escaped in svg.py
     return env.get_template(f"report.{fmt_name}.j2").render(
         r=report, charts=charts, metrics=LATENCY_METRICS, server_metrics=SERVER_METRICS

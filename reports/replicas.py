@@ -27,10 +27,10 @@ from typing import Any
 
 import duckdb
 
+from servescope.reports import sql
 from servescope.reports.histograms import bucket_bound, histogram_quantile
 from servescope.reports.prometheus import server_side
 from servescope.reports.samples import Slice
-from servescope.store import queries
 
 SAMPLE_ROWS = 64  # events looked at to tell a fleet run that records no replicas in its notes
 INDICATORS = (
@@ -43,40 +43,6 @@ INDICATORS = (
     "preemptions",
     "errors",
 )
-
-_WINDOW = """
-    AND (CAST($since AS TIMESTAMP) IS NULL OR ts >= CAST($since AS TIMESTAMP))
-    AND (CAST($until AS TIMESTAMP) IS NULL OR ts < CAST($until AS TIMESTAMP))"""
-
-ROUTED_SAMPLE = """
-SELECT count(*) FROM (
-    SELECT doc FROM events WHERE run_id = $run_id LIMIT $rows
-) WHERE doc->>'routing' IS NOT NULL OR doc->>'route_reason' IS NOT NULL
-"""
-
-# Per replica (the event's `upstream`): counts and TTFT of successful requests, from events.
-BY_REPLICA = """
-SELECT doc->>'upstream' AS replica,
-       count(*) AS requests,
-       count(*) FILTER (WHERE status = 'ok') AS ok,
-       count(*) FILTER (WHERE status <> 'ok') AS errors,
-       quantile_cont(ttft_ms, 0.5) FILTER (WHERE status = 'ok') AS ttft_ms_p50,
-       quantile_cont(ttft_ms, 0.95) FILTER (WHERE status = 'ok') AS ttft_ms_p95,
-       sum(cached_tokens) FILTER (WHERE status = 'ok') AS cached_tokens,
-       sum(prompt_tokens) FILTER (WHERE status = 'ok') AS prompt_tokens
-FROM events WHERE run_id = $run_id WINDOW
-GROUP BY ALL ORDER BY replica NULLS LAST
-""".replace("WINDOW", _WINDOW)
-ERRORS_BY_REPLICA = """
-SELECT doc->>'upstream' AS replica, COALESCE(error, status) AS class, count(*) AS n
-FROM events WHERE run_id = $run_id AND status <> 'ok' WINDOW
-GROUP BY ALL ORDER BY replica, n DESC
-""".replace("WINDOW", _WINDOW)
-REASONS_BY_REPLICA = """
-SELECT doc->>'upstream' AS replica, doc->>'route_reason' AS reason, count(*) AS n
-FROM events WHERE run_id = $run_id AND doc->>'route_reason' IS NOT NULL WINDOW
-GROUP BY ALL ORDER BY replica, n DESC
-""".replace("WINDOW", _WINDOW)
 
 COUNTERS = (
     "vllm:prefix_cache_hits_total",
@@ -93,24 +59,12 @@ HISTOGRAMS = {
     "decode": "vllm:request_decode_time_seconds_bucket",
 }
 
-# Counter growth per scraped server (the store's step rule, grouped by target).
-COUNTERS_BY_TARGET = queries._slice_counters("list_contains($names, name)", "target, name")
-BUCKETS_BY_TARGET = queries._slice_counters(
-    "list_contains($names, name)", "target, name, CAST(labels AS JSON)->>'le' AS le"
-)
-GAUGE_PEAKS_BY_TARGET = """
-SELECT target, name, max(value) AS peak
-FROM metric_samples
-WHERE run_id = $run_id AND list_contains($names, name) WINDOW
-GROUP BY ALL
-""".replace("WINDOW", _WINDOW)
-
 
 def is_fleet(con: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> bool:
     """Does the run's notes name replicas, or do its events carry routing decisions?"""
     if (run.get("notes") or {}).get("replicas"):
         return True
-    row = con.execute(ROUTED_SAMPLE, {"run_id": run["run_id"], "rows": SAMPLE_ROWS}).fetchone()
+    row = con.execute(sql.ROUTED_SAMPLE, {"run_id": run["run_id"], "rows": SAMPLE_ROWS}).fetchone()
     return bool(row and row[0])
 
 
@@ -124,17 +78,17 @@ def _server_side(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, dict[
     params = part.params()
     out: dict[str, dict[str, Any]] = {}
     for target, name, delta, steps in con.execute(
-        COUNTERS_BY_TARGET, {**params, "names": list(COUNTERS)}
+        sql.COUNTERS_BY_TARGET, {**params, "names": list(COUNTERS)}
     ).fetchall():
         out.setdefault(target, {})[name] = delta if steps else None
     for target, name, peak in con.execute(
-        GAUGE_PEAKS_BY_TARGET, {**params, "names": list(GAUGES)}
+        sql.GAUGE_PEAKS_BY_TARGET, {**params, "names": list(GAUGES)}
     ).fetchall():
         out.setdefault(target, {})[name] = peak
     keys = {name: key for key, name in HISTOGRAMS.items()}
     buckets: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for target, name, le, delta, steps in con.execute(
-        BUCKETS_BY_TARGET, {**params, "names": list(HISTOGRAMS.values())}
+        sql.BUCKETS_BY_TARGET, {**params, "names": list(HISTOGRAMS.values())}
     ).fetchall():
         if steps and le is not None:
             buckets.setdefault((target, name), []).append((bucket_bound(le), delta))
@@ -161,12 +115,12 @@ def replica_rows(
     joined by the replica's URL in the run's notes; `server` (by URL) replaces servescope's own
     scrapes (reports/prometheus.py)."""
     params = part.params()
-    rows = _rows(con.execute(BY_REPLICA, params))
+    rows = _rows(con.execute(sql.BY_REPLICA, params))
     errors: dict[str | None, dict[str, int]] = {}
-    for replica, cls, n in con.execute(ERRORS_BY_REPLICA, params).fetchall():
+    for replica, cls, n in con.execute(sql.ERRORS_BY_REPLICA, params).fetchall():
         errors.setdefault(replica, {})[cls] = n
     reasons: dict[str | None, dict[str, int]] = {}
-    for replica, reason, n in con.execute(REASONS_BY_REPLICA, params).fetchall():
+    for replica, reason, n in con.execute(sql.REASONS_BY_REPLICA, params).fetchall():
         reasons.setdefault(replica, {})[reason] = n
     if server is None:
         server = _server_side(con, part) if urls else {}

@@ -20,14 +20,14 @@ import duckdb
 import numpy as np
 from numpy.typing import NDArray
 
+from servescope.reports import sql
 from servescope.reports.bootstrap import Floats, quantile
 from servescope.reports.quantiles import QUANTILES, by_level
 from servescope.reports.svg import cdf_series
-from servescope.store import queries
 
 CLIENT, SERVER = "client", "server"
 # The client's indicators vLLM measures too (its trace; its decode time for TPOT): the figure
-# of the server's for each (`queries.SERVER_LATENCY`).
+# of the server's for each (`sql.SERVER_LATENCY`).
 SERVER_FIGURES = {m: f"server_{m}" for m in ("ttft_ms", "tpot_ms", "e2e_ms")}
 # Where the other indicators come from: the client's stream, vLLM's trace.
 FIXED_SOURCES = {"itl_ms": CLIENT, "queue_ms": SERVER, "prefill_ms": SERVER, "decode_ms": SERVER}
@@ -143,7 +143,7 @@ class Samples:
     _windows: dict[tuple[Any, ...], dict[str, Floats]] = field(default_factory=dict)
 
     def _fetch(self, metric: str) -> tuple[Floats, NDArray[np.uint64]]:
-        data = self.con.execute(queries.SLICE_METRIC[metric], self.part.params()).fetchnumpy()
+        data = self.con.execute(sql.SLICE_METRIC[metric], self.part.params()).fetchnumpy()
         values = np.require(data["v"], dtype=np.float64, requirements="W")
         return values, np.asarray(data["level_key"], dtype=np.uint64)
 
@@ -164,7 +164,7 @@ class Samples:
     def measured(self, figure: str) -> int:
         """How many successful requests have this per-request figure."""
         if self._measured is None:
-            cursor = self.con.execute(queries.SLICE_MEASURED, self.part.params())
+            cursor = self.con.execute(sql.SLICE_MEASURED, self.part.params())
             names = [d[0] for d in cursor.description]
             row = cursor.fetchone() or (0,) * len(names)
             self._measured = dict(zip(names, row, strict=True))
@@ -190,7 +190,7 @@ class Samples:
     @property
     def counts(self) -> Counts:
         if self._counts is None:
-            row = self.con.execute(queries.SLICE_SAMPLE_COUNTS, self.part.params()).fetchone()
+            row = self.con.execute(sql.SLICE_SAMPLE_COUNTS, self.part.params()).fetchone()
             assert row is not None  # an aggregate without GROUP BY gives one row
             self._counts = Counts(*row)
         return self._counts
@@ -221,9 +221,9 @@ class Samples:
                 "t0": span[0],
                 "width": width,
                 "last": count - 1,
-                **{f"slo_{m}": slo.get(m) for m in queries.SLO_METRICS},
+                **{f"slo_{m}": slo.get(m) for m in sql.SLO_METRICS},
             }
-            data = self.con.execute(queries.SLICE_WINDOW_TOTALS, params).fetchnumpy()
+            data = self.con.execute(sql.SLICE_WINDOW_TOTALS, params).fetchnumpy()
             which: NDArray[np.int64] = np.asarray(data["w"], dtype=np.int64)
             self._windows[key] = {
                 name: np.bincount(which, weights=_floats(data[name]), minlength=count)
@@ -236,16 +236,16 @@ class Samples:
         most 2 × `buckets`, else the median of each non-empty one of `buckets` equal time
         buckets at its middle, and the buckets' width in seconds (None for points)."""
         params = self.part.params()
-        row = self.con.execute(queries.SLICE_TTFT_SPAN, params).fetchone()
+        row = self.con.execute(sql.SLICE_TTFT_SPAN, params).fetchone()
         n, lo, hi = row if row else (0, None, None)
         if not n or lo is None or hi is None:
             return np.zeros(0), np.zeros(0), None
         if n <= 2 * buckets:
-            data = self.con.execute(queries.SLICE_TTFT_POINTS, params).fetchnumpy()
+            data = self.con.execute(sql.SLICE_TTFT_POINTS, params).fetchnumpy()
             return _floats(data["t"]), _floats(data["ttft_ms"]), None
         width = (hi - lo) / buckets if hi > lo else 1.0
         data = self.con.execute(
-            queries.SLICE_TTFT_BUCKETS, {**params, "t0": lo, "width": width, "last": buckets - 1}
+            sql.SLICE_TTFT_BUCKETS, {**params, "t0": lo, "width": width, "last": buckets - 1}
         ).fetchnumpy()
         middle = lo + (np.asarray(data["b"], dtype=np.float64) + 0.5) * width
         return middle, _floats(data["ttft_ms"]), width

@@ -21,9 +21,8 @@ from typing import Any
 import duckdb
 import numpy as np
 
-from servescope.reports import bootstrap
+from servescope.reports import bootstrap, sql
 from servescope.reports.samples import Slice
-from servescope.store import queries
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
@@ -65,11 +64,11 @@ def shape(rows: list[tuple[str, str | None, float, int]]) -> dict[str, Any] | No
 def spec_decode(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any] | None:
     """The slice's speculative-decoding numbers, overall and per workload (None: not on)."""
     params = part.params()
-    overall = shape(con.execute(queries.SLICE_SPEC_DECODE, params).fetchall())
+    overall = shape(con.execute(sql.SLICE_SPEC_DECODE, params).fetchall())
     if overall is None:
         return None
     by_workload: dict[str, list[tuple[str, str | None, float, int]]] = {}
-    for workload, *row in con.execute(queries.SLICE_SPEC_DECODE_BY_WORKLOAD, params).fetchall():
+    for workload, *row in con.execute(sql.SLICE_SPEC_DECODE_BY_WORKLOAD, params).fetchall():
         by_workload.setdefault(workload, []).append(tuple(row))  # type: ignore[arg-type]
     workloads = [
         {"workload": name, **numbers}
@@ -96,7 +95,7 @@ def _by_workload(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _tpots(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, np.ndarray]:
-    rows = con.execute(queries.SLICE_WORKLOAD_TPOT, part.params()).fetchall()
+    rows = con.execute(sql.SLICE_WORKLOAD_TPOT, part.params()).fetchall()
     return {name: np.asarray(values, dtype=np.float64) for name, values in rows}
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import duckdb
 
+from servescope.reports import sql
 from servescope.reports.quantiles import pooled_itl
 from servescope.reports.samples import CLIENT, FIXED_SOURCES, SERVER, SERVER_FIGURES, Samples, Slice
 from servescope.reports.specdecode import spec_decode
@@ -22,12 +23,11 @@ PERCENTILES = ("p50", "p90", "p95", "p99", "mean")
 # The report's latency rows: the per-request metrics, with the pooled ITL after TPOT.
 LATENCY_METRICS = tuple(
     m
-    for name in queries.REPORT_LATENCY_METRICS
+    for name in sql.REPORT_LATENCY_METRICS
     for m in ((name, "itl_ms") if name == "tpot_ms" else (name,))
 )
 # vLLM's own TTFT, TPOT and e2e, shown beside the client's when a run has both
 SERVER_METRICS = tuple(SERVER_FIGURES.values())
-SLO_METRICS = queries.SLO_METRICS
 
 # Server series a report reads from `metric_samples` (counters are per-slice deltas).
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
@@ -74,7 +74,7 @@ def recorded_slo(run: dict[str, Any]) -> dict[str, float]:
     """The SLOs a bench run was given (`notes.client.slo`), for goodput when none are passed."""
     notes = run.get("notes") or {}
     slo = (notes.get("client") or {}).get("slo") or notes.get("slo") or {}
-    return {k: float(v) for k, v in slo.items() if k in SLO_METRICS and v is not None}
+    return {k: float(v) for k, v in slo.items() if k in sql.SLO_METRICS and v is not None}
 
 
 def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
@@ -83,7 +83,7 @@ def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
     row = con.execute(queries.RUN_EXISTS, {"run_id": run_id}).fetchone()
     if not (row and row[0]):
         raise UnknownRun(run_id, _run_ids(con))
-    cursor = con.execute(queries.GET_RUN, [run_id])
+    cursor = con.execute(queries.GET_RUN, {"run_id": run_id})
     found = _dicts(cursor)
     run = found[0] if found else {"run_id": run_id}
     for key in ("levers", "workload", "notes"):
@@ -178,12 +178,10 @@ def _server(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any]:
     deltas = {
         name: (delta if steps else None)
         for name, delta, steps in con.execute(
-            queries.SLICE_COUNTER_DELTAS, {**params, "names": list(COUNTERS)}
+            sql.SLICE_COUNTER_DELTAS, {**params, "names": list(COUNTERS)}
         ).fetchall()
     }
-    peaks = dict(
-        con.execute(queries.SLICE_GAUGE_PEAKS, {**params, "names": list(GAUGES)}).fetchall()
-    )
+    peaks = dict(con.execute(sql.SLICE_GAUGE_PEAKS, {**params, "names": list(GAUGES)}).fetchall())
     hits, asked, prompt = deltas.get(HITS), deltas.get(QUERIES), deltas.get(PROMPT_TOKENS)
     ratio, basis = prefix_cache_hit_ratio(hits, asked, prompt)
     return {
@@ -212,7 +210,7 @@ def _phase_means(deltas: dict[str, float | None]) -> dict[str, float | None]:
 def _shape_of(con: duckdb.DuckDBPyConnection, params: dict[str, Any]) -> dict[str, Any]:
     """Token quantiles: what the workload looked like (t-digest estimates: a shape needs no
     exact rank, and a long-lived run's tokens are not held to sort them)."""
-    row = _dicts(con.execute(queries.SLICE_SHAPE, params))[0]
+    row = _dicts(con.execute(sql.SLICE_SHAPE, params))[0]
     prompt, output = row["prompt_q"] or [None, None], row["output_q"] or [None, None]
     return {
         "prompt_tokens": {"p50": prompt[0], "p95": prompt[1]},
@@ -230,7 +228,7 @@ def _figures(samples: Samples) -> tuple[str, ...]:
         if samples.sources.get(metric) == SERVER
         or (metric == "ttft_ms" and samples.measured(figure))
     ]
-    return (*queries.REPORT_LATENCY_METRICS, *server)
+    return (*sql.REPORT_LATENCY_METRICS, *server)
 
 
 def _overall_quantiles(row: dict[str, Any], samples: Samples) -> dict[str, Any]:
@@ -248,10 +246,10 @@ def summarize(
 ) -> dict[str, Any]:
     """Overall and per-level numbers of one slice, server-side deltas and admission evidence."""
     params = part.params()
-    slo_params = {f"slo_{m}": options.slo.get(m) for m in SLO_METRICS}
-    overall = _dicts(con.execute(queries.SLICE_OVERALL, {**params, **slo_params}))[0]
+    slo_params = {f"slo_{m}": options.slo.get(m) for m in sql.SLO_METRICS}
+    overall = _dicts(con.execute(sql.SLICE_OVERALL, {**params, **slo_params}))[0]
     overall = _overall_quantiles(overall, samples)
-    groups = _dicts(con.execute(queries.SLICE_LEVELS, {**params, **slo_params}))
+    groups = _dicts(con.execute(sql.SLICE_LEVELS, {**params, **slo_params}))
     for metric in _figures(samples):
         by_level = samples.level_quantiles(metric)
         for g in groups:
@@ -259,7 +257,7 @@ def summarize(
     itl_all, itl = pooled_itl(con, params, samples.counts.itl_gaps)
     errors: dict[tuple[Any, Any, Any], dict[str, int]] = {}
     errors_all: dict[str, int] = {}
-    for row in _dicts(con.execute(queries.SLICE_ERRORS_BY_CLASS, params)):
+    for row in _dicts(con.execute(sql.SLICE_ERRORS_BY_CLASS, params)):
         errors.setdefault(_level(row), {})[row["class"]] = row["n"]
         errors_all[row["class"]] = errors_all.get(row["class"], 0) + row["n"]
     errors_all = dict(sorted(errors_all.items(), key=lambda kv: (-kv[1], kv[0])))
@@ -283,8 +281,8 @@ def summarize(
         ],
         "server": {**_server(con, part), "spec_decode": spec_decode(con, part)},
         "admission": {
-            "rejections": _dicts(con.execute(queries.SLICE_REJECTIONS, params)),
-            "teams": _dicts(con.execute(queries.SLICE_TEAMS, params)),
+            "rejections": _dicts(con.execute(sql.SLICE_REJECTIONS, params)),
+            "teams": _dicts(con.execute(sql.SLICE_TEAMS, params)),
         },
     }
 

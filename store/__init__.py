@@ -1,7 +1,8 @@
 """The event store: schema, DuckDB file, `.events.jsonl` in and out, and the queries rooms share."""
 
-from servescope.store.db import Store, StoreBusy, default_path, merge_docs
+from servescope.store.db import Store, StoreBusy, default_path
 from servescope.store.jsonl import ImportResult, export_run, import_file
+from servescope.store.merge import merge_docs
 from servescope.store.validation import InvalidEvent, check, check_built, parse_line, run_id_of
 
 __all__ = [

@@ -3,7 +3,7 @@ rest.
 
 Decoding a million lines in Python costs seconds before the database sees one; DuckDB's readers
 split and parse them in parallel in native code. A chunk of complete lines is written to a
-temporary file and inserted by one SQL statement (`queries.BULK_INSERT`) that parses each line
+temporary file and inserted by one SQL statement (`queries.bulk_insert`) that parses each line
 once and checks it with conditions deliberately stricter than `store.validation.check`, so a line
 it takes is one `parse_line` accepts too. DuckDB's JSON reader is more lenient than JSON
 (NaN/Infinity in any case, trailing commas, any depth), so a pre-screen (`_screen`: msgspec's
@@ -33,7 +33,7 @@ import duckdb
 import msgspec
 import numpy as np
 
-from servescope.store import queries
+from servescope.store import queries, tables
 from servescope.store.validation import (
     CONTRACT_TYPES,
     COUNTS,
@@ -132,8 +132,10 @@ _NESTING = (
 )
 _SHAPE = json.dumps({key: "JSON" for key in [*CONTRACT_TYPES, *_EXTRA_KEYS]})
 _INSERT = {
-    (lines, flat): queries.BULK_INSERT.format(
-        lines=lines, ok=_fast_conditions() + ("" if flat else f"\n      AND {_NESTING}")
+    (lines, flat): queries.bulk_insert(
+        tables.EVENT_COLUMNS,
+        lines,
+        _fast_conditions() + ("" if flat else f"\n      AND {_NESTING}"),
     )
     for lines in (queries.BULK_LINES_CSV, queries.BULK_LINES_TEXT)
     for flat in (True, False)
@@ -283,8 +285,7 @@ def _insert(
         new_keys = list(con.execute(queries.BULK_NEW_KEYS, {"after": after}).fetchall())
     rest: set[bytes] = set()
     if inserted < todo:
-        query = queries.BULK_REST.format(lines=lines)
-        rows = con.execute(query, {**params, "after": after}).fetchall()
+        rows = con.execute(queries.bulk_rest(lines), {**params, "after": after}).fetchall()
         rest = {line.encode() for (line,) in rows}
     return inserted, rest, new_keys
 

@@ -21,7 +21,7 @@ STATE_KEY = ""  # file_key of a source's own state row
 def load(store: Store, source: str) -> list[dict[str, Any]]:
     """Every checkpoint row of `source` (file rows and its state row)."""
     with store.read() as con:
-        rows = con.execute(queries.LIST_CHECKPOINTS, [source]).fetchall()
+        rows = con.execute(queries.LIST_CHECKPOINTS, {"source": source}).fetchall()
     out = []
     for src, file_key, path, offset, fp_len, fp, state, updated_at in rows:
         out.append(
@@ -43,16 +43,16 @@ def save(con: duckdb.DuckDBPyConnection, source: str, rows: Iterable[dict[str, A
     """Upsert checkpoint rows of `source` inside the caller's transaction."""
     now = datetime.now(UTC).replace(tzinfo=None)
     params = [
-        (
-            source,
-            row["file_key"],
-            row.get("path"),
-            int(row.get("offset", 0)),
-            int(row.get("fp_len", 0)),
-            row.get("fp"),
-            json.dumps(row.get("state")) if row.get("state") is not None else None,
-            now,
-        )
+        {
+            "source": source,
+            "file_key": row["file_key"],
+            "path": row.get("path"),
+            "offset": int(row.get("offset", 0)),
+            "fp_len": int(row.get("fp_len", 0)),
+            "fp": row.get("fp"),
+            "state": json.dumps(row.get("state")) if row.get("state") is not None else None,
+            "updated_at": now,
+        }
         for row in rows
     ]
     if params:

@@ -9,19 +9,21 @@ busy retries until `lock_timeout_s`; the wait is at most one writer's transactio
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import duckdb
 
 from servescope.store import queries, runtime
+from servescope.store.merge import merge_docs
 from servescope.store.validation import clip, dumps, load_doc, run_id_of
 
 DEFAULT_PATH = Path("servescope-data") / "servescope.duckdb"
@@ -39,214 +41,14 @@ def default_path() -> Path:
     return Path(os.environ.get("SERVESCOPE_STORE") or DEFAULT_PATH)
 
 
-def _ddl() -> list[str]:
-    # Imported here, not at the top: the ORM takes a third of a second to import and only
-    # schema creation needs it (readers such as `report build` never do).
-    from duckdb_engine import Dialect
-    from sqlalchemy.schema import CreateTable
-    from sqlmodel import SQLModel
-
-    from servescope.store.schema import TABLES
-
-    dialect = Dialect()
-    statements = []
-    for model in TABLES:
-        table = SQLModel.metadata.tables[model.__tablename__]  # type: ignore[attr-defined]
-        ddl = str(CreateTable(table, if_not_exists=True).compile(dialect=dialect))
-        statements.append(ddl.strip())
-    return statements
-
-
-# Kept from the record first seen: where the request was first seen from, and the model name the
-# client asked for (a server log names the same model by its served name).
-FIRST_WINS = frozenset({"source", "model"})
-
-# One request can be served in parts: a call with `n` > 1 by one child request per sample, a
-# completions call with a list of prompts by one per prompt (and per sample of each). vLLM traces
-# every part with its own `llm_request` span; a span's piece names its part in `vllm_part`:
-# `<prompt>#<sample>` (the collector writes `<vLLM id of the prompt>#<span id>`), the parts
-# sharing a `<prompt>` being samples of one prompt.
-PART_KEY = "vllm_part"
-PARTS = "parts"
-# What a part's span says about that part alone: kept per part under `parts`, and summed up
-# for the request (`_sum_parts`).
-PART_FIELDS = (
-    "server_ts",
-    "trace_id",
-    "queue_ms",
-    "prefill_ms",
-    "decode_ms",
-    "inference_ms",
-    "server_ttft_ms",
-    "server_e2e_ms",
-    "prompt_tokens",
-    "completion_tokens",
-)
-
-
-def merge_docs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """Field-by-field merge of two records of one request, whatever order they arrive in.
-
-    A later piece fills and updates fields but never erases one with a null, and the record
-    keeps the `source` it was first seen from.
-
-    A request served in several parts (pieces with different `vllm_part`s: the samples of an
-    `n` > 1 call, the prompts of a completions call with a list of prompts) keeps each part's
-    own figures in `parts` (keyed by part) and the request's figures summed up from them
-    (`_sum_parts`), so the merge stays idempotent and order-free with parts too: the same piece
-    twice, or a stored row merged again with new pieces, gives the same row. A request with
-    one part is stored flat, as it always was.
-    """
-    if _parted(old) or _parted(new) or _two_parts(old, new):
-        return _merge_parts(old, new)
-    return _merge_fields(old, new)
-
-
-def _merge_fields(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(old)
-    for key, value in new.items():
-        if value is None and merged.get(key) is not None:
-            continue
-        if key in FIRST_WINS and merged.get(key) is not None:
-            continue
-        merged[key] = value
-    return merged
-
-
-def _part_id(doc: dict[str, Any]) -> str | None:
-    part = doc.get(PART_KEY)
-    return part if isinstance(part, str) and part and _summable(doc) else None
-
-
-def _summable(fields: dict[str, Any]) -> bool:
-    """The part figures of a record have the types `_sum_parts` adds and compares (a record
-    from outside may hold anything under these names; it is then merged as any record)."""
-    for key in PART_FIELDS:
-        value = fields.get(key)
-        if value is None:
-            continue
-        if key in ("server_ts", "trace_id"):
-            ok = isinstance(value, str)
-        elif key.endswith("_tokens"):
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-        else:
-            ok = (
-                isinstance(value, int | float)
-                and not isinstance(value, bool)
-                and math.isfinite(value)
-                and value >= 0
-            )
-        if not ok:
-            return False
-    return True
-
-
-def _parted(doc: dict[str, Any]) -> bool:
-    """A row merged from several parts (as `_merge_parts` writes it, not any `parts` key a
-    record from outside may hold: that one is kept verbatim like every unknown key)."""
-    parts = doc.get(PARTS)
-    return (
-        isinstance(parts, dict)
-        and len(parts) > 1
-        and all(
-            isinstance(p, dict) and p.get(PART_KEY) == k and _summable(p) for k, p in parts.items()
-        )
-    )
-
-
-def _two_parts(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    a, b = _part_id(old), _part_id(new)
-    return a is not None and b is not None and a != b
-
-
-def _split(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """A record as (what it says of the whole request, its parts by part key)."""
-    if _parted(doc):  # its figures were summed from its parts, or said by a whole-request record
-        base = {k: v for k, v in doc.items() if k != PARTS}
-        return base, {k: dict(p) for k, p in doc[PARTS].items()}
-    part = _part_id(doc)
-    if part is None:  # a client's, a log's record: about the whole request
-        return dict(doc), {}
-    fields = {k: doc[k] for k in (PART_KEY, *PART_FIELDS) if doc.get(k) is not None}
-    base = {k: v for k, v in doc.items() if k != PART_KEY and k not in PART_FIELDS}
-    return base, {part: fields}
-
-
-def _merge_parts(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    old_base, old_parts = _split(old)
-    new_base, new_parts = _split(new)
-    base = _merge_fields(old_base, new_base)
-    parts = {
-        key: _merge_fields(old_parts.get(key, {}), new_parts.get(key, {}))
-        for key in sorted({*old_parts, *new_parts})
-    }
-    summed = _sum_parts(parts)
-    said_n = base.get("n")  # a log line's `n` (the request's), or what a stored row said
-    if isinstance(said_n, int) and not isinstance(said_n, bool):
-        summed["n"] = max(summed["n"], said_n)
-    return {**base, **summed, PARTS: parts}
-
-
-def _sum_parts(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The request's figures from its parts, as the API's `usage` and a client see them (each
-    replaces what a single part or a whole-request record said; a figure no part has is kept).
-
-    - `completion_tokens`: the sum over parts (usage counts every sample's tokens);
-    - `prompt_tokens`: once per prompt (the part key's `<prompt>`), summed over prompts: the
-      samples of one prompt share it, and usage counts it once per prompt;
-    - `server_ttft_ms`, `queue_ms`, `server_ts`: the earliest part's (the client's first token
-      is the first any part produced; the request waited until its first part ran);
-      `prefill_ms` that first part's; `server_e2e_ms`, `decode_ms`, `inference_ms`: the
-      longest part's (the response ends with its last part);
-    - `server_tpot_ms`: the mean of the parts' own (vLLM's TPOT is a sample's: decode time over
-      its tokens after the first; the summed tokens over the longest decode would halve it);
-    - `n`: samples per prompt (a child's span says 1), or the `n` a log line gave, the larger;
-    - `vllm_request_id` the first prompt's, `trace_id` the first part's, in part-key order (one
-      value whatever order the parts came in).
-    """
-    keys = sorted(parts)
-    values = [parts[k] for k in keys]
-    out: dict[str, Any] = {}
-
-    def present(key: str) -> list[Any]:
-        return [p[key] for p in values if p.get(key) is not None]
-
-    if tokens := present("completion_tokens"):
-        out["completion_tokens"] = sum(tokens)
-    prompts: dict[str, int] = {}
-    samples: dict[str, int] = {}
-    for key, p in zip(keys, values, strict=True):
-        prompt = key.rpartition("#")[0] or key
-        samples[prompt] = samples.get(prompt, 0) + 1
-        if p.get("prompt_tokens") is not None:
-            prompts[prompt] = max(prompts.get(prompt, 0), p["prompt_tokens"])
-    if prompts:
-        out["prompt_tokens"] = sum(prompts.values())
-    for key in ("server_ts", "queue_ms", "server_ttft_ms"):
-        if found := present(key):
-            out[key] = min(found)
-    first = min(
-        (k for k, p in zip(keys, values, strict=True) if p.get("server_ttft_ms") is not None),
-        key=lambda k: (parts[k]["server_ttft_ms"], k),
-        default=None,
-    )
-    if first is not None and parts[first].get("prefill_ms") is not None:
-        out["prefill_ms"] = parts[first]["prefill_ms"]
-    for key in ("server_e2e_ms", "decode_ms", "inference_ms"):
-        if found := present(key):
-            out[key] = max(found)
-    tpots = [
-        p["decode_ms"] / (p["completion_tokens"] - 1)
-        for p in values
-        if p.get("decode_ms") is not None and (p.get("completion_tokens") or 0) > 1
-    ]
-    if tpots:
-        out["server_tpot_ms"] = sum(tpots) / len(tpots)
-    out["n"] = max(samples.values())
-    out["vllm_request_id"] = min(samples)
-    if found := present("trace_id"):
-        out["trace_id"] = found[0]
-    return out
+@cache
+def schema_stamp() -> str:
+    """What a store says of its tables once a writer of this version made them match
+    store/schema.py (the comment of its `events` table): a digest of that file. A reader finding
+    it needs no check of the columns, which would import the ORM (`store.tables`, a third of a
+    second of a report's start-up); one finding another (a store this version has not written
+    yet) checks them."""
+    return hashlib.sha256(Path(__file__).with_name("schema.py").read_bytes()).hexdigest()[:16]
 
 
 class StoreBusy(RuntimeError):
@@ -278,41 +80,30 @@ class Store:
                 delay = min(delay * 2, 0.1)
 
     def _ensure_schema(self) -> None:
+        """The store's tables made to match store/schema.py, and stamped so."""
         if self._initialised:
             return
+        from servescope.store import tables  # the ORM: writers only
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
         con = self._connect(read_only=False)
         try:
             con.begin()
-            for statement in _ddl():
+            for statement in tables.create_statements():
                 con.execute(statement)
-            self._add_columns(con)
+            tables.add_missing_columns(con)
             keyed = con.execute(queries.EVENTS_KEY_INDEX).fetchone()
             if keyed and keyed[0]:  # a store made before `events` lost its key index
                 con.execute(queries.UNKEY_EVENTS_RENAME)
-                for statement in _ddl():  # creates `events` again, unkeyed
+                for statement in tables.create_statements():  # creates `events` again, unkeyed
                     con.execute(statement)
                 con.execute(queries.UNKEY_EVENTS_COPY)
+            if not _stamped(con):
+                con.execute(queries.stamp_schema(schema_stamp()))
             con.commit()
         finally:
             con.close()
         self._initialised = True
-
-    @staticmethod
-    def _missing_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
-        added = queries.ADDED_COLUMNS
-        params = {"tables": [a[0] for a in added], "columns": [a[1] for a in added]}
-        return [tuple(row) for row in con.execute(queries.MISSING_COLUMNS, params).fetchall()]
-
-    def _add_columns(self, con: duckdb.DuckDBPyConnection) -> None:
-        """Columns newer than the store: added, and filled from the rows' documents."""
-        missing = set(self._missing_columns(con))
-        for table, column, kind, fill in queries.ADDED_COLUMNS:
-            if (table, column) not in missing:
-                continue
-            con.execute(f'ALTER TABLE {table} ADD COLUMN "{column}" {kind}')
-            if fill:
-                con.execute(f'UPDATE {table} SET "{column}" = {fill}')  # noqa: S608 - constants
 
     @contextmanager
     def write(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -330,12 +121,21 @@ class Store:
             con.close()
 
     @contextmanager
+    def _within(self, con: duckdb.DuckDBPyConnection | None) -> Iterator[duckdb.DuckDBPyConnection]:
+        """The caller's transaction `con`, or a transaction of its own when there is none."""
+        if con is not None:
+            yield con
+            return
+        with self.write() as tx:
+            yield tx
+
+    @contextmanager
     def read(self) -> Iterator[duckdb.DuckDBPyConnection]:
         """A read-only view of everything committed so far."""
         if not self.path.exists():
             self._ensure_schema()
         con = self._connect(read_only=True)
-        if not self._initialised and self._missing_columns(con):  # a store of an older version
+        if not self._initialised and not _matches_schema(con):  # a store of an older version
             con.close()
             self._ensure_schema()
             con = self._connect(read_only=True)
@@ -367,16 +167,16 @@ class Store:
             batch[key] = merge_docs(batch[key], doc) if key in batch else doc
         if not batch and not runtime_rows:
             return 0
-        if con is None:
-            with self.write() as tx:
-                return self._add_events(tx, batch) + runtime.insert(tx, runtime_rows)
-        return self._add_events(con, batch) + runtime.insert(con, runtime_rows)
+        with self._within(con) as tx:
+            return self._add_events(tx, batch) + runtime.insert(tx, runtime_rows)
 
     def _add_events(
         self, con: duckdb.DuckDBPyConnection, batch: dict[tuple[str, str], dict[str, Any]]
     ) -> int:
         if not batch:
             return 0
+        from servescope.store import tables  # imported by the transaction's schema check
+
         keys = list(batch)
         con.execute(queries.STAGE_EVENTS)
         self._fill_stage(con, keys, [dumps(batch[k]) for k in keys])
@@ -388,7 +188,7 @@ class Store:
             con.execute(queries.STAGE_EVENTS)
             self._fill_stage(con, keys, [dumps(batch[k]) for k in keys])
             con.execute(queries.DELETE_STAGED_EVENTS)  # replaced by their merged rows
-        con.execute(queries.INSERT_STAGED_EVENTS)
+        con.execute(tables.INSERT_STAGED_EVENTS)
         con.execute(queries.DROP_STAGE)
         return len(keys)
 
@@ -396,7 +196,8 @@ class Store:
     def _fill_stage(
         con: duckdb.DuckDBPyConnection, keys: Sequence[tuple[str, str]], docs: list[str]
     ) -> None:
-        con.execute(queries.FILL_STAGE, [[k[0] for k in keys], [k[1] for k in keys], docs])
+        params = {"runs": [k[0] for k in keys], "requests": [k[1] for k in keys], "docs": docs}
+        con.execute(queries.FILL_STAGE, params)
 
     def upsert_run(
         self, run_id: str, con: duckdb.DuckDBPyConnection | None = None, **fields: Any
@@ -425,11 +226,8 @@ class Store:
             if params[name] is not None:
                 params[name] = json.dumps(params[name])
         params["run_id"] = run_id
-        if con is None:
-            with self.write() as tx:
-                tx.execute(queries.UPSERT_RUN, params)
-        else:
-            con.execute(queries.UPSERT_RUN, params)
+        with self._within(con) as tx:
+            tx.execute(queries.UPSERT_RUN, params)
 
     def add_metric_samples(
         self,
@@ -443,13 +241,10 @@ class Store:
         ]
         if not rows:
             return
-        # one columnar statement: executemany costs ~2 ms a row, a /metrics page has ~400
-        columns = [list(column) for column in zip(*rows, strict=True)]
-        if con is None:
-            with self.write() as tx:
-                tx.execute(queries.INSERT_METRIC_SAMPLES, columns)
-        else:
-            con.execute(queries.INSERT_METRIC_SAMPLES, columns)
+        names = ("ts", "target", "name", "labels", "run_id", "value")
+        columns = {n: list(c) for n, c in zip(names, zip(*rows, strict=True), strict=True)}
+        with self._within(con) as tx:
+            tx.execute(queries.INSERT_METRIC_SAMPLES, columns)
 
     def add_lever_flip(
         self,
@@ -463,13 +258,17 @@ class Store:
         before_run_id: str | None = None,
         con: duckdb.DuckDBPyConnection | None = None,
     ) -> None:
-        now = datetime.now(UTC).replace(tzinfo=None)
-        row = (ts or now, lever, run_id, before, after, note, before_run_id)
-        if con is None:
-            with self.write() as tx:
-                tx.execute(queries.INSERT_LEVER_FLIP, row)
-        else:
-            con.execute(queries.INSERT_LEVER_FLIP, row)
+        row = {
+            "ts": ts or datetime.now(UTC).replace(tzinfo=None),
+            "lever": lever,
+            "run_id": run_id,
+            "before": before,
+            "after": after,
+            "note": note,
+            "before_run_id": before_run_id,
+        }
+        with self._within(con) as tx:
+            tx.execute(queries.INSERT_LEVER_FLIP, row)
 
     def replace_flips(
         self,
@@ -520,12 +319,10 @@ class Store:
             raw = raw.encode("utf-8", "surrogatepass")
         # bounded (with the original length), and readable whatever the bytes were
         raw = clip(raw).decode("utf-8", errors="backslashreplace")
-        row = (source, offset, datetime.now(UTC).replace(tzinfo=None), reason, raw)
-        if con is None:
-            with self.write() as tx:
-                tx.execute(queries.INSERT_INGEST_ERROR, row)
-        else:
-            con.execute(queries.INSERT_INGEST_ERROR, row)
+        now = datetime.now(UTC).replace(tzinfo=None)
+        row = {"source": source, "offset": offset, "ts": now, "reason": reason, "raw": raw}
+        with self._within(con) as tx:
+            tx.execute(queries.INSERT_INGEST_ERROR, row)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -544,17 +341,17 @@ class Store:
 
     def run(self, run_id: str) -> dict[str, Any] | None:
         with self.read() as con:
-            rows = _rows(con.execute(queries.GET_RUN, [run_id]))
+            rows = _rows(con.execute(queries.GET_RUN, {"run_id": run_id}))
         return rows[0] if rows else None
 
     def counter_deltas(self, run_id: str, names: Sequence[str]) -> dict[str, float | None]:
         """How much each counter grew during the run (summed over series; resets handled).
 
-        None for a counter the run's samples cannot measure (queries._STEP): not zero.
+        None for a counter the run's samples cannot measure (`queries.counter_step`): not zero.
         """
-        params = {"run_id": run_id, "names": list(names), "since": None, "until": None}
         with self.read() as con:
-            rows = con.execute(queries.SLICE_COUNTER_DELTAS, params).fetchall()
+            rows = con.execute(queries.COUNTER_DELTAS, {"run_id": run_id, "names": list(names)})
+            rows = rows.fetchall()
         found = {name: (delta if steps else None) for name, delta, steps in rows}
         return {name: found.get(name) for name in names}
 
@@ -585,7 +382,7 @@ class Store:
     def export_events(self, run_id: str) -> list[dict[str, Any]]:
         """The run's records exactly as they were ingested (merged per request)."""
         with self.read() as con:
-            rows = con.execute(queries.EXPORT_EVENTS, [run_id]).fetchall()
+            rows = con.execute(queries.EXPORT_EVENTS, {"run_id": run_id}).fetchall()
         return [load_doc(doc) for (doc,) in rows]
 
 
@@ -599,3 +396,17 @@ def _rows(cursor: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
                 row[key] = json.loads(row[key])
         out.append(row)
     return out
+
+
+def _stamped(con: duckdb.DuckDBPyConnection) -> bool:
+    row = con.execute(queries.SCHEMA_STAMP).fetchone()
+    return bool(row) and row[0] == schema_stamp()
+
+
+def _matches_schema(con: duckdb.DuckDBPyConnection) -> bool:
+    """The store has every column of store/schema.py: stamped by this version, or checked."""
+    if _stamped(con):
+        return True
+    from servescope.store import tables  # the ORM, for a store this version has not stamped
+
+    return not tables.missing_columns(con)

@@ -28,14 +28,17 @@ def export_parquet(store: Store, out: Path, run_id: str | None = None) -> dict[s
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, int] = {}
     with store.read() as con:
-        tables = [("events", queries.PARQUET_EVENTS)]
-        if runtime.table_exists(con):
-            tables.append(("runtime_events", queries.PARQUET_RUNTIME_EVENTS))
-        for table, copy in tables:
-            ids = con.execute(queries.PARQUET_RUN_IDS.format(table=table), [run_id]).fetchall()
+        tables = ["events", *(["runtime_events"] if runtime.table_exists(con) else [])]
+        for table in tables:
+            ids = con.execute(queries.parquet_run_ids(table), {"run_id": run_id}).fetchall()
             long = {r: partition_value(r) for (r,) in ids if partition_value(r) != r}
-            params = [run_id, str(out / table), list(long), list(long.values())]
-            row = con.execute(copy, params).fetchone()
+            params = {
+                "run_id": run_id,
+                "out": str(out / table),
+                "long": list(long),
+                "short": list(long.values()),
+            }
+            row = con.execute(queries.parquet_copy(table), params).fetchone()
             written[table] = int(row[0]) if row else 0
     return written
 
@@ -45,5 +48,7 @@ def count_parquet(folder: Path) -> int:
     if not any(folder.glob("**/*.parquet")):
         return 0
     with quiet(duckdb.connect()) as con:
-        row = con.execute(queries.PARQUET_COUNT, [str(folder / "**" / "*.parquet")]).fetchone()
+        row = con.execute(
+            queries.PARQUET_COUNT, {"files": str(folder / "**" / "*.parquet")}
+        ).fetchone()
     return int(row[0]) if row else 0

@@ -74,14 +74,14 @@ def insert(con: duckdb.DuckDBPyConnection, rows: list[RuntimeRow]) -> int:
     now = datetime.now(UTC).replace(tzinfo=None)
     con.execute(
         queries.INSERT_RUNTIME_EVENTS,
-        [
-            [r.run_id for r in rows],
-            [r.event_id for r in rows],
-            [dumps(r.doc) for r in rows],
-            [r.after_request_id for r in rows],
-            list(range(len(rows))),
-            now,
-        ],
+        {
+            "runs": [r.run_id for r in rows],
+            "event_ids": [r.event_id for r in rows],
+            "docs": [dumps(r.doc) for r in rows],
+            "anchors": [r.after_request_id for r in rows],
+            "seqs": list(range(len(rows))),
+            "ingested_at": now,
+        },
     )
     return len(rows)
 
@@ -123,13 +123,15 @@ def export_lines(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, 
     """Every line of the run, request records and runtime events, in file order."""
     requests = [
         (ts, load_doc(doc))
-        for ts, doc in con.execute(queries.EXPORT_EVENTS_TS, [run_id]).fetchall()
+        for ts, doc in con.execute(queries.EXPORT_EVENTS_TS, {"run_id": run_id}).fetchall()
     ]
     runtime: list[tuple[datetime | None, str | None, dict[str, Any]]] = []
     if table_exists(con):
         runtime = [
             (ts, anchor, load_doc(doc))
-            for ts, anchor, doc in con.execute(queries.EXPORT_RUNTIME_EVENTS, [run_id]).fetchall()
+            for ts, anchor, doc in con.execute(
+                queries.EXPORT_RUNTIME_EVENTS, {"run_id": run_id}
+            ).fetchall()
         ]
     return interleave(requests, runtime)
 
@@ -141,11 +143,13 @@ def joined(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
         return []
     return [
         {"event": load_doc(event), "request": load_doc(request) if request else None}
-        for event, request in con.execute(queries.RUNTIME_EVENTS_JOINED, [run_id]).fetchall()
+        for event, request in con.execute(
+            queries.RUNTIME_EVENTS_JOINED, {"run_id": run_id}
+        ).fetchall()
     ]
 
 
 def has_run(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
     if not table_exists(con):
         return False
-    return bool(con.execute(queries.RUNTIME_RUN_EXISTS, [run_id]).fetchone()[0])  # type: ignore[index]
+    return bool(con.execute(queries.RUNTIME_RUN_EXISTS, {"run_id": run_id}).fetchone()[0])  # type: ignore[index]

@@ -1,6 +1,7 @@
 """The event schema: one SQLModel class per table of the store.
 
-These classes are the single definition of the tables; `store.db` turns them into DuckDB DDL.
+These classes are the single definition of the tables; `store.tables` derives from them the DDL,
+the column lists and types, and the columns an older store gains when it is opened.
 Rows are written and read with plain DuckDB SQL (see `store.queries`), because bulk ingestion
 through an ORM session would be orders of magnitude slower than DuckDB's own inserts.
 """

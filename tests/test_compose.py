@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -253,12 +254,14 @@ def test_otel_collector_pipelines_use_only_defined_components() -> None:
 
 def test_dockerfile_copies_every_package_the_project_ships() -> None:
     dockerfile = (COMPOSE / "Dockerfile").read_text()
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    include = pyproject.split("include = [", 1)[1].split("]", 1)[0]
-    packages = [p.strip().strip('"').rstrip("*") for p in include.split(",") if p.strip()]
-    for package in packages:
-        assert f"COPY {package} ./{package}" in dockerfile
-        assert f"!{package}/**" in (COMPOSE / "Dockerfile.dockerignore").read_text()
+    ignore = (COMPOSE / "Dockerfile.dockerignore").read_text()
+    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ].values())
+    assert "wire" in folders
+    for folder in folders:
+        assert f"COPY {folder} ./{folder}" in dockerfile
+        assert f"!{folder}/**" in ignore
     assert 'ENTRYPOINT ["servescope"]' in dockerfile
 
 

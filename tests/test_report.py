@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from pathlib import Path
+
+from markdown_it import MarkdownIt
+from markupsafe import escape
 
 from servescope.store import Store
 from tests.conftest import servescope
@@ -94,5 +98,50 @@ def test_html_is_self_contained_and_escaped(tmp_path: Path) -> None:
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
     markdown = (out / "run-x" / "report.md").read_text()  # viewers render Markdown to HTML
-    assert "<script>" not in markdown and "<b>" not in markdown
-    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in markdown
+    assert "\\<script>alert(1)\\</script>" in markdown  # escaped as Markdown, not as HTML
+    rendered = markdown_html(markdown)
+    assert "<script>" not in rendered and "<b>" not in rendered
+    assert "<script>alert(1)</script>" in markdown_text(markdown)
+
+
+def markdown_html(markdown: str) -> str:
+    """A Markdown file as a viewer renders it (CommonMark with GitHub's tables and
+    strikethrough; raw HTML passes through, as most viewers let it)."""
+    return MarkdownIt("commonmark").enable(["table", "strikethrough"]).render(markdown)
+
+
+def markdown_text(markdown: str) -> str:
+    """The text a reader of the rendered Markdown sees."""
+    return html.unescape(re.sub(r"<[^>]+>", "", markdown_html(markdown)))
+
+
+# A run id and a flip note a viewer must show as they are: quotes, a table's pipe, a tag,
+# Markdown of their own (emphasis, a link, code) and an entity.
+HOSTILE = """run-"o'k" | <script>alert(1)</script> *em* [a](javascript:x) `c` &amp; _u_"""
+
+
+def test_hostile_strings_are_text_in_both_the_markdown_and_the_html(tmp_path: Path) -> None:
+    """Markdown is escaped as Markdown (never with HTML entities, which a Markdown file shows as
+    they are), HTML as HTML: a hostile run id and flip note land in both as the same text."""
+    db = tmp_path / "s.duckdb"
+    store = Store(db)
+    store.add_events([{"request_id": "r-1", "run_id": HOSTILE, "ttft_ms": 5}])
+    store.add_lever_flip("max_num_seqs", "2", "16", run_id=HOSTILE, note=HOSTILE)
+    out = tmp_path / "r"
+    servescope("report", "build", HOSTILE, "--store", str(db), "--out", str(out), check=True)
+    (folder,) = out.iterdir()
+    markdown = (folder / "report.md").read_text()
+    entity = r"(?<!\\)&(#[0-9]+|#x[0-9a-f]+|[a-z]+);"  # an HTML entity, not escaped as text
+    assert not re.search(entity, markdown, re.I)
+    rendered = markdown_html(markdown)
+    assert "<script" not in rendered and "<a " not in rendered and "<em>" not in rendered
+    (heading,) = re.findall(r"<h1>(.*?)</h1>", rendered)
+    assert html.unescape(heading) == f"Run {HOSTILE}"
+    # the flips table keeps its six cells, the note whole in the last
+    rows = re.findall(r"<tr>(.*?)</tr>", rendered, re.S)
+    (flip,) = [r for r in rows if "max_num_seqs" in r]
+    cells = [html.unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", flip, re.S)]
+    assert cells[1:] == [HOSTILE, "max_num_seqs", "2", "16", HOSTILE]
+    page = (folder / "index.html").read_text()
+    assert "<script>alert" not in page
+    assert escape(HOSTILE) in page  # quotes, tag and entity as HTML text

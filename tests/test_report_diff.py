@@ -20,6 +20,7 @@ import pytest
 from servescope.reports import bootstrap
 from servescope.store import Store
 from tests.conftest import servescope
+from tests.test_report import markdown_text
 
 T0 = datetime(2026, 11, 22, 4, 0, 0)
 SPEC = {
@@ -241,7 +242,7 @@ def test_headline_and_lever_changes(ab: dict[str, Any]) -> None:
         {"lever": "enable_prefix_caching", "before": False, "after": True}
     ]
     assert report["warnings"] == []
-    assert headline in ab["html"] and headline in ab["md"]
+    assert headline in ab["html"] and headline in markdown_text(ab["md"])
     assert "enable_prefix_caching" in ab["stderr"]  # the headline, printed for the terminal
 
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from servescope.store import Store, bulk, export_run, import_file, merge_docs, queries, run_id_of
-from servescope.store.db import _ddl
+from servescope.reports import sql
+from servescope.store import Store, bulk, export_run, import_file, merge_docs, run_id_of, tables
+from servescope.store.db import schema_stamp
+from servescope.store.schema import TABLES
 from servescope.store.validation import InvalidEvent, parse_line
 from tests.conftest import servescope
 
@@ -120,7 +122,8 @@ def test_pieces_of_one_request_merge_into_one_row(tmp_path: Path) -> None:
 def test_a_store_whose_events_had_a_primary_key_is_rebuilt_without_it(tmp_path: Path) -> None:
     path = tmp_path / "old.duckdb"
     with duckdb.connect(str(path)) as con:  # `events` as stores made before had it
-        ddl = _ddl()[0].replace("doc VARCHAR USING COMPRESSION zstd", "doc JSON")
+        ddl = tables.create_statements()[0]
+        ddl = ddl.replace("doc VARCHAR USING COMPRESSION zstd", "doc JSON")
         con.execute(ddl.rstrip().rstrip(")") + ", PRIMARY KEY (run_id, request_id))")
         con.execute(
             "INSERT INTO events (run_id, request_id, ttft_ms, doc) "
@@ -163,7 +166,7 @@ def _oom_docs(run: str) -> list[dict]:
 def _ooms(store: Store, run: str) -> int:
     params = {"run_id": run, "since": None, "until": None}
     with store.read() as con:
-        row = con.execute(queries.SLICE_OOMS, params).fetchone()
+        row = con.execute(sql.SLICE_OOMS, params).fetchone()
     return row[0] if row else -1
 
 
@@ -189,19 +192,75 @@ def test_out_of_memory_failures_are_counted_from_their_detail_on_both_paths(
     assert details[0][1] == details[1][1]  # the same text from both paths
 
 
+def _file_columns(path: Path, table: str) -> list[tuple[str, str]]:
+    """The columns a store file has, as DuckDB describes them, in their order."""
+    with duckdb.connect(str(path), read_only=True) as con:
+        return con.execute(
+            "SELECT column_name, data_type FROM duckdb_columns() WHERE table_name = ?"
+            " ORDER BY column_index",
+            [table],
+        ).fetchall()
+
+
+def test_the_sqlmodel_classes_are_the_tables_of_a_store_file(tmp_path: Path) -> None:
+    """SQLModel's classes are the one definition of the tables: the columns derived from them
+    (names from the classes' fields, types as DuckDB names them) are what a store file has."""
+    path = tmp_path / "s.duckdb"
+    Store(path).add_events([{"request_id": "run-t-1"}])
+    for model in TABLES:
+        derived = tables.columns(model)
+        assert [name for name, _type in derived] == list(model.model_fields), model
+        assert _file_columns(path, model.__tablename__) == derived, model
+    # the statements name every column of `events`, in the schema's order
+    names = ", ".join(name for name, _type in tables.columns(TABLES[0]))
+    assert f"INSERT INTO events ({names})" in tables.INSERT_STAGED_EVENTS
+
+
+# Columns added since the first stores, and how an older store's rows get them.
+ADDED = [("events", "server_ttft_ms"), ("events", "server_e2e_ms"), ("events", "vllm_session"),
+         ("events", "error_detail"), ("events", "server_tpot_ms"),
+         ("lever_flips", "before_run_id")]  # fmt: skip
+
+
 def test_columns_added_since_a_store_was_made_are_filled_from_its_documents(
     tmp_path: Path,
 ) -> None:
+    """A store an older version made lacks the newer columns, and carries no stamp of this
+    schema: the first read adds them (derived from the classes), filled from the documents."""
     path = tmp_path / "old.duckdb"
-    Store(path).add_events([{**_oom_docs("run-o")[0], "server_ttft_ms": 7, "vllm_session": "v"}])
+    doc = {**_oom_docs("run-o")[0], "server_ttft_ms": 7, "vllm_session": "v", "server_tpot_ms": 2}
+    Store(path).add_events([doc])
     with duckdb.connect(str(path)) as con:  # the store as a version before those columns made it
-        for table, column, _kind, _fill in queries.ADDED_COLUMNS:
+        for table, column in ADDED:
             con.execute(f'ALTER TABLE {table} DROP COLUMN "{column}"')
+        con.execute("COMMENT ON TABLE events IS NULL")
     store = Store(path)
     assert _ooms(store, "run-o") == 1
     with store.read() as con:
-        row = con.execute("SELECT server_ttft_ms, vllm_session FROM events").fetchone()
-    assert row == (7.0, "v")
+        row = con.execute("SELECT server_ttft_ms, vllm_session, server_tpot_ms FROM events")
+        assert row.fetchone() == (7.0, "v", 2.0)
+        stamp = con.execute("SELECT comment FROM duckdb_tables() WHERE table_name = 'events'")
+        assert stamp.fetchone() == (schema_stamp(),)
+    for model in TABLES:  # every column, the added ones at the end
+        assert sorted(_file_columns(path, model.__tablename__)) == sorted(tables.columns(model))
+
+
+def test_a_store_this_version_wrote_is_read_without_the_orm(tmp_path: Path) -> None:
+    """The ORM takes a third of a second to import: a reader (`report build`) of a store this
+    version stamped never imports it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "s.duckdb"
+    Store(path).add_events([{"request_id": "run-r-1"}])
+    script = (
+        "import sys; from servescope.store import Store; "
+        f"assert Store({str(path)!r}).run_ids() == ['run-r'];"
+        "print(sorted(m for m in ('sqlmodel', 'sqlalchemy') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_status_is_derived_when_absent(tmp_path: Path) -> None:
@@ -285,8 +344,6 @@ def test_a_server_sessions_first_sample_counts_from_zero(tmp_path: Path) -> None
     A window (`--split-at-flip`) starts from the sample before it."""
     from datetime import datetime, timedelta
 
-    from servescope.store import queries
-
     store = Store(tmp_path / "s.duckdb")
     t0 = datetime(2026, 11, 25, 1, 21)
     session, bench = "vllm-tiny-8000-20261125T012100Z", "run-20261125-bench"
@@ -301,9 +358,7 @@ def test_a_server_sessions_first_sample_counts_from_zero(tmp_path: Path) -> None
     since = (t0 + timedelta(seconds=41)).isoformat()
     params = {"run_id": "vllm-x", "names": [prompt], "since": since, "until": None}
     with store.read() as con:
-        assert con.execute(queries.SLICE_COUNTER_DELTAS, params).fetchall() == [
-            (prompt, 300.0, 2)
-        ]
+        assert con.execute(sql.SLICE_COUNTER_DELTAS, params).fetchall() == [(prompt, 300.0, 2)]
 
 
 def test_the_stores_connections_print_no_progress_bar(tmp_path: Path) -> None:
@@ -322,9 +377,6 @@ def test_a_store_a_newer_version_gave_more_columns_still_takes_rows_on_both_path
 ) -> None:
     """A newer `servescope` (a report on the operator's laptop) may add columns to a store that
     an older sidecar keeps writing: every insert names its columns, so both ingest paths go on."""
-    from servescope.store.schema import Event
-
-    assert queries.EVENT_COLUMNS.split(", ") == [c.name for c in Event.__table__.columns]
     path = tmp_path / "s.duckdb"
     Store(path).add_events([{"request_id": "run-n-1"}])
     with duckdb.connect(str(path)) as con:

@@ -35,11 +35,10 @@ from servescope.reports import (
     build_diff,
     build_split,
     build_summary,
+    sql,
     write_report,
 )
 from servescope.reports.build import PREVIOUS
-from servescope.reports.summary import SLO_METRICS
-from servescope.store import queries
 
 DESCRIPTION = "Render stored runs as self-contained HTML, Markdown and JSON reports."
 
@@ -54,8 +53,9 @@ def _slo(text: str) -> dict[str, float]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
         name = name.strip()
-        if name not in SLO_METRICS:
-            raise argparse.ArgumentTypeError(f"unknown SLO {name!r}; use {', '.join(SLO_METRICS)}")
+        if name not in sql.SLO_METRICS:
+            known = ", ".join(sql.SLO_METRICS)
+            raise argparse.ArgumentTypeError(f"unknown SLO {name!r}; use {known}")
         try:
             slo[name] = float(value)
         except ValueError:
@@ -221,7 +221,7 @@ def _brief(report: dict[str, Any], paths: list[Path]) -> dict[str, Any]:
 def run_flips(args: argparse.Namespace) -> int:
     store = open_store(args)
     with store.read() as con:
-        flips = rows(con.execute(queries.FLIP_LIST))
+        flips = rows(con.execute(sql.FLIP_LIST))
     for flip in flips:
         before = flip["before_run_id"]
         flip["report"] = (

@@ -1,0 +1,71 @@
+"""The SQLModel classes of store/schema.py as DuckDB SQL: each table's DDL, its columns, and the
+columns a store made by an older version lacks, added when it is opened.
+
+The classes are the one definition of the tables; everything here is derived from them. Only
+writers import this module: the ORM takes a third of a second to import, which a reader such as
+`report build` never pays (it knows a store matches this schema from its stamp, `store.db`).
+"""
+
+from __future__ import annotations
+
+import duckdb
+from duckdb_engine import Dialect
+from sqlalchemy import Column, Table
+from sqlalchemy.schema import CreateTable
+from sqlmodel import SQLModel
+
+from servescope.store import queries
+from servescope.store.schema import TABLES, Event
+
+_DIALECT = Dialect()
+
+
+def table_of(model: type[SQLModel]) -> Table:
+    return SQLModel.metadata.tables[model.__tablename__]  # type: ignore[attr-defined]
+
+
+def create_statements() -> list[str]:
+    """CREATE TABLE IF NOT EXISTS for every table, in TABLES' order."""
+    return [
+        str(CreateTable(table_of(model), if_not_exists=True).compile(dialect=_DIALECT)).strip()
+        for model in TABLES
+    ]
+
+
+def column_spec(column: Column) -> str:  # type: ignore[type-arg]
+    """The column's type as its DDL says it (with its storage options)."""
+    return column.type.compile(dialect=_DIALECT)
+
+
+def column_type(column: Column) -> str:  # type: ignore[type-arg]
+    """The column's type as DuckDB names it (`DOUBLE`, `VARCHAR`, `DOUBLE[]`…): what
+    `duckdb_columns()` shows for it and what a cast to it says."""
+    return str(duckdb.sqltype(column_spec(column).partition(" USING ")[0]))
+
+
+def columns(model: type[SQLModel]) -> list[tuple[str, str]]:
+    """The table's columns as (name, DuckDB type), in the class's order."""
+    return [(column.name, column_type(column)) for column in table_of(model).columns]
+
+
+EVENT_COLUMNS = columns(Event)
+INSERT_STAGED_EVENTS = queries.insert_staged_events(EVENT_COLUMNS)
+
+
+def missing_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
+    """The schema's (table, column) pairs the store lacks."""
+    pairs = [(table_of(m).name, c.name) for m in TABLES for c in table_of(m).columns]
+    params = {"tables": [p[0] for p in pairs], "columns": [p[1] for p in pairs]}
+    return [tuple(row) for row in con.execute(queries.MISSING_COLUMNS, params).fetchall()]
+
+
+def add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:
+    """Columns newer than the store's tables: added (at the end: every insert names its
+    columns), an `events` column filled from the rows' documents. Runs after the CREATE
+    statements, so a missing table is already whole."""
+    for table, name in missing_columns(con):
+        column = SQLModel.metadata.tables[table].columns[name]
+        con.execute(f'ALTER TABLE {table} ADD COLUMN "{name}" {column_spec(column)}')
+        if table == table_of(Event).name:
+            fill = queries.event_column_from_doc(name, column_type(column))
+            con.execute(f'UPDATE {table} SET "{name}" = {fill}')  # noqa: S608 - from the schema
