@@ -4,9 +4,9 @@ The instant server is nginx returning a canned SSE completion of 16 chunks (plus
 `[DONE]`), so every millisecond measured is the client's or the gateway's own. The gateway runs
 as a user runs it (`servescope gateway --config …`), in its own process, with one team whose
 limits never bind (events and metrics on), so the figures are the proxy's cost, not admission's.
-Both paths are driven by bench's streaming client (`wire.stream.stream_request` over `Http1Pool`,
-in the same run, so machine noise hits both alike. Two measurements, because "concurrency 100"
-means two different things:
+Both paths are driven by the load generator's streaming client (`loadgen.client.stream_request`
+over `loadgen.transport.Http1Pool`), in the same run, so machine noise hits both alike. Two
+measurements, because "concurrency 100" means two different things:
 
 - Throughput, closed loop: 100 requests kept in flight on each path in turn, in short
   interleaved rounds (8 × 1,000 requests per path: direct, gateway, direct, gateway…, on
@@ -24,6 +24,8 @@ means two different things:
     .venv/bin/python benchmarks/bench_gateway.py [--concurrency 100] [--rounds 8] [--rate 200]
     .venv/bin/python benchmarks/bench_gateway.py --server uvicorn   # the same gateway on uvicorn
 
+    .venv/bin/python benchmarks/bench_gateway.py --vs-aiohttp-client   # its upstream client
+
 `--pool 2` puts a pool of two replicas behind the gateway (nginx listening on two ports, the
 model routed by `--routing`, default prefix-affinity: every request here has the same prompt, so
 the ring walk and the load bound run on every request — the dearest path). The direct path still
@@ -32,6 +34,11 @@ goes to one of them.
 `--server uvicorn` serves the gateway's routes on uvicorn (httptools, uvloop) through a raw ASGI
 adapter (benchmarks/gateway_asgi.py) instead of its own `gateway/httpserver.py`: what the home-made
 server saves, measured.
+
+`--vs-aiohttp-client` adds a third path, a second gateway whose proxy path uses aiohttp's client
+(benchmarks/gateway_aiohttp_upstream.py) instead of its own `gateway/upstream.py`, driven in the
+same interleaved rounds and the same open loop: `upstream_client` in the JSON holds both
+gateways' CPU per request, closed-loop rate and added TTFT, and our ÷ aiohttp's ratios.
 
 Last line (JSON): `ours` / `reference` = TTFT p50 through the gateway / direct below saturation,
 `added_ms_p50` / `added_ms_p99` = their difference at p50 / p99, `throughput_fraction` =
@@ -130,6 +137,14 @@ http {{
     return proc
 
 
+# How each gateway variant starts (`servescope gateway`, or a benchmark entry point)
+GATEWAYS = {
+    "http1": [sys.executable, "-m", "servescope.cli", "gateway"],
+    "uvicorn": [sys.executable, str(ROOT / "benchmarks" / "gateway_asgi.py")],
+    "aiohttp-client": [sys.executable, str(ROOT / "benchmarks" / "gateway_aiohttp_upstream.py")],
+}
+
+
 def start_gateway(
     folder: Path,
     port: int,
@@ -137,6 +152,7 @@ def start_gateway(
     server: str = "http1",
     routing: str = "prefix-affinity",
 ) -> subprocess.Popen[bytes]:
+    folder.mkdir(parents=True, exist_ok=True)
     names = [f"instant{i}" if i else "instant" for i in range(len(upstream_ports))]
     doc: dict[str, Any] = {
         "events_dir": str(folder / "events"),
@@ -151,13 +167,8 @@ def start_gateway(
     config = folder / "gateway.yaml"
     config.write_text(json.dumps(doc))
     log = (folder / "gateway.log").open("wb")
-    command = (
-        [sys.executable, "-m", "servescope.cli", "gateway"]
-        if server == "http1"
-        else [sys.executable, str(ROOT / "benchmarks" / "gateway_asgi.py")]
-    )
     proc = subprocess.Popen(
-        [*command, "--config", str(config), "--port", str(port)],
+        [*GATEWAYS[server], "--config", str(config), "--port", str(port)],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -290,6 +301,39 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
+AIOHTTP_PATH = "gateway-aiohttp"  # the gateway with aiohttp's client on its proxy path
+
+
+def upstream_client(
+    closed: dict[str, dict[str, float]],
+    below: dict[str, dict[str, float]],
+    cpu_ms: dict[str, float],
+) -> dict[str, Any]:
+    """Our upstream client (`gateway`) against aiohttp's (`gateway-aiohttp`), same run: each
+    one's gateway CPU per request, closed-loop rate and added TTFT below saturation, and the
+    ratios ours ÷ aiohttp's (CPU and added TTFT: lower is better; rate: higher is better)."""
+    ours, ref = "gateway", AIOHTTP_PATH
+
+    def added(name: str, q: str) -> float:
+        return round(below[name][f"ttft_{q}_ms"] - below["direct"][f"ttft_{q}_ms"], 3)
+
+    sides = {
+        side: {
+            "cpu_ms_per_request": cpu_ms[name],
+            "closed_loop_req_per_s": round(closed[name]["req_per_s"], 1),
+            "added_ms_p50": added(name, "p50"),
+            "added_ms_p99": added(name, "p99"),
+        }
+        for side, name in (("ours", ours), ("aiohttp", ref))
+    }
+    return {
+        **sides,
+        "reference": "aiohttp.ClientSession (the gateway's own connector settings)",
+        "cpu_ratio": round(cpu_ms[ours] / cpu_ms[ref], 3),
+        "throughput_ratio": round(closed[ours]["req_per_s"] / closed[ref]["req_per_s"], 3),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -308,6 +352,12 @@ def main() -> int:
         default="http1",
         help="the gateway on its own HTTP/1.1 server (default) or on uvicorn + a raw ASGI app",
     )
+    parser.add_argument(
+        "--vs-aiohttp-client",
+        action="store_true",
+        help="also drive a gateway whose proxy path uses aiohttp's client (the reference for "
+        "gateway/upstream.py), in the same rounds",
+    )
     parser.add_argument("--pool", type=int, default=1, help="replicas behind the gateway")
     parser.add_argument(
         "--routing",
@@ -319,31 +369,39 @@ def main() -> int:
 
     load_start = os.getloadavg()[0]
     folder = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
-    nginx_port, gateway_port = free_port(), free_port()
+    nginx_port = free_port()
     replica_ports = [nginx_port, *(free_port() for _ in range(args.pool - 1))]
     nginx = start_nginx(folder, nginx_port, tuple(replica_ports[1:]))
-    gateway = start_gateway(folder, gateway_port, replica_ports, args.server, args.routing)
-    paths = {
-        "direct": (f"http://127.0.0.1:{nginx_port}", {}),
-        "gateway": (f"http://127.0.0.1:{gateway_port}", {"Authorization": f"Bearer {KEY}"}),
-    }
+    variants = {"gateway": args.server}
+    if args.vs_aiohttp_client:
+        variants[AIOHTTP_PATH] = "aiohttp-client"
+    gateways: dict[str, subprocess.Popen[bytes]] = {}
+    paths = {"direct": (f"http://127.0.0.1:{nginx_port}", {})}
     try:
-        gateway_cpu = psutil.Process(gateway.pid)
+        for name, server in variants.items():
+            port = free_port()
+            gateways[name] = start_gateway(
+                folder / name, port, replica_ports, server, args.routing
+            )
+            paths[name] = (f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"})
+        processes = {name: psutil.Process(proc.pid) for name, proc in gateways.items()}
         with Progress(transient=True) as progress:
-            cpu_before = sum(gateway_cpu.cpu_times()[:2])
+            cpu_before = {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
             results = asyncio.run(
                 closed_rounds(paths, args.concurrency, args.requests, args.rounds, progress)
             )
-            cpu_s = sum(gateway_cpu.cpu_times()[:2]) - cpu_before  # warm-up included
+            cpu_s = {  # warm-up included
+                name: sum(p.cpu_times()[:2]) - cpu_before[name] for name, p in processes.items()
+            }
             progress.add_task(f"open loop: {args.rate:g} req/s per path", total=None)
             opened = asyncio.run(
                 drive_open(paths, args.concurrency, args.rate, args.seconds, args.seed)
             )
     finally:
-        gateway.terminate()
-        nginx.terminate()
-        gateway.wait(timeout=10)
-        nginx.wait(timeout=10)
+        for proc in [*gateways.values(), nginx]:
+            proc.terminate()
+        for proc in [*gateways.values(), nginx]:
+            proc.wait(timeout=10)
 
     closed: dict[str, dict[str, float]] = {}
     for name, res in results.items():
@@ -357,7 +415,7 @@ def main() -> int:
         }
         f = closed[name]
         print(
-            f"closed loop, {args.concurrency} in flight: {name:8s} {f['ok']:6.0f}/"
+            f"closed loop, {args.concurrency} in flight: {name:15s} {f['ok']:6.0f}/"
             f"{f['requests']:.0f} ok {f['req_per_s']:8.1f} req/s  TTFT p50 "
             f"{f['ttft_p50_ms']:7.3f} ms  p99 {f['ttft_p99_ms']:7.3f} ms"
         )
@@ -372,11 +430,14 @@ def main() -> int:
         }
         f = below[name]
         print(
-            f"open loop, {args.rate:g} req/s, {args.concurrency} connections: {name:8s} "
+            f"open loop, {args.rate:g} req/s, {args.concurrency} connections: {name:15s} "
             f"{f['ok']:5.0f}/{f['requests']:.0f} ok  TTFT p50 {f['ttft_p50_ms']:7.3f} ms  "
             f"p99 {f['ttft_p99_ms']:7.3f} ms"
         )
     direct, proxied = below["direct"], below["gateway"]
+    cpu_ms = {
+        name: round(1000 * cpu_s[name] / (closed[name]["requests"] + 500), 4) for name in cpu_s
+    }
     out = {
         "metric": "gateway_ttft_p50_ms",
         "server": args.server,
@@ -392,9 +453,7 @@ def main() -> int:
         ),
         # the gateway process's CPU per proxied request in the closed loop (warm-up included):
         # what the proxy costs, whatever else the machine runs
-        "gateway_cpu_ms_per_request": round(
-            1000 * cpu_s / (closed["gateway"]["requests"] + 500), 4
-        ),
+        "gateway_cpu_ms_per_request": cpu_ms["gateway"],
         "concurrency": args.concurrency,
         "rate": args.rate,
         "closed_loop": {
@@ -409,6 +468,9 @@ def main() -> int:
                 closed["gateway"]["ttft_p99_ms"] - closed["direct"]["ttft_p99_ms"], 3
             ),
         },
+        "upstream_client": upstream_client(closed, below, cpu_ms)
+        if AIOHTTP_PATH in cpu_ms
+        else None,
         "cpus": os.cpu_count(),
         "loadavg_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],  # at start, at end
     }

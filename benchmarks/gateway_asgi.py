@@ -108,14 +108,19 @@ def asgi_app(server: Server, gateway: Gateway | None = None) -> Callable[..., Aw
     return app
 
 
-def main() -> int:
-    import uvicorn
-
-    parser = argparse.ArgumentParser(description=__doc__)
+def gateway_args(description: str | None) -> argparse.Namespace:
+    """The options of a benchmark's gateway entry point: `--config`, `--port`, `--host`."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    import uvicorn
+
+    args = gateway_args(__doc__)
     gateway = Gateway(load_config(args.config), args.config)
     app = asgi_app(build_server(gateway), gateway)
     uvicorn.run(

@@ -17,23 +17,22 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlparse
 
 import duckdb
 
-from servescope.collector.scrape import Scrape, scrape, server_version
+from servescope.collector.scrape import scrape, server_version
 from servescope.collector.selfmetrics import SelfMetrics
-from servescope.collector.sessions import Session, session_run_id
+from servescope.collector.sessions import Attribution, ServerLog, Session, parse_ts
 from servescope.collector.tail import Chunk, Tailer
 from servescope.store import InvalidEvent, Store, bulk, check_built, checkpoints, run_id_of
 from servescope.wire import vllm_log
 from servescope.wire.exposition import Sample
-from servescope.wire.ids import UNATTRIBUTED_RUN, is_generated
+from servescope.wire.ids import UNATTRIBUTED_RUN
 
 log = logging.getLogger("servescope.collector")
 MAX_FLUSH_BYTES = 256 * 1024 * 1024  # a backlog in few statements: see docs/architecture.md
@@ -57,11 +56,6 @@ INFERENCE_PATHS = frozenset(
         "/inference/v1/generate",
     }
 )
-REMEMBERED_IDS = 200_000  # vLLM-made request ids → their session, for traces that follow the log
-# A server announces itself in its log some seconds after its process started (imports).
-START_SLACK = timedelta(seconds=5)
-START_WINDOW = timedelta(minutes=15)
-HELD_SCRAPE_S = 600.0  # a scrape waits this long for its server's session to appear in the log
 
 
 @dataclass
@@ -135,8 +129,7 @@ class _Pending:
 class _LogSource:
     name: str
     tailer: Tailer
-    state: dict[str, Any]
-    session: Session | None = None  # the server lifetime the log is in now
+    server: ServerLog  # the server lifetimes the log holds, as far as it was read
     # Wall time of the last poll that read the log to its end (None: not caught up, or --once)
     caught_up: float | None = None
 
@@ -179,18 +172,8 @@ def _later(written: datetime | None, session: Session | None) -> str | None:
     last = session.last_ts if session is not None else None
     if written is None:
         return last
-    floor = _parse_ts(last)
+    floor = parse_ts(last)
     return (max(written, floor) if floor is not None else written).isoformat()
-
-
-def _parse_ts(text: Any) -> datetime | None:
-    if not isinstance(text, str):
-        return None
-    try:
-        ts = datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 class Collector:
@@ -225,26 +208,22 @@ class Collector:
         self.totals: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._pending = _Pending()
+        self.attribution = Attribution()  # which server session each thing read belongs to
         self.logs: list[_LogSource] = []
         for path in (os.path.abspath(p) for p in vllm_logs):  # a checkpoint outlives the cwd
             name = f"vllm-log:{path}"
             saved = checkpoints.load(store, name)
             files = [r for r in saved if r["file_key"] != checkpoints.STATE_KEY]
-            state = checkpoints.state_of(saved)
-            session = Session.from_state(state.get("session"))
-            self.logs.append(_LogSource(name, Tailer(path, files, once=once), state, session))
+            server = self.attribution.follow_log(name, checkpoints.state_of(saved))
+            self.logs.append(_LogSource(name, Tailer(path, files, once=once), server))
         self.event_files: list[tuple[str, Tailer]] = []
         for pattern in (os.path.abspath(p) for p in events):
             name = f"events:{pattern}"
             rows = [r for r in checkpoints.load(store, name) if r["file_key"]]
             self.event_files.append((name, Tailer(pattern, rows, once=once)))
-        self.targets: dict[str, dict[str, Any]] = {
-            url: checkpoints.state_of(checkpoints.load(store, f"metrics:{url}"))
-            for url in metrics_urls
-        }
-        self._held: list[tuple[float, Scrape]] = []  # scrapes waiting for their server's session
-        self._ended: dict[str, Session] = {}  # sessions that ended while this process ran
-        self._run_of: OrderedDict[str, str] = OrderedDict()  # vLLM-made request id → its run
+        for url in metrics_urls:
+            state = checkpoints.state_of(checkpoints.load(store, f"metrics:{url}"))
+            self.attribution.follow_target(url, state)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -299,6 +278,10 @@ class Collector:
         for row in rows:
             table[row["file_key"]] = row
 
+    def _checkpoint_state(self, source: str, state: dict[str, Any]) -> None:
+        """A source's state (its server session) goes with the offsets it was read up to."""
+        self._checkpoint(source, [{"file_key": checkpoints.STATE_KEY, "state": state}])
+
     def _too_long(self, source: str, chunk: Chunk) -> None:
         reason = f"line too long ({chunk.too_long} bytes)"
         self._pending.errors.append((chunk.file.error_source, chunk.start, reason, chunk.data))
@@ -309,7 +292,8 @@ class Collector:
         lines = chunk.data.split(b"\n")
         if chunk.data.endswith(b"\n"):
             lines.pop()
-        before = source.session.state() if source.session else None
+        server = source.server
+        before = server.snapshot()
         access: Counter[tuple[str, str, str]] = Counter()
         for line in lines:
             here, offset = offset, offset + len(line) + 1
@@ -317,23 +301,19 @@ class Collector:
                 continue
             self._pending.lines[source.name] += 1
             item = vllm_log.parse_line(line, year=chunk.year)
-            session = source.session
             if isinstance(item, vllm_log.Piece):
                 item = _checked(item)
             if isinstance(item, vllm_log.Piece):
-                if session is not None:
-                    session.seen(_parse_ts(item.doc.get("log_ts")))
-                self._pending.docs.append(self._attribute(item.doc, session))
+                server.seen(parse_ts(item.doc.get("log_ts")))
+                self._pending.docs.append(server.attribute(item.doc))
             elif isinstance(item, vllm_log.Tick):
-                if session is not None:
-                    session.seen(item.ts)
+                server.seen(item.ts)
             elif isinstance(item, vllm_log.Bad):
                 self._pending.errors.append((chunk.file.error_source, here, item.reason, line))
             elif isinstance(item, vllm_log.Stats):
-                if session is not None:
-                    session.seen(item.ts)
+                server.seen(item.ts)
                 ts = (item.ts or datetime.now(UTC)).replace(tzinfo=None)
-                run = session.run_id if session is not None else None
+                run = server.run_id
                 for key, value in item.values.items():
                     self._pending.samples.append(
                         (ts, source.name, f"vllm_log:{key}", {"engine": item.engine}, run, value)
@@ -341,147 +321,45 @@ class Collector:
             elif isinstance(item, vllm_log.Access):
                 access[(item.method, item.path, str(item.status))] += 1
                 if item.status >= 400 and item.path.split("?", 1)[0] in INFERENCE_PATHS:
-                    self._refused(item, session, chunk, here, written)
+                    self._refused(item, server, chunk, here, written)
             elif isinstance(item, vllm_log.Startup):
-                self._startup(source, item)
+                server.startup(item)
             elif isinstance(item, vllm_log.Levers):
-                self._configure(source, item)
+                server.configure(item)
             elif isinstance(item, vllm_log.KvCache):
-                self._kv_cache(source, item)
+                server.kv_cache(item)
+                self._kv_samples(source.name, item, server.run_id)
         now = datetime.now(UTC).replace(tzinfo=None)
-        run = source.session.run_id if source.session else None
         for (method, path, status), n in access.items():
             labels = {"method": method, "path": path, "status": status}
             self._pending.samples.append(
-                (now, source.name, "vllm_log:http_responses", labels, run, float(n))
+                (now, source.name, "vllm_log:http_responses", labels, server.run_id, float(n))
             )
-        after = source.session.state() if source.session else None
-        if after != before:
-            source.state["session"] = after
-            self._checkpoint(
-                source.name, [{"file_key": checkpoints.STATE_KEY, "state": source.state}]
-            )
+        state = server.changed_state(before)
+        if state is not None:
+            self._checkpoint_state(source.name, state)
 
-    # -- server sessions -----------------------------------------------------------------------
-
-    def _startup(self, source: _LogSource, item: vllm_log.Startup) -> None:
-        session = source.session
-        if item.version is not None:
-            self._end(source, item.ts)
-            source.session = Session(version=item.version, source=source.name)
-            source.session.seen(item.ts)
-            source.session.started_at = source.session.last_ts
-        elif session is None:
-            return
-        elif item.url is not None:
-            session.listening(item.url)
-            self._touch(session)
-        elif item.shutdown and session.ended_at is None:
-            session.end(item.ts)
-            self._touch(session)
-
-    def _configure(self, source: _LogSource, item: vllm_log.Levers) -> None:
-        """`non-default args`: the session's levers and name. A second such line in one
-        session (a log without version banners) is a new session."""
-        if source.session is None or source.session.args or source.session.named:
-            self._end(source, item.ts)
-            source.session = Session(source=source.name)
-        session = source.session
-        previous = source.state.get("previous")
-        if previous:
-            session.previous, session.previous_levers = previous["run_id"], previous["levers"]
-            session.previous_args = previous.get("args")
-            session.previous_scraped = bool(previous.get("scraped"))
-        session.configure(item.levers, item.ts, item.port, item.host)
-        if previous and session.run_id == previous["run_id"]:  # two starts in one second
-            session.run_id = f"{session.run_id}-2"
-        self._touch(session)
-
-    def _kv_cache(self, source: _LogSource, item: vllm_log.KvCache) -> None:
-        """vLLM's start-up KV-cache statement: into the session's runs row (`notes.kv_cache.vllm`)
-        and stored as samples `vllm_log:kv_cache_tokens{device}` and
+    def _kv_samples(self, source: str, item: vllm_log.KvCache, run: str | None) -> None:
+        """vLLM's start-up KV-cache statement as samples `vllm_log:kv_cache_tokens{device}` and
         `vllm_log:max_concurrency{max_model_len}` of the session's run."""
-        session = source.session
-        if session is not None:
-            session.seen(item.ts)
-            session.kv_cache = {**session.kv_cache, **item.values}
-            self._touch(session)
-        run = session.run_id if session is not None else None
         ts = (item.ts or datetime.now(UTC)).replace(tzinfo=None)
         if "kv_cache_tokens" in item.values:
             device = {"device": str(item.values.get("kv_cache_device", ""))}
             value = float(item.values["kv_cache_tokens"])
             self._pending.samples.append(
-                (ts, source.name, "vllm_log:kv_cache_tokens", device, run, value)
+                (ts, source, "vllm_log:kv_cache_tokens", device, run, value)
             )
         if "max_concurrency" in item.values:
             labels = {"max_model_len": str(item.values["max_model_len"])}
             value = float(item.values["max_concurrency"])
             self._pending.samples.append(
-                (ts, source.name, "vllm_log:max_concurrency", labels, run, value)
+                (ts, source, "vllm_log:max_concurrency", labels, run, value)
             )
-
-    def _end(self, source: _LogSource, ts: datetime | None) -> None:
-        """The session of `source` is over (a new one starts): it is kept as the one the next
-        session's levers are compared with."""
-        session = source.session
-        if session is None:
-            return
-        if session.named:
-            if session.ended_at is None:
-                session.end(None)  # its last line: the new start may come much later
-            self._touch(session)
-            self._ended[session.run_id or ""] = session
-            source.state["previous"] = {
-                "run_id": session.run_id,
-                "levers": session.levers,
-                "args": session.args,
-                "scraped": bool(session.cache_config),
-            }
-        source.session = None
-
-    def _touch(self, session: Session) -> None:
-        """The session's `runs` row (and its flips) go with the next flush."""
-        if session.run_id:
-            self._pending.sessions[session.run_id] = replace(session)  # as it is now
-
-    def _sessions(self) -> list[Session]:
-        """Every session this collector knows of: the current one of each log and each
-        metrics-only target, and those that ended while it ran."""
-        found = {s.run_id: s for s in self._ended.values()}
-        for source in self.logs:
-            if source.session is not None and source.session.named:
-                found[source.session.run_id] = source.session
-        for state in self.targets.values():
-            own = Session.from_state(state.get("session"))
-            if own is not None and own.named:
-                found[own.run_id] = own
-        return list(found.values())
-
-    def _attribute(self, doc: dict[str, Any], session: Session | None) -> dict[str, Any]:
-        """A piece read from a server's log: the request's session, its model, and its run
-        when vLLM made up its id (no client `X-Request-Id`)."""
-        if session is None or not session.named:
-            if is_generated(doc["request_id"]) and "run_id" not in doc:
-                doc["run_id"] = UNATTRIBUTED_RUN
-            return doc
-        assert session.run_id is not None
-        session.served(doc)
-        if is_generated(doc["request_id"]):
-            doc["run_id"] = session.run_id
-            self._remember(doc["request_id"], session.run_id)
-        return doc
-
-    def _remember(self, request_id: str, run_id: str) -> None:
-        self._run_of[request_id] = run_id
-        self._run_of.move_to_end(request_id)
-        while len(self._run_of) > REMEMBERED_IDS:
-            self._run_of.popitem(last=False)
 
     def _refused(
         self,
         item: vllm_log.Access,
-        session: Session | None,
+        server: ServerLog,
         chunk: Chunk,
         offset: int,
         written: datetime | None = None,
@@ -491,15 +369,14 @@ class Collector:
         place in the log file, so reading the line again gives the same event. A text access
         line has no time: it is dated when it was read live (`written`), else at the server's
         last dated line (its lower bound: a backlog or `--once`)."""
-        run = session.run_id if session is not None and session.named else UNATTRIBUTED_RUN
         if item.status == 429:
             status, error = "rejected", "rejected:http_429"
         else:
             status, error = "error", f"http_{item.status // 100}xx"
-        ts = item.ts.isoformat() if item.ts else _later(written, session)
+        ts = item.ts.isoformat() if item.ts else _later(written, server.session)
         doc: dict[str, Any] = {
             "request_id": f"http-{chunk.file.fp[:8] or 'log'}-{offset}",
-            "run_id": run,
+            "run_id": server.run_id or UNATTRIBUTED_RUN,
             "source": vllm_log.SOURCE,
             "log_ts": ts,
             "status": status,
@@ -508,8 +385,7 @@ class Collector:
             "http_method": item.method,
             "http_path": item.path,
         }
-        if session is not None and session.named:
-            session.served(doc)
+        server.attribute(doc)
         self._pending.docs.append({k: v for k, v in doc.items() if v is not None})
 
     def submit(
@@ -537,11 +413,10 @@ class Collector:
     def scrape_all(self) -> None:
         """Scrape every `/metrics` target once; the samples wait for `flush` to find the
         server session they belong to."""
-        for url, state in self.targets.items():
+        for url in self.attribution.targets:
             result = scrape(url, timeout=min(5.0, max(1.0, self.scrape_interval)))
-            version = None
-            if result.process_start is not None and result.process_start != state.get("start"):
-                version = server_version(url)  # a new server behind the URL
+            restarted = self.attribution.restarted(result)
+            version = server_version(url) if restarted else None  # a new server behind the URL
             with self._lock:
                 self._pending.touch()
                 self._pending.lines[f"metrics:{url}"] += 1
@@ -549,100 +424,14 @@ class Collector:
                     self._pending.errors.append(
                         (url, time.time_ns(), result.error, result.body[:65536].encode())
                     )
-                if version is not None:
-                    state["version"] = version
-                self._held.append((time.monotonic(), result))
+                self.attribution.hold(result, version)
 
     def _place_scrapes(self) -> None:
-        """Give held scrapes their server session's run (called under the lock).
-
-        A target is a server whose log this collector tails when their ports agree: its session
-        is the one that started with the process the scrape saw (`process_start_time_seconds`),
-        so samples taken just after a restart wait until the log has shown the new start. A
-        target without a log is its own session, one per process start.
-        """
-        keep: list[tuple[float, Scrape]] = []
-        for held_since, result in self._held:
-            state = self.targets[result.url]
-            waited = time.monotonic() - held_since >= HELD_SCRAPE_S
-            session: Session | None = None
-            if result.process_start is None:  # down, or not a vLLM: the target's last session
-                session = self._target_session(result.url)
-            elif self.logs:
-                port = urlparse(result.url).port
-                session = self._logged_session(port, result.process_start)
-                if session is None and waited:
-                    session = self._own_session(result)
-            else:
-                session = self._own_session(result)
-            if session is None and result.process_start is not None and not waited:
-                keep.append((held_since, result))
-                continue
-            run = session.run_id if session is not None else None
-            if session is not None:
-                state["run_id"], state["start"] = run, result.process_start
-                if result.cache_config is not None and session.cache(result.cache_config):
-                    self._touch(session)
-                if (state.get("session") or {}).get("run_id") == run:
-                    state["session"] = session.state()
-            self._pending.samples.extend(
-                (ts, target, name, labels, run, value)
-                for ts, target, name, labels, _run, value in result.samples
-            )
-            self._checkpoint(
-                f"metrics:{result.url}", [{"file_key": checkpoints.STATE_KEY, "state": state}]
-            )
-        self._held = keep
-
-    def _logged_session(self, port: int | None, process_start: float) -> Session | None:
-        started = datetime.fromtimestamp(process_start, UTC)
-        found = [
-            s
-            for s in self._sessions()
-            if s.source is not None
-            and s.port == port
-            and (start := s.started()) is not None
-            and started - START_SLACK <= start <= started + START_WINDOW
-        ]
-        return min(found, key=lambda s: s.started_at or "") if found else None
-
-    def _target_session(self, url: str) -> Session | None:
-        run = self.targets[url].get("run_id")
-        return next((s for s in self._sessions() if s.run_id == run), None)
-
-    def _own_session(self, result: Scrape) -> Session:
-        """The session of a target no tailed log describes, named from its process start."""
-        state = self.targets[result.url]
-        current = Session.from_state(state.get("session"))
-        assert result.process_start is not None
-        started = datetime.fromtimestamp(result.process_start, UTC)
-        if current is not None and current.started() == started:
-            return current
-        model = next(
-            (labels["model_name"] for _t, _u, _n, labels, _r, _v in result.samples
-             if labels.get("model_name")),
-            None,
-        )  # fmt: skip
-        parsed = urlparse(result.url)
-        port = parsed.port or 80
-        session = Session(
-            run_id=session_run_id(model or "model", port, started),
-            started_at=started.isoformat(),
-            version=state.get("version"),
-            model=model,
-            port=port,
-            target=f"{parsed.scheme}://{parsed.netloc}",
-        )
-        if current is not None:
-            current.end(started)
-            self._touch(current)
-            self._ended[current.run_id or ""] = current
-            session.previous, session.previous_levers = current.run_id, current.levers
-            session.previous_args = current.args
-            session.previous_scraped = bool(current.cache_config)
-        state["session"] = session.state()
-        self._touch(session)
-        return session
+        """Held scrapes whose session is known: their samples and their target's state into
+        the batch (called under the lock)."""
+        for url, samples, state in self.attribution.place_scrapes():
+            self._pending.samples.extend(samples)
+            self._checkpoint_state(f"metrics:{url}", state)
 
     # -- committing ----------------------------------------------------------------------------
 
@@ -656,8 +445,9 @@ class Collector:
         the next flush: nothing read is ever dropped.
         """
         with self._lock:
-            if self._held:
+            if self.attribution.holding():
                 self._place_scrapes()
+            self._pending.sessions.update(self.attribution.changed())
             batch, self._pending = self._pending, _Pending()
         if batch.empty():
             return None
@@ -695,7 +485,7 @@ class Collector:
                 for _off, reason in result.errors:
                     report.reasons[reason_class(reason)] += 1
             if batch.docs:
-                self._place_pieces(batch.docs, con)
+                self.attribution.place_pieces(batch.docs, self.store, con)
                 report.events += self.store.add_events(batch.docs, con)
                 if self.want_keys:
                     report.keys.extend((run_id_of(d), d["request_id"]) for d in batch.docs)
@@ -731,57 +521,6 @@ class Collector:
         report.flips += written
         report.flipped.extend((lever, before, after, at) for lever, before, after in rows)
 
-    def _place_pieces(self, docs: list[dict[str, Any]], con: duckdb.DuckDBPyConnection) -> None:
-        """Give trace pieces of requests vLLM made the id of their session's run, and take in
-        requests stored before their session was known.
-
-        A trace carries no session: its request is found where the log put it (remembered ids,
-        else the store), else in the one session whose lifetime holds its start. A request kept
-        under `vllm-unattributed` moves to its session when a log line names it.
-        """
-        unknown = [
-            d["request_id"]
-            for d in docs
-            if "run_id" not in d and is_generated(d["request_id"])
-            and d["request_id"] not in self._run_of
-        ]  # fmt: skip
-        found = self.store.runs_of_requests(unknown, con) if unknown else {}
-        sessions = None
-        for doc in docs:
-            rid = doc["request_id"]
-            if "run_id" in doc or not is_generated(rid):
-                if "vllm_session" not in doc and doc.get("source") == "vllm-trace":
-                    sessions = sessions if sessions is not None else self._sessions()
-                    self._in_session(doc, sessions)
-                continue
-            run = self._run_of.get(rid) or found.get(rid)
-            if run is None:
-                sessions = sessions if sessions is not None else self._sessions()
-                session = self._in_session(doc, sessions)
-                run = session.run_id if session is not None else UNATTRIBUTED_RUN
-            doc["run_id"] = run
-        placed = {
-            d["request_id"]: d["run_id"] for d in docs
-            if d.get("run_id") not in (None, UNATTRIBUTED_RUN) and is_generated(d["request_id"])
-        }  # fmt: skip
-        if placed:
-            earlier = self.store.take_events(UNATTRIBUTED_RUN, list(placed), con)
-            for doc in earlier:
-                doc["run_id"] = placed[doc["request_id"]]
-            docs[:0] = earlier
-
-    @staticmethod
-    def _in_session(doc: dict[str, Any], sessions: list[Session]) -> Session | None:
-        """The only session whose lifetime holds the request's server start (trace pieces)."""
-        ts = _parse_ts(doc.get("server_ts"))
-        if ts is None:
-            return None
-        holding = [s for s in sessions if s.covers(ts)]
-        if len(holding) != 1:
-            return None
-        holding[0].served(doc)
-        return holding[0]
-
     def _account(self, batch: _Pending, report: FlushReport) -> None:
         m = self.metrics
         for source, n in report.lines.items():
@@ -804,7 +543,7 @@ class Collector:
     def run_once(self, on_read: Callable[[int], None] | None = None) -> None:
         """Ingest everything the files hold now (and one scrape of each target), then return.
         `on_read(bytes)` is told of every read (a progress bar)."""
-        if self.targets:
+        if self.attribution.targets:
             self.scrape_all()
         while True:
             read = self.poll()
@@ -819,7 +558,7 @@ class Collector:
     def run(self, stop: threading.Event) -> None:
         """Tail, scrape and flush until `stop` is set; then a last read and flush."""
         scraper = None
-        if self.targets:
+        if self.attribution.targets:
             scraper = threading.Thread(target=self._scrape_loop, args=(stop,), daemon=True)
             scraper.start()
         last_flush = time.monotonic()

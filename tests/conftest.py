@@ -167,7 +167,7 @@ def _served(
             output = (folder / "serve.out").read_text()
             tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
             pytest.fail(f"vLLM did not start (exit {process.returncode}):\n{output}\n{tail}")
-        time.sleep(1)
+        time.sleep(0.2)  # a poll, not a wait: the tests start the moment vLLM answers
     # the API server is up; wait for the launcher's own readiness record too
     state = ROOT / "servescope-data" / "servers" / f"{port}.json"
     while not state.exists() and process.poll() is None and time.monotonic() < deadline:
@@ -179,11 +179,28 @@ def _served(
 
     process.send_signal(signal.SIGTERM)
     code = process.wait(timeout=90)
-    time.sleep(1)
-    alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = _alive_after(tree, 1.0)
     assert code == 0, f"`servescope serve` exited {code} on SIGTERM"
     assert not alive, f"processes left after stopping vLLM: {[p.pid for p in alive]}"
     assert not state.exists(), "the launcher's state file outlived the server"
+
+
+def _alive_after(tree: list[psutil.Process], seconds: float) -> list[psutil.Process]:
+    """The processes of `tree` still running (zombies aside) once `seconds` have passed, or
+    none as soon as all are gone."""
+
+    def running(process: psutil.Process) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:  # gone between the two questions
+            return False
+
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [p for p in tree if running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
 
 
 def read_events(path: Path) -> list[dict]:

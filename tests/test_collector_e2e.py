@@ -100,7 +100,7 @@ def _collect_during_bench(
             events = _events(store, run_id)
             if len(events) == N and all(e["queue_ms"] is not None for e in events):
                 break
-            time.sleep(1)
+            time.sleep(0.25)  # poll: done the moment the last piece is in
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
             own_metrics = resp.read().decode()
     finally:
@@ -290,7 +290,7 @@ def test_n_samples_and_prompt_lists_are_stored_with_the_apis_usage(
                 for e in events
             ):
                 break
-            time.sleep(1)
+            time.sleep(0.25)  # poll: done the moment the last piece is in
     finally:
         collector.send_signal(signal.SIGTERM)
         code = collector.wait(timeout=60)

@@ -138,7 +138,7 @@ def test_sigkill_and_rotation_lose_and_duplicate_nothing(tmp_path: Path) -> None
     deadline = time.monotonic() + 240
     while _count(store) < TOTAL and time.monotonic() < deadline:
         assert collector.poll() is None, out.read_text()[-3000:]
-        time.sleep(1)
+        time.sleep(0.25)
     collector.send_signal(signal.SIGTERM)
     assert collector.wait(timeout=60) == 0, out.read_text()[-3000:]
 

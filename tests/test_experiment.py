@@ -3,11 +3,14 @@ same seeded Ralph-loop workload against each, runs stored with levers, a lever f
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from servescope.commands.experiment import OUTCOME_INDICATORS, outcome_table
 from servescope.store import Store
 from tests.conftest import servescope
 
@@ -32,7 +35,48 @@ def experiment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> di
         timeout=1200,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return {"out": json.loads(result.stdout), "store": Store(store)}
+    return {"out": json.loads(result.stdout), "store": Store(store), "stderr": result.stderr}
+
+
+def _outcome_row(profile: str, repeat: int, hit: float | None) -> dict:
+    return {
+        "run_id": f"run-x-{profile}-r{repeat}", "profile": profile, "repeat": repeat,
+        "status": "complete", "requests": 16, "errors": 0, "ttft_ms_p50": 301.2,
+        "ttft_ms_p95": 812.4, "probe_ttft_ms_p50": None, "tpot_ms_p50": 3.04,
+        "server_prefix_cache_hit_ratio": hit, "client_cached_token_ratio": 0.957,
+        "preemptions": 0, "spec_decode_acceptance_rate": None, "server_ready_s": 80.1,
+    }  # fmt: skip
+
+
+def _rendered(rows: list[dict], width: int) -> str:
+    out = io.StringIO()
+    console = Console(file=out, width=width, force_terminal=False)  # a pipe: no terminal
+    console.print(outcome_table(rows, console))
+    return out.getvalue()
+
+
+def _whole(text: str) -> None:
+    """Every heading of the outcome table whole, nothing cut short, nothing past 80 columns."""
+    assert "…" not in text, text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    for heading, _key, _spec in OUTCOME_INDICATORS:
+        assert heading in text, (heading, text)
+
+
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_the_outcome_table_is_readable_at_80_columns(repeats: int) -> None:
+    """Printed to a pipe (80 columns), every heading, run and figure shows whole; a terminal
+    wide enough keeps one line per run."""
+    profiles = ["max-num-seqs-2", "max-num-seqs-8", "max-num-seqs-32"]
+    rows = [_outcome_row(p, r, 0.25) for r in range(1, repeats + 1) for p in profiles]
+    text = _rendered(rows, 80)
+    _whole(text)
+    labels = profiles if repeats == 1 else [f"{p} r{r}" for p in profiles for r in (1, 2, 3)]
+    for label in labels:
+        assert label in text
+    assert text.count("25.0%") == len(rows) and text.count("95.7%") == len(rows)
+    wide = _rendered(rows, 200)
+    assert [line.count("max-num-seqs") for line in wide.splitlines()].count(1) == len(rows)
 
 
 def test_two_runs_with_the_profiles_levers(experiment: dict) -> None:
@@ -47,6 +91,11 @@ def test_two_runs_with_the_profiles_levers(experiment: dict) -> None:
         assert row["requests"] == 16  # 8 per level, concurrency 1 and 4
         notes = store.run(row["run_id"])["notes"]
         assert notes["experiment"] == "prefix-caching" and notes["server_ready_s"] > 0
+    stderr = experiment["stderr"]  # the outcome table, printed to a pipe: one column per run
+    assert "┃ run " in stderr, stderr[-4000:]
+    table = stderr[stderr.index("┃ run ") : stderr.index("accepted/draft tokens")]
+    _whole(table)
+    assert "no-prefix-caching" in table and "default" in table
 
 
 def test_server_side_hit_ratio_and_ttft_move_as_expected(experiment: dict) -> None:

@@ -3,7 +3,7 @@
 vLLM (0.32, `v1/core/kv_cache_utils.py`) logs once per start:
 `CPU KV cache size: 524,288 tokens, Maximum concurrency for 4,096 tokens per request: 128.00x`
 (`GPU …` on CUDA; older versions log the two halves as separate lines, `GPU KV cache size:
-N tokens` and `Maximum concurrency for L tokens per request: Xx`). The launcher (bench) and the
+N tokens` and `Maximum concurrency for L tokens per request: Xx`). The launcher (loadgen) and the
 collector both record it, next to servescope's own arithmetic (`servescope capacity`); this one
 parser serves both, as `wire.exposition` serves both their `/metrics` scrapes.
 """

@@ -1,12 +1,12 @@
 """One trace per request: the client's span, and the `traceparent` that carries it upstream.
 
-bench and the gateway start a span per request and send `traceparent` (W3C Trace Context) to the
-next hop, so vLLM's `llm_request` span (vLLM started with `--otlp-traces-endpoint`) is a child
-in the same trace, and the event keeps its `trace_id`. Tracing is switched on the standard way:
-when `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set (protocol,
-headers, service name and the rest from the usual `OTEL_*` variables); otherwise there is no
-tracer and requests cost nothing extra. A caller's own `traceparent` header is still honoured:
-the event then records that trace id.
+The load generator and the gateway start a span per request and send `traceparent` (W3C Trace
+Context) to the next hop, so vLLM's `llm_request` span (vLLM started with
+`--otlp-traces-endpoint`) is a child in the same trace, and the event keeps its `trace_id`.
+Tracing is switched on the standard way: when `OTEL_EXPORTER_OTLP_ENDPOINT` or
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set (protocol, headers, service name and the rest from
+the usual `OTEL_*` variables); otherwise there is no tracer and requests cost nothing extra. A
+caller's own `traceparent` header is still honoured: the event then records that trace id.
 """
 
 from __future__ import annotations

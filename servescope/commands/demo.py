@@ -52,7 +52,8 @@ def run_demo(args: argparse.Namespace) -> int:
         model=args.model,
         hooks=experiment.hooks(store),
     ).run()
-    console.print(experiment.outcome_table(experiment.outcome_rows(store, result)))
+    rows = experiment.outcome_rows(store, result)
+    console.print(experiment.outcome_table(rows, console))
     paths = experiment.build_reports(store, result, args.out)
     console.print("reports:")
     for path in paths:

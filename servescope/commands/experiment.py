@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -148,7 +149,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     result = experiment.run()
     paths = build_reports(store, result, args.out)
     rows = outcome_rows(store, result)
-    console.print(outcome_table(rows))
+    console.print(outcome_table(rows, console))
     if args.json:
         print(json.dumps({**_outcome(result), "runs": rows, "reports": [str(p) for p in paths]}))
     else:
@@ -244,38 +245,69 @@ def outcome_rows(store: Store, result: ExperimentResult) -> list[dict[str, Any]]
     return rows
 
 
-def outcome_table(rows: list[dict[str, Any]]) -> Table:
-    def num(value: float | None, spec: str = ".0f") -> str:
-        return "n/a" if value is None else format(value, spec)
+# The indicators of the outcome table: (heading, outcome_rows key, format)
+OUTCOME_INDICATORS: list[tuple[str, str, str]] = [
+    ("requests", "requests", ""),
+    ("errors", "errors", ""),
+    ("TTFT p50 ms", "ttft_ms_p50", ".0f"),
+    ("TTFT p95 ms", "ttft_ms_p95", ".0f"),
+    ("probe TTFT p50 ms", "probe_ttft_ms_p50", ".0f"),
+    ("server hit ratio", "server_prefix_cache_hit_ratio", ".1%"),
+    ("client cached ratio", "client_cached_token_ratio", ".1%"),
+    ("TPOT p50 ms", "tpot_ms_p50", ".1f"),
+    ("draft acceptance", "spec_decode_acceptance_rate", ".1%"),
+]
+OUTCOME_NOTE = (
+    "server hit ratio: Δhits/Δqueries; client cached ratio: cached_tokens/prompt_tokens; "
+    "draft acceptance: accepted/draft tokens"
+)
 
+
+def outcome_table(rows: list[dict[str, Any]], console: Console) -> RenderableType:
+    """The runs' indicators: one line per run where the console is wide enough for every
+    indicator side by side, else one column per run (as many runs a table as fit), so that a
+    pipe or an 80-column terminal shows every heading and figure whole."""
+    wide = _runs_by_row(rows)
+    unbounded = console.options.update_width(1 << 16)
+    if console.measure(wide, options=unbounded).maximum <= console.width:
+        return wide
+    labels = _run_labels(rows)
+    heading = max(len(h) for h, _k, _f in OUTCOME_INDICATORS)
+    per_run = max([len(label) for label in labels] + [len("100.0%")]) + 3  # cell + borders
+    fit = max(1, (console.width - heading - 4) // per_run)
+    tables: list[RenderableType] = [
+        _runs_by_column(rows[i : i + fit], labels[i : i + fit]) for i in range(0, len(rows), fit)
+    ]
+    return Group(*tables, Text(OUTCOME_NOTE, style="dim"))
+
+
+def _cell(row: dict[str, Any], key: str, spec: str) -> str:
+    value = row.get(key)
+    return "n/a" if value is None else format(value, spec)
+
+
+def _runs_by_row(rows: list[dict[str, Any]]) -> Table:
     table = Table(
-        "profile",
-        "requests",
-        "errors",
-        "TTFT p50 ms",
-        "TTFT p95 ms",
-        "probe TTFT p50",
-        "server hit ratio",
-        "client cached ratio",
-        "TPOT p50 ms",
-        "draft acceptance",
-        title="runs (server hit ratio: Δhits/Δqueries; client: cached_tokens/prompt_tokens; "
-        "draft acceptance: accepted/draft tokens)",
+        "profile", *(h for h, _k, _f in OUTCOME_INDICATORS), title=f"runs ({OUTCOME_NOTE})"
     )
     for row in rows:
-        table.add_row(
-            row["profile"],
-            str(row["requests"]),
-            str(row["errors"]),
-            num(row["ttft_ms_p50"]),
-            num(row["ttft_ms_p95"]),
-            num(row["probe_ttft_ms_p50"]),
-            num(row["server_prefix_cache_hit_ratio"], ".1%"),
-            num(row["client_cached_token_ratio"], ".1%"),
-            num(row["tpot_ms_p50"], ".1f"),
-            num(row["spec_decode_acceptance_rate"], ".1%"),
-        )
+        table.add_row(row["profile"], *(_cell(row, k, f) for _h, k, f in OUTCOME_INDICATORS))
     return table
+
+
+def _runs_by_column(rows: list[dict[str, Any]], labels: list[str]) -> Table:
+    table = Table("run", *labels, title="runs")
+    for column in table.columns[1:]:
+        column.justify = "right"
+    for heading, key, spec in OUTCOME_INDICATORS:
+        table.add_row(heading, *(_cell(row, key, spec) for row in rows))
+    return table
+
+
+def _run_labels(rows: list[dict[str, Any]]) -> list[str]:
+    """Each run's profile, with its repeat when a profile ran more than once."""
+    repeated = len({r["profile"] for r in rows}) < len(rows)
+    return [f"{r['profile']} r{r['repeat']}" if repeated else r["profile"] for r in rows]
 
 
 def _outcome(result: ExperimentResult) -> dict[str, Any]:
