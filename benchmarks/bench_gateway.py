@@ -26,6 +26,11 @@ measurements, because "concurrency 100" means two different things:
 
     .venv/bin/python benchmarks/bench_gateway.py --vs-aiohttp-client   # its upstream client
 
+`--pool 2` puts a pool of two replicas behind the gateway (nginx listening on two ports, the
+model routed by `--routing`, default prefix-affinity: every request here has the same prompt, so
+the ring walk and the load bound run on every request — the dearest path). The direct path still
+goes to one of them.
+
 `--server uvicorn` serves the gateway's routes on uvicorn (httptools, uvloop) through a raw ASGI
 adapter (benchmarks/gateway_asgi.py) instead of its own `gateway/httpserver.py`: what the home-made
 server saves, measured.
@@ -94,10 +99,12 @@ def canned_sse(chunks: int = CHUNKS) -> str:
     return "".join(line + "\n\n" for line in lines)
 
 
-def start_nginx(folder: Path, port: int) -> subprocess.Popen[bytes]:
-    """nginx in the foreground, one process, our own config and temp dirs."""
+def start_nginx(folder: Path, port: int, more: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    """nginx in the foreground, one process, our own config and temp dirs; `more` ports are
+    the same instant server again (the replicas of a pool)."""
     body = canned_sse().replace("'", "\\'")
     conf = folder / "nginx.conf"
+    listens = "\n".join(f"    listen 127.0.0.1:{p} backlog=4096;" for p in (port, *more))
     temp = {n: folder / n for n in ("body", "proxy", "fastcgi", "uwsgi", "scgi")}
     conf.write_text(
         f"""daemon off;
@@ -115,7 +122,7 @@ http {{
   uwsgi_temp_path {temp["uwsgi"]};
   scgi_temp_path {temp["scgi"]};
   server {{
-    listen 127.0.0.1:{port} backlog=4096;
+{listens}
     location /v1/completions {{ default_type text/event-stream; return 200 '{body}'; }}
     location /v1/models {{ default_type application/json;
       return 200 '{{"object":"list","data":[{{"id":"instant","object":"model"}}]}}'; }}
@@ -139,21 +146,26 @@ GATEWAYS = {
 
 
 def start_gateway(
-    folder: Path, port: int, upstream_port: int, server: str = "http1"
+    folder: Path,
+    port: int,
+    upstream_ports: list[int],
+    server: str = "http1",
+    routing: str = "prefix-affinity",
 ) -> subprocess.Popen[bytes]:
     folder.mkdir(parents=True, exist_ok=True)
+    names = [f"instant{i}" if i else "instant" for i in range(len(upstream_ports))]
+    doc: dict[str, Any] = {
+        "events_dir": str(folder / "events"),
+        "upstreams": {
+            name: {"url": f"http://127.0.0.1:{p}", "model": "instant", "max_concurrent": 10000}
+            for name, p in zip(names, upstream_ports, strict=True)
+        },
+        "teams": {"bench": {"keys": [KEY], "max_concurrent": 10000, "max_queue": 10000}},
+    }
+    if len(names) > 1:
+        doc["models"] = {"instant": {"pool": names, "routing": routing}}
     config = folder / "gateway.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "events_dir": str(folder / "events"),
-                "upstreams": {
-                    "instant": {"url": f"http://127.0.0.1:{upstream_port}", "max_concurrent": 10000}
-                },
-                "teams": {"bench": {"keys": [KEY], "max_concurrent": 10000, "max_queue": 10000}},
-            }
-        )
-    )
+    config.write_text(json.dumps(doc))
     log = (folder / "gateway.log").open("wb")
     proc = subprocess.Popen(
         [*GATEWAYS[server], "--config", str(config), "--port", str(port)],
@@ -346,12 +358,20 @@ def main() -> int:
         help="also drive a gateway whose proxy path uses aiohttp's client (the reference for "
         "gateway/upstream.py), in the same rounds",
     )
+    parser.add_argument("--pool", type=int, default=1, help="replicas behind the gateway")
+    parser.add_argument(
+        "--routing",
+        choices=["round-robin", "least-outstanding", "prefix-affinity"],
+        default="prefix-affinity",
+        help="the pool's routing policy (with --pool > 1)",
+    )
     args = parser.parse_args()
 
     load_start = os.getloadavg()[0]
     folder = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     nginx_port = free_port()
-    nginx = start_nginx(folder, nginx_port)
+    replica_ports = [nginx_port, *(free_port() for _ in range(args.pool - 1))]
+    nginx = start_nginx(folder, nginx_port, tuple(replica_ports[1:]))
     variants = {"gateway": args.server}
     if args.vs_aiohttp_client:
         variants[AIOHTTP_PATH] = "aiohttp-client"
@@ -360,7 +380,9 @@ def main() -> int:
     try:
         for name, server in variants.items():
             port = free_port()
-            gateways[name] = start_gateway(folder / name, port, nginx_port, server)
+            gateways[name] = start_gateway(
+                folder / name, port, replica_ports, server, args.routing
+            )
             paths[name] = (f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"})
         processes = {name: psutil.Process(proc.pid) for name, proc in gateways.items()}
         with Progress(transient=True) as progress:
@@ -419,6 +441,8 @@ def main() -> int:
     out = {
         "metric": "gateway_ttft_p50_ms",
         "server": args.server,
+        "pool": args.pool,
+        "routing": args.routing if args.pool > 1 else None,
         "ours": round(proxied["ttft_p50_ms"], 3),
         "reference": round(direct["ttft_p50_ms"], 3),
         "ratio": round(proxied["ttft_p50_ms"] / direct["ttft_p50_ms"], 3),

@@ -135,12 +135,40 @@ def build() -> Dashboard:
             "short",
             [Query("sum by (upstream) (servescope_gateway_inflight)", "{{upstream}}")],
         ),
+        row("Routing across replicas"),
+        timeseries(
+            "Routing decisions by replica and reason",
+            "Which upstream the gateway chose per second and why (gateway/routing.py: "
+            "round-robin, least-outstanding, prefix-home, prefix-spill, prefix-failover, "
+            "no-prefix, retry, fallback, only). Bad: retry or prefix-failover rising - a replica "
+            "is failing; prefix-spill a large share of prefix-affinity - a hot prefix meets the "
+            "load bound (more replicas, or a higher load_factor if its home has room).",
+            "reqps",
+            [
+                Query(
+                    f"sum by (upstream, reason) "
+                    f"(rate(servescope_gateway_route_decisions_total[{RATE}]))",
+                    "{{upstream}} {{reason}}",
+                )
+            ],
+            stacked=True,
+        ),
+        timeseries(
+            "Upstreams up",
+            "1 while the gateway sends to an upstream, 0 while it skips it (a refused connection, "
+            "a dropped stream or a failed /health probe). Bad: a replica at 0 - the others carry "
+            "its load; it comes back by itself when its /health answers.",
+            "short",
+            [Query("min by (upstream) (servescope_gateway_upstream_up)", "{{upstream}}")],
+            max_value=1,
+        ),
     ]
     return dashboard(
         UID,
         "Admission",
         "The servescope gateway's admission decisions per team: admitted vs rejected by reason, "
-        "queue depth and wait, TTFT and TPOT at the gateway, token budget used.",
+        "queue depth and wait, TTFT and TPOT at the gateway, token budget used, and its routing "
+        "decisions across the replicas of a pool.",
         panels,
         [label_variable("team", "servescope_gateway_requests_total", "Team")],
     )

@@ -3,6 +3,9 @@ depth, prefix-cache hit ratio, error rate), then throughput, latency detail, KV 
 preemptions, prompt/generation length heatmaps, speculative decoding (draft acceptance), and the
 GPU under it (dcgm-exporter's series: power, utilisation, memory, energy per token). Metric
 names are vLLM's (0.32, V1 engine) and dcgm-exporter's.
+preemptions, prompt/generation length heatmaps, speculative decoding (draft acceptance), and a
+fleet row: each replica (`instance`) on its own line, and the skew across replicas. Every panel
+follows the `model_name` and `instance` variables. Metric names are vLLM's (0.32, V1 engine).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from servescope.dashboards.panels import (
 )
 
 UID = "servescope-vllm"
-MODEL = 'model_name=~"$model_name"'
+MODEL = 'model_name=~"$model_name", instance=~"$instance"'
+BY_REPLICA = "model_name, instance"
 ERROR_REASONS = 'finished_reason=~"error|abort"'
 
 
@@ -357,6 +361,73 @@ def gpu_row() -> list:
     ]
 
 
+def _skew(per_replica: str) -> str:
+    """Standard deviation / mean across a model's replicas (0 = even; the mean floored so an
+    idle fleet reads 0, not NaN)."""
+    return (
+        f"stddev by (model_name) ({per_replica}) / "
+        f"clamp_min(avg by (model_name) ({per_replica}), 1e-9)"
+    )
+
+
+def fleet() -> list:
+    """Several replicas of a model (a pool behind the gateway): what each replica does, and how
+    unevenly - a fleet's average hides the replica that sets its tail."""
+    hit_ratio = (
+        f"{_rate('vllm:prefix_cache_hits_total', BY_REPLICA)} / "
+        f"{_rate('vllm:prefix_cache_queries_total', BY_REPLICA)}"
+    )
+    running = f"sum by ({BY_REPLICA}) (vllm:num_requests_running{{{MODEL}}})"
+    waiting = f"sum by ({BY_REPLICA}) (vllm:num_requests_waiting{{{MODEL}}})"
+    kv = f"max by ({BY_REPLICA}) (vllm:kv_cache_usage_perc{{{MODEL}}})"
+    return [
+        row("Fleet: replicas of a model"),
+        timeseries(
+            "Prefix-cache hit ratio by replica",
+            "Each replica's share of prompt tokens served from its own prefix cache. Bad: "
+            "replicas far apart (one cache holds the hot prefixes, another recomputes them), or "
+            "all low while the traffic shares prefixes - round-robin spreads every prefix over "
+            "every replica; route by prefix (gateway `routing: prefix-affinity`).",
+            "percentunit",
+            [Query(hit_ratio, "{{instance}} {{model_name}}")],
+            max_value=1,
+        ),
+        timeseries(
+            "Running and waiting by replica",
+            "Requests each replica runs and queues. Bad: one replica waiting while another has "
+            "room - the routing does not follow load (try least-outstanding, or a lower "
+            "load_factor for prefix-affinity).",
+            "short",
+            [
+                Query(running, "running {{instance}}"),
+                Query(waiting, "waiting {{instance}}"),
+            ],
+        ),
+        timeseries(
+            "KV-cache usage by replica",
+            "Each replica's KV-cache usage (0-1). Bad: one replica near 1 (preemptions ahead) "
+            "while others are idle.",
+            "percentunit",
+            [Query(kv, "{{instance}} {{model_name}}")],
+            max_value=1,
+        ),
+        timeseries(
+            "Skew across replicas (std-dev / mean)",
+            "Coefficient of variation across a model's replicas, per indicator: 0 = every "
+            "replica the same. Bad: above ~0.3 - the fleet is as slow as its busiest or "
+            "coldest replica; servescope's diagnosis names the routing lever from the same "
+            "numbers (report build: skew lines).",
+            "percentunit",
+            [
+                Query(_skew(hit_ratio), "hit ratio {{model_name}}"),
+                Query(_skew(running), "running {{model_name}}"),
+                Query(_skew(waiting), "waiting {{model_name}}"),
+                Query(_skew(kv), "KV usage {{model_name}}"),
+            ],
+        ),
+    ]
+
+
 def build() -> Dashboard:
     return dashboard(
         UID,
@@ -370,9 +441,11 @@ def build() -> Dashboard:
             *memory_and_lengths(),
             *speculative_decoding(),
             *gpu_row(),
+            *fleet(),
         ],
         [
             label_variable("model_name", "vllm:num_requests_running", "Model"),
+            label_variable("instance", "vllm:num_requests_running", "Replica"),
             label_variable("gpu", "DCGM_FI_DEV_POWER_USAGE", "GPU"),
         ],
     )

@@ -6,8 +6,16 @@ events_dir: servescope-data/events
 upstreams:
   main:  {url: http://127.0.0.1:8000, model: tiny, max_concurrent: 32}
   small: {url: http://127.0.0.1:8001, model: tiny-small, max_concurrent: 8}
+  r1:    {url: http://127.0.0.1:8011, model: tiny}
+  r2:    {url: http://127.0.0.1:8012, model: tiny}
 models:                       # the names clients send → upstream (+ fallback on failure)
   tiny: {upstream: main, fallback: small}
+  tiny-fleet:                 # or a pool of replicas and a routing policy (gateway/routing.py)
+    pool: [r1, r2]
+    routing: prefix-affinity  # round-robin (default) | least-outstanding | prefix-affinity
+    prefix_chars: 256         # prefix-affinity: a completions prompt's leading characters hashed
+    load_factor: 1.25         # prefix-affinity: no replica above 1.25 × the mean outstanding
+    fallback: small
 defaults:                     # any team field; teams override
   max_concurrent: 4
   max_queue: 16
@@ -83,11 +91,28 @@ class Upstream:
     max_concurrent: int = 64
 
 
+ROUTING_POLICIES = ("round-robin", "least-outstanding", "prefix-affinity")
+DEFAULT_ROUTING = "round-robin"
+DEFAULT_PREFIX_CHARS = 256
+DEFAULT_LOAD_FACTOR = 1.25
+
+
 @dataclass(frozen=True)
 class Route:
+    """A model's upstreams: a pool of replicas (one, in the plain `upstream:` form), the policy
+    that picks one per request, and a fallback tried when the pool fails before any byte."""
+
     model: str
-    upstream: str
+    pool: tuple[str, ...]
     fallback: str | None = None
+    routing: str = DEFAULT_ROUTING
+    prefix_chars: int = DEFAULT_PREFIX_CHARS
+    load_factor: float = DEFAULT_LOAD_FACTOR
+
+    @property
+    def upstream(self) -> str:
+        """The pool's first replica (a plain route's one upstream)."""
+        return self.pool[0]
 
 
 @dataclass(frozen=True)
@@ -170,6 +195,55 @@ def _team(name: str, raw: dict[str, Any], defaults: dict[str, Any], source: str)
     return Team(name=name, key_digests=tuple(digests), **kwargs)
 
 
+ROUTE_FIELDS = ("upstream", "pool", "fallback", "routing", "prefix_chars", "load_factor")
+
+
+def _route(model: str, raw: Any, upstreams: dict[str, Upstream], source: str) -> Route:
+    where = f"{source}: models.{model}"
+    raw = _mapping(raw, where)
+    if unknown := sorted(set(raw) - set(ROUTE_FIELDS)):
+        raise ConfigError(f"{where}: unknown keys {unknown}; known: {list(ROUTE_FIELDS)}")
+    if (raw.get("upstream") is None) == (raw.get("pool") is None):
+        raise ConfigError(f"{where} needs either `upstream` or `pool` (a list of upstreams)")
+    pool = raw.get("pool")
+    if pool is None:
+        pool = [raw["upstream"]]
+    elif not isinstance(pool, list) or not pool:
+        raise ConfigError(f"{where}.pool must be a non-empty list of upstream names")
+    names = [str(n) for n in pool]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}.pool names an upstream twice: {names}")
+    fallback = raw.get("fallback")
+    for key, name in [*(("pool" if len(names) > 1 else "upstream", n) for n in names),
+                      ("fallback", fallback)]:  # fmt: skip
+        if name is not None and str(name) not in upstreams:
+            raise ConfigError(
+                f"{where}.{key} {name!r} is not an upstream (known: {sorted(upstreams)})"
+            )
+    if fallback is not None and str(fallback) in names:
+        raise ConfigError(f"{where}.fallback {fallback!r} is already in the pool")
+    routing = raw.get("routing", DEFAULT_ROUTING)
+    if routing not in ROUTING_POLICIES:
+        raise ConfigError(
+            f"{where}.routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}"
+        )
+    return Route(
+        model=model,
+        pool=tuple(names),
+        fallback=str(fallback) if fallback is not None else None,
+        routing=routing,
+        prefix_chars=_number(
+            raw.get("prefix_chars", DEFAULT_PREFIX_CHARS),
+            f"{where}.prefix_chars",
+            integer=True,
+            minimum=1,
+        ),
+        load_factor=float(
+            _number(raw.get("load_factor", DEFAULT_LOAD_FACTOR), f"{where}.load_factor", minimum=1)
+        ),
+    )
+
+
 def parse_config(data: Any, *, source: str = "gateway.yaml") -> GatewayConfig:
     """Validate a loaded YAML document; every problem is a `ConfigError` naming the field."""
     data = _mapping(data, source)
@@ -203,16 +277,7 @@ def parse_config(data: Any, *, source: str = "gateway.yaml") -> GatewayConfig:
     if raw_models is None:  # one route per upstream, by its served name
         raw_models = {u.model or u.name: {"upstream": u.name} for u in upstreams.values()}
     for model, raw in _mapping(raw_models, f"{source}: models").items():
-        raw = _mapping(raw, f"{source}: models.{model}")
-        for key in ("upstream", "fallback"):
-            if raw.get(key) is not None and raw[key] not in upstreams:
-                raise ConfigError(
-                    f"{source}: models.{model}.{key} {raw[key]!r} is not an upstream "
-                    f"(known: {sorted(upstreams)})"
-                )
-        if raw.get("upstream") is None:
-            raise ConfigError(f"{source}: models.{model} needs an `upstream`")
-        routes[str(model)] = Route(str(model), raw["upstream"], raw.get("fallback"))
+        routes[str(model)] = _route(str(model), raw, upstreams, source)
     defaults = _mapping(data.get("defaults") or {}, f"{source}: defaults")
     teams = {
         str(name): _team(str(name), raw, defaults, source)

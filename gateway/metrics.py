@@ -21,6 +21,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self._outcomes: dict[tuple[str, str], Any] = {}  # label children, looked up once
         self._per_team: dict[str, tuple[Any, Any, Any]] = {}
+        self._routes: dict[tuple[str, str, str], Any] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.rejected = Counter(
@@ -71,12 +72,33 @@ class GatewayMetrics:
             ["team"],
             registry=r,
         )
+        self.route_decisions = Counter(
+            "servescope_gateway_route_decisions",
+            "Routing decisions (one per attempt: a retry or fallback is another), by model, the "
+            "upstream chosen and why (gateway/routing.py)",
+            ["model", "upstream", "reason"],
+            registry=r,
+        )
+        self.upstream_up = Gauge(
+            "servescope_gateway_upstream_up",
+            "1 while the upstream is used, 0 while it is skipped after a refused connection or a "
+            "dropped stream",
+            ["upstream"],
+            registry=r,
+        )
         self.reloads = Counter(
             "servescope_gateway_config_reloads",
             "SIGHUP reloads of gateway.yaml by outcome",
             ["outcome"],
             registry=r,
         )
+
+    def route(self, model: str, upstream: str, reason: str) -> None:
+        """Count one routing decision."""
+        key = (model, upstream, reason)
+        if (counter := self._routes.get(key)) is None:
+            counter = self._routes[key] = self.route_decisions.labels(*key)
+        counter.inc()
 
     def observe(self, event: dict) -> None:
         """Count one finished request from its event."""

@@ -60,6 +60,7 @@ class Attempt:
     timing: RelayTiming
     prefill_timeout_s: float | None
     decode_timeout_s: float | None
+    route_headers: dict[str, str]  # which upstream serves and why, for the client
 
 
 @dataclass
@@ -152,7 +153,10 @@ async def _whole(a: Attempt, upstream: UpstreamResponse, event: dict[str, Any]) 
     return Response(
         upstream.status,
         body,
-        {"Content-Type": upstream.headers.get("content-type", "application/json")},
+        {
+            "Content-Type": upstream.headers.get("content-type", "application/json"),
+            **a.route_headers,
+        },
     )
 
 
@@ -195,6 +199,7 @@ async def _relay(
                     "Content-Type": upstream.headers.get("content-type", "text/event-stream"),
                     "Cache-Control": "no-cache",
                     "X-Request-Id": a.headers["X-Request-Id"],
+                    **a.route_headers,
                 },
             )
         try:

@@ -8,11 +8,13 @@ writes exactly one event (`source = gateway`), whatever happens: admitted and se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
 import math
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,20 +26,24 @@ import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from servescope.gateway.admission import Rejected, Scheduler, Slot
-from servescope.gateway.config import GatewayConfig, Team, Upstream, load_config
+from servescope.gateway.config import GatewayConfig, Route, Team, Upstream, load_config
 from servescope.gateway.eventlog import EventLog
 from servescope.gateway.httpserver import Reply, Request, Response, Server, json_response
 from servescope.gateway.metrics import GatewayMetrics
 from servescope.gateway.proxy import Attempt, ClientGone, UpstreamFailed, forward
+from servescope.gateway.routing import Pick, Router, routing_changes
 from servescope.gateway.timing import RelayTiming
 from servescope.gateway.tokens import TokenCounter
 from servescope.gateway.upstream import UpstreamPool
+from servescope.store import Store
 from servescope.wire import tracing
 from servescope.wire.stream import CHAT, COMPLETIONS, Endpoint, utc_now_iso
 
 log = logging.getLogger("servescope.gateway")
 
-DOWN_FOR_S = 2.0  # an upstream that refused a connection is skipped this long
+DOWN_FOR_S = 2.0  # an upstream that refused a connection or dropped a stream is skipped this long
+PROBE_EVERY_S = 0.5  # pool replicas' /health, so a dead one is skipped even with no traffic to it
+PROBE_TIMEOUT_S = 5.0
 MAX_REQUEST_ID = 200
 PASSED_HEADERS = ("traceparent", "tracestate")
 
@@ -54,9 +60,15 @@ class Gateway:
     """State shared by all requests: the config (swapped whole on reload), the scheduler, the
     upstream connection pool, the event log and the metrics."""
 
-    def __init__(self, config: GatewayConfig, config_path: Path | None = None) -> None:
+    def __init__(
+        self, config: GatewayConfig, config_path: Path | None = None, store: Store | None = None
+    ) -> None:
         self.config = config
         self.config_path = config_path
+        self.store = store  # where a reload that changes a routing policy writes its lever flip
+        self.router = Router()
+        self._flip_writers: list[threading.Thread] = []
+        self._prober: asyncio.Task[None] | None = None
         self.metrics = GatewayMetrics()
         self.scheduler = Scheduler(config.teams, self._caps(config))
         self.events = EventLog(config.events_dir)
@@ -85,6 +97,9 @@ class Gateway:
             self.metrics.inflight.labels(name).set_function(
                 lambda n=name: self.scheduler.inflight.get(n, 0)
             )
+            self.metrics.upstream_up.labels(name).set_function(
+                lambda n=name: float(self._health(n).usable(time.monotonic()))
+            )
 
     # --- life cycle -------------------------------------------------------------------------
 
@@ -92,13 +107,25 @@ class Gateway:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.tokens = TokenCounter(self.session)
+        self._prober = asyncio.create_task(self._probe_replicas())
 
     async def stop(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
         if self.session is not None:
             await self.session.close()
         for pool in self.pools.values():
             pool.close()
         self.events.close()
+        self.flush_flips()
+
+    def flush_flips(self, timeout_s: float = 30.0) -> None:
+        """Wait for the lever flips being written (a gateway stopped right after a reload)."""
+        for thread in self._flip_writers:
+            thread.join(timeout_s)
+        self._flip_writers = [t for t in self._flip_writers if t.is_alive()]
 
     def reload(self) -> bool:
         """Re-read gateway.yaml (SIGHUP). In-flight requests keep going; new limits apply to the
@@ -120,6 +147,7 @@ class Gateway:
         if config.events_dir != self.config.events_dir:
             self.events.close()
             self.events = EventLog(config.events_dir)
+        changes = routing_changes(self.config.routes, config.routes)
         self.config = config
         self.scheduler.configure(config.teams, self._caps(config))
         self._wire_gauges()
@@ -131,18 +159,81 @@ class Gateway:
             len(config.upstreams),
             len(config.routes),
         )
+        if changes:
+            self._record_flips(changes)
         return True
+
+    def _record_flips(self, changes: list[tuple[str, str, str]]) -> None:
+        """A routing policy is a lever: each change is a `lever_flips` row (lever `routing`),
+        written off the event loop (the store may be busy with another writer)."""
+        for model, before, after in changes:
+            log.info("routing of %s: %s -> %s", model, before, after)
+        if self.store is None:
+            return
+        store, source = self.store, self.config.source
+
+        def write() -> None:
+            try:
+                for model, before, after in changes:
+                    store.add_lever_flip(
+                        "routing", before, after, note=f"gateway reload of {source}: {model}"
+                    )
+            except Exception as exc:  # a store that cannot be written loses a note, not requests
+                log.error("could not record the routing flip in %s: %r", store.path, exc)
+
+        thread = threading.Thread(target=write, name="routing-flip", daemon=True)
+        thread.start()
+        self._flip_writers.append(thread)
 
     # --- routing ----------------------------------------------------------------------------
 
     def candidates(self, model: str) -> list[Upstream]:
-        """The route's upstream then its fallback, usable ones first."""
+        """The route's pool then its fallback, usable ones first (calls that hold no KV cache,
+        like `/tokenize`, need no routing decision)."""
         route = self.config.routes[model]
-        if route.fallback is None:  # one candidate: nothing to order
-            return [self.config.upstreams[route.upstream]]
+        names = (*route.pool, route.fallback) if route.fallback else route.pool
+        if len(names) == 1:  # one candidate: nothing to order
+            return [self.config.upstreams[names[0]]]
         now = time.monotonic()
-        ups = [self.config.upstreams[n] for n in (route.upstream, route.fallback)]
+        ups = [self.config.upstreams[n] for n in names]
         return sorted(ups, key=lambda u: not self._health(u.name).usable(now))
+
+    def plan(self, route: Route, body: dict[str, Any], chat: bool) -> list[Pick]:
+        """The routing decision: the upstreams to try, in order, each with its reason."""
+        if len(route.pool) == 1 and route.fallback is None:
+            return [Pick(route.pool[0], "only")]
+        now = time.monotonic()
+        return self.router.plan(route, body, chat, lambda n: self._health(n).usable(now))
+
+    async def _probe_replicas(self) -> None:
+        """Every `PROBE_EVERY_S`, `GET /health` on each replica of a pool (routes of one upstream
+        keep the passive rule alone): a refused, failed or timed-out probe marks it down, a 200
+        brings it back at once. Requests that fail mark an upstream down too, without waiting."""
+        while True:
+            names = sorted({n for r in self.config.routes.values() if len(r.pool) > 1
+                            for n in r.pool})  # fmt: skip
+            await asyncio.gather(*(self._probe(n) for n in names))
+            await asyncio.sleep(PROBE_EVERY_S)
+
+    async def _probe(self, name: str) -> None:
+        upstream = self.config.upstreams.get(name)
+        if upstream is None or self.session is None:
+            return
+        try:
+            async with self.session.get(
+                f"{upstream.url}/health", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            ) as resp:
+                healthy = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            healthy = False
+        if healthy:
+            self._health(name).down_until = 0.0
+        else:
+            self.mark_down(name)
+
+    def mark_down(self, name: str) -> None:
+        """Skip an upstream for `DOWN_FOR_S`; it is tried again after that by itself."""
+        self._health(name).down_until = time.monotonic() + DOWN_FOR_S
 
     def _pool(self, url: str) -> UpstreamPool:
         if (pool := self.pools.get(url)) is None:
@@ -195,6 +286,7 @@ class Gateway:
         ):  # untraced clients skip the propagator's work
             event["trace_id"] = trace_id
         slot: Slot | None = None
+        held: list[str] = []  # the replica this request counts against in the router
         response: Response | Reply | None = None
         try:
             team = self.team_of(request)
@@ -211,7 +303,13 @@ class Gateway:
                 raise Rejected("model_not_allowed", f"team {team.name!r} may not use {model!r}")
             stream = bool(body.get("stream"))
             event["stream"] = stream
-            upstreams = self.candidates(model)
+            route = self.config.routes[model]
+            picks = self.plan(route, body, endpoint.chat)
+            if len(route.pool) > 1:
+                event["routing"] = route.routing
+            self.router.hold(picks[0].upstream)
+            held.append(picks[0].upstream)
+            upstreams = [self.config.upstreams[p.upstream] for p in picks]
             admission_start = time.time_ns()
             prompt_tokens = await self._prompt_tokens(team, upstreams, body, endpoint)
             slot = await self.scheduler.admit(
@@ -228,7 +326,7 @@ class Gateway:
                     {"servescope.team": team.name, "servescope.queue_ms": slot.queue_ms},
                 )
             response = await self._proxy(
-                request, reply, endpoint, team, body, upstreams, slot, event, start, trace_headers
+                request, reply, endpoint, team, body, picks, slot, event, start, trace_headers, held
             )
         except Rejected as rej:
             response = self._reject(rej, event, start)
@@ -254,6 +352,8 @@ class Gateway:
                         (event.get("prompt_tokens") or 0) + (event.get("completion_tokens") or 0)
                     )
                 slot.release()
+            for name in held:
+                self.router.let_go(name)
             self.events.write(event)
             self.metrics.observe(event)
             if span is not None:
@@ -262,6 +362,8 @@ class Gateway:
             response = Response(499, b"")
         if isinstance(response, Response):
             response.headers["X-Request-Id"] = event["request_id"]
+            if "upstream" in event:
+                response.headers.update(route_headers(event))
         return response
 
     @staticmethod
@@ -309,11 +411,12 @@ class Gateway:
         endpoint: Endpoint,
         team: Team,
         body: dict[str, Any],
-        upstreams: list[Upstream],
+        picks: list[Pick],
         slot: Slot,
         event: dict[str, Any],
         start: float,
         trace_headers: dict[str, str],
+        held: list[str],
     ) -> Response | Reply:
         headers = {"Content-Type": "application/json", "X-Request-Id": event["request_id"]}
         for name in PASSED_HEADERS:
@@ -333,11 +436,19 @@ class Gateway:
                 "include_usage": True,
             }
         failure: UpstreamFailed | None = None
-        for i, upstream in enumerate(upstreams):
+        model = body["model"]
+        for i, pick in enumerate(picks):
+            upstream = self.config.upstreams[pick.upstream]
             if i > 0:
                 slot.move_to(upstream.name)
+                self.router.let_go(held.pop())
+                self.router.hold(upstream.name)
+                held.append(upstream.name)
+            if pick.reason in ("retry", "fallback"):  # not the policy's first choice
                 event["fallback"] = True
             event["upstream"] = upstream.name
+            event["route_reason"] = pick.reason
+            self.metrics.route(model, upstream.name, pick.reason)
             served = upstream.model or body["model"]
             if raw is not None and served == body["model"]:
                 payload_bytes = raw
@@ -353,16 +464,24 @@ class Gateway:
                 timing=RelayTiming(endpoint, start),
                 prefill_timeout_s=team.prefill_timeout_s,
                 decode_timeout_s=team.decode_timeout_s,
+                route_headers=route_headers(event),
             )
             try:
-                return await forward(attempt, event)
+                response = await forward(attempt, event)
             except UpstreamFailed as exc:
                 failure = exc
-                if exc.kind == "connect":
-                    self._health(upstream.name).down_until = time.monotonic() + DOWN_FOR_S
+                if exc.kind in ("connect", "disconnect"):  # gone, not merely busy
+                    self.mark_down(upstream.name)
+                event.setdefault("failed_upstreams", []).append(f"{upstream.name}:{exc.kind}")
                 log.warning(
                     "upstream %s failed for %s: %s", upstream.name, event["request_id"], exc.detail
                 )
+                continue
+            if event.get("error") == "disconnect" and str(event.get("error_detail", "")).startswith(
+                "upstream"
+            ):  # it dropped a stream it had started: the next requests go elsewhere at once
+                self.mark_down(upstream.name)
+            return response
         assert failure is not None
         if failure.kind == "connect":
             raise Rejected(
@@ -471,6 +590,15 @@ class Gateway:
         return Response(
             200, generate_latest(self.metrics.registry), {"Content-Type": CONTENT_TYPE_LATEST}
         )
+
+
+def route_headers(event: dict[str, Any]) -> dict[str, str]:
+    """Which upstream served the response and why, for the client: a load generator behind the
+    gateway records them in its own events (the replica of each request, per-replica reports)."""
+    return {
+        "X-Servescope-Upstream": event["upstream"],
+        "X-Servescope-Route": event.get("route_reason", "only"),
+    }
 
 
 def _error_body(message: str, kind: str, code: str | int) -> dict[str, Any]:

@@ -18,7 +18,14 @@ from opentelemetry.trace import SpanKind, Tracer
 
 from servescope.loadgen.transport import Http1Pool, stream_request_http1
 from servescope.wire import tracing
-from servescope.wire.stream import Endpoint, StreamTiming, error_class, mark_failed, utc_now_iso
+from servescope.wire.stream import (
+    Endpoint,
+    StreamTiming,
+    error_class,
+    mark_failed,
+    route_into,
+    utc_now_iso,
+)
 
 
 def stream_request(
@@ -108,7 +115,6 @@ async def _stream_request(
     keep_text: bool = False,
 ) -> dict[str, Any]:
     if not isinstance(session, aiohttp.ClientSession):
-
         return await stream_request_http1(
             session, endpoint, payload, request_id,
             headers=headers, timeout_s=timeout_s, keep_text=keep_text,
@@ -127,6 +133,7 @@ async def _stream_request(
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             event["http_status"] = resp.status
+            route_into(event, resp.headers)
             if resp.status != 200:
                 text = (await resp.text())[:500]
                 kind = "http_5xx" if resp.status >= 500 else "http_4xx"

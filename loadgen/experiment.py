@@ -39,6 +39,14 @@ DEFAULT_LEVER = "default"  # a lever a profile leaves to vLLM's own default
 
 
 @dataclass(frozen=True)
+class FleetSpec:
+    """Replicas behind the gateway (loadgen/fleet.py): how many, and their server profile."""
+
+    replicas: int
+    profile: str
+
+
+@dataclass(frozen=True)
 class ExperimentSpec:
     name: str
     description: str
@@ -48,6 +56,7 @@ class ExperimentSpec:
     scale: float = 1.0
     requests: int | None = None
     model: str = "random"  # the tiny model kind (loadgen/tiny_model.py KINDS) the servers load
+    fleet: FleetSpec | None = None  # set: `profiles` are the gateway's routing policies
 
 
 def load_experiments(path: Path = EXPERIMENTS_FILE) -> dict[str, ExperimentSpec]:
@@ -62,6 +71,9 @@ def load_experiments(path: Path = EXPERIMENTS_FILE) -> dict[str, ExperimentSpec]
             scale=float(spec.get("scale", 1.0)),
             requests=spec.get("requests"),
             model=str(spec.get("model", "random")),
+            fleet=FleetSpec(int(spec["fleet"]["replicas"]), str(spec["fleet"]["profile"]))
+            if spec.get("fleet")
+            else None,
         )
         for name, spec in raw.items()
     }

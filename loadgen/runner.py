@@ -161,8 +161,11 @@ class BenchRun:
         slo: dict[str, float] | None = None,
         label: str | None = None,
         notes: dict[str, Any] | None = None,
+        replicas: dict[str, str] | None = None,
     ) -> None:
         self.config = config
+        # a fleet behind the target (a gateway): replica name -> URL, each scraped like a target
+        self.replicas = {name: url.rstrip("/") for name, url in (replicas or {}).items()}
         self.target = target.rstrip("/")
         self.store = store
         self.run_id = run_id or default_run_id()
@@ -216,15 +219,19 @@ class BenchRun:
             )
             maker = PromptMaker(session, self.target, self._model)
             books = {w.name: PromptBook(maker, w, self.config.scale) for w in self.config.workloads}
-            scraper = MetricsScraper(session, self.target, self.run_id, self.store, lock=self._lock)
+            scrapers = [
+                MetricsScraper(session, url, self.run_id, self.store, lock=self._lock)
+                for url in (self.target, *self.replicas.values())
+            ]
             sampler = asyncio.create_task(self._sample_memory()) if self.server_pid else None
             all_events: list[dict[str, Any]] = []
             try:
                 with self.events_path.open("w", encoding="utf-8") as sink:
                     self._sink = sink
                     await self._warm_up(books)
-                    await scraper.scrape()
-                    scraper.start()
+                    await asyncio.gather(*(s.scrape() for s in scrapers))
+                    for scraper in scrapers:
+                        scraper.start()
                     for group in self._level_groups():
                         states = [
                             _Level(w, level, ENDPOINTS[w.endpoint], books[w.name])
@@ -239,7 +246,7 @@ class BenchRun:
                         result.levels.extend(self._level_stats(s) for s in states)
                         # a page at each level's end: counters (speculative-decoding drafts…)
                         # split exactly between levels that run one after another
-                        await scraper.scrape()
+                        await asyncio.gather(*(s.scrape() for s in scrapers))
             except (asyncio.CancelledError, KeyboardInterrupt):
                 result.status = "partial"
             except (TimeoutError, aiohttp.ClientError) as exc:
@@ -250,9 +257,13 @@ class BenchRun:
                     sampler.cancel()
                 if self._pool:
                     self._pool.close()
-                await scraper.stop()
+                for scraper in scrapers:
+                    await scraper.stop()
             self._tally(result, all_events)
-            result.server = scraper.server_numbers()
+            # the run's counters summed over every scraped server: a fleet's totals
+            result.server = scrapers[0].server_numbers()
+            result.server["scrapes"] = sum(s.scrapes for s in scrapers)
+            result.server["scrape_failures"] = sum(s.failures for s in scrapers)
             result.cancelled_in_flight = self._cancelled
             if self._peak_rss:
                 result.memory_peak_gb = round(self._peak_rss / 2**30, 3)
@@ -299,6 +310,7 @@ class BenchRun:
             "server_ready_s": self.server_ready_s,
             "kv_cache": self.kv_cache,
             "events_file": str(self.events_path),
+            **({"replicas": self.replicas} if self.replicas else {}),
             "scale": self.config.scale,
             "server": result.server,
             "client": result.client,

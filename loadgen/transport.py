@@ -43,7 +43,14 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from servescope.wire.stream import Endpoint, StreamTiming, mark_failed, utc_now_iso
+from servescope.wire.stream import (
+    ROUTE_HEADER_PREFIX,
+    ROUTE_HEADERS,
+    Endpoint,
+    StreamTiming,
+    mark_failed,
+    utc_now_iso,
+)
 
 READ_SIZE = 65536
 # Linux's SO_TIMESTAMPNS (= its SCM_TIMESTAMPNS cmsg type), the generic value (x86, arm, riscv,
@@ -83,6 +90,7 @@ class Listener(Protocol):
 
     def sent(self, at: float) -> None: ...
     def head(self, status: int) -> None: ...
+    def header(self, name: str, value: str) -> None: ...
     def data(self, data: bytes, at: float) -> None: ...
     def ended(self, at: float) -> None: ...
 
@@ -177,6 +185,10 @@ class Connection:
             self._done.set_exception(exc)
 
     # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name[:13].lower() == ROUTE_HEADER_PREFIX and self._listener is not None:
+            self._listener.header(name.decode("latin-1").lower(), value.decode("latin-1"))
+
     def on_headers_complete(self) -> None:
         self._head = True
         if self._listener is not None:
@@ -304,6 +316,10 @@ class _Stream:
 
     def head(self, status: int) -> None:
         self.status = self.event["http_status"] = status
+
+    def header(self, name: str, value: str) -> None:
+        if (key := ROUTE_HEADERS.get(name)) is not None:
+            self.event[key] = value
 
     def ended(self, at: float) -> None:
         self.end = at

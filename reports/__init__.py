@@ -12,7 +12,9 @@ from servescope.reports.build import (
     build_split,
     build_summary,
 )
+from servescope.reports.prometheus import PrometheusUnavailable
 from servescope.reports.render import DEFAULT_OUT, FORMATS, render, write_report
+from servescope.reports.replicas import NotAFleet
 from servescope.reports.summary import ReportOptions, UnknownRun
 from servescope.reports.windows import BadWindow, Window
 
@@ -22,6 +24,8 @@ __all__ = [
     "FORMATS",
     "NoLeverFlip",
     "NoPreviousRun",
+    "NotAFleet",
+    "PrometheusUnavailable",
     "ReportOptions",
     "UnknownRun",
     "Window",

@@ -11,7 +11,7 @@ from typing import Any
 
 import duckdb
 
-from servescope.reports import bootstrap, coldstart, sql
+from servescope.reports import bootstrap, coldstart, replicas, sql
 from servescope.reports.charts import charts
 from servescope.reports.checklist import checklist
 from servescope.reports.coldstart import cold_start_of
@@ -182,6 +182,7 @@ def build_summary(
         checks = checklist(con, part, meta, summary, options)
         flips = _flips(con, [run_id], [side])
         drawn = charts([side], flips) if options.charts else {}
+        by_replica = replicas.fleet(con, part, run, options.prometheus)
     report = {
         "report_id": _report_id(part),
         "kind": "run",
@@ -190,6 +191,7 @@ def build_summary(
         "levers": run.get("levers") or {},
         "run": meta,
         **_public(summary),
+        **by_replica,
         "slo": options.slo or None,
         "checklist": checks,
         "flips": flips,
@@ -229,6 +231,8 @@ def _compare(
     same_run = before.run_id == after.run_id
     rows = diff_rows(b_side, a_side, seed)
     flips = _flips(con, sorted({before.run_id, after.run_id}), [b_side, a_side])
+    b_fleet = replicas.fleet(con, before, runs[0], options.prometheus)
+    a_fleet = replicas.fleet(con, after, runs[1], options.prometheus)
     return {
         "sides": (b_side, a_side),
         "before": {
@@ -237,6 +241,7 @@ def _compare(
             "levers": runs[0].get("levers") or {},
             "run": b_meta,
             **_public(b_summary),
+            **b_fleet,
         },
         "after": {
             "name": after.name,
@@ -244,11 +249,13 @@ def _compare(
             "levers": runs[1].get("levers") or {},
             "run": a_meta,
             **_public(a_summary),
+            **a_fleet,
         },
         "diff": rows,
         "cold_start": []
         if same_run
         else coldstart.diff_rows(b_meta["cold_start"], a_meta["cold_start"]),
+        "replicas_diff": replicas.replicas_diff(b_fleet["replicas"], a_fleet["replicas"]),
         "spec_decode": spec_diff(con, (before, after), (b_summary, a_summary), rows, seed),
         "warnings": workload_warnings(
             b_side, a_side, b_meta["workload"], a_meta["workload"], same_run
@@ -311,6 +318,18 @@ def build_diff(
         "levers": run.get("levers") or {},
         "run": meta,
         **{k: compared["after"][k] for k in ("overall", "groups", "server", "admission", "gpu")},
+        **{
+            k: compared["after"][k]
+            for k in (
+                "overall",
+                "groups",
+                "server",
+                "admission",
+                "replicas",
+                "skew",
+                "replicas_server",
+            )
+        },
         "headline": _headline(change, compared, b_side, a_side),
         "lever_changes": changes,
         **compared,
@@ -348,6 +367,7 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         after = Slice(run_id, since=at, label="after flip")
         whole = Slice(run_id)
         _whole_side, summary = _side(con, whole, options)
+        by_replica = replicas.fleet(con, whole, run, options.prometheus)
         meta = run_meta(run, summary["overall"]["models"])
         compared = _compare(con, before, after, (run, run), options, stack)
         checks = checklist(con, whole, meta, summary, options)
@@ -371,6 +391,7 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         "levers": run.get("levers") or {},
         "run": meta,
         **_public(summary),
+        **by_replica,
         "split_at": at.isoformat() + "Z",
         "headline": _headline(change, compared, b_side, a_side),
         "lever_changes": changes,

@@ -94,6 +94,19 @@ INDICATORS: dict[str, Indicator] = {
     "turns_max": Indicator("turns per session", "count", "workload spec: turns"),
     "workload_classes": Indicator("request classes", "count", "workload spec"),
     "chat_share": Indicator("chat-endpoint share of workloads", "ratio", "workload spec"),
+    "replicas": Indicator(
+        "replicas that served requests", "count", "events: upstream (1: a run of one server)"),
+    "replica_load_skew": Indicator(
+        "requests on the busiest replica / the mean", "x", "events: upstream"),
+    "replica_hit_ratio_cv": Indicator(
+        "prefix-cache hit ratio's coefficient of variation across replicas", "ratio",
+        "each replica's Δ vllm:prefix_cache_hits / Δ queries"),
+    "replica_hit_ratio_range": Indicator(
+        "prefix-cache hit ratio, lowest → highest replica", "text",
+        "each replica's Δ vllm:prefix_cache_hits / Δ queries"),
+    "prefix_hit_gap": Indicator(
+        "shared-prefix share of the prompt not served from the prefix cache", "ratio",
+        "workload spec − the fleet's Δ hits / Δ queries"),
 }  # fmt: skip
 
 
@@ -215,7 +228,28 @@ def indicators(report: dict[str, Any]) -> dict[str, Any]:
         else None,
         "chat_share": _ratio(sum(w.get("endpoint") == "chat" for w in workloads), len(workloads)),
     }  # fmt: skip
+    values.update(_fleet(report, values))
     return values
+
+
+def _fleet(report: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The fleet indicators (reports/replicas.py): None for a run of one server."""
+    rows = [r for r in report.get("replicas") or [] if r.get("replica") is not None]
+    skew = report.get("skew") or {}
+    served = [r for r in rows if r.get("requests")]
+    ratios = [r["prefix_cache_hit_ratio"] for r in rows
+              if r.get("prefix_cache_hit_ratio") is not None]  # fmt: skip
+    hit, shared = values.get("prefix_cache_hit_ratio"), values.get("shared_prefix_share")
+    return {
+        "replicas": len(served) if rows else 1,
+        "replica_load_skew": (skew.get("requests") or {}).get("max_over_mean") if rows else None,
+        "replica_hit_ratio_cv": (skew.get("prefix_cache_hit_ratio") or {}).get("cv")
+        if len(ratios) >= 2 else None,
+        "replica_hit_ratio_range": f"{min(ratios) * 100:.1f} % → {max(ratios) * 100:.1f} %"
+        if len(ratios) >= 2 else None,
+        "prefix_hit_gap": max(0.0, shared - hit)
+        if rows and hit is not None and shared is not None else None,
+    }  # fmt: skip
 
 
 # -- conditions ----------------------------------------------------------------------------------

@@ -295,8 +295,9 @@ def headline(change: str, rows: list[dict[str, Any]], before: Side, after: Side)
     err = by["error_rate"]
     if err["verdict"] in (IMPROVED, REGRESSED):
         parts.append(f"error rate {_share(err['before'])} → {_share(err['after'])}")
-    return f"{change}: " + (", ".join(parts) if parts else
-                            "no TTFT, prefix hits or throughput measured on both sides")
+    return f"{change}: " + (
+        ", ".join(parts) if parts else "no TTFT, prefix hits or throughput measured on both sides"
+    )
 
 
 # -- apples to pears ------------------------------------------------------------------------

@@ -414,3 +414,46 @@ WHERE name IN ($power, $energy, $fb_used, $gpu_util)
                      WHERE run_id = $run_id AND vllm_session IS NOT NULL))
 ORDER BY t
 """
+
+
+# -- a fleet run by replica (reports/replicas.py) ---------------------------------------------
+# Is it a fleet run? Its first events carry routing decisions (any other run pays this much).
+ROUTED_SAMPLE = """
+SELECT count(*) FROM (
+    SELECT doc FROM events WHERE run_id = $run_id LIMIT $rows
+) WHERE doc->>'routing' IS NOT NULL OR doc->>'route_reason' IS NOT NULL
+"""
+# Per replica (the event's `upstream`): counts and TTFT of successful requests, from events.
+BY_REPLICA = f"""
+SELECT doc->>'upstream' AS replica,
+       count(*) AS requests,
+       count(*) FILTER (WHERE status = 'ok') AS ok,
+       count(*) FILTER (WHERE status <> 'ok') AS errors,
+       quantile_cont(ttft_ms, 0.5) FILTER (WHERE status = 'ok') AS ttft_ms_p50,
+       quantile_cont(ttft_ms, 0.95) FILTER (WHERE status = 'ok') AS ttft_ms_p95,
+       sum(cached_tokens) FILTER (WHERE status = 'ok') AS cached_tokens,
+       sum(prompt_tokens) FILTER (WHERE status = 'ok') AS prompt_tokens
+FROM events WHERE run_id = $run_id {IN_WINDOW}
+GROUP BY ALL ORDER BY replica NULLS LAST
+"""
+ERRORS_BY_REPLICA = f"""
+SELECT doc->>'upstream' AS replica, COALESCE(error, status) AS class, count(*) AS n
+FROM events WHERE run_id = $run_id AND status <> 'ok' {IN_WINDOW}
+GROUP BY ALL ORDER BY replica, n DESC
+"""
+REASONS_BY_REPLICA = f"""
+SELECT doc->>'upstream' AS replica, doc->>'route_reason' AS reason, count(*) AS n
+FROM events WHERE run_id = $run_id AND doc->>'route_reason' IS NOT NULL {IN_WINDOW}
+GROUP BY ALL ORDER BY replica, n DESC
+"""
+# Per scraped server (a replica's URL is its `target`): counter growth, bucket growth, peaks.
+COUNTERS_BY_TARGET = counter_deltas("list_contains($names, name)", "target, name", IN_WINDOW)
+BUCKETS_BY_TARGET = counter_deltas(
+    "list_contains($names, name)", "target, name, CAST(labels AS JSON)->>'le' AS le", IN_WINDOW
+)
+GAUGE_PEAKS_BY_TARGET = f"""
+SELECT target, name, max(value) AS peak
+FROM metric_samples
+WHERE run_id = $run_id AND list_contains($names, name) {IN_WINDOW}
+GROUP BY ALL
+"""

@@ -67,6 +67,7 @@ class ReportOptions:
     api_usd_per_1k_tokens: float | None = None
     seed: int | None = None
     charts: bool = True
+    prometheus: str | None = None  # a fleet's replica numbers from this Prometheus instead
 
 
 def recorded_slo(run: dict[str, Any]) -> dict[str, float]:

@@ -291,7 +291,7 @@ def test_unknown_run_exits_2(store_path: Path) -> None:
 
 def test_every_rule_names_its_source_and_levers() -> None:
     rules = load_rules()
-    symptoms = {"queue", "prefill", "decode", "streaming", "memory", "api", "cache"}
+    symptoms = {"queue", "prefill", "decode", "streaming", "memory", "api", "cache", "fleet"}
     for rule in rules["rules"]:
         assert rule["symptom"] in symptoms and rule["source"] and rule["levers"], rule["id"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from servescope.commands.experiment import OUTCOME_INDICATORS, outcome_table
+from servescope.commands.experiment import OUTCOME_INDICATORS, outcome_table, ready_model
 from servescope.store import Store
 from tests.conftest import servescope
 
@@ -181,3 +181,22 @@ def test_diagnosis_recommends_prefix_caching_only_for_the_off_run(experiment: di
     kv = store.run(on["run_id"])["notes"]["kv_cache"]
     assert kv["vllm"]["kv_cache_tokens"] == kv["servescope"]["kv_tokens"]
     assert kv["vllm"]["max_concurrency"] == kv["servescope"]["max_concurrency"]
+
+
+def test_a_model_folder_the_user_names_is_never_rebuilt(tmp_path: Path) -> None:
+    """`experiment run --model DIR` with a dummy-weights config (as a GPU server serves the 8B
+    shape with `--load-format dummy`) once had the tiny model written over it."""
+    config = Path(__file__).parent / "fixtures" / "gpu" / "kv" / "config-8b.json"
+    model = tmp_path / "llama-8b-dummy"
+    model.mkdir()
+    (model / "config.json").write_bytes(config.read_bytes())
+    assert ready_model(model, "random", given=True)
+    assert [p.name for p in model.iterdir()] == ["config.json"]
+    assert (model / "config.json").read_bytes() == config.read_bytes()
+    assert not ready_model(tmp_path / "typo", "random", given=True)
+    result = servescope(
+        "experiment", "run", "prefix-caching", "--model", str(tmp_path / "typo"),
+        "--store", str(tmp_path / "s.duckdb"),
+    )  # fmt: skip
+    assert result.returncode == 2 and "no model folder" in result.stdout + result.stderr
+    assert not (tmp_path / "typo").exists()

@@ -54,6 +54,19 @@ COMPLETIONS = Endpoint("/v1/completions", chat=False)
 CHAT = Endpoint("/v1/chat/completions", chat=True)
 ENDPOINTS = {"completions": COMPLETIONS, "chat": CHAT}
 
+# Response headers by which the gateway tells a client which upstream (replica) served the
+# request and why it was chosen (gateway/routing.py), and the event keys a client keeps them
+# under: a run through the gateway knows each request's replica without the gateway's events.
+ROUTE_HEADERS = {"x-servescope-upstream": "upstream", "x-servescope-route": "route_reason"}
+ROUTE_HEADER_PREFIX = b"x-servescope-"
+
+
+def route_into(event: dict[str, Any], headers: Any) -> None:
+    """Copy the gateway's routing headers (a case-insensitive mapping) into `event`."""
+    for header, key in ROUTE_HEADERS.items():
+        if (value := headers.get(header)) is not None:
+            event[key] = value
+
 
 def utc_now_iso() -> str:
     """Now as `2026-05-12T09:30:00.123456Z`. Built from `time_ns` with the date and time part
@@ -143,7 +156,6 @@ def usage_into(event: dict[str, Any], usage: dict[str, Any]) -> None:
     if cached is not None:
         event["cached_tokens"] = cached
         event["cache_hit"] = cached > 0
-
 
 
 def mark_failed(

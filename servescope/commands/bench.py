@@ -51,9 +51,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--model", default=None, help="served model name (default: the server's first)"
     )
+    run.add_argument(
+        "--replica",
+        action="append",
+        default=None,
+        metavar="NAME=URL",
+        help="a replica behind the target (a gateway pool member, NAME as in gateway.yaml): its "
+        "/metrics is scraped with the target's and the report gets a per-replica table "
+        "(repeatable)",
+    )
     run.add_argument("--json", action="store_true", help="print the run result as JSON")
     add_store_option(run)
     run.set_defaults(func=run_bench)
+
+
+def parse_replicas(pairs: list[str] | None) -> dict[str, str]:
+    """`--replica NAME=URL` options as {name: url} (ValueError names the bad one)."""
+    replicas: dict[str, str] = {}
+    for pair in pairs or []:
+        name, sep, url = pair.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--replica takes NAME=http://HOST:PORT, got {pair!r}")
+        if name in replicas:
+            raise ValueError(f"--replica {name} is given twice")
+        replicas[name] = url
+    return replicas
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +122,7 @@ def config_from(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, float]
 def run_bench(args: argparse.Namespace) -> int:
     try:
         config, slo = config_from(args)
+        replicas = parse_replicas(args.replica)
     except (WorkloadError, ValueError) as exc:
         console.print(f"{exc}", style="red")
         return 2
@@ -112,6 +135,7 @@ def run_bench(args: argparse.Namespace) -> int:
             model=args.model,
             slo=slo,
             label=args.label,
+            replicas=replicas,
         )
     except TargetUnreachable as exc:
         console.print(f"{exc}", style="red")

@@ -20,6 +20,7 @@ from servescope.loadgen.experiment import (
     ExperimentResult,
     load_experiments,
 )
+from servescope.loadgen.fleet import FleetExperiment
 from servescope.loadgen.launcher import VllmServer
 from servescope.loadgen.runner import parse_slo, percentile
 from servescope.loadgen.sidecar import CollectorSidecar
@@ -116,26 +117,45 @@ def run_experiment(args: argparse.Namespace) -> int:
         console.print(f"experiment {args.name}: unknown model kind {spec.model!r}", style="red")
         return 2
     store = open_store(args, create=True)
+    experiment: Experiment | FleetExperiment
     try:
-        experiment = Experiment(
-            spec,
-            store=store,
-            execute=execute,
-            model=model,
-            targets=_targets(args.target),
-            repeats=args.repeats,
-            scale=args.scale,
-            requests=args.requests,
-            slo=parse_slo(args.slo),
-            hooks=hooks(store),
-            server_flags=args.server_arg,
-        )
+        if spec.fleet is not None:
+            if args.target:
+                raise ValueError(
+                    f"experiment {spec.name} starts its own replicas behind a gateway: "
+                    "--target is not for it"
+                )
+            experiment = FleetExperiment(
+                spec,
+                store=store,
+                execute=execute,
+                model=model,
+                repeats=args.repeats,
+                scale=args.scale,
+                requests=args.requests,
+                slo=parse_slo(args.slo),
+                hooks=ExperimentHooks(starting=starting, ready=ready),
+            )
+        else:
+            experiment = Experiment(
+                spec,
+                store=store,
+                execute=execute,
+                model=model,
+                targets=_targets(args.target),
+                repeats=args.repeats,
+                scale=args.scale,
+                requests=args.requests,
+                slo=parse_slo(args.slo),
+                hooks=hooks(store),
+                server_flags=args.server_arg,
+            )
     except (WorkloadError, ValueError) as exc:
         console.print(f"{exc}", style="red")
         return 2
-    if not args.target and not is_built(model):
-        with console.status(f"building the {spec.model} tiny model in {model}"):
-            make_tiny_model(model, kind=spec.model)
+    if not args.target and not ready_model(model, spec.model, given=args.model is not None):
+        console.print(f"experiment {args.name}: no model folder at {model}", style="red")
+        return 2
     result = experiment.run()
     paths = build_reports(store, result, args.out)
     rows = outcome_rows(store, result)
@@ -153,6 +173,18 @@ def run_experiment(args: argparse.Namespace) -> int:
         console.print(f"{failed} requests failed; see the reports' error classes", style="red")
         return 1
     return 0
+
+
+def ready_model(model: Path, kind: str, *, given: bool) -> bool:
+    """Whether the servers have a model folder to load. Only the default folder of a tiny model
+    is built when missing: a folder the user names is theirs (an 8B config served with
+    `--load-format dummy` has no weights and must stay as it is)."""
+    if given:
+        return (model / "config.json").is_file()
+    if not is_built(model):
+        with console.status(f"building the {kind} tiny model in {model}"):
+            make_tiny_model(model, kind=kind)
+    return True
 
 
 def hooks(store: Store) -> ExperimentHooks:

@@ -8,9 +8,10 @@ import logging
 import sys
 from pathlib import Path
 
-from servescope.commands.common import console
+from servescope.commands.common import add_store_option, console
 from servescope.gateway import ConfigError, Gateway, load_config, serve
 from servescope.gateway.config import key_digest
+from servescope.store import Store
 
 DESCRIPTION = """\
 An OpenAI-compatible proxy (/v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -20,7 +21,10 @@ a team) or reject — 429 + Retry-After for the team's own limits (queue_full, t
 for prompt_too_long, 503 + Retry-After for queue_timeout / upstream_unavailable, 401 for an
 unknown key. Streams pass through chunk by chunk. Every request is one event in
 <events_dir>/gateway-<date>.events.jsonl; rejections count in admission_rejected_total{team,reason}.
-SIGHUP reloads the config without dropping streams. See gateway/config.py for the file format.
+SIGHUP reloads the config without dropping streams; a reload that changes a model's routing
+policy is a `routing` lever flip in the store (--store). A model may route to a pool of replicas
+(round-robin, least-outstanding or prefix-affinity; gateway/routing.py). See gateway/config.py
+for the file format.
 Exit codes: 0 stopped by SIGINT/SIGTERM (or --check/--hash-key done), 1 cannot listen, 2 a bad
 config file or usage.
 """
@@ -45,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="read an API key on stdin and print its SHA-256 for `key_sha256` (keys stay out of "
         "config files)",
     )
+    add_store_option(parser)
     parser.set_defaults(func=run_gateway)
 
 
@@ -73,7 +78,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         )
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    gateway = Gateway(config, args.config)
+    gateway = Gateway(config, args.config, Store(args.store))
     try:
         _run(gateway, host, port)
     except OSError as exc:

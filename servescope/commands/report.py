@@ -28,6 +28,8 @@ from servescope.reports import (
     BadWindow,
     NoLeverFlip,
     NoPreviousRun,
+    NotAFleet,
+    PrometheusUnavailable,
     ReportOptions,
     UnknownRun,
     Window,
@@ -124,6 +126,13 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     )
     build.add_argument("--seed", type=int, help="bootstrap seed (default: a fixed one)")
     build.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="a fleet run's per-replica server numbers (counters, KV peak, vLLM's queue/TTFT/"
+        "prefill/decode histograms) from this Prometheus, which scrapes the replicas, over the "
+        "run's window, instead of servescope's own scrapes",
+    )
+    build.add_argument(
         "--json", action="store_true", help="print the headline, paths and verdicts as JSON"
     )
     add_store_option(build)
@@ -165,6 +174,7 @@ def run_build(args: argparse.Namespace) -> int:
         api_usd_per_1k_tokens=args.api_usd_per_1k_tokens,
         seed=args.seed,
         charts="html" in formats,
+        prometheus=args.prometheus,
     )
     window = Window(args.since, args.until)
     base_window = Window(args.vs_since, args.vs_until)
@@ -198,9 +208,12 @@ def run_build(args: argparse.Namespace) -> int:
             else:
                 report = build_summary(store, run_id, options, window)
             paths = write_report(report, args.out, formats)
-    except (UnknownRun, NoLeverFlip, NoPreviousRun, BadWindow) as exc:
+    except (UnknownRun, NoLeverFlip, NoPreviousRun, BadWindow, NotAFleet) as exc:
         console.print(str(exc), style="red")
         return 2
+    except PrometheusUnavailable as exc:
+        console.print(str(exc), style="red")
+        return 1
     for warning in report.get("warnings", []):
         console.print(f"warning: {warning}", style="yellow")
     if args.json:

