@@ -71,6 +71,17 @@ def _series(rows: list[tuple[Any, ...]], name: str) -> Series:
     return out
 
 
+def device_names(rows: list[tuple[Any, ...]]) -> list[str]:
+    """The GPUs' product names as the samples label them (dcgm-exporter's `modelName`; the
+    collector's NVML rows carry the same label), each once."""
+    names: set[str] = set()
+    for _t, _target, _name, labels, _value in rows:
+        tags = json.loads(labels) if isinstance(labels, str) else dict(labels or {})
+        if tags.get("modelName"):
+            names.add(str(tags["modelName"]))
+    return sorted(names)
+
+
 def _counter_at(times: Floats, values: Floats, edges: Floats) -> Floats | None:
     """The counter at each edge, interpolated; None unless samples bracket the window."""
     if len(times) < 2 or times[0] > edges[0] or times[-1] < edges[-1]:
@@ -170,6 +181,7 @@ def gpu_numbers(
         "measured": True,
         "gpus": len(gpus),
         "gpu_ids": gpus,
+        "devices": device_names(rows),
         "energy_basis": basis,
         "energy_j": float(energy.sum()) if energy is not None else None,
         "mean_power_w": float(energy.sum() / seconds) if energy is not None else None,

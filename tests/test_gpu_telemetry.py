@@ -166,6 +166,8 @@ def test_a_report_gives_power_utilisation_and_energy_per_token(tmp_path: Path) -
     assert 0 < g["gpu_util_pct"] <= 100 and g["fb_used_mib_peak"] > 1000
     markdown = next(p for p in paths if p.suffix == ".md").read_text()
     assert "J per output token" in markdown
+    assert g["devices"] == ["NVIDIA H100 80GB HBM3"]  # the recorded GPU names itself
+    assert "GPU (1 GPU: NVIDIA H100 80GB HBM3, over the throughput window)" in markdown
 
 
 def test_a_diff_tests_energy_per_token_like_throughput(tmp_path: Path) -> None:
