@@ -357,7 +357,7 @@ async def stream_request_http1(
     timeout_s: float | None = None,
     keep_text: bool = False,
 ) -> dict[str, Any]:
-    """`wire.stream.stream_request` over this transport (what `bench run` uses against
+    """`loadgen.client.stream_request` over this transport (what `bench run` uses against
     `http://` targets): the same timing rules (`StreamTiming`), the same event, with the times
     of the module docstring."""
     body = json.dumps({**payload, "stream": True, "stream_options": {"include_usage": True}})
