@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from servescope.loadgen.experiment import lever_flips, load_experiments
+from servescope.loadgen.fleet import ROUTING_POLICIES
 from servescope.loadgen.launcher import load_profiles
 from servescope.loadgen.plan import (
     open_loop_units,
@@ -195,7 +196,11 @@ def test_experiments_flip_one_lever_between_known_profiles() -> None:
     experiments = load_experiments()
     assert {"prefix-caching", "chunked-prefill", "max-num-seqs"} <= set(experiments)
     for spec in experiments.values():
-        assert set(spec.profiles) <= set(profiles)
+        if spec.fleet is None:
+            assert set(spec.profiles) <= set(profiles)
+        else:  # a fleet's profiles are the gateway's routing policies, its replicas one profile
+            assert set(spec.profiles) <= set(ROUTING_POLICIES)
+            assert spec.fleet.profile in profiles
         load_config(spec.workload)
     assert lever_flips({"a": 1, "enable_prefix_caching": False}, {"a": 1}) == [
         ("enable_prefix_caching", "False", "default")

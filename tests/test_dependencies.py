@@ -21,7 +21,7 @@ PACKAGE_DIRS = sorted(set(PYPROJECT["tool"]["setuptools"]["package-dir"].values(
 SCANNED = [*PACKAGE_DIRS, "tests"]  # and benchmarks/*.py
 # Our own top-level names: the namespace, the tests, and the benchmarks' modules (tests put
 # benchmarks/ on sys.path to import them).
-OWN = {"servescope", "tests"} | {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+OWN = {"servescope", "tests", "benchmarks"} | {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
 
 
 def _canonical(name: str) -> str:
