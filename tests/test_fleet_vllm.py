@@ -206,14 +206,19 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
         env={**os.environ, "SERVESCOPE_KEY_FLEET": KEY},
     )
     try:
-        # a quarter of the run served, and a stream running in r2's engine (vLLM's own gauge: the
-        # gateway's in-flight count includes requests still waiting for admission, which a kill
-        # reroutes): then r2 dies
+        # a quarter of the run served, and streams of it running on r2: the gateway counts two in
+        # flight there (one may still wait for admission, which a kill reroutes) and vLLM's own
+        # gauge says it runs one (alone it can be stale, left from the module's earlier test)
         deadline = time.monotonic() + 600
         while True:
             decided = metric(gateway.url, "servescope_gateway_route_decisions_total")
+            inflight = metric(gateway.url, "servescope_gateway_inflight")
             running = metric(replicas["r2"].url, "vllm:num_requests_running")
-            if sum(decided.values()) >= REQUESTS // 4 and sum(running.values()) >= 1:
+            if (
+                sum(decided.values()) >= REQUESTS // 4
+                and inflight.get((("upstream", "r2"),), 0) >= 2
+                and sum(running.values()) >= 1
+            ):
                 break
             assert bench.poll() is None and time.monotonic() < deadline, "the run never got going"
             time.sleep(0.05)
