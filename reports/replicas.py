@@ -31,8 +31,8 @@ from servescope.reports import sql
 from servescope.reports.histograms import bucket_bound, histogram_quantile
 from servescope.reports.prometheus import server_side
 from servescope.reports.samples import Slice
+from servescope.store.queries import ROUTED_SAMPLE, ROUTED_SAMPLE_ROWS
 
-SAMPLE_ROWS = 64  # events looked at to tell a fleet run that records no replicas in its notes
 INDICATORS = (
     "requests",
     "ttft_ms_p50",
@@ -64,7 +64,8 @@ def is_fleet(con: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> bool:
     """Does the run's notes name replicas, or do its events carry routing decisions?"""
     if (run.get("notes") or {}).get("replicas"):
         return True
-    row = con.execute(sql.ROUTED_SAMPLE, {"run_id": run["run_id"], "rows": SAMPLE_ROWS}).fetchone()
+    params = {"run_id": run["run_id"], "rows": ROUTED_SAMPLE_ROWS}
+    row = con.execute(ROUTED_SAMPLE, params).fetchone()
     return bool(row and row[0])
 
 

@@ -105,26 +105,22 @@ ORDER BY workload NULLS FIRST, concurrency NULLS FIRST, target_rate NULLS FIRST
 
 # -- pooled ITL (reports/quantiles.py) ---------------------------------------------------------
 # ITL as `vllm bench serve` pools it: every gap between content chunks of successful requests,
-# overall and per level. A slice with few gaps (`reports.quantiles.SMALL`) takes DuckDB's
-# quantile aggregate (SLICE_ITL, SLICE_GROUP_ITL: two plain aggregations, faster than grouping
-# sets over the gaps). A larger one is not held whole: `reports.quantiles` finds the exact
-# order statistics from the count, range and mean overall and per level (SLICE_ITL_STATS,
-# SLICE_GROUP_ITL_STATS), a histogram of $buckets equal buckets over [$lo, $hi] per level
-# (SLICE_ITL_HISTOGRAM) and the gaps of the buckets holding a wanted rank (SLICE_ITL_GAPS).
-# The bucket of a gap is a monotone function of it, so a bucket's gaps are exactly those
-# between its min and max. (NaN gaps, which only a hand-written file could hold, sort last as
-# in DuckDB.) The level key is hashed once per request, before the gaps are unnested.
+# overall and per level. A slice of up to `reports.quantiles.IN_MEMORY` gaps fetches them once
+# with their level's place in $levels (SLICE_LEVEL_GAPS), and `reports.quantiles` partially
+# sorts them. A larger one is not held whole:
+# `reports.quantiles` finds the exact order statistics from the count, range and mean overall
+# and per level (SLICE_ITL_STATS, SLICE_GROUP_ITL_STATS), a histogram of $buckets equal buckets
+# over [$lo, $hi] per level (SLICE_ITL_HISTOGRAM) and the gaps of the buckets holding a wanted
+# rank (SLICE_ITL_GAPS). The bucket of a gap is a monotone function of it, so a bucket's gaps
+# are exactly those between its min and max. (NaN gaps, which only a hand-written file could
+# hold, sort last as in DuckDB.) The level key is hashed once per request, before the gaps are
+# unnested.
 _OK_GAPS = f"SELECT unnest(itl_ms) AS gap FROM events WHERE status = 'ok' AND {IN_SLICE}"
 _OK_LEVEL_GAPS = f"""SELECT {LEVEL_KEY} AS level_key, unnest(itl_ms) AS gap
       FROM events WHERE status = 'ok' AND {IN_SLICE}"""
-SLICE_ITL = f"""
-SELECT quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, favg(gap) AS mean
-FROM ({_OK_GAPS})
-"""
-SLICE_GROUP_ITL = f"""
-SELECT level_key, quantile_cont(gap, [0.5, 0.9, 0.95, 0.99]) AS q, favg(gap) AS mean
-FROM ({_OK_LEVEL_GAPS})
-GROUP BY level_key
+SLICE_LEVEL_GAPS = f"""
+SELECT CAST(list_position($levels, {LEVEL_KEY}) AS UINTEGER) AS level, unnest(itl_ms) AS gap
+FROM events WHERE status = 'ok' AND {IN_SLICE}
 """
 _GAPS = f"""
 SELECT level_key, gap
@@ -138,8 +134,6 @@ QUANTILE_PROBE = "SELECT quantile_cont(x, $qs) FROM (SELECT unnest($rows::DOUBLE
 _ITL_STATS = """count(gap) AS n,
        min(gap) FILTER (WHERE NOT isnan(gap)) AS lo, max(gap) FILTER (WHERE NOT isnan(gap)) AS hi,
        favg(gap) AS mean"""
-# (two plain aggregations, as SLICE_ITL and SLICE_GROUP_ITL compute the means: grouping sets
-# sum a mean in another order, a last-digit difference)
 SLICE_ITL_STATS = f"""
 SELECT {_ITL_STATS}
 FROM ({_OK_GAPS})
@@ -417,12 +411,8 @@ ORDER BY t
 
 
 # -- a fleet run by replica (reports/replicas.py) ---------------------------------------------
-# Is it a fleet run? Its first events carry routing decisions (any other run pays this much).
-ROUTED_SAMPLE = """
-SELECT count(*) FROM (
-    SELECT doc FROM events WHERE run_id = $run_id LIMIT $rows
-) WHERE doc->>'routing' IS NOT NULL OR doc->>'route_reason' IS NOT NULL
-"""
+# Is it a fleet run? Its first events carry routing decisions (store.queries.ROUTED_SAMPLE,
+# shared with the lake reader).
 # Per replica (the event's `upstream`): counts and TTFT of successful requests, from events.
 BY_REPLICA = f"""
 SELECT doc->>'upstream' AS replica,

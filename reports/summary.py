@@ -254,7 +254,7 @@ def summarize(
         by_level = samples.level_quantiles(metric)
         for g in groups:
             g[f"{metric}_q"] = by_level.get(g["level_key"])
-    itl_all, itl = pooled_itl(con, params, samples.counts.itl_gaps)
+    itl_all, itl = pooled_itl(con, params, samples.counts.itl_gaps, samples.counts.level_keys)
     errors: dict[tuple[Any, Any, Any], dict[str, int]] = {}
     errors_all: dict[str, int] = {}
     for row in _dicts(con.execute(sql.SLICE_ERRORS_BY_CLASS, params)):

@@ -19,6 +19,7 @@ query. Every value in a view is a path this process listed, written as an escape
 from __future__ import annotations
 
 import glob
+import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import date, datetime, timedelta
@@ -32,11 +33,13 @@ from servescope.store.lake import (
     LAKE_COLUMNS,
     NULL_PARTITION,
     SCHEMA,
+    LakeFile,
     hived,
     list_files,
     run_folder,
     sql_literal,
 )
+from servescope.store.queries import ROUTED_SAMPLE, ROUTED_SAMPLE_ROWS
 
 SESSION_PREFIX = "vllm-"  # a server session's run (collector/sessions.py)
 COPY_ROWS = 2_000_000  # the most events a scoped read copies into memory (see `_views`)
@@ -123,27 +126,45 @@ class Lake(Store):
         sessions = [r for r in self.scope or () if r.startswith(SESSION_PREFIX)]
         if sessions:  # their requests sit in other runs' folders too: every run, their days
             spans = [_span(con, s) for s in sessions]
-            self._view(con, "events", None, None, lambda d: any(_within(d, s) for s in spans))
+            dated = lambda d: any(_within(d, s) for s in spans)  # noqa: E731
+            files = self._view(con, "events", None, None, dated)
         else:
-            self._view(con, "events", None, folders)
+            files = self._view(con, "events", None, folders)
         if self.scope is not None and _count(con, "SELECT count(*) FROM events") <= COPY_ROWS:
-            # a report queries its runs' events some fifty times, and each query of a view
-            # opens every listed file again (a run served by 64 sidecars is 64 files or more):
-            # the runs' rows are read once into one in-memory table instead, when they fit
-            # (~350 bytes a row: COPY_ROWS keeps a report under 1 GiB; larger runs are read
-            # through the views, slower, in bounded memory). `doc`, the verbatim record, only a
-            # server session's report reads (reports.sql.SLICE_CHECKS).
-            # One run at a time, so each run's rows lie together and a query of one run skips
-            # the other's row groups (a session's requests of other runs come last).
-            doc = "doc AS doc" if sessions else "CAST(NULL AS VARCHAR) AS doc"
-            con.execute("ALTER VIEW events RENAME TO events_in_files")
-            con.execute(_COPY_EVENTS.replace("DOC", doc) + " LIMIT 0")
-            for run in self.scope:
-                con.execute(_ADD_EVENTS.replace("DOC", doc) + " WHERE run_id = $1", [run])
-            if sessions:
-                others = " WHERE NOT list_contains($1, run_id)"
-                con.execute(_ADD_EVENTS.replace("DOC", doc) + others, [list(self.scope)])
+            self._copy_events(con, files, sessions)
 
+    def _copy_events(
+        self, con: duckdb.DuckDBPyConnection, files: list[LakeFile], sessions: list[str]
+    ) -> None:
+        """A report queries its runs' events some fifty times, and each query of a view opens
+        every listed file again (a run served by 64 sidecars is 64 files or more): the runs'
+        rows are read once into one in-memory table instead, when they fit (COPY_ROWS keeps a
+        report under 1 GiB; larger runs are read through the views, slower, in bounded memory).
+
+        Only what a report can read is held: not a column NULL in every file listed (a client
+        run's server figures, its trace ids: the file's statistics say so, nothing is read),
+        nor `doc`, the verbatim record, unless a server session's checks or a fleet run's
+        replicas read it (reports.sql: _CHAT, ROUTED_SAMPLE, BY_REPLICA). `events` is then a
+        view over the table giving those columns as NULLs, in the order of the store's. One run
+        at a time, so each run's rows lie together and a query of one run skips the other's
+        row groups (a session's requests of other runs come last)."""
+        columns = [(name, kind) for name, kind, *_ in con.execute("DESCRIBE events").fetchall()]
+        empty = _empty_columns(con, files, [name for name, _kind in columns])
+        if not sessions and not any(_fleet(con, run) for run in self.scope or ()):
+            empty.add("doc")
+        held = ", ".join(f'"{name}"' for name, _kind in columns if name not in empty)
+        con.execute("ALTER VIEW events RENAME TO events_in_files")
+        con.execute(f"CREATE TABLE events_held AS SELECT {held} FROM events_in_files LIMIT 0")  # noqa: S608
+        add = f"INSERT INTO events_held SELECT {held} FROM events_in_files"  # noqa: S608
+        for run in self.scope or ():
+            con.execute(add + " WHERE run_id = $1", [run])
+        if sessions:
+            con.execute(add + " WHERE NOT list_contains($1, run_id)", [list(self.scope or ())])
+        view = ", ".join(
+            f'CAST(NULL AS {kind}) AS "{name}"' if name in empty else f'"{name}"'
+            for name, kind in columns
+        )
+        con.execute(f"CREATE VIEW events AS SELECT {view} FROM events_held")  # noqa: S608
 
     def _view(
         self,
@@ -152,7 +173,8 @@ class Lake(Store):
         body: str | None,
         folders: list[str] | None = None,
         date_ok: Any = None,
-    ) -> None:
+    ) -> list[LakeFile]:
+        """The view of one table over its listed files; returns them."""
         files = [f for root in self.roots for f in list_files(root, table, folders, date_ok)]
         schemas = [p for root in self.roots for p in sorted((root / SCHEMA / table).glob("*"))]
         union = len({p.name.split(".", 1)[1] for p in schemas}) > 1
@@ -160,6 +182,7 @@ class Lake(Store):
         if body is None:  # events
             body = _EVENTS if files and _has_updates(con, source) else _PLAIN
         con.execute(f"CREATE VIEW {table} AS " + body.replace("SOURCE", source))  # noqa: S608
+        return files
 
 
 def _source(files: Sequence[Any], schemas: list[Path], union: bool) -> str:
@@ -190,9 +213,39 @@ def _list(paths: Sequence[Path]) -> str:
     return "[" + ", ".join(f"'{sql_literal(p)}'" for p in paths) + "]"
 
 
-def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
-    row = con.execute(sql).fetchone()
+def _count(con: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> int:
+    row = con.execute(sql, params).fetchone()
     return int(row[0]) if row else 0
+
+
+def _empty_columns(
+    con: duckdb.DuckDBPyConnection, files: Sequence[LakeFile], names: list[str]
+) -> set[str]:
+    """The columns (of `names`, top-level ones) that no listed file holds a value of, by the
+    files' statistics (a writer that keeps no null counts: none is empty). `run_id` is never
+    one: a hive reader takes it from the folder."""
+    if not files:
+        return set()
+    rows = con.execute(
+        "SELECT path_in_schema, bool_and(stats_null_count IS NOT NULL"
+        " AND stats_null_count = num_values) FROM parquet_metadata($1) GROUP BY path_in_schema",
+        [[str(f.path) for f in files]],
+    ).fetchall()
+    return {path for path, empty in rows if empty and path in names and path != "run_id"}
+
+
+def _fleet(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
+    """A fleet run, as reports.replicas tells one: its notes name replicas, or its first
+    events carry routing decisions (read from the files)."""
+    row = con.execute("SELECT notes FROM runs WHERE run_id = $1", [run_id]).fetchone()
+    try:
+        notes = json.loads(row[0]) if row and row[0] else {}
+    except (TypeError, ValueError):
+        notes = {}
+    if isinstance(notes, dict) and notes.get("replicas"):
+        return True
+    params = {"run_id": run_id, "rows": ROUTED_SAMPLE_ROWS}
+    return bool(_count(con, ROUTED_SAMPLE, params))  # `events` still the files' view
 
 
 def _has_updates(con: duckdb.DuckDBPyConnection, source: str) -> bool:
@@ -214,8 +267,6 @@ LEFT JOIN (SELECT run_id, request_id, max(lake_version) AS latest
     ON s.run_id = u.run_id AND s.request_id = u.request_id
 WHERE (u.latest IS NULL OR s.lake_version = u.latest) AND NOT s.lake_deleted
 """.replace("HIDDEN", _HIDDEN)
-_COPY_EVENTS = "CREATE TABLE events AS SELECT * REPLACE (DOC) FROM events_in_files"
-_ADD_EVENTS = "INSERT INTO events SELECT * REPLACE (DOC) FROM events_in_files"
 # A restart's flips are the set its latest version wrote (a NULL lever: the set is empty).
 _FLIPS = """
 SELECT * EXCLUDE (HIDDEN, latest) FROM (

@@ -254,6 +254,17 @@ ORDER BY COALESCE(r.started_at, c.first_ts) NULLS LAST, run_id
 # any other run it folds away, so a bench run's statements read no more than before.
 SESSION_RUN = "starts_with($run_id, 'vllm-')"
 
+# Is it a fleet run (requests routed by the gateway to a pool of replicas)? Its first events
+# carry routing decisions in their verbatim record (any other run pays this much): read by the
+# report's replicas table (reports/replicas.py), and by a lake reader deciding whether a report
+# needs `doc` (store/lakeread.py).
+ROUTED_SAMPLE = """
+SELECT count(*) FROM (
+    SELECT doc FROM events WHERE run_id = $run_id LIMIT $rows
+) WHERE doc->>'routing' IS NOT NULL OR doc->>'route_reason' IS NOT NULL
+"""
+ROUTED_SAMPLE_ROWS = 64  # events looked at
+
 
 # How much a counter grew: per series (target, labels) the sum of its steps between successive
 # samples, a drop meaning the server restarted (the new value counts whole). A server session's

@@ -434,3 +434,25 @@ def test_a_server_sessions_report_from_the_lake_equals_the_stores(tmp_path: Path
     from_lake = build_summary(Lake([lake]).scoped([session]), session, options)
     assert from_store["overall"]["requests"] == 70
     assert from_lake == from_store
+
+
+def test_a_fleet_runs_report_from_the_lake_equals_the_stores(tmp_path: Path) -> None:
+    """A fleet run's replicas are read from each request's verbatim record (`upstream`,
+    `routing`): a lake report keeps it where the runs are fleet runs."""
+    from servescope.reports import ReportOptions, build_diff
+
+    store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
+    writer = LakeWriter(lake, store)
+    docs = [
+        _doc(run, i, upstream=f"r{i % 2}", routing="least-loaded", route_reason="least-loaded",
+             ttft_ms=float(i % 7) + (i % 2) * 10, tpot_ms=3.0, itl_ms=[1.0, 2.0 + i % 3])
+        for run in ("run-fleet-a", "run-fleet-b")
+        for i in range(60)
+    ]  # fmt: skip
+    _flush(store, writer, docs)
+    options = ReportOptions(charts=False)
+    from_store = build_diff(store, "run-fleet-b", "run-fleet-a", options)
+    lake_store = Lake([lake]).scoped(["run-fleet-b", "run-fleet-a"])
+    from_lake = build_diff(lake_store, "run-fleet-b", "run-fleet-a", options)
+    assert [r["replica"] for r in from_store["replicas"]] == ["r0", "r1"]
+    assert from_lake == from_store

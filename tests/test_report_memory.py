@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timedelta
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -80,23 +81,67 @@ def _duckdb_itl(con: Any) -> tuple[Any, dict[tuple[Any, Any], Any]]:
 
 
 @pytest.mark.parametrize(
-    ("small", "buckets", "fetch_limit"), [(1 << 22, 0, 0), (0, 1 << 16, 1 << 20), (0, 8, 40)]
+    ("in_memory", "buckets", "fetch_limit"),
+    [(1 << 22, 0, 0), (0, 1 << 16, 1 << 20), (0, 8, 40)],
 )
 def test_pooled_itl_is_duckdbs_quantile_to_the_last_digit(
-    db: Path, monkeypatch: pytest.MonkeyPatch, small: int, buckets: int, fetch_limit: int
+    db: Path, monkeypatch: pytest.MonkeyPatch, in_memory: int, buckets: int, fetch_limit: int
 ) -> None:
-    # past SMALL gaps, the histogram path; tiny buckets and fetches force every part of it:
+    # past IN_MEMORY gaps, the histogram path; tiny buckets and fetches force every part of it:
     # buckets split again, fetches in batches
-    monkeypatch.setattr(quantiles, "SMALL", small)
+    monkeypatch.setattr(quantiles, "IN_MEMORY", in_memory)
     monkeypatch.setattr(quantiles, "BUCKETS", buckets)
     monkeypatch.setattr(quantiles, "FETCH_LIMIT", fetch_limit)
     with Store(db).read() as con:
         want_overall, want_levels = _duckdb_itl(con)
-        gaps = Samples(con, Slice(RUN)).counts.itl_gaps
-        overall, levels = quantiles.pooled_itl(con, Slice(RUN).params(), gaps)
+        counts = Samples(con, Slice(RUN)).counts
+        overall, levels = quantiles.pooled_itl(
+            con, Slice(RUN).params(), counts.itl_gaps, counts.level_keys
+        )
     assert overall["q"] == want_overall
     assert {k: v["q"] for k, v in levels.items()} == want_levels
     assert len(levels) == len(LEVELS)
+
+
+def test_pooled_itl_means_are_exact_in_memory(db: Path) -> None:
+    with Store(db).read() as con:
+        rows = con.execute(
+            "SELECT hash(workload, concurrency, NULL::DOUBLE), list(gap) FROM (SELECT workload,"
+            " concurrency, unnest(itl_ms) AS gap FROM events WHERE status = 'ok' AND run_id = ?)"
+            " WHERE gap IS NOT NULL GROUP BY ALL",
+            [RUN],
+        ).fetchall()
+        counts = Samples(con, Slice(RUN)).counts
+        overall, levels = quantiles.pooled_itl(
+            con, Slice(RUN).params(), counts.itl_gaps, counts.level_keys
+        )
+
+    def mean(gaps: list[float]) -> float:  # the correctly rounded mean
+        return float(sum(Fraction(g) for g in gaps) / len(gaps))
+
+    assert overall["mean"] == mean([g for _key, level in rows for g in level])
+    assert {key: levels[key]["mean"] for key, _ in rows} == {key: mean(g) for key, g in rows}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_exact_sum_is_the_sum_of_the_doubles_in_any_order(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    values = np.concatenate(
+        [
+            rng.lognormal(0, 12, 3000) * rng.choice([-1.0, 1.0], 3000),  # wide exponents, signs
+            np.array([0.0, -0.0, 5e-324, -5e-324, 1.7976931348623157e308, -1e308, 1e-310]),
+        ]
+    )
+    want = sum(Fraction(v) for v in values.tolist())
+    got = quantiles.exact_sum(values)
+    assert got == want * (1 << -quantiles._MIN_EXPONENT)
+    assert quantiles.exact_sum(rng.permutation(values)) == got
+    assert quantiles._mean(got, len(values)) == float(want / len(values))
+
+
+def test_exact_sum_of_a_nan_or_an_infinity_is_theirs() -> None:
+    assert math.isnan(quantiles.exact_sum(np.array([1.0, math.nan])))
+    assert quantiles.exact_sum(np.array([1.0, math.inf])) == math.inf
 
 
 def test_level_quantiles_are_duckdbs_quantile_to_the_last_digit(db: Path) -> None:
