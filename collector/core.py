@@ -699,7 +699,7 @@ class Collector:
         if self.lake is None:
             return
         try:
-            compact(self.lake.root, self.lake.sidecar, self.lake.seq)
+            compact(self.lake.root, self.lake.sidecar, self.lake.published)
         except Exception as exc:
             log.warning("lake compaction failed (%s); retried later", failure_reason(exc))
 
@@ -719,6 +719,8 @@ class Collector:
         return sum(t.lag_bytes() for t in tailers)
 
     def close(self) -> None:
+        if self.lake is not None:
+            self.lake.close()  # the last flush's events, written after its commit
         for source in self.logs:
             source.tailer.close()
         for _name, tailer in self.event_files:

@@ -123,6 +123,20 @@ class Store:
             con.close()
 
     @contextmanager
+    def snapshot(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A read transaction of this process while it also writes (a background reader): a
+        connection configured as a writer's, since DuckDB opens a file one way per process."""
+        self._ensure_schema()
+        con = self._connect(read_only=False)
+        try:
+            con.begin()
+            yield con
+        finally:
+            with suppress(duckdb.TransactionException):
+                con.rollback()
+            con.close()
+
+    @contextmanager
     def _within(self, con: duckdb.DuckDBPyConnection | None) -> Iterator[duckdb.DuckDBPyConnection]:
         """The caller's transaction `con`, or a transaction of its own when there is none."""
         if con is not None:

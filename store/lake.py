@@ -26,6 +26,19 @@ files of flush k that the store never committed: the next start removes this sid
 with a sequence above the last committed one before anything else, and flush k is written
 again from what the collector reads again. A failed flush (a full disk) removes what it wrote.
 
+Except a flush's new requests (every request it touched is new: a backlog, a bench's records),
+whose events file is the bulk of a flush's Parquet: their transaction saves "flush k's events
+pending" (which rows: the `events` rowids past the flush's start, their count and their runs,
+and their version) and commits without them; a thread writes them from the committed
+store right after, while the collector reads on, and flush k + 1's transaction waits for it
+before it commits, saying "flush k's events written" (and writes them itself when the thread
+could not, a full disk). So the store holds at most one flush the lake lacks, and only ever
+its last one: a start that finds "pending" removes that flush's events files (a crash may have
+cut them short) and writes them again from the store, which is still as flush k left it.
+(DuckDB keeps rowids and gives a commit's rows the rowids after every committed one; should the
+rows past the start not be the count saved, the pending events are written as every row of
+their runs, each marked as an update: the lake's one rule still picks one row per request.)
+
 Versions: a request's pieces can reach the store in several flushes (a log line, then its
 trace), and the store merges them into one row; the lake gets the merged row of every flush
 that touched it. Each row carries `lake_version` (`<commit µs>.<sidecar>.<seq>`: the flush
@@ -51,6 +64,7 @@ import re
 import secrets
 import shutil
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -260,11 +274,40 @@ class Mark:
 
 @dataclass
 class Written:
-    """The files one flush wrote (renamed into place), and the rows per table."""
+    """The files one flush wrote (renamed into place), and the rows per table; its events, when
+    they are written after the commit (`deferred`), and the earlier flush whose deferred events
+    its transaction said were written (`settles`)."""
 
     seq: int
     paths: list[Path] = field(default_factory=list)
     rows: dict[str, int] = field(default_factory=dict)
+    deferred: Deferred | None = None
+    settles: Deferred | None = None
+
+
+@dataclass
+class Deferred:
+    """A flush's events, committed in the store, written to the lake after the commit: the
+    `events` rows past rowid `after` (the flush's start; a commit gives its rows the rowids
+    after every committed one), `rows` of them, of these runs, at this version."""
+
+    seq: int
+    version: str
+    after: int
+    rows: int
+    runs: list[str | None]
+    done: threading.Event = field(default_factory=threading.Event)
+    written: bool = False  # by the thread, whole
+    error: BaseException | None = None
+
+    def state(self) -> dict[str, Any]:
+        return {"seq": self.seq, "version": self.version, "after": self.after, "rows": self.rows,
+                "runs": self.runs}  # fmt: skip
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Deferred:
+        return cls(int(state["seq"]), str(state["version"]), int(state["after"]),
+                   int(state["rows"]), list(state["runs"]))  # fmt: skip
 
 
 class LakeWriter:
@@ -283,9 +326,19 @@ class LakeWriter:
         self.seq: int = int(state.get("seq") or 0)  # the last flush the store committed
         self._clock = 0
         self._unsettled: list[Written] = []
+        # the last flush's events, written after its commit and not yet said written
+        self._deferred = Deferred.from_state(state["deferred"]) if state.get("deferred") else None
         self.root.mkdir(parents=True, exist_ok=True)
         self.remove_uncommitted()
         self._write_schema()
+        if self._deferred is not None:  # a crash before the store said they were written
+            self._deferred.done.set()  # no thread writes them: this start does
+            self.settle_deferred()
+
+    @property
+    def published(self) -> int:
+        """The last flush whose files are all in the lake and said so (compaction's bound)."""
+        return self.seq - 1 if self._deferred is not None else self.seq
 
     @property
     def staging(self) -> Path:
@@ -303,13 +356,22 @@ class LakeWriter:
                         if (
                             found.sidecar == self.sidecar
                             and not found.merged
-                            and found.lo > self.seq
+                            and (found.lo > self.seq or self._unwritten(found))
                         ):
                             found.path.unlink(missing_ok=True)
                             removed += 1
         if removed:
             log.info("lake: removed %d files of flushes the store had not committed", removed)
         return removed
+
+    def _unwritten(self, found: LakeFile) -> bool:
+        """An events file of the deferred flush, which the store does not say is whole."""
+        return (
+            self._deferred is not None
+            and found.table == "events"
+            and found.lo == self._deferred.seq
+            and not self._deferred.written
+        )
 
     def _write_schema(self) -> None:
         """`_schema/<table>/<sidecar>.parquet`: the columns this version writes, no rows; what a
@@ -346,8 +408,9 @@ class LakeWriter:
         runs: Iterable[str] = (),
         flip_groups: Iterable[tuple[str, str]] = (),
     ) -> Written | None:
-        """Write what this transaction changed as flush `seq + 1`, and save that number in the
-        store's checkpoints (in the same transaction). None when nothing changed."""
+        """Write what this transaction changed as flush `seq + 1` (its new requests' events
+        after the commit: `committed`), and save that number in the store's checkpoints (in the
+        same transaction). None when nothing changed and nothing was pending."""
         self._settle(con)
         seq = self.seq + 1
         self._clock = max(self._clock + 1, time.time_ns() // 1000)
@@ -356,12 +419,18 @@ class LakeWriter:
         shutil.rmtree(staged, ignore_errors=True)
         written = Written(seq)
         try:
+            written.settles = self._catch_up(con, written)
             self._stage_all(con, mark, version, staged, list(runs), list(flip_groups), written)
-            if not written.rows:
+            if not written.rows and written.deferred is None:
                 shutil.rmtree(staged, ignore_errors=True)
-                return None
-            self._publish(staged, seq, written)
-            state = {"sidecar": self.sidecar, "seq": seq}
+                if written.settles is None:
+                    return None
+                written.seq = self.seq  # no flush of its own: says the pending one is written
+            else:
+                self._publish(staged, seq, written)
+            state: dict[str, Any] = {"sidecar": self.sidecar, "seq": written.seq}
+            if written.deferred is not None:
+                state["deferred"] = written.deferred.state()
             checkpoints.save(
                 con, self.source, [{"file_key": checkpoints.STATE_KEY, "state": state}]
             )
@@ -374,9 +443,114 @@ class LakeWriter:
         con.execute("DROP TABLE IF EXISTS lake_stage")
         return written
 
+    def _catch_up(self, con: duckdb.DuckDBPyConnection, written: Written) -> Deferred | None:
+        """The previous flush's deferred events, whole in the lake before this transaction says
+        so: the thread's files, or written here when the thread could not (a full disk), from
+        the store as that flush left it (a second connection, which does not see this
+        transaction)."""
+        deferred = self._deferred
+        if deferred is None:
+            return None
+        deferred.done.wait()
+        if not deferred.written:
+            self._remove_events_of(deferred.seq)
+            with con.cursor() as before:
+                written.paths.extend(self._write_deferred(before, deferred))
+        return deferred
+
+    def _remove_events_of(self, seq: int) -> None:
+        for folder in subdirs(self.root / "events"):
+            for partition in subdirs(folder):
+                for found in files_in(partition, "events"):
+                    if found.sidecar == self.sidecar and not found.merged and found.lo == seq:
+                        found.path.unlink(missing_ok=True)
+
+    def _write_deferred(self, con: duckdb.DuckDBPyConnection, deferred: Deferred) -> list[Path]:
+        """Write a deferred flush's events (as a flush of its own number) and publish them."""
+        where = f"rowid > {deferred.after}"
+        if _count(con, f"SELECT count(*) FROM events WHERE {where}") == deferred.rows:  # noqa: S608
+            select = _select("events", where, deferred.version)
+        else:  # the rows moved (no DuckDB does that yet): every row of their runs, as updates
+            log.warning("lake: flush %d's rows moved in the store; its runs written again whole",
+                        deferred.seq)  # fmt: skip
+            con.execute("CREATE OR REPLACE TEMP TABLE lake_keys (run_id VARCHAR)")
+            con.execute("INSERT INTO lake_keys SELECT unnest($1::VARCHAR[])", [deferred.runs])
+            where = "run_id IN (SELECT run_id FROM lake_keys)"
+            if None in deferred.runs:
+                where += " OR run_id IS NULL"
+            select = _select("events", where, deferred.version).replace(
+                "false AS lake_update", "true AS lake_update"
+            )
+        staged = self.staging / f"{deferred.seq:0{SEQ_DIGITS}d}-events"
+        shutil.rmtree(staged, ignore_errors=True)
+        done = Written(deferred.seq)
+        try:
+            self._stage(con, "events", select, staged, done)
+            self._publish(staged, deferred.seq, done)
+        except BaseException:
+            for path in done.paths:
+                path.unlink(missing_ok=True)
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        return done.paths
+
+    def _write_after_commit(self, deferred: Deferred) -> None:
+        """The thread: a deferred flush's events from the committed store (a transaction of its
+        own, which sees the store as that flush left it: the next flush waits for this one)."""
+        try:
+            with self.store.snapshot() as con:
+                self._write_deferred(con, deferred)
+            deferred.written = True
+        except BaseException as exc:  # written again by the next transaction, which says why
+            deferred.error = exc
+            log.debug("lake: writing flush %d's events after its commit failed", deferred.seq,
+                      exc_info=exc)  # fmt: skip
+        finally:
+            deferred.done.set()
+
+    def settle_deferred(self) -> None:
+        """Make the pending deferred events whole in the lake and say so in the store (at a
+        start after a crash, and when the collector stops); a failure leaves them pending, for
+        the next flush or start."""
+        if self._deferred is None:
+            return
+        try:
+            with self.store.write() as con:
+                written = Written(self.seq)
+                written.settles = self._catch_up(con, written)
+                state = {"sidecar": self.sidecar, "seq": self.seq}
+                checkpoints.save(
+                    con, self.source, [{"file_key": checkpoints.STATE_KEY, "state": state}]
+                )
+        except Exception as exc:
+            log.warning("lake: flush %d's events are not written yet (%s); the next flush or "
+                        "start writes them", self.seq, exc)  # fmt: skip
+            self._deferred.written = False
+            return
+        self._deferred = None
+
+    def wait(self) -> None:
+        """Until the last flush's events are written after its commit (or failed to be)."""
+        deferred = self._deferred
+        if deferred is not None:
+            deferred.done.wait()
+
+    def close(self) -> None:
+        """Wait for the last flush's events and say they are written."""
+        self.settle_deferred()
+
     def committed(self, written: Written | None) -> None:
-        if written is not None:
-            self.seq = written.seq
+        if written is None:
+            return
+        self.seq = written.seq
+        if written.settles is not None:
+            self._deferred = None
+        if written.deferred is not None:
+            self._deferred = written.deferred
+            threading.Thread(
+                target=self._write_after_commit, args=(written.deferred,),
+                name="servescope-lake", daemon=True,
+            ).start()  # fmt: skip
 
     def failed(self, written: Written | None) -> None:
         """The flush's transaction raised. Its files stay until the next flush's transaction
@@ -384,18 +558,25 @@ class LakeWriter:
         fail to close): kept if so, removed if not (`_settle`)."""
         if written is not None and written.paths:
             self._unsettled.append(written)
+        if written is not None and written.settles is not None:
+            written.settles.written = False  # written again by the next transaction
 
     def _settle(self, con: duckdb.DuckDBPyConnection) -> None:
         if not self._unsettled:
             return
         rows = con.execute(queries.LIST_CHECKPOINTS, {"source": self.source}).fetchall()
-        stored = 0
+        stored: dict[str, Any] = {}
         for row in rows:
             if row[1] == checkpoints.STATE_KEY and row[6]:
-                stored = int(json.loads(row[6]).get("seq") or 0)
+                stored = json.loads(row[6])
         for written in self._unsettled:
-            if written.seq <= stored:
+            if written.seq <= int(stored.get("seq") or 0):  # committed after all
                 self.seq = max(self.seq, written.seq)
+                if written.settles is not None:
+                    self._deferred = None
+                if written.deferred is not None and stored.get("deferred"):
+                    self._deferred = written.deferred  # not started: written by `_catch_up`
+                    self._deferred.done.set()
             else:
                 for path in written.paths:
                     path.unlink(missing_ok=True)
@@ -438,8 +619,12 @@ class LakeWriter:
         select = _select("events", f"rowid > {after}", version)
         touched = _count(con, f"SELECT count(*) FROM events WHERE rowid > {after}")  # noqa: S608
         now = _count(con, "SELECT count(*) FROM events")
-        if touched == now - mark.events:  # every touched request is new: written as it is
-            self._stage(con, "events", select, staged, written)
+        if touched == now - mark.events:  # every touched request is new: written as it is,
+            if touched:  # after the commit (the module docstring)
+                runs = [r for (r,) in con.execute(
+                    f"SELECT DISTINCT run_id FROM events WHERE rowid > {after}"  # noqa: S608
+                ).fetchall()]  # fmt: skip
+                written.deferred = Deferred(written.seq, version, after, touched, runs)
             return
         # some touched requests were stored before this flush (updates), or left a run (moves):
         # found in the store as it was before the flush, on a second connection whose snapshot

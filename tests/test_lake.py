@@ -26,7 +26,7 @@ import duckdb
 import pytest
 
 from servescope.store import Store
-from servescope.store.lake import LakeWriter, list_files
+from servescope.store.lake import LakeWriter, list_files, part_name
 from servescope.store.lakecompact import compact
 from servescope.store.lakeread import Lake
 from tests.conftest import ROOT, SERVESCOPE, free_port
@@ -298,9 +298,10 @@ def test_clickhouse_reads_the_same_numbers(fleet: dict[str, Any]) -> None:
 def _flush(
     store: Store, writer: LakeWriter, docs: list[dict[str, Any]], *, crash: bool = False
 ) -> None:
-    """One flush as the collector makes it: the rows and the lake in one store transaction;
-    `crash` raises between the lake's files and the commit (a fault injected here because a
-    real crash cannot be timed to that instant)."""
+    """One flush as the collector makes it: the rows and the lake in one store transaction (new
+    requests' events written right after the commit: waited for here); `crash` raises between
+    the lake's files and the commit (a fault injected here because a real crash cannot be
+    timed to that instant)."""
 
     class Crash(Exception):
         pass
@@ -313,6 +314,7 @@ def _flush(
             if crash:
                 raise Crash
         writer.committed(written)
+        writer.wait()
     except Crash:
         writer.failed(written)
 
@@ -326,16 +328,47 @@ def test_a_flush_the_store_never_committed_leaves_no_row(tmp_path: Path) -> None
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
     writer = LakeWriter(lake, store)
     _flush(store, writer, [_doc("run-a", i) for i in range(10)])
-    _flush(store, writer, [_doc("run-a", i) for i in range(10, 20)], crash=True)
+    update = [{"request_id": "run-a-0001", "run_id": "run-a", "cached_tokens": 3}]
+    _flush(store, writer, update + [_doc("run-a", i) for i in range(10, 20)], crash=True)
     assert len(list_files(lake, "events")) == 2  # flush 2's file is there, uncommitted
     restarted = LakeWriter(lake, store)  # a new process: same sidecar, same committed flush
     assert restarted.sidecar == writer.sidecar and restarted.seq == 1
     assert len(list_files(lake, "events")) == 1
-    _flush(store, restarted, [_doc("run-a", i) for i in range(10, 25)])  # read again, and more
+    _flush(store, restarted, update + [_doc("run-a", i) for i in range(10, 25)])  # read again
+    with Lake([lake]).read() as con:
+        assert con.execute(
+            "SELECT count(*), count(DISTINCT request_id), max(cached_tokens) FROM events"
+        ).fetchone() == (25, 25, 3)
+
+
+@pytest.mark.parametrize("cut_short", [False, True])
+def test_a_crash_before_a_flushs_events_are_written_loses_and_doubles_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut_short: bool
+) -> None:
+    """New requests' events are written after their flush's commit: a crash before that (the
+    thread never ran; or it left a file cut short) is made good by the next start, once."""
+    store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
+    writer = LakeWriter(lake, store)
+    _flush(store, writer, [_doc("run-a", i) for i in range(10)])
+    monkeypatch.setattr(LakeWriter, "_write_after_commit", lambda self, deferred: None)
+    with store.write() as con:  # flush 2 commits; the process dies before its events are out
+        mark = writer.mark(con)
+        store.add_events([_doc("run-a", i) for i in range(10, 30)], con)
+        written = writer.write(con, mark)
+    assert written is not None and written.deferred is not None
+    assert len(list_files(lake, "events")) == 1
+    if cut_short:
+        (lake / "events" / "run_id=run-a" / "date=2026-11-25" / part_name(writer.sidecar, 2)
+         ).write_bytes(b"PAR1 cut short")  # fmt: skip
+    monkeypatch.undo()
+    restarted = LakeWriter(lake, store)  # a new process: writes flush 2's events first
+    assert restarted.seq == 2 and restarted.published == 2
+    _flush(store, restarted, [_doc("run-a", i) for i in range(30, 35)])
     with Lake([lake]).read() as con:
         assert con.execute(
             "SELECT count(*), count(DISTINCT request_id) FROM events"
-        ).fetchone() == (25, 25)
+        ).fetchone() == (35, 35)
+    assert len(list_files(lake, "events")) == 3
 
 
 def test_versions_and_moves_resolve_to_the_store_row(tmp_path: Path) -> None:
@@ -351,6 +384,7 @@ def test_versions_and_moves_resolve_to_the_store_row(tmp_path: Path) -> None:
         store.add_events(moved, con)
         written = writer.write(con, mark)
     writer.committed(written)
+    writer.wait()
     with Store(store.path).read() as con:
         expected = con.execute(
             "SELECT run_id, request_id, doc FROM events ORDER BY 1, 2"
@@ -428,7 +462,9 @@ def test_a_server_sessions_report_from_the_lake_equals_the_stores(tmp_path: Path
         mark = writer.mark(con)
         store.add_events(served + own + elsewhere, con)
         store.upsert_run(session, con, started_at=datetime(2026, 11, 25, 10), label="session")
-        writer.committed(writer.write(con, mark, runs=[session]))
+        written = writer.write(con, mark, runs=[session])
+    writer.committed(written)
+    writer.wait()
     options = ReportOptions(charts=False)
     from_store = build_summary(store, session, options)
     from_lake = build_summary(Lake([lake]).scoped([session]), session, options)
