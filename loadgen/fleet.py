@@ -44,10 +44,10 @@ from servescope.loadgen.experiment import (
     lever_flips,
 )
 from servescope.loadgen.launcher import LOG_DIR, VllmServer, load_profiles
-from servescope.loadgen.workload import WorkloadError, load_config
+from servescope.loadgen.workload import WorkloadError
 from servescope.store import Store
+from servescope.wire.routing import ROUTING_POLICIES
 
-ROUTING_POLICIES = ("round-robin", "least-outstanding", "prefix-affinity")
 FLEET_DIR = Path("servescope-data") / "fleet"
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves POST /reset_prefix_cache only then
 
@@ -179,12 +179,7 @@ class FleetExperiment:
         self.repeats = repeats
         self.slo = slo or {}
         self.hooks = hooks or ExperimentHooks()
-        config = load_config(spec.workload)
-        if spec.workloads:
-            config = config.select(spec.workloads)
-        if requests or spec.requests:
-            config = config.with_requests(requests or spec.requests or 0)
-        self.config = config.scaled(scale if scale is not None else spec.scale)
+        self.config = spec.bench_config(scale, requests)
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         self.experiment_id = f"exp-{stamp}-{spec.name}"
         self._stamp = stamp
