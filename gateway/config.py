@@ -47,6 +47,8 @@ from typing import Any
 
 import yaml
 
+from servescope.wire.routing import ROUTING_POLICIES
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_EVENTS_DIR = Path("servescope-data") / "events"
@@ -91,7 +93,6 @@ class Upstream:
     max_concurrent: int = 64
 
 
-ROUTING_POLICIES = ("round-robin", "least-outstanding", "prefix-affinity")
 DEFAULT_ROUTING = "round-robin"
 DEFAULT_PREFIX_CHARS = 256
 DEFAULT_LOAD_FACTOR = 1.25

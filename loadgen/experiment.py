@@ -58,6 +58,16 @@ class ExperimentSpec:
     model: str = "random"  # the tiny model kind (loadgen/tiny_model.py KINDS) the servers load
     fleet: FleetSpec | None = None  # set: `profiles` are the gateway's routing policies
 
+    def bench_config(self, scale: float | None, requests: int | None) -> BenchConfig:
+        """The workload every run of the experiment sends: the spec's workloads, with the
+        command line's request count and scale over the spec's own."""
+        config = load_config(self.workload)
+        if self.workloads:
+            config = config.select(self.workloads)
+        if requests := requests or self.requests:
+            config = config.with_requests(requests)
+        return config.scaled(scale if scale is not None else self.scale)
+
 
 def load_experiments(path: Path = EXPERIMENTS_FILE) -> dict[str, ExperimentSpec]:
     raw: dict[str, dict[str, Any]] = yaml.safe_load(path.read_text())["experiments"]
@@ -188,13 +198,7 @@ class Experiment:
         self.slo = slo or {}
         self.hooks = hooks or ExperimentHooks()
         self.server_flags = list(server_flags or [])  # after every profile's own: they win
-        config = load_config(spec.workload)
-        if spec.workloads:
-            config = config.select(spec.workloads)
-        requests = requests or spec.requests
-        if requests:
-            config = config.with_requests(requests)
-        self.config = config.scaled(scale if scale is not None else spec.scale)
+        self.config = spec.bench_config(scale, requests)
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         self.experiment_id = f"exp-{stamp}-{spec.name}"
         self._stamp = stamp

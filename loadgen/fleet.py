@@ -9,7 +9,9 @@ gets a fresh `servescope gateway` (its own process, so the proxy's CPU is not th
 generator's) with a pool of the replicas and the run's policy; bench sends through it and
 scrapes every replica's `/metrics` into the run (`bench run --replica`), so the report has its
 per-replica table. The run's `levers` are the replicas' flags plus `routing`; at every switch
-a `lever_flips` row records the change of `routing`, as for any lever.
+a `lever_flips` row records the change of `routing`, as for any lever. With a sidecar in the
+hooks (as `servescope experiment run` gives), each replica gets its own collector, as an
+operator runs one per server: vLLM's log, traces and `/metrics`, and the GPU on a GPU server.
 """
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ from servescope.loadgen.experiment import (
     ExperimentResult,
     ExperimentRun,
     ExperimentSpec,
+    Sidecar,
     free_port,
     lever_flips,
 )
 from servescope.loadgen.launcher import LOG_DIR, VllmServer, load_profiles
-from servescope.loadgen.workload import WorkloadError, load_config
+from servescope.loadgen.workload import WorkloadError
 from servescope.store import Store
+from servescope.wire.routing import ROUTING_POLICIES
 
-ROUTING_POLICIES = ("round-robin", "least-outstanding", "prefix-affinity")
 FLEET_DIR = Path("servescope-data") / "fleet"
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves POST /reset_prefix_cache only then
 
@@ -176,37 +179,23 @@ class FleetExperiment:
         self.repeats = repeats
         self.slo = slo or {}
         self.hooks = hooks or ExperimentHooks()
-        config = load_config(spec.workload)
-        if spec.workloads:
-            config = config.select(spec.workloads)
-        if requests or spec.requests:
-            config = config.with_requests(requests or spec.requests or 0)
-        self.config = config.scaled(scale if scale is not None else spec.scale)
+        self.config = spec.bench_config(scale, requests)
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         self.experiment_id = f"exp-{stamp}-{spec.name}"
         self._stamp = stamp
         self.folder = FLEET_DIR / self.experiment_id
         teams = sorted({w.team for w in self.config.workloads if w.team})
         self.keys = {team: f"sk-{secrets.token_hex(16)}" for team in teams}
+        self._sidecars: list[Sidecar] = []
 
     def run(self) -> ExperimentResult:
-        """Start the replicas, run every (repeat, policy), stop the replicas."""
-        assert self.spec.fleet is not None
+        """Start the replicas (and their sidecars), run every (repeat, policy), stop them all."""
         result = ExperimentResult(self.spec.name, self.experiment_id)
-        replicas = {
-            f"r{i + 1}": VllmServer(
-                self.model,
-                profile=self.spec.fleet.profile,
-                port=free_port(),
-                served_name=Path(self.model).name,
-                env=DEV_MODE,
-                log_path=LOG_DIR / f"{self.experiment_id}-r{i + 1}.log",
-            )
-            for i in range(self.spec.fleet.replicas)
-        }
+        replicas: dict[str, VllmServer] = {}
         saved = {var: os.environ.get(var) for var in map(key_variable, self.keys)}
         os.environ.update({key_variable(team): key for team, key in self.keys.items()})
         try:
+            replicas = self._replicas()
             self._start(replicas)
             self._runs(replicas, result)
         except KeyboardInterrupt:
@@ -216,6 +205,8 @@ class FleetExperiment:
         finally:
             for server in replicas.values():
                 server.stop()
+            for sidecar in self._sidecars:
+                sidecar.close()
             for var, value in saved.items():
                 if value is None:
                     os.environ.pop(var, None)
@@ -223,12 +214,41 @@ class FleetExperiment:
                     os.environ[var] = value
         return result
 
+    def _replicas(self) -> dict[str, VllmServer]:
+        """One server per replica, each with its own collector sidecar when the hooks give one
+        (started first: it receives the server's traces from the server's first request)."""
+        assert self.spec.fleet is not None
+        replicas: dict[str, VllmServer] = {}
+        for i in range(self.spec.fleet.replicas):
+            name, port = f"r{i + 1}", free_port()
+            log = LOG_DIR / f"{self.experiment_id}-{name}.log"
+            sidecar = None
+            if self.hooks.sidecar is not None:
+                sidecar = self.hooks.sidecar(log, f"http://127.0.0.1:{port}")
+                self._sidecars.append(sidecar)
+            replicas[name] = VllmServer(
+                self.model,
+                profile=self.spec.fleet.profile,
+                port=port,
+                served_name=Path(self.model).name,
+                extra_flags=sidecar.flags if sidecar else None,
+                env={**DEV_MODE, **(sidecar.env if sidecar else {})},
+                log_path=log,
+            )
+        return replicas
+
     def _start(self, replicas: dict[str, VllmServer]) -> None:
-        """Both replicas at once (each waits for its own /health)."""
+        """CPU replicas at once (each waits for its own /health); GPU replicas one after the
+        other, since they may share a device: vLLM sizes its KV cache from the device memory it
+        sees in use while it profiles, and would count a neighbour's start-up as its own."""
         for name, server in replicas.items():
-            self.hooks.starting(f"{name} ({self.spec.fleet.profile})", server)  # type: ignore[union-attr]
-        with ThreadPoolExecutor(max_workers=len(replicas)) as pool:
-            list(pool.map(lambda s: s.start(), replicas.values()))
+            self.hooks.starting(f"{name} ({server.profile.name})", server)
+        if any(server.profile.device == "gpu" for server in replicas.values()):
+            for server in replicas.values():
+                server.start()
+        else:
+            with ThreadPoolExecutor(max_workers=len(replicas)) as pool:
+                list(pool.map(lambda s: s.start(), replicas.values()))
         for name, server in replicas.items():
             self.hooks.ready(name, server)
 
@@ -289,6 +309,8 @@ class FleetExperiment:
                 },
             }
             run.result = self.execute(self.config, gateway.url, self.store, options)
+            for sidecar in self._sidecars:
+                sidecar.settle(run.run_id)
         finally:
             with contextlib.suppress(Exception):
                 gateway.stop()

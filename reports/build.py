@@ -264,8 +264,9 @@ def _compare(
         "bootstrap": {
             "draws": bootstrap.DRAWS,
             "seed": seed,
-            "method": "exact bootstrap distributions over per-request samples; throughput and "
-            "goodput resample windows of completions (1 s, or 1/20 of a shorter run)",
+            "method": "exact bootstrap distributions over per-request samples; throughput, "
+            "goodput and energy resample windows of the run (1 s, or 1/20 of a shorter run), "
+            "each request's tokens counted in the windows they were generated in",
         },
         "slo": options.slo or None,
         "charts": charts([b_side, a_side], flips) if options.charts else {},

@@ -208,9 +208,10 @@ class Samples:
     def window_totals(
         self, width: float, count: int, slo: dict[str, float]
     ) -> dict[str, Floats] | None:
-        """Per-window totals (`ok`, `input_tokens`, `output_tokens`, `good`) of the requests,
-        by the window of `width` seconds after the slice's first start in which each completed
-        (the last window takes the stragglers); None when no request has a timestamp."""
+        """Per-window totals (`ok`, `input_tokens`, `output_tokens`, `good`) of the successful
+        requests over `count` windows of `width` seconds from the slice's first start, each
+        request spread over the spans where its work happened (`sql.SLICE_WINDOW_TOTALS`);
+        None when no request has a timestamp."""
         span = self.span
         if span is None:
             return None
@@ -220,13 +221,12 @@ class Samples:
                 **self.part.params(),
                 "t0": span[0],
                 "width": width,
-                "last": count - 1,
+                "count": count,
                 **{f"slo_{m}": slo.get(m) for m in sql.SLO_METRICS},
             }
             data = self.con.execute(sql.SLICE_WINDOW_TOTALS, params).fetchnumpy()
-            which: NDArray[np.int64] = np.asarray(data["w"], dtype=np.int64)
             self._windows[key] = {
-                name: np.bincount(which, weights=_floats(data[name]), minlength=count)
+                name: _spread_totals(data, name, count)
                 for name in ("ok", "input_tokens", "output_tokens", "good")
             }
         return self._windows[key]
@@ -265,3 +265,16 @@ def choose_sources(*sides: Samples) -> dict[str, str]:
         traced = all(s.measured(server) for s in sides)
         chosen[metric] = SERVER if traced and not client else CLIENT
     return chosen
+
+
+def _spread_totals(data: dict[str, Any], column: str, count: int) -> Floats:
+    """One column's per-window totals from `sql.SLICE_WINDOW_TOTALS`' changes at the edges."""
+    rows = np.asarray(data["col"]) == column
+    edge: NDArray[np.int64] = np.asarray(data["k"], dtype=np.int64)[rows]
+
+    def running(name: str) -> Floats:
+        changes = np.bincount(edge, weights=_floats(data[name])[rows], minlength=count + 1)
+        return np.cumsum(changes[: count + 1])
+
+    done = running("ended") + np.arange(count + 1) * running("rate") - running("rate_start")
+    return np.maximum(np.diff(done), 0.0)

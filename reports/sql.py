@@ -225,23 +225,56 @@ SELECT count(*) AS requests,
 FROM events WHERE {IN_SLICE}
 """
 
-# Per window of completions: the block bootstrap's units for throughput and goodput. A request
-# completes at its start + e2e (its start when e2e is missing); window w holds completions in
-# [$t0 + w·$width, $t0 + (w + 1)·$width), the last one everything later. Only non-empty windows
-# come back. (The arithmetic is the double arithmetic the report did on fetched columns.)
+# Per window of the run: the block bootstrap's units for throughput, goodput and energy per
+# token. Each successful request is counted where its work happened, spread evenly over a span:
+# the request itself (`ok`, `good`) over its life, start → start + e2e; its prompt tokens over
+# prefill, start → first token; its output tokens over decode, first token → end. Counted at
+# completion instead, a batch that finishes together would put a run's whole throughput into a
+# few windows, and resampling windows would measure when batches end, not how fast the server
+# serves. Positions are in windows from $t0 (`$count` of width `$width`), clamped to the run; a
+# span shorter than 1/1000 of a window is widened to that. Per column and window edge `k`, the
+# rows are the changes of the rate (amount per window) of the spans under way and of
+# Σ rate · start, and the amounts of spans ended: `Samples.window_totals` sums them up to each
+# edge, where the amount done is ended + k · Σ rate − Σ rate · start, and each window's total
+# is the difference between its edges. Aggregated in SQL: memory grows with the windows, not
+# the requests.
 SLICE_WINDOW_TOTALS = f"""
-SELECT w,
-       count(*) FILTER (WHERE status = 'ok')::DOUBLE AS ok,
-       COALESCE(sum(prompt_tokens) FILTER (WHERE status = 'ok'), 0)::DOUBLE AS input_tokens,
-       COALESCE(sum(completion_tokens) FILTER (WHERE status = 'ok'), 0)::DOUBLE AS output_tokens,
-       count(*) FILTER (WHERE {_GOOD})::DOUBLE AS good
-FROM (
-    SELECT *, LEAST(GREATEST(floor(
-               (epoch(ts) + COALESCE(CASE WHEN isnan(e2e_ms) THEN 0 ELSE e2e_ms END, 0)
-                   / 1000.0::DOUBLE - $t0) / $width), 0), $last)::BIGINT AS w
-    FROM events WHERE ts IS NOT NULL AND {IN_SLICE}
+WITH req AS MATERIALIZED (
+    SELECT epoch(ts) AS s,
+           epoch(ts) + COALESCE(CASE WHEN isnan(e2e_ms) THEN NULL ELSE e2e_ms END, 0)
+               / 1000.0::DOUBLE AS e,
+           COALESCE(prompt_tokens, 0)::DOUBLE AS input_tokens,
+           COALESCE(completion_tokens, 0)::DOUBLE AS output_tokens,
+           CASE WHEN ttft_ms IS NULL OR isnan(ttft_ms) THEN NULL ELSE ttft_ms END AS ttft_ms,
+           COALESCE({_GOOD}, false) AS good
+    FROM events WHERE ts IS NOT NULL AND status = 'ok' AND {IN_SLICE}
+), timed AS (
+    SELECT *, LEAST(GREATEST(s + COALESCE(ttft_ms, 0) / 1000.0::DOUBLE, s), e) AS f FROM req
+), spans AS (
+    SELECT 'ok' AS col, s AS a, e AS b, 1.0::DOUBLE AS amount FROM timed
+    UNION ALL SELECT 'good', s, e, 1.0 FROM timed WHERE good
+    UNION ALL SELECT 'input_tokens', s, f, input_tokens FROM timed
+    UNION ALL SELECT 'output_tokens', f, e, output_tokens FROM timed
+), placed AS (
+    SELECT col, amount, pa, GREATEST(pb, pa + 0.001) AS pb FROM (
+        SELECT col, amount,
+               LEAST(GREATEST((a - $t0) / $width, 0), $count - 0.001) AS pa,
+               LEAST(GREATEST((b - $t0) / $width, 0), $count) AS pb
+        FROM spans
+    )
+), edges AS (
+    SELECT col, amount, pa, floor(pa)::BIGINT + 1 AS ka, ceil(pb)::BIGINT AS kb,
+           amount / (pb - pa) AS rate
+    FROM placed
 )
-GROUP BY w
+SELECT col, ka AS k, sum(rate) AS rate, sum(rate * pa) AS rate_start, 0.0::DOUBLE AS ended
+FROM edges WHERE ka < kb GROUP BY ALL
+UNION ALL
+SELECT col, kb AS k,
+       -COALESCE(sum(rate) FILTER (WHERE ka < kb), 0),
+       -COALESCE(sum(rate * pa) FILTER (WHERE ka < kb), 0),
+       sum(amount)
+FROM edges GROUP BY ALL
 """
 
 # Successful requests' TTFT by start time, for the chart: their count and time span

@@ -35,6 +35,7 @@ def test_single_gpu_is_the_seeds_vllm_serve_line() -> None:
 def test_multi_gpu_adds_tensor_parallelism() -> None:
     (argv,) = _lines("--profile", "gpu-multi")
     assert _flag(argv, "--tensor-parallel-size") == "2"
+    assert "NCCL_NVLS_ENABLE=0" in argv[: argv.index("vllm")]
     assert _flag(argv, "--gpu-memory-utilization") == "0.90"
 
 

@@ -9,7 +9,6 @@ import pytest
 import yaml
 
 from servescope.loadgen.experiment import lever_flips, load_experiments
-from servescope.loadgen.fleet import ROUTING_POLICIES
 from servescope.loadgen.launcher import load_profiles
 from servescope.loadgen.plan import (
     open_loop_units,
@@ -20,6 +19,7 @@ from servescope.loadgen.plan import (
 )
 from servescope.loadgen.runner import meets_slo, parse_slo
 from servescope.loadgen.workload import WorkloadError, load_config, parse_config, shipped
+from servescope.wire.routing import ROUTING_POLICIES
 from tests.conftest import servescope
 
 SEED_FILE = """

@@ -6,7 +6,6 @@ computation over a real store: DuckDB's own aggregate, or numpy over the fetched
 
 from __future__ import annotations
 
-import math
 from datetime import datetime, timedelta
 from fractions import Fraction
 from pathlib import Path
@@ -184,32 +183,66 @@ def test_a_sorted_column_keeps_only_the_ranks_read_and_fetches_again_beyond(
     assert fetched  # the ends were not kept: fetched again, exactly
 
 
-def test_window_totals_are_the_per_request_sums(db: Path) -> None:
+def _overlaps(start: Any, end: Any, t0: float, width: float, count: int) -> Any:
+    """Each span's share in each window (rows: spans; columns: windows), by brute force; a
+    span shorter than a thousandth of a window is widened to that, as the report does."""
+    edges = t0 + width * np.arange(count + 1)
+    lo = np.clip(start, edges[0], edges[-1] - width / 1000)
+    hi = np.maximum(np.clip(end, edges[0], edges[-1]), lo + width / 1000)
+    inside = np.minimum(hi[:, None], edges[None, 1:]) - np.maximum(lo[:, None], edges[None, :-1])
+    return np.maximum(inside, 0.0) / (hi - lo)[:, None]
+
+
+def test_window_totals_spread_each_request_over_its_work(db: Path) -> None:
     slo = {"ttft_ms": 150.0, "e2e_ms": 500.0}
     with Store(db).read() as con:
         rows = con.execute(
-            "SELECT epoch(ts), e2e_ms, status = 'ok', prompt_tokens, completion_tokens, ttft_ms "
-            "FROM events WHERE run_id = ?",
+            "SELECT epoch(ts), e2e_ms, prompt_tokens, completion_tokens, ttft_ms "
+            "FROM events WHERE run_id = ? AND status = 'ok'",
             [RUN],
         ).fetchall()
         samples = Samples(con, Slice(RUN))
         width, count = 0.25, 230
         got = samples.window_totals(width, count, slo)
-    assert got is not None
+    assert got is not None and samples.span is not None
+    t0 = samples.span[0]  # the slice's first start, a failed request's too
     t = np.array([r[0] for r in rows])
     end = t + np.array([r[1] if r[1] is not None else 0.0 for r in rows]) / 1000.0
-    which = np.clip(((end - t.min()) / width).astype(np.int64), 0, count - 1)
-    ok = np.array([r[2] for r in rows])
-    good = ok & np.array(
-        [r[5] is not None and r[5] <= 150.0 and r[1] is not None and r[1] <= 500.0 for r in rows]
+    ttft = np.array([r[4] if r[4] is not None else 0.0 for r in rows])
+    first = np.clip(t + ttft / 1000.0, t, end)
+    good = np.array(
+        [r[4] is not None and r[4] <= 150.0 and r[1] is not None and r[1] <= 500.0 for r in rows]
     )
+    life = _overlaps(t, end, t0, width, count)
     expect = {
-        "ok": ok,
-        "input_tokens": np.where(ok, [r[3] for r in rows], 0),
-        "output_tokens": np.where(ok, [r[4] for r in rows], 0),
-        "good": good,
+        "ok": life.sum(axis=0),
+        "good": life[good].sum(axis=0),
+        "input_tokens": np.array([r[2] or 0 for r in rows])
+        @ _overlaps(t, first, t0, width, count),
+        "output_tokens": np.array([r[3] or 0 for r in rows])
+        @ _overlaps(first, end, t0, width, count),
     }
-    for name, values in expect.items():
-        want = np.bincount(which, weights=values.astype(np.float64), minlength=count)
-        assert np.array_equal(got[name], want), name
-    assert got["ok"].sum() == ok.sum() and math.isfinite(got["good"].sum())
+    for name, want in expect.items():
+        assert np.allclose(got[name], want, rtol=1e-9, atol=1e-6), name
+        assert got[name].sum() == pytest.approx(want.sum(), rel=1e-12), name
+    assert got["ok"].sum() == pytest.approx(len(rows)) and 0 < got["good"].sum() < len(rows)
+
+
+def test_a_batch_that_ends_together_is_counted_while_it_decodes(tmp_path: Path) -> None:
+    """Eight requests decode side by side for 10 s and finish in the same second: their tokens
+    fall in the ten windows they were produced in, not all in the last, so the windows that
+    the throughput interval resamples measure the server's pace, not when the batch ended."""
+    batch = [
+        {"request_id": f"batch-{i}", "ts": (T0 + timedelta(milliseconds=i)).isoformat() + "Z",
+         "model": "m", "prompt_tokens": 100, "completion_tokens": 500, "ttft_ms": 1000.0,
+         "e2e_ms": 11_000.0 - i, "status": "ok", "run_id": "batch"}
+        for i in range(8)
+    ]  # fmt: skip
+    path = tmp_path / "s.duckdb"
+    Store(path).add_events(batch)
+    with Store(path).read() as con:
+        got = Samples(con, Slice("batch")).window_totals(1.0, 11, {})
+    assert got is not None
+    assert got["input_tokens"][0] == pytest.approx(800, rel=0.01)  # prefill: the first second
+    assert np.allclose(got["output_tokens"][1:], 400, rtol=0.01)  # 8 × 500 tokens over 10 s
+    assert got["ok"].sum() == pytest.approx(8) and got["ok"].max() < 1

@@ -3,6 +3,7 @@
 # a, b, c and d installed into $SITE, servescope installed there too: its README, step 4). JOB:
 #   prefix-caching  servescope experiment run prefix-caching-gpu  (2 server starts, sidecar on)
 #   max-num-seqs    servescope experiment run max-num-seqs-gpu    (2 server starts, sidecar on)
+#   routing         servescope experiment run routing-gpu --repeats 2 (2 replicas on one GPU)
 #   overhead        benchmarks/bench_sidecar_overhead.py           (1 traced start + 1 untraced)
 #   capacity        benchmarks/bench_capacity_gpu.py               (two shapes × two settings)
 # Everything the job made — vLLM's logs, the store, the reports, the NVML samples of the whole
@@ -11,7 +12,7 @@
 # Each job ends within ~9 minutes on an H100 (vLLM starts in ~150 s cold, ~92 s warm).
 # Env: SITE=/tmp/site MODEL=<repo>/.gpu/c/model SERVESCOPE=$SITE/bin/servescope
 set -u
-usage="usage: run.sh {prefix-caching|max-num-seqs|overhead|capacity} OUT"
+usage="usage: run.sh {prefix-caching|max-num-seqs|routing|overhead|capacity} OUT"
 JOB=${1:?$usage}
 OUT=${2:?$usage}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -32,6 +33,10 @@ t0=$SECONDS
 case "$JOB" in
   prefix-caching | max-num-seqs)
     "$SERVESCOPE" experiment run "$JOB-gpu" --model "$MODEL" --store store.duckdb \
+      --out reports --json > result.json 2> console.txt
+    ;;
+  routing)
+    "$SERVESCOPE" experiment run routing-gpu --repeats 2 --model "$MODEL" --store store.duckdb \
       --out reports --json > result.json 2> console.txt
     ;;
   overhead)

@@ -134,7 +134,7 @@ def run_experiment(args: argparse.Namespace) -> int:
                 scale=args.scale,
                 requests=args.requests,
                 slo=parse_slo(args.slo),
-                hooks=ExperimentHooks(starting=starting, ready=ready),
+                hooks=hooks(store),
             )
         else:
             experiment = Experiment(
