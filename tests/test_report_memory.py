@@ -6,6 +6,7 @@ computation over a real store: DuckDB's own aggregate, or numpy over the fetched
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timedelta
 from fractions import Fraction
 from pathlib import Path
