@@ -247,3 +247,25 @@ def test_a_batch_that_ends_together_is_counted_while_it_decodes(tmp_path: Path) 
     assert got["input_tokens"][0] == pytest.approx(800, rel=0.01)  # prefill: the first second
     assert np.allclose(got["output_tokens"][1:], 400, rtol=0.01)  # 8 × 500 tokens over 10 s
     assert got["ok"].sum() == pytest.approx(8) and got["ok"].max() < 1
+
+
+def test_a_total_of_mostly_distinct_values_resamples_them_exactly_as_counts_would() -> None:
+    """Window totals of tokens are fractional (each request spread over its windows): almost
+    every value distinct, they are resampled as they are; the same distribution as the
+    Multinomial counts of distinct values, the same draws in any order, from the same seed."""
+    values = np.random.default_rng(7).lognormal(5.0, 1.0, 3600)
+    direct = bootstrap.total_draws(values)
+    assert direct is not None
+    draws = direct(np.random.default_rng(5))
+    assert np.array_equal(draws, bootstrap.total_draws(values[::-1])(np.random.default_rng(5)))  # type: ignore[misc]
+    sd = values.std() * math.sqrt(len(values))  # a sum of n draws with replacement
+    assert abs(draws.mean() - values.sum()) < 4 * sd / math.sqrt(len(draws))
+    assert 0.9 < draws.std() / sd < 1.1
+    counted = np.round(values[:8], 0).repeat(450)  # few distinct values: Multinomial counts
+    assert len(np.unique(counted)) * bootstrap.DISTINCT_SHARE <= len(counted)
+    by_counts = bootstrap.total_draws(counted)
+    assert by_counts is not None
+    draws = by_counts(np.random.default_rng(5))
+    sd = counted.std() * math.sqrt(len(counted))
+    assert abs(draws.mean() - counted.sum()) < 4 * sd / math.sqrt(len(draws))
+    assert 0.9 < draws.std() / sd < 1.1
