@@ -15,19 +15,19 @@ import sys
 from collections.abc import Callable, Sequence
 
 from servescope import commands
-from servescope.commands import report
 
 INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The `servescope` parser for `argv` (default: every command's)."""
     parser = argparse.ArgumentParser(
         prog="servescope",
         description="Measure what each vLLM lever flip does to TTFT, TPOT, queue time, "
         "prefix-cache hits and errors.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in commands.COMMANDS:
+    for module in commands.modules_for([] if argv is None else argv):
         module.register(sub)
     return parser
 
@@ -65,12 +65,15 @@ def guarded(func: Callable[[argparse.Namespace], int | None], args: argparse.Nam
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return guarded(args.func, args)
 
 
 def report_main(argv: Sequence[str] | None = None) -> int:
     """The `report` console script: `report build run-20260512` is `servescope report build …`."""
+    from servescope.commands import report
+
     parser = argparse.ArgumentParser(prog="report", description=report.DESCRIPTION)
     report.add_subcommands(parser)
     args = parser.parse_args(argv)

@@ -1,10 +1,11 @@
 """One module per command group; each has `register(subparsers)`.
 
-The modules are imported when `COMMANDS` is first read (building the `servescope` parser), not
-when this package is: the `report` script imports only its own module, and skips the second
-that the vLLM-side modules take to import.
+Nothing is imported with this package: `modules_for(argv)` imports only the module of the
+command typed (each group's imports reach different rooms, and all of them together take seconds
+that a `store runs` should not pay); help and unknown commands import them all.
 """
 
+from collections.abc import Sequence
 from importlib import import_module
 from types import ModuleType
 
@@ -24,7 +25,9 @@ NAMES = [
 ]
 
 
-def __getattr__(name: str) -> list[ModuleType]:
-    if name == "COMMANDS":
-        return [import_module(f"{__name__}.{module}") for module in NAMES]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def modules_for(argv: Sequence[str]) -> list[ModuleType]:
+    """The command modules a parser for `argv` needs: the typed command's alone, or every one
+    when none is typed (`--help`, a typo) so that argparse lists them all."""
+    typed = next((arg for arg in argv if not arg.startswith("-")), None)
+    names = [typed] if typed in NAMES else NAMES
+    return [import_module(f"{__name__}.{name}") for name in names]
