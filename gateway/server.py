@@ -208,12 +208,20 @@ class Gateway:
     async def _probe_replicas(self) -> None:
         """Every `PROBE_EVERY_S`, `GET /health` on each replica of a pool (routes of one upstream
         keep the passive rule alone): a refused, failed or timed-out probe marks it down, a 200
-        brings it back at once. Requests that fail mark an upstream down too, without waiting."""
-        while True:
-            names = sorted({n for r in self.config.routes.values() if len(r.pool) > 1
-                            for n in r.pool})  # fmt: skip
-            await asyncio.gather(*(self._probe(n) for n in names))
-            await asyncio.sleep(PROBE_EVERY_S)
+        brings it back at once. Requests that fail mark an upstream down too, without waiting.
+        Each replica keeps its own pace: a busy one slow to answer never delays the probe that
+        finds another one dead."""
+        probing: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                names = {n for r in self.config.routes.values() if len(r.pool) > 1 for n in r.pool}
+                for name in sorted(names):
+                    if name not in probing or probing[name].done():
+                        probing[name] = asyncio.create_task(self._probe(name))
+                await asyncio.sleep(PROBE_EVERY_S)
+        finally:
+            for task in probing.values():
+                task.cancel()
 
     async def _probe(self, name: str) -> None:
         upstream = self.config.upstreams.get(name)

@@ -1,6 +1,7 @@
-"""The collector next to a real vLLM: request logs (text format on the session server, JSON format
-on a second server of this module), OTLP traces from vLLM's `--otlp-traces-endpoint`, /metrics,
-and a real bench run; the store ends with exactly one event per request, joined across sources."""
+"""The collector next to a real vLLM: request logs (text format on the session server, JSON
+format on the session's predictable-model server), OTLP traces from vLLM's
+`--otlp-traces-endpoint`, /metrics, and a real bench run; the store ends with exactly one event
+per request, joined across sources."""
 
 from __future__ import annotations
 
@@ -11,13 +12,11 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import duckdb
 import pytest
 
-from servescope.loadgen.launcher import VllmServer
 from servescope.store import Store
 from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, servescope
 
@@ -192,54 +191,34 @@ def test_text_log_traces_and_bench_make_one_event_per_request(
     assert mine == (N,)
 
 
-@pytest.fixture(scope="module")
-def json_log_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    """A second vLLM whose log is in the JSON format, tracing to a port of its own."""
-    folder = tmp_path_factory.mktemp("vllm-json")
-    otlp_port = free_port()
-    server = VllmServer(
-        tiny_model,
-        port=free_port(),
-        served_name="tiny",
-        extra_flags=[
-            "--logging-config",
-            '{"formatter": "json"}',
-            "--otlp-traces-endpoint",
-            f"http://127.0.0.1:{otlp_port}/v1/traces",
-        ],  # fmt: skip
-        env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},
-        log_path=folder / "vllm.log",
-    )
-    with server:
-        yield server, otlp_port
-
-
 def test_json_log_traces_and_bench_make_one_event_per_request(
-    json_log_server: tuple[VllmServer, int], tmp_path: Path
+    predictable_vllm_server: RunningServer, tmp_path: Path
 ) -> None:
-    server, otlp_port = json_log_server
-    assert server.log_path.read_text().lstrip().startswith("{") or any(
-        line.startswith("{") for line in server.log_path.read_text().splitlines()
+    server = predictable_vllm_server
+    assert server.log.read_text().lstrip().startswith("{") or any(
+        line.startswith("{") for line in server.log.read_text().splitlines()
     ), "the server did not log in JSON"
     run_id = "run-20261122-colljson"
     events, own, store = _collect_during_bench(
-        server.url, server.log_path, otlp_port, tmp_path, run_id
+        server.url, server.log, server.otlp_port, tmp_path, run_id
     )
     _assert_joined(events, run_id)
     _assert_own_metrics(own)
 
     once = tmp_path / "once.duckdb"
     result = servescope(
-        "collect", "--once", "--vllm-log", str(server.log_path), "--store", str(once), "--json"
+        "collect", "--once", "--vllm-log", str(server.log), "--store", str(once), "--json"
     )
     assert result.returncode == 0, result.stderr
     con = duckdb.connect(str(once), read_only=True)
-    ids = sorted(r[0] for r in con.execute("SELECT request_id FROM events").fetchall())
+    ids = sorted(r[0] for r in con.execute(
+        "SELECT request_id FROM events WHERE run_id = ?", [run_id]).fetchall())  # fmt: skip
     levers = con.execute("SELECT state FROM checkpoints WHERE file_key = ''").fetchone()
     con.close()
-    assert ids == [f"{run_id}-{i:06d}" for i in range(1, N + 1)]  # this server served only these
+    assert ids == [f"{run_id}-{i:06d}" for i in range(1, N + 1)]  # once each, none missing
     session = json.loads(levers[0])["session"] if levers else {}
-    assert session["args"]["served_model_name"] == ["tiny"] and session["model"] == "tiny"
+    assert session["args"]["served_model_name"] == [server.served_name]
+    assert session["model"] == server.served_name
 
 
 def test_n_samples_and_prompt_lists_are_stored_with_the_apis_usage(

