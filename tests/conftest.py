@@ -116,39 +116,47 @@ def predictable_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def predictable_otlp_port() -> int:
+    """Where both servers of the predictable model send their traces (a collector listening
+    there, as in tests/test_collector_e2e.py, receives both), and how they log (JSON): the same
+    flags on both, so that speculation is the one lever between them."""
+    return free_port()
+
+
+def _predictable_flags(otlp_port: int) -> list[str]:
+    return ["--logging-config", '{"formatter": "json"}',
+            "--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_port}/v1/traces"]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def predictable_vllm_server(
-    predictable_model: Path, tmp_path_factory: pytest.TempPathFactory
+    predictable_model: Path, predictable_otlp_port: int, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
-    """The predictable tiny model with vLLM's defaults (speculation off), logging in the JSON
-    format and tracing to a port of its own: the collector's JSON-log test and the off side of
-    the speculative-decoding experiment."""
-    otlp_port = free_port()
+    """The predictable tiny model with vLLM's defaults (speculation off): the collector's
+    JSON-log test and the off side of the speculative-decoding experiment."""
     yield from _served(
         predictable_model,
         "tiny-predictable",
         tmp_path_factory.mktemp("vllm-predictable"),
-        extra=[
-            "--logging-config",
-            '{"formatter": "json"}',
-            "--otlp-traces-endpoint",
-            f"http://127.0.0.1:{otlp_port}/v1/traces",
-        ],  # fmt: skip
-        otlp_port=otlp_port,
+        extra=_predictable_flags(predictable_otlp_port),
+        otlp_port=predictable_otlp_port,
     )
 
 
 @pytest.fixture(scope="session")
 def spec_vllm_server(
-    predictable_model: Path, tmp_path_factory: pytest.TempPathFactory
+    predictable_model: Path, predictable_otlp_port: int, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
-    """A second real vLLM, for speculative decoding: the predictable tiny model (its outputs
-    repeat prompts that quote its passage) with the `ngram-speculation` profile. Shared by the
-    speculative-decoding experiment test and the live dashboard test (one start per session)."""
+    """The predictable tiny model (its outputs repeat prompts that quote its passage) with the
+    `ngram-speculation` profile. Shared by the speculative-decoding experiment test and the live
+    dashboard test (one start per session)."""
     yield from _served(
         predictable_model,
         "tiny-predictable",
         tmp_path_factory.mktemp("vllm-spec"),
         profile="ngram-speculation",
+        extra=_predictable_flags(predictable_otlp_port),
+        otlp_port=predictable_otlp_port,
     )
 
 
