@@ -4,6 +4,7 @@ import only what the contract allows, and no import circle."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import zipfile
@@ -113,3 +114,25 @@ def test_the_wheel_installs_one_top_level_package(tmp_path: Path) -> None:
         "servescope/wire/stream.py",
     ):
         assert data in names
+
+
+def test_a_command_imports_its_own_room_only() -> None:
+    """`servescope store runs` builds its parser without the collector, the load generator or the
+    gateway (their imports took 3 of a CLI call's 3.6 s); help still lists every command."""
+    probe = (
+        "import sys; from servescope.cli import build_parser; "
+        "build_parser(['store', 'runs']).parse_args(['store', 'runs']); "
+        "print(sorted(m for m in sys.modules if m.startswith('servescope.')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    assert "servescope.commands.store" in loaded
+    for room in ("collector", "loadgen", "gateway", "reports", "dashboards"):
+        assert f"'servescope.{room}." not in loaded, (room, loaded)
+    help_text = subprocess.run(
+        [sys.executable, "-m", "servescope.cli", "--help"], capture_output=True, text=True
+    ).stdout
+    for command in ("model", "serve", "bench", "collect", "experiment", "store", "report",
+                    "demo", "gateway", "dashboards", "capacity", "diagnose"):  # fmt: skip
+        assert re.search(rf"^ +{command}\b", help_text, re.M), command
