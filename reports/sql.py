@@ -347,9 +347,12 @@ _POSITION = "CAST(labels AS JSON)->>'position' AS position"
 SLICE_SPEC_DECODE = counter_deltas(_SPEC_DECODE, f"name, {_POSITION}", IN_WINDOW)
 
 # Per workload of a slice: from the run's last sample at or before the workload's first request
-# to its first sample at or after the workload's last request ended. The bench scrapes at each
-# level's end, so workloads that run one after another split exactly; with samples only every
-# second (a collector's scrape) a window may take in up to a second of its neighbours.
+# to the sample where the next workload's window starts, or, for the last workload, the slice's
+# last sample: vLLM counts a step's drafts a moment after its tokens reach the client, so a
+# window closed at the last response would lose the final steps. The bench scrapes at each
+# level's end, so workloads that run one after another split exactly and sum to the run's total;
+# workloads that overlap end at the first sample after their last request (with samples only
+# every second, a collector's scrape, a window may take in up to a second of its neighbours).
 SLICE_SPEC_DECODE_BY_WORKLOAD = f"""
 WITH w AS (
     SELECT workload, min(ts) AS first_ts,
@@ -358,6 +361,7 @@ WITH w AS (
     WHERE {IN_SLICE} AND workload IS NOT NULL
     GROUP BY workload
 ),
+o AS (SELECT *, lead(first_ts) OVER (ORDER BY first_ts, workload) AS next_ts FROM w),
 m AS (
     SELECT target, labels, name, ts, value
     FROM metric_samples
@@ -365,9 +369,16 @@ m AS (
 ),
 b AS (
     SELECT workload,
-           (SELECT max(ts) FROM m WHERE m.ts <= w.first_ts) AS lo,
-           (SELECT min(ts) FROM m WHERE m.ts >= w.last_end) AS hi
-    FROM w
+           (SELECT max(ts) FROM m WHERE m.ts <= o.first_ts) AS lo,
+           CASE
+               WHEN o.next_ts IS NULL THEN coalesce(
+                   (SELECT max(ts) FROM m
+                    WHERE CAST($until AS TIMESTAMP) IS NULL OR m.ts < CAST($until AS TIMESTAMP)),
+                   (SELECT min(ts) FROM m WHERE m.ts >= o.last_end))
+               WHEN o.next_ts >= o.last_end THEN (SELECT max(ts) FROM m WHERE m.ts <= o.next_ts)
+               ELSE (SELECT min(ts) FROM m WHERE m.ts >= o.last_end)
+           END AS hi
+    FROM o
 ),
 s AS (
     SELECT b.workload, m.target, m.labels, m.name, m.ts, m.value,
