@@ -5,9 +5,9 @@ a real Prometheus (Debian's) scraping both.
 - `report build --prometheus` reads each replica's counters and histograms from Prometheus and
   finds what servescope's own scrapes found, histogram quantiles within their bucket.
 - One replica SIGKILLed mid-run (its whole process group, as a crashed replica; this test runs
-  last, r2 is not restarted): every request is accounted for, per replica —
-  those in flight on the dead replica failed with a reason, the gateway stopped sending to it at
-  once, the rest of the run went on on the other replica. One collector then follows both
+  last, r2 is not restarted): every request is accounted for, per replica — those in flight on
+  the dead replica failed with a reason, the gateway stopped sending to it at once, the rest of
+  the run went on on the other replica. One collector then follows both
   replicas' logs and counts no request twice."""
 
 from __future__ import annotations
