@@ -21,7 +21,7 @@ demo: install model
 
 test: install system-deps model
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 lint: install
 	$(BIN)/ruff check .

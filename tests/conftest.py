@@ -4,6 +4,7 @@ start fails the tests that need it; nothing here skips."""
 
 from __future__ import annotations
 
+import fcntl
 import http.server
 import json
 import os
@@ -16,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -30,6 +32,47 @@ SERVESCOPE = [sys.executable, "-m", "servescope.cli"]
 # skips the warm-up. What servescope observes (requests, logs, metrics, traces, KV cache) is the
 # same; each start is ~15 s shorter on two cores.
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+
+
+def _worker_cpus() -> str:
+    """This pytest-xdist worker's share of the CPUs, as vLLM's CPU thread binding reads it. vLLM
+    pins its engine to one fixed set of cores; two workers' servers would share those cores and
+    leave the others idle."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cpus = sorted(os.sched_getaffinity(0))
+    share = max(len(cpus) // count, 1)
+    start = int(worker.removeprefix("gw")) * share % len(cpus)
+    return ",".join(str(cpu) for cpu in cpus[start : start + share])
+
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _worker_cpus())
+
+# `make test` runs the suite on pytest-xdist workers (`-n 2 --dist loadgroup`). A module is one
+# unit of work, so that its module fixtures run once; the modules that use the session's servers
+# are one unit, so that each server starts once; units that start a vLLM go first, and the quick
+# modules fill in around them.
+SESSION_SERVERS = {"vllm_server", "predictable_vllm_server", "spec_vllm_server"}
+STARTS_VLLM = {"tiny_model", "predictable_model"}
+
+
+@pytest.hookimpl(wrapper=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
+    used: dict[str, set[str]] = {}
+    for item in items:
+        used.setdefault(item.module.__name__, set()).update(getattr(item, "fixturenames", ()))
+
+    def unit(item: pytest.Item) -> tuple[int, str]:
+        fixtures = used[item.module.__name__]
+        if fixtures & SESSION_SERVERS:
+            return 0, "session servers"
+        return (1 if fixtures & STARTS_VLLM else 2), item.module.__name__
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(unit(item)[1]))
+    items.sort(key=lambda item: unit(item)[0])
+    yield
 
 
 def bench_args(config: str | Path, target: str, run_id: str, store: str | Path) -> list[str]:
@@ -65,11 +108,29 @@ def servescope(
     return result
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """Refuse to run ungrouped: each worker would start its own session servers."""
+    if node.config.getoption("dist") == "loadgroup" and not all("@" in id_ for id_ in ids):
+        raise pytest.UsageError(
+            "pytest-xdist did not group the tests (pytest-xdist#1386: pytest 9.2 drops the group "
+            "xdist writes into node ids). Install the versions the dev extra of pyproject.toml "
+            "names: pip install -e '.[dev]'"
+        )
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    model = ROOT / DEFAULT_DIR
-    if not is_built(model):
-        make_tiny_model(model)
+    return _built(ROOT / DEFAULT_DIR, "random")
+
+
+def _built(model: Path, kind: str) -> Path:
+    """`model`, built first if it is not; one builder at a time across pytest-xdist workers."""
+    model.parent.mkdir(parents=True, exist_ok=True)
+    with (model.parent / f".{model.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_built(model):
+            make_tiny_model(model, kind=kind)
     return model
 
 
@@ -109,10 +170,7 @@ def vllm_server(
 
 @pytest.fixture(scope="session")
 def predictable_model() -> Path:
-    model = ROOT / PREDICTABLE_DIR
-    if not is_built(model):
-        make_tiny_model(model, kind="predictable")
-    return model
+    return _built(ROOT / PREDICTABLE_DIR, "predictable")
 
 
 @pytest.fixture(scope="session")

@@ -86,6 +86,7 @@ def test_every_profile_validates_and_starts_the_whole_stack(profile: str) -> Non
         # traces go to the collector sidecar's receiver; the log to a volume the sidecar reads
         assert "--otlp-traces-endpoint=http://collector:4318/v1/traces" in args
         assert vllm["environment"]["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+        assert vllm["environment"]["OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"] == "60"
         assert mounts_of(vllm)["/var/log/vllm"] in collector_volumes
         assert "--enable-log-requests" in args
     for name, svc in started.items():

@@ -33,6 +33,9 @@ ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+    # vLLM's exporter retries a batch of spans until this deadline (10 s by default): the README
+    # asks as much of an operator who restarts the collector, whose restart may take longer
+    "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "60",
 }
 # Sessions with a stored scrape that saw every good request (GOOD: the report's counters).
 SCRAPED_WHOLE = """
