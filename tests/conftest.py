@@ -4,6 +4,7 @@ start fails the tests that need it; nothing here skips."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import http.server
 import json
@@ -73,6 +74,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
         item.add_marker(pytest.mark.xdist_group(unit(item)[1]))
     items.sort(key=lambda item: unit(item)[0])
     yield
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """No process outlives the suite: whatever a failed test left running (a collector started
+    before a vLLM that never came up) is killed, not left to slow down the next run."""
+    if getattr(session.config.option, "numprocesses", None):
+        return  # xdist's controller: its children are the workers, which do this themselves
+    leftovers = psutil.Process().children(recursive=True)
+    for process in leftovers:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(leftovers, timeout=10)
 
 
 def bench_args(config: str | Path, target: str, run_id: str, store: str | Path) -> list[str]:

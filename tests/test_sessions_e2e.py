@@ -87,9 +87,11 @@ def _start_vllm(model: Path, port: int, otlp_port: int, log: Path, flag: str) ->
 
 
 def _stop_vllm(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGTERM)
     try:
+        os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=90)
+    except ProcessLookupError:  # stopped already
+        return
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
@@ -158,7 +160,8 @@ def _state(store: Path) -> tuple[list[dict], list[tuple], dict, int]:
     counts = {
         run: (n, errors)
         for run, n, errors in _query(
-            store, "SELECT run_id, count(*), count(*) FILTER (WHERE status <> 'ok') FROM events "
+            store,
+            "SELECT run_id, count(*), count(*) FILTER (WHERE status <> 'ok') FROM events "
             "GROUP BY run_id",
         )  # fmt: skip
     }
@@ -190,8 +193,9 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     ]  # fmt: skip
     out = folder / "collector.out"
     collector = _collector(args, out)
-    server = _start_vllm(tiny_model, port, otlp_port, log, "--no-enable-prefix-caching")
+    server = None
     try:
+        server = _start_vllm(tiny_model, port, otlp_port, log, "--no-enable-prefix-caching")
         _traffic(port, 1, range(0, 12), 2)
         collector.send_signal(signal.SIGKILL)  # in the middle: lines and traces not yet flushed
         collector.wait()
@@ -205,7 +209,8 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         _wait_for(store, "SELECT count(server_ttft_ms) FROM events", 2 * GOOD, "both traced")
         _wait_for(store, SCRAPED_WHOLE, 2, "session 2 scraped whole", params={"good": GOOD})
     finally:
-        _stop_vllm(server)
+        if server is not None:
+            _stop_vllm(server)
         time.sleep(2)
         collector.send_signal(signal.SIGTERM)
         code = collector.wait(timeout=60)
