@@ -16,6 +16,7 @@ and marks the run `partial`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import os
@@ -232,6 +233,10 @@ class BenchRun:
                     await asyncio.gather(*(s.scrape() for s in scrapers))
                     for scraper in scrapers:
                         scraper.start()
+                    # What start-up made (modules, the warm-up's prompts) is frozen: a full
+                    # collection, which walked it all, held a send back 40-150 ms mid-level.
+                    gc.collect()
+                    gc.freeze()
                     for group in self._level_groups():
                         states = [
                             _Level(w, level, ENDPOINTS[w.endpoint], books[w.name])
@@ -253,6 +258,7 @@ class BenchRun:
                 result.status = "failed"
                 result.failure = f"the target stopped answering set-up calls: {exc!r}"
             finally:
+                gc.unfreeze()
                 if sampler:
                     sampler.cancel()
                 if self._pool:
