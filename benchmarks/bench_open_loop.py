@@ -10,7 +10,7 @@ are each side's lag p50 and p99; the ratio is ours over the reference's p99, and
 is what the client adds to the timer. `bench run` flags a level `client_saturated` above 50 ms.
 
 Usage: .venv/bin/python benchmarks/bench_open_loop.py --target http://127.0.0.1:8000
-       [--rates 4,16,64] [--requests 64] [--model tiny]
+       [--rates 4,16,64] [--requests 64]
 Last line: {"metric": "open_loop_schedule_lag_ms_p99", "rates": {...}, ...}
 """
 
