@@ -322,7 +322,7 @@ class LakeWriter:
         self.store = store
         self.source = f"lake:{self.root}"
         state = checkpoints.state_of(checkpoints.load(store, self.source))
-        self.sidecar: str = state.get("sidecar") or new_sidecar_id()
+        self.sidecar: str = state.get("sidecar") or self._name_sidecar(store)
         self.seq: int = int(state.get("seq") or 0)  # the last flush the store committed
         self._clock = 0
         self._unsettled: list[Written] = []
@@ -334,6 +334,15 @@ class LakeWriter:
         if self._deferred is not None:  # a crash before the store said they were written
             self._deferred.done.set()  # no thread writes them: this start does
             self.settle_deferred()
+
+    def _name_sidecar(self, store: Store) -> str:
+        """A new store's name in the lake, committed before any file carries it: a crash in its
+        first flush leaves files a restart knows as its own (`remove_uncommitted`)."""
+        sidecar = new_sidecar_id()
+        with store.write() as con:
+            row = {"file_key": checkpoints.STATE_KEY, "state": {"sidecar": sidecar, "seq": 0}}
+            checkpoints.save(con, self.source, [row])
+        return sidecar
 
     @property
     def published(self) -> int:

@@ -341,6 +341,25 @@ def test_a_flush_the_store_never_committed_leaves_no_row(tmp_path: Path) -> None
         ).fetchone() == (25, 25, 3)
 
 
+def test_a_crash_in_a_stores_first_flush_leaves_no_file_behind(tmp_path: Path) -> None:
+    """The sidecar's name is in the store before any file carries it: a crash in a new store's
+    first flush, between the lake's files and the commit, leaves files that the restart knows as
+    its own and removes. (A restart under a new name would leave them in the lake for good: the
+    flush's tool call twice, once the flush is read again.)"""
+    store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
+    tool = {"type": "tool_call", "run_id": "run-a", "ts": "2026-11-25T10:00:00Z", "tool": "t1"}
+    writer = LakeWriter(lake, store)
+    _flush(store, writer, [tool, _doc("run-a", 1)], crash=True)
+    assert len(list_files(lake, "runtime_events")) == 1  # flush 1's file is there, uncommitted
+    restarted = LakeWriter(lake, store)  # a new process
+    assert restarted.sidecar == writer.sidecar and restarted.seq == 0
+    assert list_files(lake, "runtime_events") == []
+    _flush(store, restarted, [tool, _doc("run-a", 1)])  # read again
+    with Lake([lake]).read() as con:
+        assert con.execute("SELECT count(*) FROM runtime_events").fetchone() == (1,)
+        assert con.execute("SELECT count(*) FROM events").fetchone() == (1,)
+
+
 @pytest.mark.parametrize("cut_short", [False, True])
 def test_a_crash_before_a_flushs_events_are_written_loses_and_doubles_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut_short: bool
