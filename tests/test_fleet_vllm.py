@@ -185,6 +185,29 @@ def test_prometheus_reports_equal_the_collectors_own(
     assert "Traceback" not in single.stderr + gone.stderr
 
 
+OUT = KILL_WORKLOAD["workloads"][0]["output_tokens"]
+MARGIN = OUT // 3  # tokens a stream still has to go when it is killed: ~0.2 s on two cores
+
+
+def _counts(url: str) -> tuple[float, float]:
+    """vLLM's requests finished and tokens generated so far (one scrape: counted together)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        families = list(text_string_to_metric_families(resp.read().decode()))
+    samples = [s for family in families for s in family.samples]
+    finished = sum(s.value for s in samples if s.name == "vllm:request_success_total")
+    return finished, sum(s.value for s in samples if s.name == "vllm:generation_tokens_total")
+
+
+def _part_way(unfinished: int, tokens: float) -> bool:
+    """Whether `unfinished` requests of OUT tokens each, holding `tokens` generated among them,
+    must include one that has sent tokens and has MARGIN or more to go. They need not when each
+    has none or is within MARGIN of its end: k nearly finished ones sum to (k(OUT - MARGIN),
+    k OUT], so any other sum but 0 proves one part-way."""
+    return tokens > 0 and not any(
+        k * (OUT - MARGIN) < tokens <= k * OUT for k in range(1, unfinished + 1)
+    )
+
+
 def test_a_replica_killed_mid_run_every_request_accounted_for(
     replicas: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -194,6 +217,7 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
     workload = tmp_path / "fleet.yaml"
     workload.write_text(json.dumps(KILL_WORKLOAD))
     run_id = "run-fleet-kill"
+    before = _counts(replicas["r2"].url)  # r2 served the module's first test
     bench = subprocess.Popen(
         [*SERVESCOPE, "bench", "run", "--config", str(workload), "--target", gateway.url,
          "--run-id", run_id, "--store", str(store.path),
@@ -205,25 +229,24 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
         env={**os.environ, "SERVESCOPE_KEY_FLEET": KEY},
     )
     try:
-        # a quarter of the run served, and streams of it running on r2: the gateway counts two in
-        # flight there (one may still wait for admission, which a kill reroutes) and vLLM's own
-        # gauge says it runs one (alone it can be stale, left from the module's earlier test)
+        # a quarter of the run served, and a stream of it part-way on r2 (one that has sent
+        # tokens cannot be retried elsewhere, so it fails with a reason; one still waiting for
+        # its first token is retried on r1, and a nearly finished one may end before the kill)
         deadline = time.monotonic() + 600
         while True:
             try:
-                decided = metric(gateway.url, "servescope_gateway_route_decisions_total")
-                inflight = metric(gateway.url, "servescope_gateway_inflight")
-                running = metric(replicas["r2"].url, "vllm:num_requests_running")
+                routed = metric(gateway.url, "servescope_gateway_route_decisions_total")
+                now = _counts(replicas["r2"].url)
             except OSError:  # a busy server on two cores can be slow to answer: ask again
-                decided = inflight = running = {}
-            if (
-                sum(decided.values()) >= REQUESTS // 4
-                and inflight.get((("upstream", "r2"),), 0) >= 2
-                and sum(running.values()) >= 1
+                routed, now = {}, before
+            on_r2 = sum(n for labels, n in routed.items() if ("upstream", "r2") in labels)
+            finished = now[0] - before[0]
+            if sum(routed.values()) >= REQUESTS // 4 and _part_way(
+                unfinished=int(on_r2 - finished), tokens=now[1] - before[1] - OUT * finished
             ):
                 break
             assert bench.poll() is None and time.monotonic() < deadline, "the run never got going"
-            time.sleep(0.05)
+            time.sleep(0.02)
         killed = replicas["r2"]
         assert killed.process is not None
         os.killpg(killed.process.pid, signal.SIGKILL)
