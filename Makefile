@@ -6,6 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMPS := .make
 MODEL := servescope-data/models/tiny
+PREDICTABLE := servescope-data/models/tiny-predictable
 DEBIAN_PACKAGES := prometheus chromium chromium-driver nginx-light docker-compose
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -48,10 +49,13 @@ $(STAMPS)/system-deps:
 	fi
 	touch $@
 
-model: $(MODEL)/model.safetensors
+model: $(MODEL)/model.safetensors $(PREDICTABLE)/model.safetensors
 
 $(MODEL)/model.safetensors: $(STAMPS)/install loadgen/tiny_model.py
 	$(BIN)/servescope model make-tiny $(MODEL) --force
+
+$(PREDICTABLE)/model.safetensors: $(STAMPS)/install loadgen/tiny_model.py
+	$(BIN)/servescope model make-tiny --kind predictable $(PREDICTABLE) --force
 
 clean:
 	rm -rf $(STAMPS) servescope-data/reports

@@ -1,5 +1,7 @@
-"""The tiny model is built locally and deterministically. Each kind is built twice, once per
-module (a build takes seconds of CPU), and the tests share the builds."""
+"""The tiny model is built locally and deterministically. Each kind is built once here, through
+the CLI, and compared with the suite's own build of it (`make model`, or tests/conftest.py): two
+builds made by other processes at other times. A build takes seconds of CPU, so the tests share
+them."""
 
 from pathlib import Path
 
@@ -10,25 +12,31 @@ from tests.conftest import servescope
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, str, str]]:
-    """Two builds of each kind through the CLI: the folders and what each build printed."""
+def builds(
+    tiny_model: Path, predictable_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, Path, str]]:
+    """Per kind: this module's build, the suite's, and what the CLI printed for this one."""
     folder = tmp_path_factory.mktemp("tiny")
     made = {}
-    for kind in ("random", "predictable"):
-        first, second = folder / f"{kind}-a", folder / f"{kind}-b"
-        outs = [
-            servescope("model", "make-tiny", "--kind", kind, str(path), check=True).stdout
-            for path in (first, second)
-        ]
-        made[kind] = (first, second, *outs)
+    for kind, suites in (("random", tiny_model), ("predictable", predictable_model)):
+        fresh = folder / kind
+        out = servescope("model", "make-tiny", "--kind", kind, str(fresh), check=True).stdout
+        made[kind] = (fresh, suites, out)
     return made
 
 
+def _identical(fresh: Path, suites: Path) -> None:
+    assert checksum(fresh) == checksum(suites), (
+        f"{suites} differs from a fresh build: built by another version of make-tiny? "
+        "(`make model` rebuilds it)"
+    )
+
+
 def test_two_builds_are_byte_identical(builds: dict) -> None:
-    first, second, out_a, out_b = builds["random"]
-    assert checksum(first) == checksum(second)
-    assert out_a.split("sha256:")[1] == out_b.split("sha256:")[1]
-    files = sorted(p.name for p in first.iterdir())
+    fresh, suites, out = builds["random"]
+    _identical(fresh, suites)
+    assert out.split("sha256:")[1].strip() == checksum(suites)
+    files = sorted(p.name for p in fresh.iterdir())
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(
         files
     )
@@ -43,11 +51,11 @@ def test_make_tiny_is_idempotent(builds: dict) -> None:
 
 
 def test_predictable_builds_are_byte_identical_and_the_default_unchanged(builds: dict) -> None:
-    first, second, _, _ = builds["predictable"]
-    assert checksum(first) == checksum(second)
+    fresh, suites, _ = builds["predictable"]
+    _identical(fresh, suites)
     default = builds["random"][0]
-    assert checksum(default) != checksum(first)
-    assert (default / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
+    assert checksum(default) != checksum(fresh)
+    assert (default / "tokenizer.json").read_bytes() == (fresh / "tokenizer.json").read_bytes()
 
 
 def test_predictable_model_continues_the_passage_greedily(builds: dict) -> None:
