@@ -231,7 +231,7 @@ def switch_rules_off() -> None:
     cost: no strict-JSON screen of ASCII pieces (others keep it: DuckDB refuses a file that is
     not UTF-8), and the statement's conditions as they were before the rules (types only: no
     range, finiteness or depth)."""
-    from servescope.store import bulk, queries, tables
+    from servescope.store import bulk, queries, schema_sql
     from servescope.store.validation import COUNTS, STATUSES
 
     def types_only() -> str:
@@ -263,7 +263,7 @@ def switch_rules_off() -> None:
 
     ok = types_only()
     bulk._INSERT = {  # type: ignore[attr-defined]
-        key: queries.bulk_insert(tables.EVENT_COLUMNS, key[0], ok) for key in bulk._INSERT
+        key: queries.bulk_insert(schema_sql.event_columns(), key[0], ok) for key in bulk._INSERT
     }
     screen = bulk._screen
 

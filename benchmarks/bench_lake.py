@@ -71,7 +71,7 @@ def segment_sql(
     run: str, first: int, n: int, start: datetime, seed: int, divisor: float, doc: bool
 ) -> str:
     """n events of `run` from `start` over one hour, as the lake holds them (every column of
-    `store.queries.EVENT_COLUMNS`, `date`, the lake's version columns)."""
+    `store.schema_sql.event_columns()`, `date`, the lake's version columns)."""
     step_us = 3_600_000_000 // max(n, 1)
     gap = f"greatest(0.5, round(30 + 5 * {_normal_k(seed)}, 3))"
     record = (

@@ -33,7 +33,7 @@ import duckdb
 import msgspec
 import numpy as np
 
-from servescope.store import queries, tables
+from servescope.store import queries, schema_sql
 from servescope.store.validation import (
     CONTRACT_TYPES,
     COUNTS,
@@ -133,7 +133,7 @@ _NESTING = (
 _SHAPE = json.dumps({key: "JSON" for key in [*CONTRACT_TYPES, *_EXTRA_KEYS]})
 _INSERT = {
     (lines, flat): queries.bulk_insert(
-        tables.EVENT_COLUMNS,
+        schema_sql.event_columns(),
         lines,
         _fast_conditions() + ("" if flat else f"\n      AND {_NESTING}"),
     )

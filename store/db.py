@@ -22,7 +22,7 @@ from typing import Any
 
 import duckdb
 
-from servescope.store import queries, runtime
+from servescope.store import queries, runtime, schema_sql
 from servescope.store.merge import merge_docs
 from servescope.store.validation import clip, dumps, load_doc, run_id_of
 
@@ -83,19 +83,21 @@ class Store:
         """The store's tables made to match store/schema.py, and stamped so."""
         if self._initialised:
             return
-        from servescope.store import tables  # the ORM: writers only
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        create = schema_sql.schema_sql().create
         con = self._connect(read_only=False)
         try:
             con.begin()
-            for statement in tables.create_statements():
+            for statement in create:
                 con.execute(statement)
-            tables.add_missing_columns(con)
+            if missing := schema_sql.missing_columns(con):
+                from servescope.store import tables  # the ORM, for a store older than the schema
+
+                tables.add_missing_columns(con, missing)
             keyed = con.execute(queries.EVENTS_KEY_INDEX).fetchone()
             if keyed and keyed[0]:  # a store made before `events` lost its key index
                 con.execute(queries.UNKEY_EVENTS_RENAME)
-                for statement in tables.create_statements():  # creates `events` again, unkeyed
+                for statement in create:  # creates `events` again, unkeyed
                     con.execute(statement)
                 con.execute(queries.UNKEY_EVENTS_COPY)
             if not _stamped(con):
@@ -191,8 +193,6 @@ class Store:
     ) -> int:
         if not batch:
             return 0
-        from servescope.store import tables  # imported by the transaction's schema check
-
         keys = list(batch)
         con.execute(queries.STAGE_EVENTS)
         self._fill_stage(con, keys, [dumps(batch[k]) for k in keys])
@@ -204,7 +204,7 @@ class Store:
             con.execute(queries.STAGE_EVENTS)
             self._fill_stage(con, keys, [dumps(batch[k]) for k in keys])
             con.execute(queries.DELETE_STAGED_EVENTS)  # replaced by their merged rows
-        con.execute(tables.INSERT_STAGED_EVENTS)
+        con.execute(schema_sql.insert_staged_events())
         con.execute(queries.DROP_STAGE)
         return len(keys)
 
@@ -423,6 +423,4 @@ def _matches_schema(con: duckdb.DuckDBPyConnection) -> bool:
     """The store has every column of store/schema.py: stamped by this version, or checked."""
     if _stamped(con):
         return True
-    from servescope.store import tables  # the ORM, for a store this version has not stamped
-
-    return not tables.missing_columns(con)
+    return not schema_sql.missing_columns(con)

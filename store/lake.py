@@ -96,7 +96,7 @@ LAKE_COLUMNS = ("lake_version", "lake_update", "lake_deleted")
 # writes exactly these whatever columns a newer servescope has added to its store, so files of
 # one version share one schema and readers need no schema merging between them.
 _COLUMNS: dict[str, str] = {
-    "events": "",  # the schema's (store.tables.EVENT_COLUMNS), read by the writer alone
+    "events": "",  # the schema's (store.schema_sql.event_columns), read by the writer alone
     "metric_samples": "ts, target, name, labels, run_id, value",
     "runs": "run_id, started_at, ended_at, label, target, model, vllm_version,"
     " CAST(levers AS VARCHAR) AS levers, CAST(workload AS VARCHAR) AS workload, status,"
@@ -110,9 +110,9 @@ _COLUMNS: dict[str, str] = {
 def table_columns(table: str) -> str:
     """The columns the lake holds of `table`, as a SELECT list."""
     if table == "events":
-        from servescope.store import tables  # the ORM: writers only (a reader never needs it)
+        from servescope.store import schema_sql  # the writer's (a reader never needs it)
 
-        return ", ".join(f'"{name}"' for name, _type in tables.EVENT_COLUMNS)
+        return ", ".join(f'"{name}"' for name, _type in schema_sql.event_columns())
     return _COLUMNS[table]
 
 

@@ -1,9 +1,10 @@
 """The SQLModel classes of store/schema.py as DuckDB SQL: each table's DDL, its columns, and the
 columns a store made by an older version lacks, added when it is opened.
 
-The classes are the one definition of the tables; everything here is derived from them. Only
-writers import this module: the ORM takes a third of a second to import, which a reader such as
-`report build` never pays (it knows a store matches this schema from its stamp, `store.db`).
+The classes are the one definition of the tables; everything here is derived from them. The
+ORM takes a second to import: readers never import this module (a reader such as `report build`
+knows a store matches this schema from its stamp, `store.db`), and writers read what it derives
+from a cache (`store.schema_sql`); they import it only to bring an older store's tables up to date.
 """
 
 from __future__ import annotations
@@ -48,22 +49,11 @@ def columns(model: type[SQLModel]) -> list[tuple[str, str]]:
     return [(column.name, column_type(column)) for column in table_of(model).columns]
 
 
-EVENT_COLUMNS = columns(Event)
-INSERT_STAGED_EVENTS = queries.insert_staged_events(EVENT_COLUMNS)
-
-
-def missing_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
-    """The schema's (table, column) pairs the store lacks."""
-    pairs = [(table_of(m).name, c.name) for m in TABLES for c in table_of(m).columns]
-    params = {"tables": [p[0] for p in pairs], "columns": [p[1] for p in pairs]}
-    return [tuple(row) for row in con.execute(queries.MISSING_COLUMNS, params).fetchall()]
-
-
-def add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:
-    """Columns newer than the store's tables: added (at the end: every insert names its
-    columns), an `events` column filled from the rows' documents. Runs after the CREATE
-    statements, so a missing table is already whole."""
-    for table, name in missing_columns(con):
+def add_missing_columns(con: duckdb.DuckDBPyConnection, missing: list[tuple[str, str]]) -> None:
+    """The (table, column) pairs newer than the store's tables (`schema_sql.missing_columns`):
+    added (at the end: every insert names its columns), an `events` column filled from the
+    rows' documents. Runs after the CREATE statements, so a missing table is already whole."""
+    for table, name in missing:
         column = SQLModel.metadata.tables[table].columns[name]
         con.execute(f'ALTER TABLE {table} ADD COLUMN "{name}" {column_spec(column)}')
         if table == table_of(Event).name:

@@ -10,7 +10,16 @@ import duckdb
 import pytest
 
 from servescope.reports import sql
-from servescope.store import Store, bulk, export_run, import_file, merge_docs, run_id_of, tables
+from servescope.store import (
+    Store,
+    bulk,
+    export_run,
+    import_file,
+    merge_docs,
+    run_id_of,
+    schema_sql,
+    tables,
+)
 from servescope.store.db import schema_stamp
 from servescope.store.schema import TABLES
 from servescope.store.validation import InvalidEvent, parse_line
@@ -213,7 +222,27 @@ def test_the_sqlmodel_classes_are_the_tables_of_a_store_file(tmp_path: Path) -> 
         assert _file_columns(path, model.__tablename__) == derived, model
     # the statements name every column of `events`, in the schema's order
     names = ", ".join(name for name, _type in tables.columns(TABLES[0]))
-    assert f"INSERT INTO events ({names})" in tables.INSERT_STAGED_EVENTS
+    assert f"INSERT INTO events ({names})" in schema_sql.insert_staged_events()
+
+
+def test_the_cached_sql_is_what_the_classes_give(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writers read the DDL and columns from a cache (store/schema_sql.py), never a second
+    definition: what it holds is what the classes derive, and a cache file that is damaged, or
+    names no table, is derived again and rewritten."""
+    derived = schema_sql.derive()
+    assert schema_sql.schema_sql() == derived
+    assert derived.create == tables.create_statements()
+    assert derived.columns == {m.__tablename__: tables.columns(m) for m in TABLES}
+    cached = tmp_path / "schema_sql.json"
+    monkeypatch.setattr(schema_sql, "cache_path", lambda: cached)
+    for damage in ("", "{", '{"create": [], "columns": {}}', '{"create": 1}', "[]"):
+        cached.write_text(damage)
+        schema_sql.schema_sql.cache_clear()
+        assert schema_sql.schema_sql() == derived, damage
+        assert json.loads(cached.read_text())["create"] == derived.create
+    schema_sql.schema_sql.cache_clear()
 
 
 # Columns added since the first stores, and how an older store's rows get them.
