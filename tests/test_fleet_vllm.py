@@ -6,9 +6,10 @@ a real Prometheus (Debian's) scraping both.
   finds what servescope's own scrapes found, histogram quantiles within their bucket.
 - One replica SIGKILLed mid-run (its whole process group, as a crashed replica; this test runs
   last, r2 is not restarted): every request is accounted for, per replica — those in flight on
-  the dead replica failed with a reason, the gateway stopped sending to it at once, the rest of
-  the run went on on the other replica. One collector then follows both
-  replicas' logs and counts no request twice."""
+  the dead replica failed with a reason (tokens had reached the client) or went to the other
+  replica (none had), the gateway stopped sending to it at once, the rest of the run went on on
+  the other replica. One collector then follows both replicas' logs and counts no request
+  twice."""
 
 from __future__ import annotations
 
@@ -200,9 +201,9 @@ def _counts(url: str) -> tuple[float, float]:
 
 def _part_way(unfinished: int, tokens: float) -> bool:
     """Whether `unfinished` requests of OUT tokens each, holding `tokens` generated among them,
-    must include one that has sent tokens and has MARGIN or more to go. They need not when each
-    has none or is within MARGIN of its end: k nearly finished ones sum to (k(OUT - MARGIN),
-    k OUT], so any other sum but 0 proves one part-way."""
+    must include one with tokens generated and MARGIN or more to go. They need not when each has
+    none or is within MARGIN of its end: k nearly finished ones sum to (k(OUT - MARGIN), k OUT],
+    so any other sum but 0 proves one part-way."""
     return tokens > 0 and not any(
         k * (OUT - MARGIN) < tokens <= k * OUT for k in range(1, unfinished + 1)
     )
@@ -229,9 +230,9 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
         env={**os.environ, "SERVESCOPE_KEY_FLEET": KEY},
     )
     try:
-        # a quarter of the run served, and a stream of it part-way on r2 (one that has sent
-        # tokens cannot be retried elsewhere, so it fails with a reason; one still waiting for
-        # its first token is retried on r1, and a nearly finished one may end before the kill)
+        # a quarter of the run served, and a request of it part-way on r2, as vLLM's own
+        # counters say (the gateway's gauges also count a request not sent yet, which a kill
+        # merely reroutes, and a nearly finished one may end before the kill lands)
         deadline = time.monotonic() + 600
         while True:
             try:
@@ -262,13 +263,13 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
         if bench.poll() is None:
             bench.kill()
         gateway.stop()
-    assert bench.returncode == 1, output  # some requests failed, and the run says so
 
     # every request accounted for, per replica
     events = {e["request_id"]: e for e in store.export_events(run_id)}
     assert len(events) == REQUESTS
     failed = [e for e in events.values() if e["status"] != "ok"]
-    assert failed and all(e.get("upstream") == "r2" for e in failed)  # only r2's in-flight ones
+    assert bench.returncode == (1 if failed else 0), output  # the run says when some failed
+    assert all(e.get("upstream") == "r2" for e in failed)  # only r2's in-flight ones
     assert all("upstream" in e["error_detail"] for e in failed), failed
     served_by = {e.get("upstream") for e in events.values() if e["status"] == "ok"}
     assert served_by == {"r1", "r2"}
@@ -292,6 +293,11 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
     for e in retried:
         assert e["failed_upstreams"] in (["r2:connect"], ["r2:disconnect"]), e
         assert e["route_reason"] == "retry" and e["upstream"] == "r1", e
+    # the kill caught r2 part-way through a request: it failed, when tokens of it had reached the
+    # client, or it went to r1 (vLLM on a busy machine can send a whole stream as one chunk at
+    # its end: the client had nothing yet)
+    cut = [e for e in retried if e["failed_upstreams"] == ["r2:disconnect"]]
+    assert failed or cut, retried
 
     # one collector following both replicas' logs counts no request twice
     logs = [a for s in replicas.values() for a in ("--vllm-log", str(log_of(s)))]
