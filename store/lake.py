@@ -322,7 +322,7 @@ class LakeWriter:
         self.store = store
         self.source = f"lake:{self.root}"
         state = checkpoints.state_of(checkpoints.load(store, self.source))
-        self.sidecar: str = state.get("sidecar") or self._name_sidecar(store)
+        self.sidecar: str = state.get("sidecar") or self._name_sidecar()
         self.seq: int = int(state.get("seq") or 0)  # the last flush the store committed
         self._clock = 0
         self._unsettled: list[Written] = []
@@ -335,11 +335,11 @@ class LakeWriter:
             self._deferred.done.set()  # no thread writes them: this start does
             self.settle_deferred()
 
-    def _name_sidecar(self, store: Store) -> str:
+    def _name_sidecar(self) -> str:
         """A new store's name in the lake, committed before any file carries it: a crash in its
         first flush leaves files a restart knows as its own (`remove_uncommitted`)."""
         sidecar = new_sidecar_id()
-        with store.write() as con:
+        with self.store.write() as con:
             row = {"file_key": checkpoints.STATE_KEY, "state": {"sidecar": sidecar, "seq": 0}}
             checkpoints.save(con, self.source, [row])
         return sidecar
