@@ -31,8 +31,9 @@ SERVESCOPE = [sys.executable, "-m", "servescope.cli"]
 # Every vLLM the suite starts (here, in `experiment run`, by hand) inherits this: no
 # torch.compile (vLLM reads it as `-cc.mode=none`, the model runs eagerly). What servescope
 # observes (requests, logs, metrics, traces, KV cache) is the same. Against inductor, a start
-# costs ~15 CPU-s less; against vLLM's own CPU CI setting (VLLM_CPU_CI_ENV: dynamo with the eager
-# backend), which starts as quickly, serving costs 60 % less CPU (docs/benchmarks.md).
+# costs ~17 CPU-s less; against vLLM's own CPU CI setting (VLLM_CPU_CI_ENV: dynamo with the eager
+# backend), a start costs ~9 CPU-s more and serving a third of the CPU
+# (benchmarks/bench_suite_vllm.py, docs/benchmarks.md).
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 
