@@ -3,6 +3,7 @@ split at its lever flip (`--split-at-flip`). Each opens the store once, read-onl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing
 from dataclasses import replace
@@ -15,14 +16,21 @@ from servescope.reports import bootstrap, coldstart, replicas, sql
 from servescope.reports.charts import charts
 from servescope.reports.checklist import checklist
 from servescope.reports.coldstart import cold_start_of
-from servescope.reports.diagnosis import assess_flip, diagnose
+from servescope.reports.diagnosis import assess_flip, diagnose, primary_indicator
 from servescope.reports.diff import (
+    BY_METRIC,
+    Arm,
     Side,
+    at_level,
     attach_gpu,
     describe_change,
+    design,
     diff_rows,
     headline,
+    judge,
     lever_changes,
+    power,
+    primary_level,
     workload_warnings,
 )
 from servescope.reports.samples import Samples, Slice, choose_sources
@@ -35,6 +43,10 @@ from servescope.store import Store
 
 class NoLeverFlip(LookupError):
     """`--split-at-flip` on a run that has no `lever_flips` row."""
+
+
+class BadPrimary(ValueError):
+    """`--primary` names no diff metric."""
 
 
 class NoPreviousRun(LookupError):
@@ -97,29 +109,29 @@ def _side(
     return side, summary
 
 
-def _both_sides(
+def _sides(
     con: duckdb.DuckDBPyConnection,
-    parts: tuple[Slice, Slice],
+    parts: list[Slice],
     options: ReportOptions,
     stack: ExitStack,
-) -> list[tuple[Side, dict[str, Any]]]:
-    """Both sides at once, each on its own cursor (closed by `stack`): a quantile's final sort
-    runs on one thread, so two sides side by side use the cores one side alone leaves idle.
-    Both report TTFT, TPOT and e2e from the same source."""
+) -> list[Side]:
+    """Every run of both arms, each on its own cursor (closed by `stack`), read side by side: a
+    quantile's final sort runs on one thread, so sides in parallel use the cores one side alone
+    leaves idle. All report TTFT, TPOT and e2e from the same source."""
     cursors = [stack.enter_context(closing(con.cursor())) for _ in parts]
     samples = [Samples(cur, part) for cur, part in zip(cursors, parts, strict=True)]
     sources = choose_sources(*samples)
     for side in samples:
         side.use(sources)
-    with ThreadPoolExecutor(max_workers=len(parts)) as pool:
+    with ThreadPoolExecutor(max_workers=min(len(parts), 4)) as pool:
         summaries = list(
             pool.map(lambda c, p, s: summarize(c, p, options, s), cursors, parts, samples)
         )
     sides = [
-        (Side(part.name, summary, side), summary)
+        Side(part.name, summary, side)
         for part, summary, side in zip(parts, summaries, samples, strict=True)
     ]
-    for side, _summary in sides:
+    for side in sides:
         attach_gpu(con, side)
     return sides
 
@@ -214,111 +226,181 @@ def _compared_diagnosis(
 
 def _compare(
     con: duckdb.DuckDBPyConnection,
-    before: Slice,
-    after: Slice,
-    runs: tuple[dict[str, Any], dict[str, Any]],
+    before: list[Slice],
+    after: list[Slice],
+    runs: tuple[list[dict[str, Any]], list[dict[str, Any]]],
     options: ReportOptions,
     stack: ExitStack,
+    primary: str | None = None,
 ) -> dict[str, Any]:
-    """What `--vs` and `--split-at-flip` share: both sides, the diff rows, the warnings and the
-    charts (the sides' cursors are closed by `stack`)."""
+    """What `--vs` and `--split-at-flip` share: both arms (each a run, or several repeats of one
+    configuration), the diff rows judged as a family, the warnings and the charts (the sides'
+    cursors are closed by `stack`). `before` and `after` describe each arm's first run."""
     seed = bootstrap.DEFAULT_SEED if options.seed is None else options.seed
-    (b_side, b_summary), (a_side, a_summary) = _both_sides(con, (before, after), options, stack)
-    b_meta = run_meta(runs[0], b_summary["overall"]["models"])
-    a_meta = run_meta(runs[1], a_summary["overall"]["models"])
-    b_meta["cold_start"] = cold_start_of(con, runs[0])
-    a_meta["cold_start"] = cold_start_of(con, runs[1])
-    same_run = before.run_id == after.run_id
-    rows = diff_rows(b_side, a_side, seed)
-    flips = _flips(con, sorted({before.run_id, after.run_id}), [b_side, a_side])
-    b_fleet = replicas.fleet(con, before, runs[0], options.prometheus)
-    a_fleet = replicas.fleet(con, after, runs[1], options.prometheus)
+    sides = _sides(con, [*before, *after], options, stack)
+    b_arm = Arm(before[0].name, sides[: len(before)])
+    a_arm = Arm(after[0].name, sides[len(before) :])
+    b_side, a_side = b_arm.repeats[0], a_arm.repeats[0]
+    b_summary, a_summary = b_side.summary, a_side.summary
+    b_meta = run_meta(runs[0][0], b_summary["overall"]["models"])
+    a_meta = run_meta(runs[1][0], a_summary["overall"]["models"])
+    b_meta["cold_start"] = cold_start_of(con, runs[0][0])
+    a_meta["cold_start"] = cold_start_of(con, runs[1][0])
+    same_run = before[0].run_id == after[0].run_id
+    rows = diff_rows(b_arm, a_arm, seed)
+    changes = lever_changes(runs[0][0].get("levers") or {}, runs[1][0].get("levers") or {})
+    metric, why = primary_indicator(changes)
+    if primary is not None:
+        metric, why = primary, "chosen with --primary"
+    chosen = judge(rows, (metric, primary_level(b_arm, a_arm)))
+    chosen["why"] = why
+    run_ids = sorted({p.run_id for p in (*before, *after)})
+    flips = _flips(con, run_ids, sides)
+    b_fleet = replicas.fleet(con, before[0], runs[0][0], options.prometheus)
+    a_fleet = replicas.fleet(con, after[0], runs[1][0], options.prometheus)
+    shown = list(at_level(rows, chosen["level"]).values())
     return {
-        "sides": (b_side, a_side),
+        "sides": (b_arm, a_arm),
         "before": {
-            "name": before.name,
-            "run_id": before.run_id,
-            "levers": runs[0].get("levers") or {},
+            "name": before[0].name,
+            "run_id": before[0].run_id,
+            "levers": runs[0][0].get("levers") or {},
             "run": b_meta,
             **_public(b_summary),
             **b_fleet,
         },
         "after": {
-            "name": after.name,
-            "run_id": after.run_id,
-            "levers": runs[1].get("levers") or {},
+            "name": after[0].name,
+            "run_id": after[0].run_id,
+            "levers": runs[1][0].get("levers") or {},
             "run": a_meta,
             **_public(a_summary),
             **a_fleet,
         },
         "diff": rows,
+        "primary": chosen,
+        "repeats": design(b_arm, a_arm),
+        "repeat_states": _repeat_states(runs),
+        "power": power(rows, chosen),
         "cold_start": []
         if same_run
         else coldstart.diff_rows(b_meta["cold_start"], a_meta["cold_start"]),
         "replicas_diff": replicas.replicas_diff(b_fleet["replicas"], a_fleet["replicas"]),
-        "spec_decode": spec_diff(con, (before, after), (b_summary, a_summary), rows, seed),
+        "spec_decode": spec_diff(con, (before[0], after[0]), (b_summary, a_summary), shown, seed),
         "warnings": workload_warnings(
             b_side, a_side, b_meta["workload"], a_meta["workload"], same_run
-        ),
+        )
+        + _repeat_warnings(runs),
         "flips": flips,
         "bootstrap": {
             "draws": bootstrap.DRAWS,
             "seed": seed,
-            "method": "exact bootstrap distributions over per-request samples; throughput, "
-            "goodput and energy resample windows of the run (1 s, or 1/20 of a shorter run), "
-            "each request's tokens counted in the windows they were generated in",
+            "method": "several runs a side: Student's t on the runs' values (logarithms of "
+            "times and rates), the runs' request-level bootstrap variance as a floor; one run a "
+            "side: exact bootstrap distributions over per-request samples (request noise only). "
+            "Throughput, goodput and energy resample windows of the run (1 s, or 1/20 of a "
+            "shorter run), each request's tokens counted in the windows they were generated in. "
+            "The primary row is tested at 5 %, the others corrected by Holm's procedure "
+            "(docs/verdicts.md)",
         },
         "slo": options.slo or None,
         "charts": charts([b_side, a_side], flips) if options.charts else {},
     }
 
 
-def _headline(change: str, compared: dict[str, Any], before: Side, after: Side) -> str:
+def _repeat_states(runs: tuple[list[dict[str, Any]], list[dict[str, Any]]]) -> dict[str, Any]:
+    """How each repeat started (experiments record it in the run's notes), per arm."""
+    keys = ("repeat_state", "repeat_design")
+    return {
+        arm: [
+            {"run_id": r["run_id"], **{k: (r.get("notes") or {}).get(k) for k in keys}}
+            for r in arm_runs
+        ]
+        for arm, arm_runs in zip(("before", "after"), runs, strict=True)
+    }
+
+
+def _repeat_warnings(runs: tuple[list[dict[str, Any]], list[dict[str, Any]]]) -> list[str]:
+    """Repeats of one arm that did not run one configuration."""
+    warnings = []
+    for arm, arm_runs in zip(("before", "after"), runs, strict=True):
+        first = arm_runs[0].get("levers") or {}
+        for run in arm_runs[1:]:
+            if changed := lever_changes(first, run.get("levers") or {}):
+                warnings.append(
+                    f"the {arm} repeats differ in levers: {run['run_id']} has "
+                    + describe_change(changed, "")
+                    + f" against {arm_runs[0]['run_id']}"
+                )
+    return warnings
+
+
+def _headline(change: str, compared: dict[str, Any], before: Arm, after: Arm) -> str:
     """The diff's headline, with TPOT and draft acceptance when speculation ran on a side."""
-    line = headline(change, compared["diff"], before, after)
-    spec = headline_part(compared["spec_decode"], compared["diff"])
+    line = headline(change, compared["diff"], before, after, compared["primary"])
+    shown = list(at_level(compared["diff"], compared["primary"]["level"]).values())
+    spec = headline_part(compared["spec_decode"], shown)
     return f"{line}; {spec}" if spec else line
+
+
+def _ids(run_ids: str | Sequence[str]) -> list[str]:
+    ids = [run_ids] if isinstance(run_ids, str) else list(run_ids)
+    if not ids:
+        raise ValueError("a comparison needs at least one run a side")
+    return ids
+
+
+def _arm_id(parts: list[Slice]) -> str:
+    first = _report_id(parts[0])
+    return first if len(parts) == 1 else f"{first}+{len(parts) - 1}"
 
 
 def build_diff(
     store: Store,
-    run_id: str,
-    base_run_id: str,
+    run_ids: str | Sequence[str],
+    base_run_ids: str | Sequence[str],
     options: ReportOptions | None = None,
     window: Window = WHOLE,
     base_window: Window = WHOLE,
+    primary: str | None = None,
 ) -> dict[str, Any]:
-    """`run_id` (after) against `base_run_id` (before; `previous` = the run its server ran
-    before), each whole or a window of it: `run_id`'s own report keys plus `before`, `after`,
-    `diff`, `headline`, `warnings` and `lever_changes`."""
+    """`run_ids` (after) against `base_run_ids` (before; `previous` = the run its server ran
+    before), each a run (whole or a window of it) or several runs of one configuration (its
+    repeats, pooled): the first after run's own report keys plus `before`, `after` (each arm's
+    first run), `diff`, `primary`, `repeats`, `power`, `headline`, `warnings` and
+    `lever_changes`. `primary` names the diff metric the flip is judged by (default: the
+    symptom its lever targets, reports/diagnosis.yaml)."""
+    after_ids, before_ids = _ids(run_ids), _ids(base_run_ids)
+    if primary is not None and primary not in BY_METRIC:
+        raise BadPrimary(f"unknown --primary {primary!r}; choose from {', '.join(BY_METRIC)}")
     with store.read() as con, ExitStack() as stack:
-        run = require_run(con, run_id)
-        if base_run_id == PREVIOUS:
-            base_run_id = previous_run(con, run)
-        base = require_run(con, base_run_id)
-        same = base_run_id == run_id
-        before = _slice(con, base, base_window, "before" if same else "")
-        after = _slice(con, run, window, "after" if same else "")
+        after_runs = [require_run(con, r) for r in after_ids]
+        if before_ids == [PREVIOUS]:
+            before_ids = [previous_run(con, after_runs[0])]
+        before_runs = [require_run(con, r) for r in before_ids]
+        same = before_ids == after_ids and len(after_ids) == 1
+        before = [_slice(con, r, base_window, "before" if same else "") for r in before_runs]
+        after = [_slice(con, r, window, "after" if same else "") for r in after_runs]
+        run = after_runs[0]
         options = _with_slo(options, run)
-        compared = _compare(con, before, after, (base, run), options, stack)
+        compared = _compare(con, before, after, (before_runs, after_runs), options, stack, primary)
         meta = compared["after"]["run"]
-        checks = checklist(con, after, meta, compared["after"], options)
-    b_side, a_side = compared.pop("sides")
+        checks = checklist(con, after[0], meta, compared["after"], options)
+    b_arm, a_arm = compared.pop("sides")
     drawn = compared.pop("charts")
-    changes = lever_changes(base.get("levers") or {}, run.get("levers") or {})
-    change = describe_change(changes, f"{after.name} vs {before.name}")
+    changes = lever_changes(before_runs[0].get("levers") or {}, run.get("levers") or {})
+    change = describe_change(changes, f"{after[0].name} vs {before[0].name}")
     diagnosis = _compared_diagnosis(compared, changes, options.slo or None)
     return {
         "diagnosis": diagnosis,
-        "report_id": f"{_report_id(after)}-vs-{_report_id(before)}",
+        "report_id": f"{_arm_id(after)}-vs-{_arm_id(before)}",
         "kind": "diff",
-        "run_id": run_id,
-        "base_run_id": base_run_id,
-        "window": _window_of(after),
-        "base_window": _window_of(before),
+        "run_id": after_ids[0],
+        "base_run_id": before_ids[0],
+        "window": _window_of(after[0]),
+        "base_window": _window_of(before[0]),
         "levers": run.get("levers") or {},
         "run": meta,
-        **{k: compared["after"][k] for k in ("overall", "groups", "server", "admission", "gpu")},
         **{
             k: compared["after"][k]
             for k in (
@@ -326,12 +408,13 @@ def build_diff(
                 "groups",
                 "server",
                 "admission",
+                "gpu",
                 "replicas",
                 "skew",
                 "replicas_server",
             )
         },
-        "headline": _headline(change, compared, b_side, a_side),
+        "headline": _headline(change, compared, b_arm, a_arm),
         "lever_changes": changes,
         **compared,
         "checklist": checks,
@@ -352,8 +435,12 @@ def _require_flip_inside(run: dict[str, Any], at: datetime) -> None:
         )
 
 
-def build_split(store: Store, run_id: str, options: ReportOptions | None = None) -> dict[str, Any]:
+def build_split(
+    store: Store, run_id: str, options: ReportOptions | None = None, primary: str | None = None
+) -> dict[str, Any]:
     """One run, before and after its (first) `lever_flips` row."""
+    if primary is not None and primary not in BY_METRIC:
+        raise BadPrimary(f"unknown --primary {primary!r}; choose from {', '.join(BY_METRIC)}")
     with store.read() as con, ExitStack() as stack:
         run = require_run(con, run_id)
         options = _with_slo(options, run)
@@ -370,9 +457,9 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         _whole_side, summary = _side(con, whole, options)
         by_replica = replicas.fleet(con, whole, run, options.prometheus)
         meta = run_meta(run, summary["overall"]["models"])
-        compared = _compare(con, before, after, (run, run), options, stack)
+        compared = _compare(con, [before], [after], ([run], [run]), options, stack, primary)
         checks = checklist(con, whole, meta, summary, options)
-    b_side, a_side = compared.pop("sides")
+    b_arm, a_arm = compared.pop("sides")
     drawn = compared.pop("charts")
     warnings = compared.pop("warnings")
     parts = compared["before"]["overall"]["requests"] + compared["after"]["overall"]["requests"]
@@ -394,7 +481,7 @@ def build_split(store: Store, run_id: str, options: ReportOptions | None = None)
         **_public(summary),
         **by_replica,
         "split_at": at.isoformat() + "Z",
-        "headline": _headline(change, compared, b_side, a_side),
+        "headline": _headline(change, compared, b_arm, a_arm),
         "lever_changes": changes,
         "warnings": warnings,
         **compared,

@@ -39,6 +39,7 @@ PHASES = (
     ("init_engine_compile_s", "init engine: of which compilation", "s"),
 )
 
+
 def _notes(raw: Any) -> dict[str, Any]:
     if isinstance(raw, dict):
         return raw

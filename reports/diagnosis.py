@@ -462,6 +462,29 @@ def _moves_as_wanted(entry: dict[str, Any], before: Any, after: Any) -> bool | N
     return new > old if direction == "raise" else new < old
 
 
+def primary_indicator(
+    changes: list[dict[str, Any]], rules: dict[str, Any] | None = None
+) -> tuple[str, str]:
+    """The diff metric a lever flip is judged by, and why: the symptom of the first rule that
+    names a changed lever and wants it moved that way (`primary` in diagnosis.yaml)."""
+    rules = rules or load_rules()
+    table = rules["primary"]
+    for change in changes:
+        lever = change["lever"]
+        for rule in rules["rules"]:
+            for entry in rule.get("levers") or []:
+                if entry["lever"] != lever:
+                    continue
+                if _moves_as_wanted(entry, change.get("before"), change.get("after")) is False:
+                    continue
+                metric = table["symptoms"].get(rule["symptom"])
+                if metric:
+                    return metric, f"{lever} targets {rule['symptom']} ({rule['title']})"
+    return table["default"], "no lever changed that a rule targets" if not changes else (
+        f"no rule targets {', '.join(c['lever'] for c in changes)}"
+    )
+
+
 def assess_flip(
     before: dict[str, Any],
     after: dict[str, Any],

@@ -1,10 +1,18 @@
-"""Before/after: one row per indicator with Δ, Δ %, a seeded bootstrap 95 % CI and a verdict,
-the headline sentence, and the warnings a reviewer needs before trusting the comparison.
+"""Before/after: one row per indicator and load level with Δ, Δ %, a 95 % interval and a
+verdict, the headline sentence, and the warnings a reviewer needs before trusting the comparison.
 
-A verdict is `unchanged` when the interval of Δ contains 0, otherwise `improved` or `regressed`
-by the metric's direction (lower TTFT is better, higher throughput is better). A metric one side
-did not measure is `not measured`, never a 0; a server counter ratio has no per-request samples
-to resample, so it gets no interval and the verdict `not tested`.
+Each side is an arm: one or more runs of one configuration (its repeats). With several runs on
+a side the interval covers run-to-run as well as request-to-request variation (a test on the
+runs' values, reports/verdict.py); with one run a side it is the request-level bootstrap's, and
+says it covers request noise only. Like is compared with like: a workload's level with the
+same level of the other arm, never levels pooled (server counters and the GPU, which are not
+per level, are rows of the whole run, labelled so).
+
+The rows are one family: the primary indicator (the symptom the flipped lever targets, or
+`--primary`) is tested at 5 %, every other row is corrected by Holm's procedure. A row is
+`improved` or `regressed` only when significant after that, otherwise `unchanged`, next to the
+smallest change the design could have found (80 % power). A metric one side did not measure is
+`not measured`, never a 0; a figure with neither draws nor repeats is `not tested`.
 """
 
 from __future__ import annotations
@@ -17,9 +25,9 @@ from typing import Any
 import duckdb
 import numpy as np
 
-from servescope.reports import bootstrap, gpu, sql
+from servescope.reports import bootstrap, gpu, sql, verdict
 from servescope.reports.bootstrap import Draws, Floats
-from servescope.reports.samples import FIXED_SOURCES, SERVER, TESTED, Samples
+from servescope.reports.samples import FIXED_SOURCES, SERVER, TESTED, Samples, Sorted
 
 LOWER, HIGHER = "lower", "higher"
 IMPROVED, REGRESSED, UNCHANGED = "improved", "regressed", "unchanged"
@@ -33,7 +41,8 @@ PROMPT_SIZE_TOLERANCE = 0.05
 
 @dataclass(frozen=True)
 class Side:
-    """One side of a comparison: its summary (as in the report) and its per-request samples."""
+    """One run (or a window of it) of a comparison: its summary (as in the report) and its
+    per-request samples."""
 
     name: str
     summary: dict[str, Any]
@@ -41,25 +50,55 @@ class Side:
     cache: dict[str, Any] = field(default_factory=dict)
 
 
-Estimator = Callable[[Side], tuple[float | None, Draws | None]]
+@dataclass(frozen=True)
+class Arm:
+    """One side of a comparison: the runs of one configuration (its repeats)."""
+
+    name: str
+    repeats: list[Side]
+
+
+# A load level as a report names it (`level_name`), and the group of a side's summary it is;
+# WHOLE_RUN: the run with every level it held (server counters and the GPU are not per level).
+WHOLE_RUN = "whole run"
+Group = dict[str, Any] | None
+Estimator = Callable[[Side, Group], tuple[float | None, Draws | None]]
+
+
+def _group_counts(group: dict[str, Any]) -> tuple[int, int]:
+    return int(group["requests"]), int(group["errors"])
 
 
 def _quantile(metric: str, q: float) -> Estimator:
-    def estimate(side: Side) -> tuple[float | None, Draws | None]:
-        values = side.samples.successful(metric)
+    def estimate(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+        values = _values(side, metric, group)
+        if values is None:
+            return None, None
         return bootstrap.quantile(values, q), bootstrap.quantile_draws(values, q)
 
     return estimate
 
 
-def _error_rate(side: Side) -> tuple[float | None, Draws | None]:
-    counts = side.samples.counts
-    failed = counts.requests - counts.ok
-    n = counts.requests
+def _values(side: Side, metric: str, group: Group) -> Sorted | None:
+    """The metric's sorted values over the side's successful requests, at one level or all."""
+    if group is None:
+        return side.samples.successful(metric)
+    key = side.samples.level_key(group["workload"], group["concurrency"], group["target_rate"])
+    return None if key is None else side.samples.level_successful(metric).get(key)
+
+
+def _error_rate(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+    if group is not None:
+        n, failed = _group_counts(group)
+    else:
+        counts = side.samples.counts
+        n, failed = counts.requests, counts.requests - counts.ok
     return (failed / n if n else None), bootstrap.proportion_draws(failed, n)
 
 
-def _cache_hit_share(side: Side) -> tuple[float | None, Draws | None]:
+def _cache_hit_share(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+    if group is not None:
+        return group["cache_hit_request_ratio"], None
     counts = side.samples.counts
     hits, known = counts.cache_hits, counts.cache_known
     return (hits / known if known else None), bootstrap.proportion_draws(hits, known)
@@ -114,7 +153,7 @@ def _gpu(metric: str) -> Estimator:
     """A GPU figure of the side (reports/gpu.py) and its window-bootstrap draws."""
     key = metric.partition(".")[2]
 
-    def estimate(side: Side) -> tuple[float | None, Draws | None]:
+    def estimate(side: Side, group: Group) -> tuple[float | None, Draws | None]:
         return (side.summary.get("gpu") or {}).get(key), side.cache.get("gpu", {}).get(metric)
 
     return estimate
@@ -122,13 +161,18 @@ def _gpu(metric: str) -> Estimator:
 
 _TOTALS = {None: ("ok", "ok"), "prompt_tokens": ("input_tokens", "input_known"),
            "completion_tokens": ("output_tokens", "output_known")}  # fmt: skip
+_LEVEL_RATES = {None: "requests_per_s", "prompt_tokens": "input_tokens_per_s",
+                "completion_tokens": "output_tokens_per_s"}  # fmt: skip
 
 
 def _per_second(column: str | None) -> Estimator:
-    """Successful requests (column None) or their tokens, per second of the side's duration."""
+    """Successful requests (column None) or their tokens, per second of the side's duration
+    (of the level's own span, at a level of several: its rate has no draws of its own)."""
     total, known = _TOTALS[column]
 
-    def estimate(side: Side) -> tuple[float | None, Draws | None]:
+    def estimate(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+        if group is not None:
+            return group["throughput"][_LEVEL_RATES[column]], None
         seconds = side.summary["overall"]["throughput"]["duration_s"]
         counts = side.samples.counts
         if not seconds or counts.requests == 0:
@@ -142,7 +186,9 @@ def _per_second(column: str | None) -> Estimator:
     return estimate
 
 
-def _goodput(side: Side) -> tuple[float | None, Draws | None]:
+def _goodput(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+    if group is not None:
+        return (group["goodput"] or {}).get("requests_per_s"), None
     good = side.summary["overall"]["goodput"]
     seconds = side.summary["overall"]["throughput"]["duration_s"]
     if good is None or not seconds:
@@ -152,41 +198,57 @@ def _goodput(side: Side) -> tuple[float | None, Draws | None]:
     return good["good_requests"] / seconds, draws
 
 
-def _server_ratio(side: Side) -> tuple[float | None, Draws | None]:
+def _server_ratio(side: Side, group: Group) -> tuple[float | None, Draws | None]:
     return side.summary["server"]["prefix_cache_hit_ratio"], None
 
 
-def _cached_token_ratio(side: Side) -> tuple[float | None, Draws | None]:
-    return side.summary["overall"]["cached_token_ratio"], None
+def _cached_token_ratio(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+    return (group or side.summary["overall"])["cached_token_ratio"], None
 
 
-def _acceptance_rate(side: Side) -> tuple[float | None, Draws | None]:
+def _acceptance_rate(side: Side, group: Group) -> tuple[float | None, Draws | None]:
     spec = side.summary["server"].get("spec_decode")
     return (spec or {}).get("acceptance_rate"), None
 
 
-# (metric name in report.json, better direction, how to estimate it on one side)
-INDICATORS: list[tuple[str, str, Estimator]] = [
+LOG, AS_IS = "log", "as is"
+
+
+@dataclass(frozen=True)
+class Indicator:
+    """A diff row's metric: its name in report.json, which way is better, how one run gives it
+    (at a level, or over the whole run), whether it exists per level, and the scale its test
+    works on (log: a lever scales it; as is: a share that sits at 0)."""
+
+    metric: str
+    better: str
+    estimate: Estimator
+    per_level: bool = True
+    scale: str = LOG
+
+
+INDICATORS: list[Indicator] = [
     *[
-        (f"{m}.{p}", LOWER, _quantile(m, q))
+        Indicator(f"{m}.{p}", LOWER, _quantile(m, q))
         for m in sql.REPORT_LATENCY_METRICS
         for p, q in TESTED.items()
     ],
-    ("error_rate", LOWER, _error_rate),
-    ("throughput.requests_per_s", HIGHER, _per_second(None)),
-    ("throughput.input_tokens_per_s", HIGHER, _per_second("prompt_tokens")),
-    ("throughput.output_tokens_per_s", HIGHER, _per_second("completion_tokens")),
-    ("goodput.requests_per_s", HIGHER, _goodput),
-    ("cache_hit_request_ratio", HIGHER, _cache_hit_share),
-    ("cached_token_ratio", HIGHER, _cached_token_ratio),
-    ("server.prefix_cache_hit_ratio", HIGHER, _server_ratio),
-    ("server.spec_decode_acceptance_ratio", HIGHER, _acceptance_rate),
+    Indicator("error_rate", LOWER, _error_rate, scale=AS_IS),
+    Indicator("throughput.requests_per_s", HIGHER, _per_second(None)),
+    Indicator("throughput.input_tokens_per_s", HIGHER, _per_second("prompt_tokens")),
+    Indicator("throughput.output_tokens_per_s", HIGHER, _per_second("completion_tokens")),
+    Indicator("goodput.requests_per_s", HIGHER, _goodput),
+    Indicator("cache_hit_request_ratio", HIGHER, _cache_hit_share, scale=AS_IS),
+    Indicator("cached_token_ratio", HIGHER, _cached_token_ratio, scale=AS_IS),
+    Indicator("server.prefix_cache_hit_ratio", HIGHER, _server_ratio, False, AS_IS),
+    Indicator("server.spec_decode_acceptance_ratio", HIGHER, _acceptance_rate, False, AS_IS),
     # the GPU (reports/gpu.py): energy is a cost, utilisation the share of the GPU put to work
-    ("gpu.j_per_output_token", LOWER, _gpu("gpu.j_per_output_token")),
-    ("gpu.j_per_request", LOWER, _gpu("gpu.j_per_request")),
-    ("gpu.mean_power_w", LOWER, _gpu("gpu.mean_power_w")),
-    ("gpu.gpu_util_pct", HIGHER, _gpu("gpu.gpu_util_pct")),
+    Indicator("gpu.j_per_output_token", LOWER, _gpu("gpu.j_per_output_token"), False),
+    Indicator("gpu.j_per_request", LOWER, _gpu("gpu.j_per_request"), False),
+    Indicator("gpu.mean_power_w", LOWER, _gpu("gpu.mean_power_w"), False),
+    Indicator("gpu.gpu_util_pct", HIGHER, _gpu("gpu.gpu_util_pct"), False),
 ]
+BY_METRIC = {i.metric: i for i in INDICATORS}
 
 
 def _verdict(
@@ -203,43 +265,348 @@ def _verdict(
     return IMPROVED if got_lower == (better == LOWER) else REGRESSED
 
 
-def _too_few(metric: str, before: Side, after: Side) -> bool:
-    """True for a quantile with fewer than MIN_TAIL_SAMPLES requests beyond it on a side."""
+def _too_few(metric: str, counts: list[int]) -> bool:
+    """True for a quantile with fewer than MIN_TAIL_SAMPLES requests beyond it in a run."""
     column, _, name = metric.rpartition(".")
     if not name.startswith("p") or column not in sql.REPORT_LATENCY_METRICS:
         return False
     q = int(name[1:]) / 100
-    n = min(len(before.samples.successful(column)), len(after.samples.successful(column)))
-    return n * min(q, 1 - q) < MIN_TAIL_SAMPLES
+    return min(counts, default=0) * min(q, 1 - q) < MIN_TAIL_SAMPLES
 
 
-def diff_rows(before: Side, after: Side, seed: int) -> list[dict[str, Any]]:
-    rows = []
-    for metric, better, estimate in INDICATORS:
-        b, b_draws = estimate(before)
-        a, a_draws = estimate(after)
-        measured = a is not None and b is not None
-        ci, ci_pct = bootstrap.delta_interval(b_draws, a_draws, seed, metric)
-        delta = a - b if a is not None and b is not None else None
-        verdict = _verdict(b, a, ci if measured else None, better)
-        if measured and _too_few(metric, before, after):
-            verdict = TOO_FEW
-        column = metric.rpartition(".")[0]
-        rows.append(
-            {
-                "metric": metric,
-                "source": {**FIXED_SOURCES, **before.samples.sources}.get(column),
-                "better": better,
-                "before": b,
-                "after": a,
-                "delta": delta,
-                "delta_pct": (delta / b * 100.0) if delta is not None and b else None,
-                "ci95": list(ci) if ci and measured else None,
-                "ci95_pct": list(ci_pct) if ci_pct and measured else None,
-                "verdict": verdict,
-            }
+def level_name(group: dict[str, Any]) -> str:
+    level = [f"concurrency {group['concurrency']}"] if group["concurrency"] is not None else []
+    if group["target_rate"] is not None:
+        level.append(f"rate {group['target_rate']:g}/s")
+    return " · ".join([str(group["workload"] or "(no workload)"), *level])
+
+
+def _groups(side: Side) -> dict[str, dict[str, Any]]:
+    return {level_name(g): g for g in side.summary["groups"]}
+
+
+def shared_levels(before: Arm, after: Arm) -> list[str]:
+    """The load levels every run of both arms has, in the first after run's order."""
+    names = [set(_groups(s)) for s in (*before.repeats, *after.repeats)]
+    common = set.intersection(*names) if names else set()
+    return [n for n in _groups(after.repeats[0]) if n in common]
+
+
+def _pooled_quantile(sides: list[Side], metric: str, group_of: Callable[[Side], Group], q: float):
+    parts = []
+    for side in sides:
+        values = _values(side, metric, group_of(side))
+        if values is None or len(values) == 0:
+            return None
+        parts.append(np.asarray(values[np.arange(len(values))], dtype=np.float64))
+    merged = np.sort(np.concatenate(parts))
+    return bootstrap.quantile(merged, q)
+
+
+@dataclass
+class Estimates:
+    """One indicator at one level on every run of an arm: the runs' values, their request-level
+    draws, and the arm's pooled value (requests of every repeat pooled for a quantile, the mean
+    of the repeats otherwise)."""
+
+    values: list[float | None]
+    draws: list[Draws | None]
+    pooled: float | None
+    counts: list[int]
+
+
+def _estimate(arm: Arm, indicator: Indicator, level: str | None) -> Estimates:
+    def group_of(side: Side) -> Group:
+        return None if level is None else _groups(side).get(level)
+
+    values, draws, counts = [], [], []
+    for side in arm.repeats:
+        value, drawn = indicator.estimate(side, group_of(side))
+        values.append(value)
+        draws.append(drawn)
+        column = indicator.metric.rpartition(".")[0]
+        if column in sql.REPORT_LATENCY_METRICS:
+            found = _values(side, column, group_of(side))
+            counts.append(len(found) if found is not None else 0)
+    known = [v for v in values if v is not None]
+    pooled: float | None = None
+    if len(known) == len(values) and known:
+        pooled = known[0]
+        if len(known) > 1:
+            column, _, name = indicator.metric.rpartition(".")
+            if column in sql.REPORT_LATENCY_METRICS:
+                pooled = _pooled_quantile(arm.repeats, column, group_of, TESTED[name])
+            else:
+                pooled = float(np.mean(known))
+    return Estimates(values, draws, pooled, counts)
+
+
+def _on_scale(values: list[float], scale: str) -> Floats:
+    array = np.asarray(values, dtype=np.float64)
+    return np.log(array) if scale == LOG else array
+
+
+def _row(
+    indicator: Indicator, level: str, before: Estimates, after: Estimates, seed: int, source: Any
+) -> dict[str, Any]:
+    b, a = before.pooled, after.pooled
+    measured = a is not None and b is not None
+    delta = a - b if measured else None
+    row: dict[str, Any] = {
+        "metric": indicator.metric,
+        "level": level,
+        "source": source,
+        "better": indicator.better,
+        "before": b,
+        "after": a,
+        "delta": delta,
+        "delta_pct": (delta / b * 100.0) if delta is not None and b else None,
+        "ci95": None,
+        "ci95_pct": None,
+        "verdict": NOT_MEASURED if not measured else NOT_TESTED,
+        "test": None,
+        "p_value": None,
+        "role": None,
+        "detectable": None,
+        "detectable_pct": None,
+        "repeats": {"before": before.values, "after": after.values},
+    }
+    if not measured:
+        return row
+    if _too_few(indicator.metric, before.counts + after.counts):
+        row["verdict"] = TOO_FEW
+        return row
+    if len(before.values) + len(after.values) > 2:
+        _repeats_row(row, indicator, before, after, seed)
+    else:
+        _requests_row(row, indicator, before, after, seed)
+    return row
+
+
+def _repeats_row(
+    row: dict[str, Any], indicator: Indicator, before: Estimates, after: Estimates, seed: int
+) -> None:
+    """The row tested on the runs' values (reports/verdict.py), on the indicator's scale."""
+    values = [v for v in (*before.values, *after.values) if v is not None]
+    scale = indicator.scale if all(v > 0 for v in values) else AS_IS
+    rng = np.random.default_rng([seed, *indicator.metric.encode(), *row["level"].encode()])
+
+    def scaled_draws(est: Estimates) -> list[Floats | None]:
+        out: list[Floats | None] = []
+        for drawn in est.draws:
+            if drawn is None:
+                out.append(None)
+                continue
+            got = drawn(rng)
+            out.append(_on_scale(list(got), scale) if scale == AS_IS or np.all(got > 0) else None)
+        return out
+
+    test = verdict.repeats_test(
+        _on_scale(before.values, scale),  # type: ignore[arg-type]
+        _on_scale(after.values, scale),  # type: ignore[arg-type]
+        scaled_draws(before),
+        scaled_draws(after),
+    )
+    if test is None:
+        return
+    lo, hi = test.interval
+    b = row["before"]
+    if scale == LOG:
+        pct = ((np.exp(lo) - 1.0) * 100.0, (np.exp(hi) - 1.0) * 100.0)
+        row["ci95_pct"] = [float(pct[0]), float(pct[1])]
+        row["ci95"] = [b * pct[0] / 100.0, b * pct[1] / 100.0]
+        row["detectable_pct"] = float((np.exp(test.detectable) - 1.0) * 100.0)
+        row["detectable"] = b * row["detectable_pct"] / 100.0
+    else:
+        row["ci95"] = [lo, hi]
+        row["ci95_pct"] = [lo / b * 100.0, hi / b * 100.0] if b else None
+        row["detectable"] = test.detectable
+        row["detectable_pct"] = test.detectable / b * 100.0 if b else None
+    row["test"] = {
+        "method": verdict.REPEATS,
+        "scale": scale,
+        "df": test.df,
+        "spread": test.spread,
+        "covers": "run-to-run and request noise",
+    }
+    row["p_value"] = test.p_value
+    row["_direction"] = float(np.sign(test.estimate))
+
+
+def _requests_row(
+    row: dict[str, Any], indicator: Indicator, before: Estimates, after: Estimates, seed: int
+) -> None:
+    """One run a side: the request-level bootstrap's interval (request noise only)."""
+    key = indicator.metric if row["level"] == WHOLE_RUN else f"{indicator.metric}@{row['level']}"
+    b_draws, a_draws = before.draws[0], after.draws[0]
+    if b_draws is None or a_draws is None:
+        return
+    rng = np.random.default_rng([seed, *key.encode()])
+    b, a = b_draws(rng), a_draws(rng)
+    delta = a - b
+    lo, hi = (float(x) for x in np.percentile(delta, [2.5, 97.5]))
+    row["ci95"] = [lo, hi]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = (a / b - 1.0) * 100.0
+    if np.all(np.isfinite(rel)):
+        p_lo, p_hi = (float(x) for x in np.percentile(rel, [2.5, 97.5]))
+        row["ci95_pct"] = [p_lo, p_hi]
+        row["detectable_pct"] = (
+            (p_hi - p_lo)
+            / 2
+            / verdict.t_critical(None)
+            * (verdict.t_critical(None) + verdict.POWER_Z)
         )
+    row["detectable"] = (
+        (hi - lo) / 2 / verdict.t_critical(None) * (verdict.t_critical(None) + verdict.POWER_Z)
+    )
+    row["test"] = {
+        "method": verdict.REQUESTS,
+        "scale": AS_IS,
+        "df": None,
+        "spread": None,
+        "covers": "request noise only",
+    }
+    row["p_value"] = verdict.draws_p_value(delta)
+    row["_direction"] = float(np.sign(np.median(delta)))
+
+
+def diff_rows(before: Arm, after: Arm, seed: int) -> list[dict[str, Any]]:
+    """Every indicator at every load level both arms ran (whole-run figures once), tested;
+    verdicts are given by `judge`, which corrects the rows as a family."""
+    levels = shared_levels(before, after)
+    several = len(levels) > 1
+    sources = {**FIXED_SOURCES, **before.repeats[0].samples.sources}
+    rows = []
+    for indicator in INDICATORS:
+        source = sources.get(indicator.metric.rpartition(".")[0])
+        if indicator.per_level and several:
+            for level in levels:
+                b = _estimate(before, indicator, level)
+                a = _estimate(after, indicator, level)
+                rows.append(_row(indicator, level, b, a, seed, source))
+            continue
+        name = levels[0] if len(levels) == 1 and indicator.per_level else WHOLE_RUN
+        b = _estimate(before, indicator, None)
+        a = _estimate(after, indicator, None)
+        rows.append(_row(indicator, name, b, a, seed, source))
     return rows
+
+
+def primary_level(before: Arm, after: Arm) -> str:
+    """The level a report leads with: the one with the most requests over both arms."""
+    levels = shared_levels(before, after)
+    if not levels:
+        return WHOLE_RUN
+    sizes = {
+        name: sum(_groups(side)[name]["requests"] for side in (*before.repeats, *after.repeats))
+        for name in levels
+    }
+    return max(levels, key=lambda name: sizes[name])
+
+
+def judge(rows: list[dict[str, Any]], primary: tuple[str, str]) -> dict[str, Any]:
+    """Verdicts for the tested rows: the primary row (metric, level) at 5 %, every other tested
+    row corrected as a family by Holm's step-down procedure at 5 % family-wise. Returns what
+    the report says about it. A row that is not significant is `unchanged`, with the smallest
+    change the design could have found beside it."""
+    metric, level = primary
+    lead = next((r for r in rows if r["metric"] == metric and r["level"] == level), None)
+    if lead is None or lead["p_value"] is None:
+        lead = next((r for r in rows if r["metric"] == metric and r["p_value"] is not None), lead)
+    family = [r for r in rows if r["p_value"] is not None and r is not lead]
+    adjusted = verdict.holm_adjusted([r["p_value"] for r in family])
+    for row, p in zip(family, adjusted, strict=True):
+        row["role"] = "secondary"
+        row["p_adjusted"] = p
+        _decide(row, p)
+    if lead is not None:
+        lead["role"] = "primary"
+        if lead["p_value"] is not None:
+            lead["p_adjusted"] = lead["p_value"]
+            _decide(lead, lead["p_value"])
+    for row in rows:
+        row.pop("_direction", None)
+    return {
+        "metric": lead["metric"] if lead else metric,
+        "level": lead["level"] if lead else level,
+        "alpha": verdict.ALPHA,
+        "family": len(family),
+        "correction": "holm",
+    }
+
+
+POWER_CHANGES_PCT = (5.0, 10.0, 25.0)
+
+
+def power(rows: list[dict[str, Any]], primary: dict[str, Any]) -> dict[str, Any] | None:
+    """What the design could detect on the primary row, and how many repeats a side would find
+    a change of 5, 10 and 25 % (80 % power at 5 %), from the run-to-run spread observed. With
+    one run a side the spread between runs is unknown: the lines are None and say so."""
+    row = next(
+        (r for r in rows if r["metric"] == primary["metric"] and r["level"] == primary["level"]),
+        None,
+    )
+    if row is None or row["test"] is None:
+        return None
+    test = row["test"]
+    lines = []
+    for change in POWER_CHANGES_PCT:
+        needed = None
+        if test["method"] == verdict.REPEATS and test["spread"] is not None:
+            if test["scale"] == LOG:
+                size = float(np.log1p(change / 100.0))
+            else:
+                size = abs(row["before"] or 0.0) * change / 100.0
+            needed = verdict.repeats_needed(test["spread"], size)
+        lines.append({"change_pct": change, "repeats_a_side": needed})
+    return {
+        "metric": row["metric"],
+        "level": row["level"],
+        "detectable_pct": row["detectable_pct"],
+        "detectable": row["detectable"],
+        "repeats_for": lines,
+        "known": test["method"] == verdict.REPEATS,
+        "cap": verdict.REPEATS_CAP,
+    }
+
+
+def power_lines(power: dict[str, Any] | None) -> list[str]:
+    """The power section in words: "to detect ±5 % TTFT p50: 6 repeats a side"."""
+    if power is None:
+        return []
+    name = metric_name(power["metric"])
+    if not power["known"]:
+        return [
+            f"{name}: with one run a side the run-to-run variation is unknown, so no number of "
+            "repeats can be given; run 3 or more a side to measure it"
+        ]
+    lines = []
+    if power["detectable_pct"] is not None:
+        lines.append(
+            f"{name}: this design detects a change of ±{power['detectable_pct']:.0f} % "
+            "(80 % power at 5 %)"
+        )
+    for line in power["repeats_for"]:
+        k = line["repeats_a_side"]
+        needed = f"{k} repeats a side" if k else f"more than {power['cap']} repeats a side"
+        lines.append(f"to detect ±{line['change_pct']:.0f} % {name}: {needed}")
+    return lines
+
+
+def _decide(row: dict[str, Any], p: float) -> None:
+    if p > verdict.ALPHA:
+        row["verdict"] = UNCHANGED
+        return
+    lower = row["_direction"] < 0
+    row["verdict"] = IMPROVED if lower == (row["better"] == LOWER) else REGRESSED
+
+
+def at_level(rows: list[dict[str, Any]], level: str) -> dict[str, dict[str, Any]]:
+    """The rows a headline reads, by metric: the level's own, and the whole run's."""
+    found = {r["metric"]: r for r in rows if r["level"] == WHOLE_RUN}
+    found.update({r["metric"]: r for r in rows if r["level"] == level})
+    return found
 
 
 # -- the headline ---------------------------------------------------------------------------
@@ -258,44 +625,88 @@ def _share(value: float | None) -> str:
 def _tested(name: str, row: dict[str, Any]) -> str:
     """A tested change as "TTFT p95 −81 % (−84 … −78 %) [improved]": the interval says why a
     large change can still be `unchanged` (bursty traffic over a few seconds gives throughput
-    a wide one)."""
+    a wide one); an unchanged row says what the design could have missed."""
     ci = row["ci95_pct"]
     interval = f" ({_signed_pct(ci[0])[:-2]} … {_signed_pct(ci[1])})" if ci else ""
-    return f"{name} {_signed_pct(row['delta_pct'])}{interval} [{row['verdict']}]"
+    found = f"{name} {_signed_pct(row['delta_pct'])}{interval} [{row['verdict']}]"
+    if row["verdict"] == UNCHANGED and row.get("detectable_pct") is not None:
+        found += f" (no change beyond ±{row['detectable_pct']:.0f} %)"
+    return found
 
 
-def headline(change: str, rows: list[dict[str, Any]], before: Side, after: Side) -> str:
-    """E.g. "enable_prefix_caching false → true: TTFT p95 −81 % (−84 … −78 %) [improved], prefix
-    hit ratio 0 % → 93 %, throughput +12 % (+3 … +20 %) [improved]" (TTFT p50 when the runs are
-    too small for a p95)."""
-    for side in (before, after):
-        if side.summary["overall"]["requests"] == 0:
-            return f"{change}: {side.name} has no events, nothing to compare"
-    by = {r["metric"]: r for r in rows}
+METRIC_NAMES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "e2e_ms": "e2e", "queue_ms": "queue",
+                "prefill_ms": "prefill", "decode_ms": "decode", "error_rate": "error rate",
+                "throughput.output_tokens_per_s": "throughput",
+                "throughput.requests_per_s": "requests/s",
+                "server.prefix_cache_hit_ratio": "server prefix hit ratio",
+                "gpu.j_per_output_token": "energy per output token"}  # fmt: skip
+
+
+def metric_name(metric: str) -> str:
+    """ "TTFT p50", "throughput", … as a headline says it."""
+    if metric in METRIC_NAMES:
+        return METRIC_NAMES[metric]
+    column, _, q = metric.rpartition(".")
+    return f"{METRIC_NAMES.get(column, column)} {q}" if column else metric
+
+
+def design(before: Arm, after: Arm) -> dict[str, Any]:
+    """How many repeats each arm had, and what the intervals cover."""
+    kb, ka = len(before.repeats), len(after.repeats)
+    one = kb + ka <= 2
+    return {
+        "before": kb,
+        "after": ka,
+        "before_runs": [s.samples.part.run_id for s in before.repeats],
+        "after_runs": [s.samples.part.run_id for s in after.repeats],
+        "covers": "request noise only" if one else "run-to-run and request noise",
+        "note": verdict.REQUEST_NOISE_ONLY if one else None,
+    }
+
+
+def headline(
+    change: str, rows: list[dict[str, Any]], before: Arm, after: Arm, primary: dict[str, Any]
+) -> str:
+    """E.g. "enable_prefix_caching off → on (3 repeats a side; ralph-loop · concurrency 4): TTFT
+    p50 −81 % (−84 … −78 %) [improved], prefix hit ratio 0 % → 93 %, throughput +12 % (+3 … +20
+    %) [improved]": the primary indicator first, at the level the report leads with."""
+    for arm in (before, after):
+        for side in arm.repeats:
+            if side.summary["overall"]["requests"] == 0:
+                return f"{change}: {side.name} has no events, nothing to compare"
+    kb, ka = len(before.repeats), len(after.repeats)
+    if kb + ka <= 2:
+        how = "one run a side: request noise only"
+    elif kb == ka:
+        how = f"{kb} repeats a side"
+    else:
+        how = f"{kb} repeats before, {ka} after"
+    level = primary["level"]
+    where = f"{how}; {level}" if level != WHOLE_RUN else how
+    by = at_level(rows, level)
     parts = []
-    # the tail the seeds ask for (p95), or the median when the runs are too small to test a tail
-    q = next((q for q in ("p95", "p50") if by[f"ttft_ms.{q}"]["verdict"] != TOO_FEW), "p95")
-    ttft = by[f"ttft_ms.{q}"]
-    if ttft["delta_pct"] is not None:
-        parts.append(_tested(f"TTFT {q}" + (" (server)" if ttft["source"] == SERVER else ""), ttft))
+    lead = by.get(primary["metric"])
+    if lead is not None and lead["delta_pct"] is not None:
+        server = " (server)" if lead["source"] == SERVER else ""
+        parts.append(_tested(metric_name(lead["metric"]) + server, lead))
     hit = by["server.prefix_cache_hit_ratio"]
     if hit["before"] is None or hit["after"] is None:
         hit = by["cached_token_ratio"]
     if hit["before"] is not None or hit["after"] is not None:
         parts.append(f"prefix hit ratio {_share(hit['before'])} → {_share(hit['after'])}")
-    tput = by["throughput.output_tokens_per_s"]
-    if tput["delta_pct"] is not None:
-        parts.append(_tested("throughput", tput))
-    elif by["throughput.requests_per_s"]["delta_pct"] is not None:
+    for metric in ("ttft_ms.p50", "throughput.output_tokens_per_s", "gpu.j_per_output_token"):
+        row = by[metric]
+        if row is not lead and row["delta_pct"] is not None:
+            parts.append(_tested(metric_name(metric), row))
+    if by["throughput.output_tokens_per_s"]["delta_pct"] is None:
         # no token counts (e.g. `collect --once` on a log): the request rate still compares
-        parts.append(_tested("requests/s", by["throughput.requests_per_s"]))
-    energy = by["gpu.j_per_output_token"]
-    if energy["delta_pct"] is not None:
-        parts.append(_tested("energy per output token", energy))
+        rate = by["throughput.requests_per_s"]
+        if rate["delta_pct"] is not None and rate is not lead:
+            parts.append(_tested("requests/s", rate))
     err = by["error_rate"]
-    if err["verdict"] in (IMPROVED, REGRESSED):
+    if err["verdict"] in (IMPROVED, REGRESSED) and err is not lead:
         parts.append(f"error rate {_share(err['before'])} → {_share(err['after'])}")
-    return f"{change}: " + (
+    return f"{change} ({where}): " + (
         ", ".join(parts) if parts else "no TTFT, prefix hits or throughput measured on both sides"
     )
 
@@ -318,13 +729,6 @@ def _differences(a: Any, b: Any, path: str = "") -> list[str]:
     return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
 
 
-def _level_name(g: dict[str, Any]) -> str:
-    level = [f"concurrency {g['concurrency']}"] if g["concurrency"] is not None else []
-    if g["target_rate"] is not None:
-        level.append(f"rate {g['target_rate']:g}/s")
-    return " · ".join([str(g["workload"] or "(no workload)"), *level])
-
-
 def workload_warnings(
     before: Side, after: Side, before_spec: Any, after_spec: Any, same_run: bool
 ) -> list[str]:
@@ -342,8 +746,8 @@ def workload_warnings(
         elif diffs := _differences(before_spec, after_spec):
             shown = "; ".join(diffs[:6]) + (f"; … {len(diffs) - 6} more" if len(diffs) > 6 else "")
             warnings.append(f"the workloads differ: {shown}")
-    b_groups = {_level_name(g): g for g in before.summary["groups"]}
-    a_groups = {_level_name(g): g for g in after.summary["groups"]}
+    b_groups = {level_name(g): g for g in before.summary["groups"]}
+    a_groups = {level_name(g): g for g in after.summary["groups"]}
     if only := sorted(set(b_groups) ^ set(a_groups)):
         warnings.append(f"load levels present on one side only: {', '.join(only)}")
     for name in sorted(set(b_groups) & set(a_groups)):

@@ -37,6 +37,7 @@ GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
 NAMES = (POWER, ENERGY, FB_USED, GPU_UTIL)
 EDGE_S = 30.0  # samples this far outside the window still anchor the interpolation at its edges
 
+
 @dataclass(frozen=True)
 class Window:
     """The slice's throughput windows: `count` windows of `width` s from `t0` (epoch s)."""

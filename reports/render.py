@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from markupsafe import Markup
 
+from servescope.reports.diff import power_lines
 from servescope.reports.summary import LATENCY_METRICS, SERVER_METRICS
 from servescope.store.paths import inside
 
@@ -74,6 +75,66 @@ def ci_of(row: dict[str, Any]) -> str:
     return interval(row["ci95"], 2)
 
 
+def _is_share(row: dict[str, Any]) -> bool:
+    return row["metric"].endswith("ratio") or row["metric"] == "error_rate"
+
+
+def repeats_of(row: dict[str, Any], side: str) -> str:
+    """Each repeat's value of a side, in the metric's unit ("" for one run a side)."""
+    values = (row.get("repeats") or {}).get(side) or []
+    if len(values) < 2:
+        return ""
+    return ", ".join(pct(v) if _is_share(row) else fmt(v, 1) for v in values)
+
+
+def verdict_of(row: dict[str, Any]) -> str:
+    """The verdict with what it rests on: the primary indicator, what "unchanged" could have
+    missed, and a one-run design's request noise."""
+    text = row["verdict"]
+    if row.get("role") == "primary":
+        text += " (primary)"
+    if row["verdict"] == "unchanged" and row.get("detectable_pct") is not None:
+        if _is_share(row) and row.get("detectable") is not None:
+            text += f": no change beyond ±{row['detectable'] * 100:.1f} pt"
+        else:
+            text += f": no change beyond ±{row['detectable_pct']:.0f} %"
+    if (row.get("test") or {}).get("method") == "requests":
+        text += " [request noise only]"
+    return text
+
+
+def repeat_strip(row: dict[str, Any]) -> Markup:
+    """Each repeat's value as a dot on one axis, before (grey) above after (blue), the pooled
+    values as ticks: the spread between repeats beside the change. Numbers only reach the SVG."""
+    repeats = row.get("repeats") or {}
+    before = [float(v) for v in repeats.get("before") or [] if v is not None]
+    after = [float(v) for v in repeats.get("after") or [] if v is not None]
+    if len(before) + len(after) <= 2:
+        return Markup("")
+    pooled = [float(v) for v in (row["before"], row["after"]) if v is not None]
+    everything = before + after + pooled
+    lo, hi = min(everything), max(everything)
+    span = hi - lo or abs(hi) or 1.0
+    width, pad = 120.0, 4.0
+
+    def x(v: float) -> float:
+        return pad + (v - lo) / span * (width - 2 * pad)
+
+    parts = [
+        f'<svg class="strip" width="{width:.0f}" height="22" viewBox="0 0 {width:.0f} 22" '
+        'role="img"><title>each repeat: before (grey, top), after (blue, bottom)</title>'
+    ]
+    for y, values, colour in ((6.0, before, "#8c959f"), (16.0, after, "#0969da")):
+        parts += [f'<circle cx="{x(v):.1f}" cy="{y}" r="2.6" fill="{colour}"/>' for v in values]
+    for y, v in zip((6.0, 16.0), (row["before"], row["after"]), strict=True):
+        if v is not None:
+            cx = x(float(v))
+            parts.append(f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{y - 5}" y2="{y + 5}" '
+                         'stroke="#24292f" stroke-width="1"/>')  # fmt: skip
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
 # What could start Markdown of its own inside a value: emphasis, code, links and images, HTML
 # tags and entities, table cells, strikethrough, a heading's closing marks. CommonMark reads
 # a backslash before any ASCII punctuation as that character itself; an underscore inside a word
@@ -135,6 +196,10 @@ def _environment(fmt_name: str) -> Environment:
     env.filters["value_of"] = value_of
     env.filters["delta_of"] = delta_of
     env.filters["ci_of"] = ci_of
+    env.filters["repeats_of"] = repeats_of
+    env.filters["verdict_of"] = verdict_of
+    env.filters["repeat_strip"] = repeat_strip
+    env.globals["power_lines"] = power_lines
     return env
 
 

@@ -139,6 +139,8 @@ class Samples:
     _measured: dict[str, int] | None = None
     _sorted: dict[str, Sorted] = field(default_factory=dict)
     _levels: dict[str, dict[int, list[float | None]]] = field(default_factory=dict)
+    _level_sorted: dict[str, dict[int, Sorted]] = field(default_factory=dict)
+    _level_names: dict[tuple[Any, Any, Any], int] | None = None
     _counts: Counts | None = None
     _windows: dict[tuple[Any, ...], dict[str, Floats]] = field(default_factory=dict)
 
@@ -177,10 +179,42 @@ class Samples:
         if metric not in self._sorted:
             values, keys = self._fetch(metric)
             self._levels[metric] = by_level(values, keys, self.counts.level_keys)
+            levels = self.counts.level_keys
+            per_level = {} if len(levels) < 2 else {
+                key: self._level_values(metric, values, keys, key) for key in levels
+            }  # fmt: skip
             del keys
             values.sort()  # in place: the column is held once
-            self._sorted[metric] = Sorted(values, lambda: self._fetch_sorted(metric))
+            whole = Sorted(values, lambda: self._fetch_sorted(metric))
+            self._sorted[metric] = whole
+            self._level_sorted[metric] = per_level or dict.fromkeys(levels, whole)
         return self._sorted[metric]
+
+    def _level_values(
+        self, metric: str, values: Floats, keys: NDArray[np.uint64], key: int
+    ) -> Sorted:
+        def fetch() -> Floats:
+            again, again_keys = self._fetch(metric)
+            mine = again[again_keys == np.uint64(key)]
+            mine.sort()
+            return mine
+
+        mine = values[keys == np.uint64(key)]  # a copy
+        mine.sort()
+        return Sorted(mine, fetch)
+
+    def level_successful(self, metric: str) -> dict[int, Sorted]:
+        """`successful(metric)` per level key (one level: the same object as the whole)."""
+        self.successful(metric)
+        return self._level_sorted[self.figure(metric)]
+
+    def level_key(self, workload: Any, concurrency: Any, target_rate: Any) -> int | None:
+        """The key `successful` and `level_quantiles` file a level under (None: no such level
+        with a successful request)."""
+        if self._level_names is None:
+            rows = self.con.execute(sql.SLICE_LEVEL_KEYS, self.part.params()).fetchall()
+            self._level_names = {(w, c, r): int(k) for w, c, r, k in rows}
+        return self._level_names.get((workload, concurrency, target_rate))
 
     def level_quantiles(self, metric: str) -> dict[int, list[float | None]]:
         """[p50, p90, p95, p99] of the metric per level key (levels where it was measured)."""

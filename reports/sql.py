@@ -204,6 +204,10 @@ _MEASURED = ", ".join(
     f"count(*) FILTER (WHERE ({x}) IS NOT NULL AND NOT isnan({x})) AS {m}"
     for m, x in _PER_REQUEST.items()
 )
+SLICE_LEVEL_KEYS = f"""
+SELECT DISTINCT workload, concurrency, target_rate, {LEVEL_KEY} AS level_key
+FROM events WHERE status = 'ok' AND {IN_SLICE}
+"""
 SLICE_MEASURED = f"SELECT {_MEASURED} FROM events WHERE status = 'ok' AND {IN_SLICE}"
 
 # What the diff needs of a slice besides latencies: request and success counts, cache-hit

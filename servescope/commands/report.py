@@ -39,10 +39,13 @@ from servescope.reports import (
     sql,
     write_report,
 )
-from servescope.reports.build import PREVIOUS, previous_run
+from servescope.reports.build import PREVIOUS, BadPrimary, previous_run
+from servescope.reports.diff import WHOLE_RUN
 from servescope.reports.summary import require_run
 from servescope.store.lakeread import Lake
 
+FAIL_ON = ("improved", "regressed")
+EXIT_VERDICT = 3
 DESCRIPTION = "Render stored runs as self-contained HTML, Markdown and JSON reports."
 
 
@@ -68,6 +71,15 @@ def _slo(text: str) -> dict[str, float]:
     return slo
 
 
+def _verdicts(text: str) -> tuple[str, ...]:
+    chosen = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not chosen or any(v not in FAIL_ON for v in chosen):
+        raise argparse.ArgumentTypeError(
+            f"--fail-on takes {' or '.join(FAIL_ON)} (comma-separated), got {text!r}"
+        )
+    return chosen
+
+
 def add_subcommands(parser: argparse.ArgumentParser) -> None:
     reports = parser.add_subparsers(dest="report_command", required=True, metavar="SUBCOMMAND")
     build = reports.add_parser(
@@ -80,24 +92,39 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         "--split-at-flip): before, after, Δ, Δ %, a seeded bootstrap 95 % CI and a verdict per "
         "indicator. TTFT, TPOT and e2e come from the client where it timed them, else from "
         "vLLM's own trace; each indicator names its source and a diff never compares a client "
-        "figure with a server figure. --since/--until report a window of a long-lived run. "
-        "The report folder is RUN, RUN-vs-BASE or RUN-at-flip (with @FROM-TO for a window), "
+        "figure with a server figure. Several runs a side (report build A1 A2 A3 --vs B1 B2 B3) "
+        "are repeats of one configuration: each load level is compared with its counterpart, "
+        "the interval covers run-to-run as well as request-to-request variation, each repeat's "
+        "value is shown beside the pooled one, and every row says the smallest change the "
+        "design could have detected; with one run a side the interval covers request noise "
+        "only, and the report says so. The primary indicator (the symptom the flipped lever "
+        "targets, or --primary) is tested at 5 %, the other rows corrected as a family (Holm). "
+        "--since/--until report a window of a long-lived run. "
+        "The report folder is RUN, RUN-vs-BASE or RUN-at-flip (with @FROM-TO for a window; "
+        "RUN+2-vs-BASE+2 for three repeats a side), "
         "percent-encoded (a run id is never a path: a/b is a%2Fb; a run id that cannot be typed "
         "may be given so). Exit codes: 0 written, 2 an unknown run (the known ones are named), "
         "no run before RUN for --vs previous, a run with no lever flip to split at, or bad "
-        "options.",
+        "options; 3 a verdict named by --fail-on (the report is written first).",
         epilog="Times (--since, --until, --vs-since, --vs-until): an ISO time "
         "(2026-11-24T20:00:00Z), a duration ago (90s, 30m, 2h, 1d, 1w), or one from the run's "
         "start or end (start+1h, end-30m). The hour before a restart that flipped a lever vs "
         "the hour after: report build AFTER --until start+1h --vs previous --vs-since end-1h",
     )
-    build.add_argument("run_id", metavar="RUN", help="the run to report (the 'after' side)")
+    build.add_argument(
+        "run_id",
+        metavar="RUN",
+        nargs="+",
+        help="the run to report (the 'after' side); several: repeats of one configuration",
+    )
     mode = build.add_mutually_exclusive_group()
     mode.add_argument(
         "--vs",
         metavar="BASE_RUN",
-        help="compare RUN (after) with BASE_RUN (before); 'previous' = the run the same server "
-        "ran before RUN (a server session's predecessor: a restart that flipped a lever)",
+        nargs="+",
+        help="compare RUN (after) with BASE_RUN (before), each one run or several repeats; "
+        "'previous' = the run the same server ran before RUN (a server session's predecessor: "
+        "a restart that flipped a lever)",
     )
     mode.add_argument(
         "--split-at-flip",
@@ -125,6 +152,23 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         "--api-usd-per-1k-tokens", type=float, help="API price per 1K tokens, for the cost check"
     )
     build.add_argument("--seed", type=int, help="bootstrap seed (default: a fixed one)")
+    build.add_argument(
+        "--primary",
+        metavar="METRIC",
+        help="the diff row the flip is judged by, tested at 5 %% (the others are corrected as "
+        "a family), e.g. ttft_ms.p95, tpot_ms.p50, throughput.output_tokens_per_s, error_rate; "
+        "default: the symptom the flipped lever targets (reports/diagnosis.yaml), else "
+        "ttft_ms.p50",
+    )
+    build.add_argument(
+        "--fail-on",
+        type=_verdicts,
+        default=(),
+        metavar="VERDICTS",
+        help="exit 3 when a tested row of the diff has one of these verdicts after the "
+        "correction: 'regressed' gates a deploy on regressions, 'improved,regressed' on any "
+        "change (--json names the rows)",
+    )
     build.add_argument(
         "--prometheus",
         metavar="URL",
@@ -184,31 +228,38 @@ def run_build(args: argparse.Namespace) -> int:
     if window and args.split_at_flip:
         console.print("--split-at-flip splits the whole run: drop --since/--until", style="red")
         return 2
+    if problem := _arms_problem(args, window, base_window):
+        console.print(problem, style="red")
+        return 2
     store = open_store(args)
-    run_id = run_arg(store, args.run_id)
-    base = args.vs if args.vs == PREVIOUS else run_arg(store, args.vs) if args.vs else None
+    run_ids = [run_arg(store, r) for r in args.run_id]
+    bases = None
+    if args.vs:
+        bases = args.vs if args.vs == [PREVIOUS] else [run_arg(store, r) for r in args.vs]
     try:
         if (
             isinstance(store, Lake)
-            and store.has_run(run_id)
-            and (base in (None, PREVIOUS) or store.has_run(base))
+            and all(store.has_run(r) for r in run_ids)
+            and (bases in (None, [PREVIOUS]) or all(store.has_run(b) for b in bases or []))
         ):
             # read only the partitions of the runs compared (an unknown run is reported from
             # the whole lake, with the runs it knows)
-            store = store.scoped([run_id])
-            if base == PREVIOUS:
+            store = store.scoped(run_ids)
+            if bases == [PREVIOUS]:
                 with store.read() as con:
-                    base = previous_run(con, require_run(con, run_id))
-            store = store.scoped([run_id, base] if base else [run_id])
+                    bases = [previous_run(con, require_run(con, run_ids[0]))]
+            store = store.scoped([*run_ids, *(bases or [])])
         with console.status("building the report…"):
-            if base:
-                report = build_diff(store, run_id, base, options, window, base_window)
+            if bases:
+                report = build_diff(
+                    store, run_ids, bases, options, window, base_window, args.primary
+                )
             elif args.split_at_flip:
-                report = build_split(store, run_id, options)
+                report = build_split(store, run_ids[0], options, args.primary)
             else:
-                report = build_summary(store, run_id, options, window)
+                report = build_summary(store, run_ids[0], options, window)
             paths = write_report(report, args.out, formats)
-    except (UnknownRun, NoLeverFlip, NoPreviousRun, BadWindow, NotAFleet) as exc:
+    except (UnknownRun, NoLeverFlip, NoPreviousRun, BadWindow, NotAFleet, BadPrimary) as exc:
         console.print(str(exc), style="red")
         return 2
     except PrometheusUnavailable as exc:
@@ -216,23 +267,61 @@ def run_build(args: argparse.Namespace) -> int:
         return 1
     for warning in report.get("warnings", []):
         console.print(f"warning: {warning}", style="yellow")
+    failing = [r for r in report.get("diff", []) if r["verdict"] in args.fail_on]
     if args.json:
-        print(json.dumps(_brief(report, paths)))
+        print(json.dumps(_brief(report, paths, args.fail_on, failing)))
     else:
         if "headline" in report:
             console.print(report["headline"])
         for path in paths:
             print(path)
+    if failing:
+        named = ", ".join(f"{r['metric']} at {r['level']} {r['verdict']}" for r in failing)
+        console.print(f"--fail-on {','.join(args.fail_on)}: {named}", style="red")
+        return EXIT_VERDICT
     return 0
 
 
-def _brief(report: dict[str, Any], paths: list[Path]) -> dict[str, Any]:
+def _arms_problem(args: argparse.Namespace, window: Window, base_window: Window) -> str | None:
+    """Why the runs named cannot be compared as given (None: they can)."""
+    several = len(args.run_id) > 1 or len(args.vs or []) > 1
+    if len(args.run_id) > 1 and not args.vs:
+        return "several runs are repeats of one arm: compare them with --vs BASE [BASE …]"
+    if several and (window or base_window):
+        return "--since/--until/--vs-since/--vs-until take one run a side"
+    if args.vs and PREVIOUS in args.vs and (len(args.vs) > 1 or len(args.run_id) > 1):
+        return "--vs previous compares one run with the run before it: name repeats by their ids"
+    if (args.fail_on or args.primary) and not args.vs and not args.split_at_flip:
+        return "--fail-on and --primary judge a comparison: give --vs BASE or --split-at-flip"
+    return None
+
+
+def _brief(
+    report: dict[str, Any], paths: list[Path], fail_on: tuple[str, ...], failing: list[dict]
+) -> dict[str, Any]:
+    rows = report.get("diff", [])
+    several = len({r["level"] for r in rows if r["level"] != WHOLE_RUN}) > 1
     return {
         "report_id": report["report_id"],
         "paths": [str(p) for p in paths],
         "headline": report.get("headline"),
         "warnings": report.get("warnings", []),
-        "verdicts": {d["metric"]: d["verdict"] for d in report.get("diff", [])},
+        "repeats": report.get("repeats"),
+        "primary": report.get("primary"),
+        "verdicts": {
+            (f"{d['metric']}@{d['level']}" if several and d["level"] != WHOLE_RUN else d["metric"]):
+            d["verdict"]
+            for d in rows
+        },
+        "fail_on": {
+            "verdicts": list(fail_on),
+            "exit": EXIT_VERDICT if failing else 0,
+            "rows": [
+                {k: r[k] for k in ("metric", "level", "verdict", "delta_pct", "ci95_pct",
+                                   "p_adjusted")}  # fmt: skip
+                for r in failing
+            ],
+        },
     }
 
 
