@@ -1,20 +1,39 @@
-"""Lever-flip experiments: one seeded workload against two or more server profiles.
+"""Lever-flip experiments: one seeded workload against two or more server profiles (arms).
 
-Each profile gets a freshly started vLLM (so every run starts with cold caches; with `--target`
-URLs the servers are the user's and cannot be restarted), warm-up requests, and one stored run
-whose `levers` are the profile's flags. Repeats interleave (A B A B) so slow drift on the
-machine spreads over both sides instead of favouring one. At every switch of profile a
-`lever_flips` row records what changed, which is what reports split on and dashboards annotate.
+Every arm runs `repeats` times (3 by default), interleaved A B B A A B …: odd repeats in the
+spec's order, even ones reversed, so a linear drift of the machine (a neighbour's load, a
+warming cache, thermal throttling) lands on every arm alike instead of favouring the later one.
+At every switch of arm a `lever_flips` row records what changed, which is what reports split on
+and dashboards annotate. An A/A spec (one profile twice, e.g. the `aa` experiment) measures the
+noise floor: its arms get distinct names (`default-a`, `default-b`) and record no lever flip.
 
-A sidecar (servescope wires the collector in) can watch the servers from outside: then every
-server of an experiment listens on one port and appends to one log, as a server an operator
-restarts with other flags does, and every bench run is joined with vLLM's own timings.
+How the servers and rounds are sequenced (`design`, recorded in every run's notes):
+
+- `servers kept up` (CPU profiles, the default): one vLLM per arm, all started at once, each on
+  its own port with its own log and its own collector sidecar; rounds alternate between them,
+  and each round begins with the arm's prefix cache emptied (vLLM's `POST /reset_prefix_cache`,
+  served with `VLLM_SERVER_DEV_MODE=1`), so every repeat starts from the same cache state
+  without paying a start per repeat.
+- `fresh server per run` (GPU profiles, whose servers cannot share the device, or
+  `fresh_servers=True`): every run starts its own vLLM, all on one port appending to one log
+  with one sidecar, as a server an operator restarts with other flags does.
+- `operator's servers` (`--target ARM=URL`): the user's servers, which cannot be restarted;
+  their prefix cache is reset where they serve the dev-mode endpoint, else the run's notes say
+  that it started warm.
+
+A sidecar (servescope wires the collector in) watches the servers from outside, so every bench
+run is joined with vLLM's own timings.
 """
 
 from __future__ import annotations
 
+import json
 import socket
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,6 +44,7 @@ import yaml
 from servescope.loadgen.launcher import (
     ALWAYS_FLAGS,
     LOG_DIR,
+    Profile,
     VllmServer,
     levers_of,
     load_profiles,
@@ -36,6 +56,23 @@ from servescope.store import Store
 
 EXPERIMENTS_FILE = Path(__file__).with_name("experiments.yaml")
 DEFAULT_LEVER = "default"  # a lever a profile leaves to vLLM's own default
+DEFAULT_REPEATS = 3  # runs per arm when the spec and the command line name none
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves POST /reset_prefix_cache only then
+
+# notes["repeat_design"]: how the experiment sequenced servers and rounds
+KEPT_UP = "servers kept up: one server per arm, all up at once, rounds alternated"
+FRESH = "fresh server per run"
+TARGETS = "operator's servers (--target): kept up, rounds alternated"
+FLEET = "replicas kept up: one gateway per run, rounds alternated"
+# notes["repeat_state"]: the state a run's server started it in
+STATE_FRESH = "fresh server"
+STATE_RESET = "prefix cache reset"
+STATE_WARM = "warm: not reset (a --target server without dev mode)"
+STATE_REFUSED = "warm: prefix cache reset refused (blocks still in use)"
+
+
+class ExperimentError(WorkloadError):
+    """An experiments file (or a spec in it) that cannot be run; the message says where."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +92,14 @@ class ExperimentSpec:
     workloads: list[str] = field(default_factory=list)
     scale: float = 1.0
     requests: int | None = None
-    model: str = "random"  # the tiny model kind (loadgen/tiny_model.py KINDS) the servers load
+    model: str = "random"  # a tiny model kind (loadgen/tiny_model.py KINDS), or a model folder
     fleet: FleetSpec | None = None  # set: `profiles` are the gateway's routing policies
+    repeats: int = DEFAULT_REPEATS
+    source: str = "built-in"  # the experiments file it came from
+
+    @property
+    def arms(self) -> list[str]:
+        return arm_names(self.profiles)
 
     def bench_config(self, scale: float | None, requests: int | None) -> BenchConfig:
         """The workload every run of the experiment sends: the spec's workloads, with the
@@ -69,24 +112,144 @@ class ExperimentSpec:
         return config.scaled(scale if scale is not None else self.scale)
 
 
-def load_experiments(path: Path = EXPERIMENTS_FILE) -> dict[str, ExperimentSpec]:
-    raw: dict[str, dict[str, Any]] = yaml.safe_load(path.read_text())["experiments"]
-    return {
-        name: ExperimentSpec(
-            name=name,
-            description=" ".join(str(spec.get("description", "")).split()),
-            workload=str(spec["workload"]),
-            profiles=[str(p) for p in spec["profiles"]],
-            workloads=[str(w) for w in spec.get("workloads") or []],
-            scale=float(spec.get("scale", 1.0)),
-            requests=spec.get("requests"),
-            model=str(spec.get("model", "random")),
-            fleet=FleetSpec(int(spec["fleet"]["replicas"]), str(spec["fleet"]["profile"]))
-            if spec.get("fleet")
-            else None,
+def arm_names(profiles: list[str]) -> list[str]:
+    """An arm per profile, named after it; a profile named more than once (an A/A spec) gives
+    arms `<profile>-a`, `<profile>-b`, … so that runs and reports stay apart."""
+    counts = {p: profiles.count(p) for p in profiles}
+    seen: dict[str, int] = {}
+    names = []
+    for profile in profiles:
+        if counts[profile] == 1:
+            names.append(profile)
+            continue
+        seen[profile] = seen.get(profile, 0) + 1
+        names.append(f"{profile}-{chr(ord('a') + seen[profile] - 1)}")
+    return names
+
+
+def interleaved(arms: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, arm) in run order: A B, B A, A B, … (three arms: A B C, C B A, …). Reversing
+    every other repeat cancels a linear drift, which A B A B would hand to B every time."""
+    order = []
+    for repeat in range(1, repeats + 1):
+        round_arms = arms if repeat % 2 else list(reversed(arms))
+        order.extend((repeat, arm) for arm in round_arms)
+    return order
+
+
+def order_letters(arms: list[str], repeats: int) -> str:
+    """The run order as letters, e.g. "A B B A A B" (A = the first arm of the spec)."""
+    letter = {arm: chr(ord("A") + i) for i, arm in enumerate(arms)}
+    return " ".join(letter[arm] for _repeat, arm in interleaved(arms, repeats))
+
+
+# -- experiments files ---------------------------------------------------------------------
+
+SPEC_KEYS = {
+    "description", "workload", "profiles", "workloads", "scale", "requests", "model", "fleet",
+    "repeats",
+}  # fmt: skip
+
+
+def _positive_int(where: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ExperimentError(f"{where}: `{key}` must be a positive whole number, got {value!r}")
+    return value
+
+
+def _spec(name: str, raw: Any, source: Path) -> ExperimentSpec:
+    where = f"{source}: experiment {name!r}"
+    if not isinstance(raw, dict):
+        raise ExperimentError(f"{where}: expected a mapping with `workload` and `profiles`")
+    if unknown := sorted(set(map(str, raw)) - SPEC_KEYS):
+        raise ExperimentError(f"{where}: unknown keys {unknown} (known: {sorted(SPEC_KEYS)})")
+    if missing := [k for k in ("workload", "profiles") if raw.get(k) in (None, "", [])]:
+        raise ExperimentError(f"{where}: missing {', '.join(f'`{k}`' for k in missing)}")
+    profiles = raw["profiles"]
+    if not isinstance(profiles, list) or len(profiles) < 2:
+        raise ExperimentError(
+            f"{where}: `profiles` must list at least two profiles (the first is the before; "
+            "name one twice for an A/A run)"
         )
-        for name, spec in raw.items()
+    if not all(isinstance(p, str) and p for p in profiles):
+        raise ExperimentError(f"{where}: `profiles` must be profile names, got {profiles!r}")
+    workloads = raw.get("workloads") or []
+    if not isinstance(workloads, list):
+        raise ExperimentError(f"{where}: `workloads` must be a list of workload names")
+    scale = raw.get("scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0:
+        raise ExperimentError(f"{where}: `scale` must be a positive number, got {scale!r}")
+    requests = raw.get("requests")
+    if requests is not None:
+        requests = _positive_int(where, "requests", requests)
+    repeats = _positive_int(where, "repeats", raw.get("repeats", DEFAULT_REPEATS))
+    fleet = raw.get("fleet")
+    if fleet is not None:
+        if not isinstance(fleet, dict) or not {"replicas", "profile"} <= set(fleet):
+            raise ExperimentError(f"{where}: `fleet` is {{replicas: N, profile: PROFILE}}")
+        fleet = FleetSpec(_positive_int(where, "fleet.replicas", fleet["replicas"]),
+                          str(fleet["profile"]))  # fmt: skip
+    workload, model = str(raw["workload"]), str(raw.get("model", "random"))
+    if source != EXPERIMENTS_FILE:  # an operator's paths are relative to their file
+        workload = _beside(source, workload)
+        model = _beside(source, model)
+    return ExperimentSpec(
+        name=str(name),
+        description=" ".join(str(raw.get("description", "")).split()),
+        workload=workload,
+        profiles=[str(p) for p in profiles],
+        workloads=[str(w) for w in workloads],
+        scale=float(scale),
+        requests=requests,
+        model=model,
+        fleet=fleet,
+        repeats=repeats,
+        source="built-in" if source == EXPERIMENTS_FILE else str(source),
+    )
+
+
+def _beside(source: Path, value: str) -> str:
+    """A relative path of an operator's file as it is from their file's folder, where one is
+    there (a shipped workload's or a tiny model kind's name stays as it is)."""
+    path = Path(value)
+    if path.is_absolute() or not (source.parent / path).exists():
+        return value
+    return str(source.parent / path)
+
+
+def read_experiments_file(path: Path) -> dict[str, ExperimentSpec]:
+    """One experiments file's specs; ExperimentError names the file and what is wrong."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise ExperimentError(f"{path}: no such experiments file") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ExperimentError(f"{path}: cannot read it ({exc})") from exc
+    except yaml.YAMLError as exc:
+        raise ExperimentError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("experiments"), dict):
+        raise ExperimentError(f"{path}: expected a mapping `experiments:` of experiment names")
+    return {
+        str(name): _spec(str(name), raw, Path(path)) for name, raw in data["experiments"].items()
     }
+
+
+def load_experiments(path: Path | None = None) -> dict[str, ExperimentSpec]:
+    """The built-in experiments, with those of `path` (an operator's file in the same format)
+    added over them: one of theirs replaces a built-in one of the same name."""
+    experiments = read_experiments_file(EXPERIMENTS_FILE)
+    if path is not None:
+        experiments.update(read_experiments_file(path))
+    return experiments
+
+
+def check_profiles(spec: ExperimentSpec, profiles: dict[str, Profile]) -> None:
+    """ExperimentError when a spec names a profile the profiles do not define."""
+    named = [spec.fleet.profile] if spec.fleet else spec.profiles
+    if unknown := sorted({p for p in named if p not in profiles}):
+        raise ExperimentError(
+            f"experiment {spec.name}: unknown profiles {unknown}; known: {', '.join(profiles)}"
+        )
 
 
 def free_port() -> int:
@@ -106,6 +269,33 @@ def lever_flips(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str
     return flips
 
 
+class ResetUnavailable(RuntimeError):
+    """The server does not serve `POST /reset_prefix_cache` (vLLM without dev mode)."""
+
+
+def reset_prefix_cache(url: str, *, attempts: int = 20, wait_s: float = 0.25) -> str:
+    """Empty the prefix cache of the vLLM at `url`, so a run starts cold without a restart.
+    Returns the state the run starts in: STATE_RESET, or STATE_REFUSED when vLLM kept saying
+    `success: false` (blocks still held); ResetUnavailable when it has no such endpoint."""
+    for _ in range(attempts):
+        request = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as exc:
+            if exc.code in (404, 405):
+                raise ResetUnavailable(f"{url} has no /reset_prefix_cache ({exc.code})") from exc
+            raise
+        try:
+            answer = json.loads(body or b"{}")
+        except ValueError:
+            answer = {}
+        if not isinstance(answer, dict) or answer.get("success", True):
+            return STATE_RESET  # older vLLMs answer 200 with no body
+        time.sleep(wait_s)
+    return STATE_REFUSED
+
+
 @dataclass
 class ExperimentRun:
     profile: str
@@ -115,6 +305,11 @@ class ExperimentRun:
     target: str
     result: RunResult | None = None
     server_ready_s: float | None = None
+    arm: str = ""  # the arm's name: the profile's, or `<profile>-a` in an A/A experiment
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.arm = self.arm or self.profile
 
 
 class Sidecar(Protocol):
@@ -130,7 +325,7 @@ class Sidecar(Protocol):
     def close(self) -> None: ...
 
 
-# (the log every server of the experiment appends to, the URL they all listen on) -> a sidecar
+# (the log a server appends to, the URL it listens on) -> a sidecar
 SidecarFactory = Callable[[Path, str], Sidecar]
 
 
@@ -149,24 +344,57 @@ Executor = Callable[[BenchConfig, str, Store, dict[str, Any]], RunResult]
 
 
 @dataclass
+class Comparison:
+    """Two consecutive arms of the spec (before, after) and the runs of each, in run order."""
+
+    before: str
+    after: str
+    before_runs: list[ExperimentRun]
+    after_runs: list[ExperimentRun]
+
+
+@dataclass
 class ExperimentResult:
     name: str
     experiment_id: str
     runs: list[ExperimentRun] = field(default_factory=list)
     status: str = "complete"  # complete | partial (Ctrl-C) | failed (a run failed or a server)
     failure: str | None = None
+    arms: list[str] = field(default_factory=list)  # in the spec's order (the first: before)
+    design: str = ""  # how servers and rounds were sequenced (KEPT_UP, FRESH, TARGETS, FLEET)
+    order: str = ""  # the planned run order, e.g. "A B B A A B"
+
+    def _arms(self) -> list[str]:
+        return self.arms or list(dict.fromkeys(run.arm for run in self.runs))
+
+    def measured(self, arm: str) -> list[ExperimentRun]:
+        return [r for r in self.runs if r.arm == arm and r.result is not None]
+
+    def comparisons(self) -> list[Comparison]:
+        """One per pair of consecutive arms of the spec (max-num-seqs' three profiles: two),
+        with every measured run of each: what a pooled before/after report compares."""
+        arms = self._arms()
+        out = []
+        for before, after in zip(arms, arms[1:], strict=False):
+            b, a = self.measured(before), self.measured(after)
+            if b and a:
+                out.append(Comparison(before, after, b, a))
+        return out
 
     def pairs(self) -> list[tuple[ExperimentRun, ExperimentRun]]:
-        """(before, after) for every profile switch within a repeat."""
+        """(before, after) of every comparison within each repeat both arms ran in: the
+        per-repeat reports kept beside the pooled one."""
         out = []
-        for previous, current in zip(self.runs, self.runs[1:], strict=False):
-            if previous.repeat == current.repeat and current.result is not None:
-                out.append((previous, current))
+        for comparison in self.comparisons():
+            after = {run.repeat: run for run in comparison.after_runs}
+            for run in comparison.before_runs:
+                if run.repeat in after:
+                    out.append((run, after[run.repeat]))
         return out
 
 
 class Experiment:
-    """One experiment: the spec's workload against each profile, `repeats` times."""
+    """One experiment: the spec's workload against each arm, `repeats` times interleaved."""
 
     def __init__(
         self,
@@ -176,117 +404,210 @@ class Experiment:
         execute: Executor,
         model: Path,
         targets: dict[str, str] | None = None,
-        repeats: int = 1,
+        repeats: int | None = None,
         scale: float | None = None,
         requests: int | None = None,
         slo: dict[str, float] | None = None,
         hooks: ExperimentHooks | None = None,
         server_flags: list[str] | None = None,
+        profiles: dict[str, Profile] | None = None,
+        fresh_servers: bool = False,
     ) -> None:
-        profiles = load_profiles()
-        if unknown := [p for p in spec.profiles if p not in profiles]:
-            raise WorkloadError(f"experiment {spec.name}: unknown profiles {unknown}")
-        if targets and (missing := [p for p in spec.profiles if p not in targets]):
-            raise WorkloadError(f"experiment {spec.name}: no --target for profiles {missing}")
+        profiles = profiles if profiles is not None else load_profiles()
+        check_profiles(spec, profiles)
+        self.arms = spec.arms
+        self.arm_profile = dict(zip(self.arms, spec.profiles, strict=True))
+        if targets and (missing := [a for a in self.arms if a not in targets]):
+            raise ExperimentError(
+                f"experiment {spec.name}: no --target for arms {missing} "
+                f"(give --target ARM=URL for each of {', '.join(self.arms)})"
+            )
+        if targets and (extra := sorted(set(targets) - set(self.arms))):
+            raise ExperimentError(
+                f"experiment {spec.name}: --target for {extra}, which is no arm of it "
+                f"({', '.join(self.arms)})"
+            )
+        self.repeats = spec.repeats if repeats is None else repeats
+        if self.repeats < 1:
+            raise ExperimentError(f"--repeats must be positive, got {self.repeats}")
         self.spec = spec
         self.profiles = profiles
         self.store = store
         self.execute = execute
         self.model = model
         self.targets = targets
-        self.repeats = repeats
         self.slo = slo or {}
         self.hooks = hooks or ExperimentHooks()
         self.server_flags = list(server_flags or [])  # after every profile's own: they win
         self.config = spec.bench_config(scale, requests)
+        gpu = any(profiles[p].device == "gpu" for p in spec.profiles)
+        self.design = TARGETS if targets else FRESH if fresh_servers or gpu else KEPT_UP
+        self.order = interleaved(self.arms, self.repeats)
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         self.experiment_id = f"exp-{stamp}-{spec.name}"
         self._stamp = stamp
-        self._sidecar: Sidecar | None = None
+        self._sidecars: dict[str, Sidecar] = {}  # per arm (kept up) or "" (one for all)
+        self._servers: dict[str, VllmServer] = {}  # per arm, kept up
+        self._served: dict[str, int] = {}  # runs each arm's server has served so far
         self._port: int | None = None
 
     def run(self) -> ExperimentResult:
-        """Every (repeat, profile) in order; stops at the first interrupted or failed run."""
-        if self.targets or self.hooks.sidecar is None:
-            return self._runs()
-        self._port = free_port()
-        log = LOG_DIR / f"{self.experiment_id}.log"
-        self._sidecar = self.hooks.sidecar(log, f"http://127.0.0.1:{self._port}")
+        """Every (repeat, arm) in interleaved order; stops at the first interrupted or failed
+        run. The servers this started (and their sidecars) are stopped in any case."""
+        result = ExperimentResult(
+            self.spec.name,
+            self.experiment_id,
+            arms=list(self.arms),
+            design=self.design,
+            order=order_letters(self.arms, self.repeats),
+        )
         try:
-            return self._runs()
+            if self.design == KEPT_UP:
+                self._start_all()
+            elif self.design == FRESH and self.hooks.sidecar is not None:
+                self._port = free_port()
+                log = LOG_DIR / f"{self.experiment_id}.log"
+                self._sidecars[""] = self.hooks.sidecar(log, f"http://127.0.0.1:{self._port}")
+            self._runs(result)
+        except KeyboardInterrupt:
+            result.status = "partial"
+        except Exception as exc:  # a server (or a sidecar) that did not start
+            result.status, result.failure = "failed", str(exc)
         finally:
-            self._sidecar.close()
-
-    def _runs(self) -> ExperimentResult:
-        result = ExperimentResult(self.spec.name, self.experiment_id)
-        previous: ExperimentRun | None = None
-        for repeat in range(1, self.repeats + 1):
-            for profile in self.spec.profiles:
-                run = ExperimentRun(
-                    profile=profile,
-                    repeat=repeat,
-                    run_id=f"run-{self._stamp}-{self.spec.name}-{profile}-r{repeat}",
-                    levers={},
-                    target="",
-                )
-                try:
-                    self._one(run, previous)
-                except KeyboardInterrupt:
-                    result.status = "partial"
-                    return result
-                except Exception as exc:  # a server that did not start, a target that is gone
-                    result.status, result.failure = "failed", f"{profile}: {exc}"
-                    return result
-                result.runs.append(run)
-                previous = run
-                assert run.result is not None
-                if run.result.status != "complete":
-                    result.status = "partial" if run.result.status == "partial" else "failed"
-                    result.failure = run.result.failure
-                    return result
+            for server in self._servers.values():
+                server.stop()
+            for sidecar in self._sidecars.values():
+                sidecar.close()
         return result
 
-    def _one(self, run: ExperimentRun, previous: ExperimentRun | None) -> None:
-        notes = {
+    def _server(self, arm: str, port: int, log: Path | None, sidecar: Sidecar | None) -> VllmServer:
+        return VllmServer(
+            self.model,
+            profile=self.profiles[self.arm_profile[arm]],
+            port=port,
+            extra_flags=self.server_flags + (sidecar.flags if sidecar else []),
+            env={
+                **(DEV_MODE if self.design == KEPT_UP else {}),
+                **(sidecar.env if sidecar else {}),
+            },
+            log_path=log,
+        )
+
+    def _start_all(self) -> None:
+        """One server per arm, each with its own port, log and sidecar (started first: it
+        receives the server's traces from its first request), all starting at once."""
+        for arm in self.arms:
+            port = free_port()
+            log = LOG_DIR / f"{self.experiment_id}-{arm}.log"
+            sidecar = None
+            if self.hooks.sidecar is not None:
+                sidecar = self._sidecars[arm] = self.hooks.sidecar(log, f"http://127.0.0.1:{port}")
+            self._servers[arm] = self._server(arm, port, log, sidecar)
+        for arm, server in self._servers.items():
+            self.hooks.starting(arm, server)
+        with ThreadPoolExecutor(max_workers=len(self._servers)) as pool:
+            list(pool.map(lambda server: server.start(), self._servers.values()))
+        for arm, server in self._servers.items():
+            self.hooks.ready(arm, server)
+
+    def _runs(self, result: ExperimentResult) -> None:
+        previous: ExperimentRun | None = None
+        for position, (repeat, arm) in enumerate(self.order, start=1):
+            run = ExperimentRun(
+                profile=self.arm_profile[arm],
+                repeat=repeat,
+                run_id=f"run-{self._stamp}-{self.spec.name}-{arm}-r{repeat}",
+                levers={},
+                target="",
+                arm=arm,
+            )
+            try:
+                self._one(run, previous, position)
+            except KeyboardInterrupt:
+                result.status = "partial"
+                return
+            except Exception as exc:  # a server that did not start, a target that is gone
+                result.status, result.failure = "failed", f"{arm}: {exc}"
+                return
+            result.runs.append(run)
+            previous = run
+            assert run.result is not None
+            if run.result.status != "complete":
+                result.status = "partial" if run.result.status == "partial" else "failed"
+                result.failure = run.result.failure
+                return
+
+    def _notes(self, run: ExperimentRun, position: int) -> dict[str, Any]:
+        return {
             "experiment": self.spec.name,
             "experiment_id": self.experiment_id,
             "profile": run.profile,
+            "arm": run.arm,
             "repeat": run.repeat,
+            "repeats": self.repeats,
+            "position": position,
+            "order": order_letters(self.arms, self.repeats),
+            "repeat_design": self.design,
         }
-        options: dict[str, Any] = {
-            "run_id": run.run_id,
-            "label": run.profile,
-            "slo": self.slo,
-            "notes": notes,
-        }
+
+    def _one(self, run: ExperimentRun, previous: ExperimentRun | None, position: int) -> None:
+        run.notes = self._notes(run, position)
+        if self.design == FRESH:
+            self._fresh(run, previous)
+            return
         if self.targets:
-            run.target = self.targets[run.profile]
+            run.target = self.targets[run.arm]
             state = state_for(run.target)
             run.levers = state.levers if state else self._profile_levers(run.profile)
-            self._flip(run, previous)
-            run.result = self.execute(self.config, run.target, self.store, options)
-            return
-        sidecar = self._sidecar
-        server = VllmServer(
-            self.model,
-            profile=run.profile,
-            port=self._port or free_port(),
-            extra_flags=self.server_flags + (sidecar.flags if sidecar else []),
-            env=sidecar.env if sidecar else None,
-            log_path=LOG_DIR / f"{self.experiment_id}.log" if sidecar else None,
+        else:
+            server = self._servers[run.arm]
+            run.target, run.levers, run.server_ready_s = server.url, server.levers, server.ready_s
+        run.notes["repeat_state"] = self._reset(run.target)
+        run.notes["server_runs_before"] = self._served.get(run.arm, 0)
+        self._served[run.arm] = self._served.get(run.arm, 0) + 1
+        self._execute(run, previous, self._sidecars.get(run.arm))
+
+    def _reset(self, url: str) -> str:
+        try:
+            return reset_prefix_cache(url)
+        except ResetUnavailable:
+            if self.targets:
+                return STATE_WARM
+            raise
+
+    def _fresh(self, run: ExperimentRun, previous: ExperimentRun | None) -> None:
+        sidecar = self._sidecars.get("")
+        server = self._server(
+            run.arm,
+            self._port or free_port(),
+            LOG_DIR / f"{self.experiment_id}.log" if sidecar else None,
+            sidecar,
         )
         run.target, run.levers = server.url, server.levers
-        self.hooks.starting(run.profile, server)
+        run.notes["repeat_state"] = STATE_FRESH
+        run.notes["server_runs_before"] = 0
+        self.hooks.starting(run.arm, server)
         try:
             server.start()
             run.server_ready_s = server.ready_s
-            self.hooks.ready(run.profile, server)
-            self._flip(run, previous)
-            run.result = self.execute(self.config, server.url, self.store, options)
-            if sidecar is not None:
-                sidecar.settle(run.run_id)
+            self.hooks.ready(run.arm, server)
+            self._execute(run, previous, sidecar)
         finally:
             server.stop()
+
+    def _execute(
+        self, run: ExperimentRun, previous: ExperimentRun | None, sidecar: Sidecar | None
+    ) -> None:
+        self._flip(run, previous)
+        options: dict[str, Any] = {
+            "run_id": run.run_id,
+            "label": run.arm,
+            "slo": self.slo,
+            "notes": run.notes,
+        }
+        run.result = self.execute(self.config, run.target, self.store, options)
+        if sidecar is not None:
+            sidecar.settle(run.run_id)
 
     def _profile_levers(self, profile: str) -> dict[str, Any]:
         return levers_of(ALWAYS_FLAGS + self.profiles[profile].flags)
@@ -300,5 +621,6 @@ class Experiment:
                 before,
                 after,
                 run_id=run.run_id,
-                note=f"experiment {self.spec.name}: {previous.profile} -> {run.profile}",
+                before_run_id=previous.run_id,
+                note=f"experiment {self.spec.name}: {previous.arm} -> {run.arm}",
             )

@@ -4,7 +4,8 @@ The `routing` experiment (loadgen/experiments.yaml) flips the gateway's routing 
 server flag: its `profiles` are routing policies and its `fleet` names how many replicas to
 start and with which server profile. The replicas start once (two vLLMs on a CPU take minutes)
 and every run begins with their prefix caches emptied (vLLM's `POST /reset_prefix_cache`, served
-with `VLLM_SERVER_DEV_MODE=1`), so each run starts cold as it would on fresh servers. Each run
+with `VLLM_SERVER_DEV_MODE=1`), so each run starts cold as it would on fresh servers; repeats are
+interleaved A B B A … as in every experiment (loadgen/experiment.py). Each run
 gets a fresh `servescope gateway` (its own process, so the proxy's CPU is not the load
 generator's) with a pool of the replicas and the run's policy; bench sends through it and
 scrapes every replica's `/metrics` into the run (`bench run --replica`), so the report has its
@@ -34,6 +35,9 @@ from typing import Any
 import yaml
 
 from servescope.loadgen.experiment import (
+    DEV_MODE,
+    FLEET,
+    STATE_REFUSED,
     Executor,
     ExperimentHooks,
     ExperimentResult,
@@ -41,15 +45,17 @@ from servescope.loadgen.experiment import (
     ExperimentSpec,
     Sidecar,
     free_port,
+    interleaved,
     lever_flips,
+    order_letters,
+    reset_prefix_cache,
 )
-from servescope.loadgen.launcher import LOG_DIR, VllmServer, load_profiles
+from servescope.loadgen.launcher import LOG_DIR, Profile, VllmServer, load_profiles
 from servescope.loadgen.workload import WorkloadError
 from servescope.store import Store
 from servescope.wire.routing import ROUTING_POLICIES
 
 FLEET_DIR = Path("servescope-data") / "fleet"
-DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves POST /reset_prefix_cache only then
 
 
 class GatewayFailed(RuntimeError):
@@ -138,17 +144,9 @@ class GatewayProcess:
             self.process.wait(timeout=5)
 
 
-def reset_prefix_cache(server: VllmServer) -> None:
-    """Empty a replica's prefix cache, so a run starts cold without restarting vLLM."""
-    request = urllib.request.Request(f"{server.url}/reset_prefix_cache", method="POST")
-    with urllib.request.urlopen(request, timeout=30) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{server.url}/reset_prefix_cache answered {resp.status}")
-
-
 class FleetExperiment:
     """The spec's workload through the gateway to `fleet.replicas` replicas, once per routing
-    policy in `profiles`, `repeats` times interleaved (A B A B)."""
+    policy in `profiles`, `repeats` times interleaved (A B B A …)."""
 
     def __init__(
         self,
@@ -157,11 +155,12 @@ class FleetExperiment:
         store: Store,
         execute: Executor,
         model: Path,
-        repeats: int = 1,
+        repeats: int | None = None,
         scale: float | None = None,
         requests: int | None = None,
         slo: dict[str, float] | None = None,
         hooks: ExperimentHooks | None = None,
+        profiles: dict[str, Profile] | None = None,
     ) -> None:
         if spec.fleet is None:
             raise WorkloadError(f"experiment {spec.name}: no `fleet` to start")
@@ -170,13 +169,20 @@ class FleetExperiment:
                 f"experiment {spec.name}: {unknown} are not routing policies "
                 f"({', '.join(ROUTING_POLICIES)})"
             )
-        if spec.fleet.profile not in load_profiles():
+        if len(set(spec.profiles)) < len(spec.profiles):
+            raise WorkloadError(f"experiment {spec.name}: a routing policy named twice")
+        profiles = profiles if profiles is not None else load_profiles()
+        if spec.fleet.profile not in profiles:
             raise WorkloadError(f"experiment {spec.name}: unknown profile {spec.fleet.profile}")
         self.spec = spec
+        self.profile = profiles[spec.fleet.profile]
         self.store = store
         self.execute = execute
         self.model = model
-        self.repeats = repeats
+        self.repeats = spec.repeats if repeats is None else repeats
+        if self.repeats < 1:
+            raise WorkloadError(f"--repeats must be positive, got {self.repeats}")
+        self.design = FLEET
         self.slo = slo or {}
         self.hooks = hooks or ExperimentHooks()
         self.config = spec.bench_config(scale, requests)
@@ -190,7 +196,13 @@ class FleetExperiment:
 
     def run(self) -> ExperimentResult:
         """Start the replicas (and their sidecars), run every (repeat, policy), stop them all."""
-        result = ExperimentResult(self.spec.name, self.experiment_id)
+        result = ExperimentResult(
+            self.spec.name,
+            self.experiment_id,
+            arms=list(self.spec.profiles),
+            design=FLEET,
+            order=order_letters(self.spec.profiles, self.repeats),
+        )
         replicas: dict[str, VllmServer] = {}
         saved = {var: os.environ.get(var) for var in map(key_variable, self.keys)}
         os.environ.update({key_variable(team): key for team, key in self.keys.items()})
@@ -228,7 +240,7 @@ class FleetExperiment:
                 self._sidecars.append(sidecar)
             replicas[name] = VllmServer(
                 self.model,
-                profile=self.spec.fleet.profile,
+                profile=self.profile,
                 port=port,
                 served_name=Path(self.model).name,
                 extra_flags=sidecar.flags if sidecar else None,
@@ -255,29 +267,41 @@ class FleetExperiment:
     def _runs(self, replicas: dict[str, VllmServer], result: ExperimentResult) -> None:
         previous: ExperimentRun | None = None
         levers = next(iter(replicas.values())).levers
-        for repeat in range(1, self.repeats + 1):
-            for policy in self.spec.profiles:
-                run = ExperimentRun(
-                    profile=policy,
-                    repeat=repeat,
-                    run_id=f"run-{self._stamp}-{self.spec.name}-{policy}-r{repeat}",
-                    levers={**levers, "routing": policy},
-                    target="",
-                )
-                self._one(run, previous, replicas)
-                result.runs.append(run)
-                previous = run
-                assert run.result is not None
-                if run.result.status != "complete":
-                    result.status = "partial" if run.result.status == "partial" else "failed"
-                    result.failure = run.result.failure
-                    return
+        order = interleaved(self.spec.profiles, self.repeats)
+        for position, (repeat, policy) in enumerate(order, start=1):
+            run = ExperimentRun(
+                profile=policy,
+                repeat=repeat,
+                run_id=f"run-{self._stamp}-{self.spec.name}-{policy}-r{repeat}",
+                levers={**levers, "routing": policy},
+                target="",
+            )
+            run.notes = {
+                "experiment": self.spec.name,
+                "experiment_id": self.experiment_id,
+                "profile": run.profile,
+                "arm": run.arm,
+                "repeat": run.repeat,
+                "repeats": self.repeats,
+                "position": position,
+                "order": order_letters(self.spec.profiles, self.repeats),
+                "repeat_design": FLEET,
+                "server_runs_before": position - 1,
+            }
+            self._one(run, previous, replicas)
+            result.runs.append(run)
+            previous = run
+            assert run.result is not None
+            if run.result.status != "complete":
+                result.status = "partial" if run.result.status == "partial" else "failed"
+                result.failure = run.result.failure
+                return
 
     def _one(
         self, run: ExperimentRun, previous: ExperimentRun | None, replicas: dict[str, VllmServer]
     ) -> None:
-        for server in replicas.values():
-            reset_prefix_cache(server)
+        states = {reset_prefix_cache(server.url) for server in replicas.values()}
+        run.notes["repeat_state"] = STATE_REFUSED if STATE_REFUSED in states else states.pop()
         model = next(iter(replicas.values())).served_name
         config = gateway_config(
             replicas, model, run.profile, self.keys, self.folder / run.run_id / "events"
@@ -292,6 +316,7 @@ class FleetExperiment:
                         before,
                         after,
                         run_id=run.run_id,
+                        before_run_id=previous.run_id,
                         note=f"experiment {self.spec.name}: {previous.profile} -> {run.profile}",
                     )
             options: dict[str, Any] = {
@@ -300,13 +325,7 @@ class FleetExperiment:
                 "slo": self.slo,
                 "levers": run.levers,
                 "replicas": {name: server.url for name, server in replicas.items()},
-                "notes": {
-                    "experiment": self.spec.name,
-                    "experiment_id": self.experiment_id,
-                    "profile": run.profile,
-                    "repeat": run.repeat,
-                    "gateway_config": str(gateway.config_path),
-                },
+                "notes": {**run.notes, "gateway_config": str(gateway.config_path)},
             }
             run.result = self.execute(self.config, gateway.url, self.store, options)
             for sidecar in self._sidecars:

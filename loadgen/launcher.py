@@ -37,6 +37,10 @@ LOG_DIR = Path("servescope-data") / "logs"
 ALWAYS_FLAGS = ["--enable-log-requests", "--enable-prompt-tokens-details"]
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 GPU_ENV = {"VLLM_NO_USAGE_STATS": "1"}  # real deployments fetch their model from the hub
+# Flags that wire a server to its observers, not levers of its serving: left out of the levers
+# a run records, so that two servers watched by two collectors (one OTLP port each) compare as
+# the same configuration.
+OBSERVATION_LEVERS = {"otlp_traces_endpoint"}
 
 
 class ServerFailed(RuntimeError):
@@ -88,16 +92,67 @@ def extend_flags(base: list[str], own: list[str]) -> list[str]:
     return [token for group in kept for token in group] + own
 
 
-def load_profiles(path: Path = PROFILES_FILE) -> dict[str, Profile]:
-    """Profiles with `extends` resolved (`extend_flags`); the parent's env comes first."""
-    raw: dict[str, dict[str, Any]] = yaml.safe_load(path.read_text())["profiles"]
+class ProfileError(ValueError):
+    """A profiles file that cannot be used; the message names the file, the profile and why."""
+
+
+PROFILE_KEYS = {"description", "extends", "flags", "env", "device", "servers"}
+
+
+def read_profiles_file(path: Path) -> dict[str, dict[str, Any]]:
+    """The `profiles:` mapping of a profiles file, checked for shape (ProfileError says what is
+    wrong: a missing file, bad YAML, a profile that is not a mapping, a key it cannot have)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise ProfileError(f"{path}: no such profiles file") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"{path}: cannot read it ({exc})") from exc
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict):
+        raise ProfileError(f"{path}: expected a mapping `profiles:` of profile names")
+    raw: dict[str, dict[str, Any]] = {}
+    for name, spec in data["profiles"].items():
+        where = f"{path}: profile {name!r}"
+        if not isinstance(spec, dict):
+            raise ProfileError(f"{where}: expected a mapping with `flags`")
+        if unknown := sorted(set(map(str, spec)) - PROFILE_KEYS):
+            raise ProfileError(f"{where}: unknown keys {unknown} (known: {sorted(PROFILE_KEYS)})")
+        if not isinstance(spec.get("flags", []), list):
+            raise ProfileError(f"{where}: `flags` must be a list of vLLM flags")
+        if not isinstance(spec.get("env") or {}, dict):
+            raise ProfileError(f"{where}: `env` must be a mapping of variables")
+        if spec.get("device", "cpu") not in ("cpu", "gpu"):
+            raise ProfileError(f"{where}: `device` is cpu or gpu, not {spec['device']!r}")
+        servers = spec.get("servers") or []
+        if not isinstance(servers, list) or not all(
+            isinstance(s, dict) and {"mig_uuid", "port", "served_model_name"} <= set(s)
+            for s in servers
+        ):
+            raise ProfileError(
+                f"{where}: `servers` is a list of {{mig_uuid, port, served_model_name, flags}}"
+            )
+        raw[str(name)] = spec
+    return raw
+
+
+def load_profiles(path: Path | None = None) -> dict[str, Profile]:
+    """The built-in profiles, with those of `path` (an operator's file in the same format)
+    added over them: a profile of theirs replaces a built-in one of the same name and may
+    extend any. `extends` resolved (`extend_flags`); the parent's env comes first."""
+    raw = read_profiles_file(PROFILES_FILE)
+    if path is not None and Path(path) != PROFILES_FILE:
+        raw = {**raw, **read_profiles_file(path)}
 
     def resolve(name: str, seen: tuple[str, ...] = ()) -> Profile:
         if name in seen:
-            raise ValueError(f"profile cycle: {' -> '.join((*seen, name))}")
+            raise ProfileError(f"profile cycle: {' -> '.join((*seen, name))}")
+        if name not in raw:
+            raise ProfileError(f"profile {seen[-1]!r} extends unknown profile {name!r}")
         spec = raw[name]
-        flags = [str(f) for f in spec.get("flags", [])]
-        env = {k: str(v) for k, v in (spec.get("env") or {}).items()}
+        flags = [str(f) for f in spec.get("flags") or []]
+        env = {str(k): str(v) for k, v in (spec.get("env") or {}).items()}
         device = spec.get("device")
         servers = [
             ServerSpec(
@@ -109,14 +164,20 @@ def load_profiles(path: Path = PROFILES_FILE) -> dict[str, Profile]:
             for s in spec.get("servers") or []
         ]
         if parent := spec.get("extends"):
-            base = resolve(parent, (*seen, name))
+            base = resolve(str(parent), (*seen, name))
             flags = extend_flags(base.flags, flags)
             env = {**base.env, **env}
             device = device or base.device
             servers = servers or base.servers
-        return Profile(name, flags, env, spec.get("description", ""), device or "cpu", servers)
+        description = " ".join(str(spec.get("description", "")).split())
+        return Profile(name, flags, env, description, device or "cpu", servers)
 
-    return {name: resolve(name) for name in raw}
+    try:
+        return {name: resolve(name) for name in raw}
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ProfileError):
+            raise
+        raise ProfileError(f"{path or PROFILES_FILE}: {exc}") from exc
 
 
 def with_mig_uuids(profile: Profile, uuids: list[str]) -> Profile:
@@ -315,7 +376,8 @@ class VllmServer:
 
     @property
     def levers(self) -> dict[str, Any]:
-        return levers_of(ALWAYS_FLAGS + self.profile.flags)
+        levers = levers_of(ALWAYS_FLAGS + self.profile.flags)
+        return {k: v for k, v in levers.items() if k not in OBSERVATION_LEVERS}
 
     @property
     def pid(self) -> int | None:

@@ -33,9 +33,7 @@ class CollectorSidecar:
     runs by request id, so the reports hold vLLM's queue, prefill and decode times and its own
     TTFT beside the client's."""
 
-    def __init__(
-        self, store: Store, log: Path, url: str, *, notice: Notice = _quiet
-    ) -> None:
+    def __init__(self, store: Store, log: Path, url: str, *, notice: Notice = _quiet) -> None:
         self.store = store
         self.notice = notice
         otlp_port = free_port()

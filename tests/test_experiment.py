@@ -1,5 +1,7 @@
-"""The prefix-caching experiment end to end: two real vLLM servers (caching off, then on), the
-same seeded Ralph-loop workload against each, runs stored with levers, a lever flip, reports."""
+"""The prefix-caching experiment end to end: two real vLLM servers (caching off and on) up at
+once, each with its own collector sidecar, the same seeded Ralph-loop workload against each in
+two interleaved repeats (A B B A), each run starting from an emptied prefix cache; runs stored
+with levers and notes, lever flips, the pooled report and one per repeat."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import pytest
 from rich.console import Console
 
 from servescope.commands.experiment import OUTCOME_INDICATORS, outcome_table, ready_model
+from servescope.loadgen.experiment import KEPT_UP, STATE_RESET
+from servescope.loadgen.launcher import LOG_DIR
 from servescope.store import Store
 from tests.conftest import servescope
 
@@ -25,8 +29,10 @@ def experiment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> di
         "prefix-caching",
         "--model",
         str(tiny_model),
+        "--repeats",
+        "2",
         "--requests",
-        "8",
+        "4",
         "--store",
         str(store),
         "--out",
@@ -42,9 +48,10 @@ def _outcome_row(profile: str, repeat: int, hit: float | None) -> dict:
     return {
         "run_id": f"run-x-{profile}-r{repeat}", "profile": profile, "repeat": repeat,
         "status": "complete", "requests": 16, "errors": 0, "ttft_ms_p50": 301.2,
-        "ttft_ms_p95": 812.4, "probe_ttft_ms_p50": None, "tpot_ms_p50": 3.04,
+        "ttft_ms_p95": 812.4, "probe_ttft_ms_p50": 45.0, "tpot_ms_p50": 3.04,
         "server_prefix_cache_hit_ratio": hit, "client_cached_token_ratio": 0.957,
         "preemptions": 0, "spec_decode_acceptance_rate": None, "server_ready_s": 80.1,
+        "speculative": True, "ttft_source": "client",
     }  # fmt: skip
 
 
@@ -55,11 +62,11 @@ def _rendered(rows: list[dict], width: int) -> str:
     return out.getvalue()
 
 
-def _whole(text: str) -> None:
+def _whole(text: str, indicators: list[tuple[str, str, str]] = OUTCOME_INDICATORS) -> None:
     """Every heading of the outcome table whole, nothing cut short, nothing past 80 columns."""
     assert "…" not in text, text
     assert max(len(line) for line in text.splitlines()) <= 80, text
-    for heading, _key, _spec in OUTCOME_INDICATORS:
+    for heading, _key, _spec in indicators:
         assert heading in text, (heading, text)
 
 
@@ -79,37 +86,67 @@ def test_the_outcome_table_is_readable_at_80_columns(repeats: int) -> None:
     assert [line.count("max-num-seqs") for line in wide.splitlines()].count(1) == len(rows)
 
 
-def test_two_runs_with_the_profiles_levers(experiment: dict) -> None:
+def _sides(experiment: dict) -> tuple[list[dict], list[dict]]:
+    """The runs of each arm (off, on), in run order."""
+    runs = experiment["out"]["runs"]
+    return (
+        [r for r in runs if r["profile"] == "no-prefix-caching"],
+        [r for r in runs if r["profile"] == "default"],
+    )
+
+
+def test_four_runs_interleaved_with_the_profiles_levers(experiment: dict) -> None:
     out, store = experiment["out"], experiment["store"]
-    assert out["status"] == "complete"
-    off, on = out["runs"]
-    assert (off["profile"], on["profile"]) == ("no-prefix-caching", "default")
-    assert store.run(off["run_id"])["levers"]["enable_prefix_caching"] is False
-    assert store.run(on["run_id"])["levers"]["enable_prefix_caching"] is True
-    for row in (off, on):
+    assert out["status"] == "complete" and out["order"] == "A B B A"
+    assert out["design"] == KEPT_UP
+    assert [(r["profile"], r["repeat"]) for r in out["runs"]] == [
+        ("no-prefix-caching", 1), ("default", 1), ("default", 2), ("no-prefix-caching", 2)
+    ]  # fmt: skip
+    offs, ons = _sides(experiment)
+    for row in offs:
+        assert store.run(row["run_id"])["levers"]["enable_prefix_caching"] is False
+    for row in ons:
+        assert store.run(row["run_id"])["levers"]["enable_prefix_caching"] is True
+    for position, row in enumerate(out["runs"], start=1):
         assert row["status"] == "complete" and row["errors"] == 0
-        assert row["requests"] == 16  # 8 per level, concurrency 1 and 4
+        assert row["requests"] == 8  # 4 per level, concurrency 1 and 4
         notes = store.run(row["run_id"])["notes"]
         assert notes["experiment"] == "prefix-caching" and notes["server_ready_s"] > 0
+        # each run began with its server's prefix cache emptied (vLLM answered success)
+        assert notes["repeat_state"] == STATE_RESET and row["repeat_state"] == STATE_RESET
+        assert notes["repeat_design"] == KEPT_UP and notes["position"] == position
+        assert notes["server_runs_before"] == row["repeat"] - 1
+    for arm in ("no-prefix-caching", "default"):  # one server per arm, reset before each run
+        log = (LOG_DIR / f"{out['experiment_id']}-{arm}.log").read_text(errors="replace")
+        assert log.count("Resetting prefix cache") == 2, arm
+        assert log.count("non-default args") == 1, arm  # started once
     stderr = experiment["stderr"]  # the outcome table, printed to a pipe: one column per run
     assert "┃ run " in stderr, stderr[-4000:]
-    table = stderr[stderr.index("┃ run ") : stderr.index("accepted/draft tokens")]
-    _whole(table)
-    assert "no-prefix-caching" in table and "default" in table
+    table = stderr[stderr.index("┃ run ") : stderr.index("cached_tokens/prompt_tokens")]
+    _whole(
+        table,
+        [i for i in OUTCOME_INDICATORS if i[0] not in {"probe TTFT p50 ms", "draft acceptance"}],
+    )
+    assert "probe TTFT" not in table and "draft acceptance" not in table  # nothing to show
+    assert "no-prefix-caching r1" in table and "default r2" in table
+    # the pooled verdict table and headline follow it
+    assert "no-prefix-caching → default at " in stderr and "runs pooled" in stderr
 
 
 def test_server_side_hit_ratio_and_ttft_move_as_expected(experiment: dict) -> None:
-    off, on = experiment["out"]["runs"]
-    assert off["server_prefix_cache_hit_ratio"] == pytest.approx(0.0, abs=0.01)
-    assert on["server_prefix_cache_hit_ratio"] > 0.5
-    assert (off["client_cached_token_ratio"] or 0.0) < 0.01
-    assert on["client_cached_token_ratio"] > 0.5
-    assert on["ttft_ms_p50"] < off["ttft_ms_p50"]
+    offs, ons = _sides(experiment)
+    for off, on in zip(offs, ons, strict=True):  # in every repeat
+        assert off["server_prefix_cache_hit_ratio"] == pytest.approx(0.0, abs=0.01)
+        assert on["server_prefix_cache_hit_ratio"] > 0.5
+        assert (off["client_cached_token_ratio"] or 0.0) < 0.01
+        assert on["client_cached_token_ratio"] > 0.5
+        assert on["ttft_ms_p50"] < off["ttft_ms_p50"]
+        assert off["ttft_source"] == on["ttft_source"] == "client"
 
 
-def test_both_runs_sent_the_same_prompts(experiment: dict) -> None:
+def test_every_run_sent_the_same_prompts(experiment: dict) -> None:
     store: Store = experiment["store"]
-    off, on = experiment["out"]["runs"]
+    first, *others = experiment["out"]["runs"]
 
     def prompts(run_id: str) -> set[tuple]:
         return {
@@ -117,40 +154,60 @@ def test_both_runs_sent_the_same_prompts(experiment: dict) -> None:
             for e in store.export_events(run_id)
         }
 
-    assert prompts(off["run_id"]) == prompts(on["run_id"])
+    assert all(prompts(first["run_id"]) == prompts(run["run_id"]) for run in others)
 
 
-def test_the_switch_is_a_lever_flip_and_reports_are_written(experiment: dict) -> None:
+def test_each_switch_is_a_lever_flip_and_reports_are_written(experiment: dict) -> None:
     store: Store = experiment["store"]
-    off, on = experiment["out"]["runs"]
+    out = experiment["out"]
+    ids = [r["run_id"] for r in out["runs"]]
+    (off1, on1), (off2, on2) = zip(*_sides(experiment), strict=True)
     with store.read() as con:
         flips = con.execute(
-            "SELECT lever, before, after, run_id, before_run_id FROM lever_flips ORDER BY ts"
+            "SELECT lever, before, after, run_id, before_run_id FROM lever_flips "
+            "WHERE run_id IN (SELECT unnest($ids)) ORDER BY ts",
+            {"ids": ids},
         ).fetchall()
         sessions = con.execute(
             "SELECT run_id FROM runs WHERE label = 'vLLM server session' ORDER BY started_at"
         ).fetchall()
         traced = con.execute(
             "SELECT count(*) FILTER (WHERE server_ttft_ms IS NULL OR vllm_session IS NULL) "
-            "FROM events WHERE run_id IN (?, ?)", [off["run_id"], on["run_id"]]
+            "FROM events WHERE run_id IN (SELECT unnest($ids))",
+            {"ids": ids},
         ).fetchone()
-    # the experiment's switch, and the collector sidecar's view of it: one session per server
-    # (one log, one port), the restart one flip between them, every request joined with its trace
-    (first, second) = [r[0] for r in sessions]
-    assert sorted(flips, key=str) == sorted([
-        ("enable_prefix_caching", "False", "True", on["run_id"], None),
-        ("enable_prefix_caching", "false", "true", second, first),
-    ], key=str)  # fmt: skip
+    # the experiment's switches (A B, then B A: none between the two runs of `default`); the
+    # sidecars' view: one session per server, each server with its own collector, every
+    # request joined with its trace
+    assert flips == [
+        ("enable_prefix_caching", "False", "True", on1["run_id"], off1["run_id"]),
+        ("enable_prefix_caching", "True", "False", off2["run_id"], on2["run_id"]),
+    ]
+    assert len(sessions) == 2
     assert traced == (0,)
-    (report,) = [Path(p) for p in experiment["out"]["reports"]]
-    assert report.exists() and report.parent.name == f"{on['run_id']}-vs-{off['run_id']}"
+    (report,) = [Path(p) for p in out["reports"]]  # the pooled one
     diff = json.loads((report.parent / "report.json").read_text())
-    assert diff["base_run_id"] == off["run_id"] and diff["run_id"] == on["run_id"]
+    assert diff["repeats"]["before_runs"] == [off1["run_id"], off2["run_id"]]
+    assert diff["repeats"]["after_runs"] == [on1["run_id"], on2["run_id"]]
+    assert diff["repeats"]["before"] == diff["repeats"]["after"] == 2
+    (verdicts,) = out["verdicts"]
+    assert verdicts["report"] == str(report) and verdicts["headline"] == diff["headline"]
+    for row in verdicts["rows"]:  # the console's pooled rows are the report's own
+        assert row["metric"] in {r["metric"] for r in diff["diff"]}
+    by_repeat = [Path(p) for p in out["repeat_reports"]]  # the detail: one report per repeat
+    assert [p.parent.name for p in by_repeat] == [
+        f"{on1['run_id']}-vs-{off1['run_id']}", f"{on2['run_id']}-vs-{off2['run_id']}"
+    ]  # fmt: skip
+    one = json.loads((by_repeat[0].parent / "report.json").read_text())
+    assert one["base_run_id"] == off1["run_id"] and one["run_id"] == on1["run_id"]
     for side in ("before", "after"):  # the sidecar's traces: vLLM's phases, both TTFT sources
-        overall = diff[side]["overall"]
+        overall = one[side]["overall"]
         assert overall["sources"]["ttft_ms"] == "client" and overall["server_ttft_ms"]["p50"]
         for phase in ("queue_ms", "prefill_ms", "decode_ms"):
             assert overall[phase]["p50"] is not None and overall[phase]["p95"] is not None
+        # the console's row of that run is the report's figure
+        run = next(r for r in out["runs"] if r["run_id"] == one[side]["run_id"])
+        assert run["ttft_ms_p50"] == overall["ttft_ms"]["p50"]
 
 
 def test_diagnosis_recommends_prefix_caching_only_for_the_off_run(experiment: dict) -> None:
@@ -158,7 +215,7 @@ def test_diagnosis_recommends_prefix_caching_only_for_the_off_run(experiment: di
     recomputed every turn (prefix caching first); with it on that recommendation never comes,
     and the diff says the flip resolved the symptom it targeted."""
     store: Store = experiment["store"]
-    off, on = experiment["out"]["runs"]
+    off, on = experiment["out"]["runs"][:2]
 
     def diagnose(run_id: str) -> dict:
         result = servescope("diagnose", run_id, "--json", "--store", str(store.path))
@@ -173,7 +230,7 @@ def test_diagnosis_recommends_prefix_caching_only_for_the_off_run(experiment: di
     offered = {lever["lever"] for f in after["findings"] for lever in f["levers"]}
     assert "enable_prefix_caching" not in offered
     assert after["workload_shape"]["shape"] == before["workload_shape"]["shape"] == "agent"
-    (report,) = [Path(p) for p in experiment["out"]["reports"]]
+    (report,) = [Path(p) for p in experiment["out"]["reports"]]  # pooled over both repeats
     diff = json.loads((report.parent / "report.json").read_text())
     (flip,) = diff["diagnosis"]["flip"]
     assert flip["lever"] == "enable_prefix_caching" and flip["verdict"] == "resolved"

@@ -31,6 +31,8 @@ def experiment(
         f"default={predictable_vllm_server.url}",
         "--target",
         f"ngram-speculation={spec_vllm_server.url}",
+        "--repeats",
+        "1",  # the session's servers are shared: one run an arm (they start warm, not reset)
         "--requests",
         "8",
         "--store",
@@ -55,6 +57,10 @@ def test_runs_carry_the_speculation_lever(experiment: dict) -> None:
     off, on = experiment["out"]["runs"]
     store: Store = experiment["store"]
     assert (off["profile"], on["profile"]) == ("default", "ngram-speculation")
+    for run in (off, on):  # the session's servers run without dev mode: the runs say so
+        notes = store.run(run["run_id"])["notes"]
+        assert notes["repeat_state"] == "warm: not reset (a --target server without dev mode)"
+        assert notes["repeat_design"].startswith("operator's servers")
     assert "speculative_config" not in store.run(off["run_id"])["levers"]
     config = json.loads(store.run(on["run_id"])["levers"]["speculative_config"])
     assert config["method"] == "ngram" and config["num_speculative_tokens"] == 3

@@ -1,13 +1,16 @@
 """`servescope demo`: the whole path on real parts, what `make demo` runs.
 
 The demo is the seeds' first practicum: the `prefix-caching` lever-flip experiment at CPU scale
-(a real vLLM with prefix caching off, then a fresh one with it on, the same seeded Ralph-loop
-workload against both), stored, and reported before/after.
+(two real vLLMs started at once, prefix caching off and on, each with its own collector sidecar;
+the same seeded Ralph-loop workload against them in three interleaved repeats, A B B A A B, each
+run starting from an emptied prefix cache), stored, and reported before/after with the repeats
+pooled.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from rich.text import Text
@@ -28,9 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo",
         help="tiny model → two vLLM profiles → bench → store → before/after reports",
         description="Make the tiny model if absent, run the prefix-caching experiment at CPU "
-        "scale (vLLM with prefix caching off, then on; the same seeded Ralph-loop workload "
-        "against each; about 5 minutes), store every request, build the reports and the Grafana "
-        "dashboards, and print their paths.",
+        "scale (two vLLMs at once, prefix caching off and on; the same seeded Ralph-loop "
+        "workload against each in three interleaved repeats, A B B A A B, the prefix cache "
+        "reset before every run; about 5 minutes), store every request, build the pooled "
+        "report (and one per repeat) and the Grafana dashboards, and print their paths.",
     )
     parser.add_argument("--model", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -45,24 +49,28 @@ def run_demo(args: argparse.Namespace) -> int:
     store = open_store(args, create=True)
     spec = load_experiments()[DEMO_EXPERIMENT]
     console.print(Text.assemble((spec.name, "bold"), f": {spec.description}"))
-    result = Experiment(
+    started = time.monotonic()
+    demo = Experiment(
         spec,
         store=store,
         execute=experiment.execute,
         model=args.model,
         hooks=experiment.hooks(store),
-    ).run()
-    rows = experiment.outcome_rows(store, result)
-    console.print(experiment.outcome_table(rows, console))
-    paths = experiment.build_reports(store, result, args.out)
-    console.print("reports:")
-    for path in paths:
+    )
+    console.print(experiment.plan_line(demo))
+    result = demo.run()
+    reports = experiment.build_reports(store, result, args.out)
+    rows = experiment.outcome_rows(store, result, reports)
+    experiment.show_outcome(result, rows, reports)
+    console.print("reports (pooled first, then one per repeat):")
+    for path in reports.paths():
         print(path.resolve())
     built = build_dashboards(DASHBOARDS_OUT)
     console.print("Grafana dashboards (load them as the README's dashboards section says):")
     for path in built.dashboards:
         print(path.resolve())
+    console.print(f"demo done in {time.monotonic() - started:.0f} s")
     if result.status != "complete":
         console.print(f"demo {result.status}: {result.failure or 'interrupted'}", style="red")
         return 1
-    return 0
+    return 1 if reports.failures else 0

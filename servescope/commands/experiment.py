@@ -1,10 +1,11 @@
 """`servescope experiment`: lever-flip experiments (a seeded workload, two or more server
-profiles, a fresh vLLM per run) and their before/after reports."""
+profiles, repeats interleaved A B B A …) and their pooled before/after reports."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +16,29 @@ from rich.text import Text
 from servescope.commands import bench
 from servescope.commands.common import add_store_option, console, open_store
 from servescope.loadgen.experiment import (
+    Comparison,
     Experiment,
+    ExperimentError,
     ExperimentHooks,
     ExperimentResult,
+    ExperimentRun,
+    ExperimentSpec,
     load_experiments,
+    order_letters,
 )
 from servescope.loadgen.fleet import FleetExperiment
-from servescope.loadgen.launcher import VllmServer
-from servescope.loadgen.runner import parse_slo, percentile
+from servescope.loadgen.launcher import Profile, ProfileError, VllmServer, load_profiles
+from servescope.loadgen.runner import parse_slo
 from servescope.loadgen.sidecar import CollectorSidecar
 from servescope.loadgen.tiny_model import DIRS, is_built, make_tiny_model
 from servescope.loadgen.workload import BenchConfig, WorkloadError
-from servescope.reports import DEFAULT_OUT, build_diff, build_summary, write_report
+from servescope.reports import (
+    DEFAULT_OUT,
+    ReportOptions,
+    build_diff,
+    build_summary,
+    write_report,
+)
 from servescope.store import Store
 
 
@@ -37,22 +49,39 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="lever-flip experiments: one workload, several server profiles, before/after",
     )
     commands = parser.add_subparsers(dest="experiment_command", required=True, metavar="SUBCOMMAND")
-    listing = commands.add_parser("list", help="the built-in experiments")
+    listing = commands.add_parser("list", help="the built-in experiments (and those of --file)")
+    _add_files(listing)
     listing.set_defaults(func=run_list)
     run = commands.add_parser(
         "run",
         help="run an experiment and build its reports",
-        description="Run one seeded workload against each profile of the experiment: a fresh "
-        "vLLM per run (caches start cold; about 80-120 s to start on a CPU), warm-up, one "
-        "stored run with the profile's levers, a lever_flips row at each switch, repeats "
-        "interleaved (A B A B). Then the reports are written and their paths printed, one per "
-        "line. Built in: "
+        description="Run one seeded workload against each profile (arm) of the experiment, "
+        "each arm `repeats` times (the experiment's own count, 3 unless it says otherwise), "
+        "interleaved A B B A A B … so that a drift of the machine lands on every arm alike. "
+        "On a CPU every arm's vLLM starts once (all at once, about 80-150 s), each with its own "
+        "port, log and collector sidecar, and every run begins with the arm's prefix cache "
+        "reset; GPU profiles (or --fresh-servers) start a fresh vLLM per run. Each run is "
+        "stored with its levers and notes (repeat_design, repeat_state), a lever_flips row at "
+        "each switch of arm. Then one pooled report per pair of consecutive arms (its "
+        "repeats pooled) and one per repeat are written, their paths printed, pooled first. "
+        "Built in: "
         + "; ".join(f"{n}: {e.description}" for n, e in experiments.items())
         + ". Exit codes: 0 ok; 1 a server failed, requests failed or Ctrl-C (what was measured "
-        "is stored, the run marked partial); 2 an unknown experiment or a bad option.",
+        "is stored, the run marked partial); 2 an unknown experiment, a bad file or option.",
     )
-    run.add_argument("name", metavar="NAME", help=f"one of {', '.join(experiments)}")
-    run.add_argument("--repeats", type=int, default=1, help="runs per profile, interleaved")
+    run.add_argument("name", metavar="NAME", help=f"one of {', '.join(experiments)}, or of --file")
+    _add_files(run)
+    run.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="runs per arm, interleaved A B B A … (default: the experiment's `repeats`)",
+    )
+    run.add_argument(
+        "--fresh-servers",
+        action="store_true",
+        help="start a fresh vLLM for every run instead of one per arm kept up",
+    )
     run.add_argument("--scale", type=float, default=None, help="prompt size factor override")
     run.add_argument("--requests", type=int, default=None, help="requests per level override")
     run.add_argument("--slo", default=None, help="goodput bounds, e.g. ttft_ms=500,tpot_ms=50")
@@ -60,8 +89,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--target",
         action="append",
         default=None,
-        metavar="PROFILE=URL",
-        help="use a running server for a profile instead of launching one (caches stay warm)",
+        metavar="ARM=URL",
+        help="use a running server for an arm (a profile's name; `default-a` in an A/A "
+        "experiment) instead of launching one; its prefix cache is reset before each run "
+        "where it runs with VLLM_SERVER_DEV_MODE=1, else the runs say they started warm",
     )
     run.add_argument(
         "--server-arg",
@@ -76,9 +107,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--model",
         type=Path,
         default=None,
-        help="model dir (default: the tiny model of the experiment's kind, "
+        help="model dir (default: the experiment's `model`: a tiny model kind, "
         + ", ".join(f"{k} {d}" for k, d in DIRS.items())
-        + "; built when missing)",
+        + ", built when missing; or a folder)",
     )
     run.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"(default {DEFAULT_OUT})")
     run.add_argument("--json", action="store_true", help="print the outcome as JSON")
@@ -86,9 +117,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.set_defaults(func=run_experiment)
 
 
+def _add_files(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--file",
+        type=Path,
+        default=None,
+        metavar="EXPERIMENTS.yaml",
+        help="your own experiments, in the format of the built-in loadgen/experiments.yaml "
+        "(added to the built-in ones; yours win a name they share)",
+    )
+    parser.add_argument(
+        "--profiles",
+        type=Path,
+        default=None,
+        metavar="PROFILES.yaml",
+        help="your own server profiles, in the format of loadgen/profiles.yaml (added to the "
+        "built-in ones, which they may extend)",
+    )
+
+
+def _load(args: argparse.Namespace) -> tuple[dict[str, ExperimentSpec], dict[str, Profile]]:
+    """The experiments and profiles, with the user's files; ExperimentError or ProfileError
+    (one line) for a file that cannot be used."""
+    return load_experiments(args.file), load_profiles(args.profiles)
+
+
 def run_list(args: argparse.Namespace) -> int:
-    for name, spec in load_experiments().items():
-        print(f"{name}: {spec.workload} x {' vs '.join(spec.profiles)} — {spec.description}")
+    try:
+        experiments, _profiles = _load(args)
+    except (ExperimentError, ProfileError) as exc:
+        console.print(str(exc), style="red", markup=False, soft_wrap=True)
+        return 2
+    for name, spec in experiments.items():
+        origin = "" if spec.source == "built-in" else f" [{spec.source}]"
+        print(
+            f"{name}: {spec.workload} x {' vs '.join(spec.profiles)}, {spec.repeats} repeats"
+            f"{origin} — {spec.description}"
+        )
     return 0
 
 
@@ -99,26 +164,42 @@ def _targets(pairs: list[str] | None) -> dict[str, str] | None:
     for pair in pairs:
         profile, sep, url = pair.partition("=")
         if not sep or not url:
-            raise ValueError(f"--target takes PROFILE=URL, got {pair!r}")
+            raise ValueError(f"--target takes ARM=URL, got {pair!r}")
         targets[profile] = url
     return targets
 
 
+def _model(spec: ExperimentSpec, given: Path | None) -> tuple[Path, bool]:
+    """The model folder the servers load, and whether it is the user's (never built)."""
+    if given is not None:
+        return given, True
+    if spec.model in DIRS:
+        return DIRS[spec.model], False
+    return Path(spec.model), True
+
+
 def run_experiment(args: argparse.Namespace) -> int:
-    experiments = load_experiments()
+    try:
+        experiments, profiles = _load(args)
+    except (ExperimentError, ProfileError) as exc:
+        console.print(str(exc), style="red", markup=False, soft_wrap=True)
+        return 2
     if args.name not in experiments:
+        where = f" or in {args.file}" if args.file else ""
         console.print(
-            f"unknown experiment {args.name!r}; built in: {', '.join(experiments)}", style="red"
+            f"unknown experiment {args.name!r}; built in{where}: {', '.join(experiments)}",
+            style="red",
+            markup=False,
+            soft_wrap=True,
         )
         return 2
     spec = experiments[args.name]
-    model = args.model or DIRS.get(spec.model)
-    if model is None:
-        console.print(f"experiment {args.name}: unknown model kind {spec.model!r}", style="red")
-        return 2
+    model, given = _model(spec, args.model)
     store = open_store(args, create=True)
     experiment: Experiment | FleetExperiment
     try:
+        if args.repeats is not None and args.repeats < 1:
+            raise ValueError(f"--repeats must be positive, got {args.repeats}")
         if spec.fleet is not None:
             if args.target:
                 raise ValueError(
@@ -135,6 +216,7 @@ def run_experiment(args: argparse.Namespace) -> int:
                 requests=args.requests,
                 slo=parse_slo(args.slo),
                 hooks=hooks(store),
+                profiles=profiles,
             )
         else:
             experiment = Experiment(
@@ -149,24 +231,39 @@ def run_experiment(args: argparse.Namespace) -> int:
                 slo=parse_slo(args.slo),
                 hooks=hooks(store),
                 server_flags=args.server_arg,
+                profiles=profiles,
+                fresh_servers=args.fresh_servers,
             )
     except (WorkloadError, ValueError) as exc:
-        console.print(f"{exc}", style="red")
+        console.print(f"{exc}", style="red", markup=False, soft_wrap=True)
         return 2
-    if not args.target and not ready_model(model, spec.model, given=args.model is not None):
-        console.print(f"experiment {args.name}: no model folder at {model}", style="red")
+    if not args.target and not ready_model(model, spec.model, given=given):
+        console.print(
+            f"experiment {args.name}: no model folder at {model}",
+            style="red",
+            markup=False,
+            soft_wrap=True,
+        )
         return 2
+    console.print(Text.assemble((spec.name, "bold"), f": {plan_line(experiment)}"))
     result = experiment.run()
-    paths = build_reports(store, result, args.out)
-    rows = outcome_rows(store, result)
-    console.print(outcome_table(rows, console))
+    reports = build_reports(store, result, args.out)
+    rows = outcome_rows(store, result, reports)
+    show_outcome(result, rows, reports)
     if args.json:
-        print(json.dumps({**_outcome(result), "runs": rows, "reports": [str(p) for p in paths]}))
+        print(json.dumps({**_outcome(result), "runs": rows, **reports.as_json()}))
     else:
-        for path in paths:
+        for path in reports.paths():
             print(path.resolve())
     if result.status != "complete":
-        console.print(f"experiment {result.status}: {result.failure or 'interrupted'}", style="red")
+        console.print(
+            f"experiment {result.status}: {result.failure or 'interrupted'}",
+            style="red",
+            markup=False,
+            soft_wrap=True,
+        )
+        return 1
+    if reports.failures:
         return 1
     failed = sum(r.result.errors for r in result.runs if r.result)
     if failed:
@@ -216,58 +313,194 @@ def ready(profile: str, server: VllmServer) -> None:
     console.print(f"vLLM {profile} ready after {server.ready_s:.0f} s")
 
 
-def build_reports(store: Store, result: ExperimentResult, out: Path) -> list[Path]:
-    """The before/after report of every profile switch (`report build B --vs A`); a run with
-    no partner (an experiment stopped after its first run) gets its own summary. Returns the
-    HTML pages."""
-    reports = [build_diff(store, after.run_id, before.run_id) for before, after in result.pairs()]
-    paired = {run.run_id for pair in result.pairs() for run in pair}
-    reports += [
-        build_summary(store, run.run_id)
-        for run in result.runs
-        if run.run_id not in paired and store.has_run(run.run_id)
-    ]
-    paths: list[Path] = []
-    for report in reports:
-        written = write_report(report, out)
-        paths.append(next(p for p in written if p.name == "index.html"))
-    return paths
+def plan_line(experiment: Experiment | FleetExperiment) -> str:
+    """E.g. "3 repeats of no-prefix-caching, default in the order A B B A A B; servers kept
+    up: one server per arm, all up at once, rounds alternated"."""
+    arms = experiment.spec.arms if isinstance(experiment, Experiment) else experiment.spec.profiles
+    repeats = experiment.repeats
+    return (
+        f"{repeats} repeat{'s' if repeats != 1 else ''} of {', '.join(arms)} in the order "
+        f"{order_letters(arms, repeats)}; {experiment.design}"
+    )
 
 
-def outcome_rows(store: Store, result: ExperimentResult) -> list[dict[str, Any]]:
-    """One row per run: the indicators the experiment is about, client and server side."""
+@dataclass
+class Built:
+    """One written report: the dict, its HTML page, and the runs it compares or summarises."""
+
+    report: dict[str, Any]
+    page: Path
+    before: list[str] = field(default_factory=list)
+    after: list[str] = field(default_factory=list)
+    label: str = ""
+
+
+@dataclass
+class ExperimentReports:
+    """An experiment's reports: one pooled before/after per pair of consecutive arms, one per
+    repeat of each pair (the detail), and the summary of a run no pair holds."""
+
+    pooled: list[Built] = field(default_factory=list)
+    repeats: list[Built] = field(default_factory=list)
+    summaries: list[Built] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def paths(self) -> list[Path]:
+        return [b.page for b in self.pooled + self.repeats + self.summaries]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "reports": [str(b.page) for b in self.pooled + self.summaries],
+            "repeat_reports": [str(b.page) for b in self.repeats],
+            "verdicts": [
+                {
+                    "before": b.before,
+                    "after": b.after,
+                    "report": str(b.page),
+                    "headline": b.report.get("headline"),
+                    "rows": verdict_rows(b.report),
+                }
+                for b in self.pooled
+            ],
+            "report_failures": self.failures,
+        }
+
+
+def _write(report: dict[str, Any], out: Path) -> Path:
+    written = write_report(report, out)
+    return next(p for p in written if p.name == "index.html")
+
+
+def _ids(runs: list[ExperimentRun]) -> str | list[str]:
+    """One run's id as a string (a plain diff), several as a list (their repeats pooled)."""
+    ids = [run.run_id for run in runs]
+    return ids[0] if len(ids) == 1 else ids
+
+
+def build_reports(store: Store, result: ExperimentResult, out: Path) -> ExperimentReports:
+    """The pooled before/after report of every pair of consecutive arms (`build_diff` with
+    each arm's runs), the per-repeat reports beside it when an arm ran more than once, and the
+    summary of every run no pair holds (an experiment stopped after its first run). A report
+    that fails to build is one line in `failures`, never the end of the others."""
+    reports = ExperimentReports()
+    comparisons: list[Comparison] = result.comparisons()
+    for comparison in comparisons:
+        after, before = _ids(comparison.after_runs), _ids(comparison.before_runs)
+        label = f"{comparison.before} → {comparison.after}"
+        try:
+            report = build_diff(store, after, before)
+        except Exception as exc:  # the other reports still come
+            reports.failures.append(f"pooled report {label}: {type(exc).__name__}: {exc}")
+            continue
+        reports.pooled.append(
+            Built(
+                report,
+                _write(report, out),
+                [r.run_id for r in comparison.before_runs],
+                [r.run_id for r in comparison.after_runs],
+                label,
+            )
+        )
+    pooled = {c.before: c for c in comparisons}
+    for before_run, after_run in result.pairs():
+        comparison = pooled[before_run.arm]
+        if len(comparison.before_runs) == len(comparison.after_runs) == 1:
+            continue  # the pooled report is this one
+        label = f"{before_run.arm} → {after_run.arm} r{after_run.repeat}"
+        try:
+            report = build_diff(store, after_run.run_id, before_run.run_id)
+        except Exception as exc:
+            reports.failures.append(f"report {label}: {type(exc).__name__}: {exc}")
+            continue
+        reports.repeats.append(
+            Built(report, _write(report, out), [before_run.run_id], [after_run.run_id], label)
+        )
+    paired = {run.run_id for c in comparisons for run in c.before_runs + c.after_runs}
+    for run in result.runs:
+        if run.run_id in paired or not store.has_run(run.run_id):
+            continue
+        report = build_summary(store, run.run_id)
+        reports.summaries.append(Built(report, _write(report, out), [], [run.run_id], run.arm))
+    for failure in reports.failures:
+        console.print(failure, style="red", markup=False, soft_wrap=True)
+    return reports
+
+
+# -- the console: one computation with the reports ------------------------------------------
+
+
+def _run_sides(reports: ExperimentReports | None) -> dict[str, dict[str, Any]]:
+    """Each run's own summary (overall, groups, server) as the reports computed it: a plain
+    diff's before and after, a summary report."""
+    sides: dict[str, dict[str, Any]] = {}
+    if reports is None:
+        return sides
+    for built in reports.pooled + reports.repeats:
+        if len(built.before) == len(built.after) == 1:
+            for key in ("before", "after"):
+                side = built.report.get(key) or {}
+                if isinstance(side.get("run_id"), str) and "overall" in side:
+                    sides[side["run_id"]] = side
+    for built in reports.summaries:
+        sides[built.report["run_id"]] = built.report
+    return sides
+
+
+def _probe(groups: list[dict[str, Any]]) -> float | None:
+    """The probes' TTFT p50 (a workload with a `probe` request class stores them as
+    `<workload>:probe`); None where the workload has no probes."""
+    probes = [g for g in groups if str(g.get("workload") or "").endswith(":probe")]
+    if len(probes) != 1:
+        return None
+    return (probes[0].get("ttft_ms") or {}).get("p50")
+
+
+def outcome_rows(
+    store: Store, result: ExperimentResult, reports: ExperimentReports | None = None
+) -> list[dict[str, Any]]:
+    """One row per run: the indicators the experiment is about, taken from the run's report
+    summary (`build_summary`, or the same numbers inside a per-repeat report), so that the
+    console and the reports never disagree."""
+    sides = _run_sides(reports)
+    options = ReportOptions(charts=False)
     rows = []
     for run in result.runs:
-        if run.result is None:
+        if run.result is None or not store.has_run(run.run_id):
             continue
-        events = store.export_events(run.run_id)
-        ok = [e for e in events if e.get("status") == "ok"]
-        ttft = [e["ttft_ms"] for e in ok if e.get("ttft_ms") is not None]
-        tpot = [e["tpot_ms"] for e in ok if e.get("tpot_ms") is not None]
-        probes = [e["ttft_ms"] for e in ok if e.get("request_class") == "probe" and "ttft_ms" in e]
+        side = sides.get(run.run_id) or build_summary(store, run.run_id, options)
+        overall, server = side["overall"], side.get("server") or {}
+        spec = server.get("spec_decode") or {}
         rows.append(
             {
                 "run_id": run.run_id,
+                "arm": run.arm,
                 "profile": run.profile,
                 "repeat": run.repeat,
                 "status": run.result.status,
-                "requests": run.result.events,
-                "errors": run.result.errors,
-                "ttft_ms_p50": percentile(ttft, 0.5),
-                "ttft_ms_p95": percentile(ttft, 0.95),
-                "probe_ttft_ms_p50": percentile(probes, 0.5),
-                "tpot_ms_p50": percentile(tpot, 0.5),
-                "server_prefix_cache_hit_ratio": run.result.server.get("prefix_cache_hit_ratio"),
-                "client_cached_token_ratio": run.result.client.get("cached_token_ratio"),
-                "preemptions": run.result.server.get("preemptions"),
-                "spec_decode_acceptance_rate": run.result.server.get("spec_decode_acceptance_rate"),
+                "requests": overall["requests"],
+                "errors": overall["errors"],
+                "ttft_source": (overall.get("sources") or {}).get("ttft_ms"),
+                "ttft_ms_p50": overall["ttft_ms"]["p50"],
+                "ttft_ms_p95": overall["ttft_ms"]["p95"],
+                "probe_ttft_ms_p50": _probe(side.get("groups") or []),
+                "has_probes": any(
+                    str(g.get("workload") or "").endswith(":probe")
+                    for g in side.get("groups") or []
+                ),
+                "tpot_ms_p50": overall["tpot_ms"]["p50"],
+                "server_prefix_cache_hit_ratio": server.get("prefix_cache_hit_ratio"),
+                "client_cached_token_ratio": overall.get("cached_token_ratio"),
+                "preemptions": server.get("preemptions"),
+                "spec_decode_acceptance_rate": spec.get("acceptance_rate"),
+                "speculative": "speculative_config" in (run.levers or {}),
                 "server_ready_s": run.server_ready_s,
+                "repeat_state": run.notes.get("repeat_state"),
             }
         )
     return rows
 
 
-# The indicators of the outcome table: (heading, outcome_rows key, format)
+# The indicators of the outcome table: (heading, outcome_rows key, format, diff row metric)
 OUTCOME_INDICATORS: list[tuple[str, str, str]] = [
     ("requests", "requests", ""),
     ("errors", "errors", ""),
@@ -279,28 +512,72 @@ OUTCOME_INDICATORS: list[tuple[str, str, str]] = [
     ("TPOT p50 ms", "tpot_ms_p50", ".1f"),
     ("draft acceptance", "spec_decode_acceptance_rate", ".1%"),
 ]
-OUTCOME_NOTE = (
-    "server hit ratio: Δhits/Δqueries; client cached ratio: cached_tokens/prompt_tokens; "
-    "draft acceptance: accepted/draft tokens"
-)
+# the outcome table's indicator -> the pooled report's diff row (metric, a probe level or not)
+POOLED_METRICS: dict[str, str] = {
+    "ttft_ms_p50": "ttft_ms.p50",
+    "ttft_ms_p95": "ttft_ms.p95",
+    "probe_ttft_ms_p50": "ttft_ms.p50",
+    "server_prefix_cache_hit_ratio": "server.prefix_cache_hit_ratio",
+    "client_cached_token_ratio": "cached_token_ratio",
+    "tpot_ms_p50": "tpot_ms.p50",
+    "spec_decode_acceptance_rate": "server.spec_decode_acceptance_ratio",
+}
 
 
-def outcome_table(rows: list[dict[str, Any]], console: Console) -> RenderableType:
+def shown_indicators(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """The indicators that mean something for these runs: no probe TTFT where the workload
+    has no probe class, no draft acceptance where neither arm speculates."""
+    probes = any(r.get("has_probes") or r.get("probe_ttft_ms_p50") is not None for r in rows)
+    speculation = any(
+        r.get("speculative") or r.get("spec_decode_acceptance_rate") is not None for r in rows
+    )
+    return [
+        indicator
+        for indicator in OUTCOME_INDICATORS
+        if (indicator[1] != "probe_ttft_ms_p50" or probes)
+        and (indicator[1] != "spec_decode_acceptance_rate" or speculation)
+    ]
+
+
+NOTES = {
+    "server_prefix_cache_hit_ratio": "server hit ratio: Δhits/Δqueries",
+    "client_cached_token_ratio": "client cached ratio: cached_tokens/prompt_tokens",
+    "spec_decode_acceptance_rate": "draft acceptance: accepted/draft tokens",
+}
+
+
+def _note(rows: list[dict[str, Any]], indicators: list[tuple[str, str, str]]) -> str:
+    """What the figures are: whose TTFT (the client's, or vLLM's where the client had none),
+    and how the ratios shown are computed."""
+    sources = sorted({r["ttft_source"] for r in rows if r.get("ttft_source")})
+    parts = [f"TTFT: {' and '.join(sources)} side"] if sources else []
+    parts += [NOTES[key] for _h, key, _f in indicators if key in NOTES]
+    return "; ".join(parts)
+
+
+def outcome_table(
+    rows: list[dict[str, Any]],
+    console: Console,
+    indicators: list[tuple[str, str, str]] | None = None,
+) -> RenderableType:
     """The runs' indicators: one line per run where the console is wide enough for every
     indicator side by side, else one column per run (as many runs a table as fit), so that a
     pipe or an 80-column terminal shows every heading and figure whole."""
-    wide = _runs_by_row(rows)
+    indicators = shown_indicators(rows) if indicators is None else indicators
+    note = _note(rows, indicators)
+    wide = _runs_by_row(rows, indicators, note)
     unbounded = console.options.update_width(1 << 16)
     if console.measure(wide, options=unbounded).maximum <= console.width:
         return wide
     labels = _run_labels(rows)
-    heading = max(len(h) for h, _k, _f in OUTCOME_INDICATORS)
+    heading = max(len(h) for h, _k, _f in indicators)
     per_run = max([len(label) for label in labels] + [len("100.0%")]) + 3  # cell + borders
     fit = max(1, (console.width - heading - 4) // per_run)
     tables: list[RenderableType] = [
-        _runs_by_column(rows[i : i + fit], labels[i : i + fit]) for i in range(0, len(rows), fit)
+        _runs_by_column(rows[i : i + fit], labels[i : i + fit], indicators)
+        for i in range(0, len(rows), fit)
     ]
-    return Group(*tables, Text(OUTCOME_NOTE, style="dim"))
+    return Group(*tables, Text(note, style="dim"))
 
 
 def _cell(row: dict[str, Any], key: str, spec: str) -> str:
@@ -308,28 +585,133 @@ def _cell(row: dict[str, Any], key: str, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def _runs_by_row(rows: list[dict[str, Any]]) -> Table:
-    table = Table(
-        "profile", *(h for h, _k, _f in OUTCOME_INDICATORS), title=f"runs ({OUTCOME_NOTE})"
-    )
-    for row in rows:
-        table.add_row(row["profile"], *(_cell(row, k, f) for _h, k, f in OUTCOME_INDICATORS))
+def _runs_by_row(
+    rows: list[dict[str, Any]], indicators: list[tuple[str, str, str]], note: str
+) -> Table:
+    table = Table("run", *(h for h, _k, _f in indicators), title=f"runs ({note})")
+    for row, label in zip(rows, _run_labels(rows), strict=True):
+        table.add_row(label, *(_cell(row, k, f) for _h, k, f in indicators))
     return table
 
 
-def _runs_by_column(rows: list[dict[str, Any]], labels: list[str]) -> Table:
+def _runs_by_column(
+    rows: list[dict[str, Any]], labels: list[str], indicators: list[tuple[str, str, str]]
+) -> Table:
     table = Table("run", *labels, title="runs")
     for column in table.columns[1:]:
         column.justify = "right"
-    for heading, key, spec in OUTCOME_INDICATORS:
+    for heading, key, spec in indicators:
         table.add_row(heading, *(_cell(row, key, spec) for row in rows))
     return table
 
 
 def _run_labels(rows: list[dict[str, Any]]) -> list[str]:
-    """Each run's profile, with its repeat when a profile ran more than once."""
-    repeated = len({r["profile"] for r in rows}) < len(rows)
-    return [f"{r['profile']} r{r['repeat']}" if repeated else r["profile"] for r in rows]
+    """Each run's arm, with its repeat when an arm ran more than once."""
+    arms = [r.get("arm") or r["profile"] for r in rows]
+    repeated = len(set(arms)) < len(rows)
+    return [f"{a} r{r['repeat']}" if repeated else a for a, r in zip(arms, rows, strict=True)]
+
+
+# -- the pooled verdicts ----------------------------------------------------------------------
+
+WHOLE_RUN = "whole run"
+
+
+def _is_probe_level(level: Any) -> bool:
+    return ":probe" in str(level or "")
+
+
+def primary_level(report: dict[str, Any]) -> str:
+    """The load level the pooled report's verdict is gated on (its primary indicator's)."""
+    return str((report.get("primary") or {}).get("level") or WHOLE_RUN)
+
+
+def verdict_rows(report: dict[str, Any], keys: list[str] | None = None) -> list[dict[str, Any]]:
+    """The pooled report's own diff rows for the outcome table's indicators (the same numbers
+    the report shows): at the primary indicator's load level, a whole-run row where the
+    indicator has no per-level one (a server counter), the probes' level for the probe TTFT.
+    Rows neither side measured are left out."""
+    rows = report.get("diff") or []
+    level = primary_level(report)
+    out = []
+    for key in keys or list(POOLED_METRICS):
+        metric = POOLED_METRICS[key]
+        candidates = [r for r in rows if r.get("metric") == metric]
+        if key == "probe_ttft_ms_p50":
+            if _is_probe_level(level):
+                continue  # the TTFT row is the probes' already
+            found = [r for r in candidates if _is_probe_level(r.get("level"))]
+        else:
+            found = [r for r in candidates if r.get("level", WHOLE_RUN) == level]
+            found = found or [r for r in candidates if r.get("level", WHOLE_RUN) == WHOLE_RUN]
+        if len(found) == 1 and (
+            found[0].get("before") is not None or found[0].get("after") is not None
+        ):
+            out.append({"key": key, **found[0]})
+    return out
+
+
+def _signed(value: float) -> str:
+    return f"{'−' if value < 0 else '+'}{abs(value):.0f}"
+
+
+def _change(row: dict[str, Any]) -> str:
+    """Δ % with its 95 % interval, e.g. "−81 % (−83…−78)"."""
+    if row.get("delta_pct") is None:
+        return "n/a"
+    ci = row.get("ci95_pct")
+    interval = f" ({_signed(ci[0])}…{_signed(ci[1])})" if ci else ""
+    return f"{_signed(row['delta_pct'])} %{interval}"
+
+
+def verdict_table(built: Built, indicators: list[tuple[str, str, str]]) -> Table:
+    """One pooled comparison at its primary level: before and after (the repeats pooled),
+    Δ % with its 95 % interval and the verdict, row by row from the pooled report."""
+    repeats = built.report.get("repeats") or {}
+    k_before = repeats.get("before", len(built.before))
+    k_after = repeats.get("after", len(built.after))
+    table = Table(
+        "indicator",
+        "before",
+        "after",
+        "Δ (95 % CI)",
+        "verdict",
+        title=f"{built.label} at {primary_level(built.report)}: {k_before} vs {k_after} "
+        "runs pooled (* the primary indicator)",
+    )
+    for column in table.columns[1:4]:
+        column.justify = "right"
+    specs = {key: (heading, spec) for heading, key, spec in indicators}
+    for row in verdict_rows(built.report, [k for k in POOLED_METRICS if k in specs]):
+        heading, spec = specs[row["key"]]
+        table.add_row(
+            heading + (" *" if row.get("role") == "primary" else ""),
+            _cell(row, "before", spec),
+            _cell(row, "after", spec),
+            _change(row),
+            str(row.get("verdict") or ""),
+        )
+    return table
+
+
+def show_outcome(
+    result: ExperimentResult, rows: list[dict[str, Any]], reports: ExperimentReports
+) -> None:
+    """The runs' table, then per pooled comparison its verdict table and headline."""
+    indicators = shown_indicators(rows)
+    console.print(outcome_table(rows, console, indicators))
+    states = sorted({str(r["repeat_state"]) for r in rows if r.get("repeat_state")})
+    if result.design or states:
+        console.print(
+            Text(
+                f"order {result.order}; {result.design}; each run started: {', '.join(states)}",
+                style="dim",
+            )
+        )
+    for built in reports.pooled:
+        console.print(verdict_table(built, indicators))
+        if built.report.get("headline"):
+            console.print(Text(built.report["headline"]), markup=False)
 
 
 def _outcome(result: ExperimentResult) -> dict[str, Any]:
@@ -338,4 +720,6 @@ def _outcome(result: ExperimentResult) -> dict[str, Any]:
         "experiment_id": result.experiment_id,
         "status": result.status,
         "failure": result.failure,
+        "design": result.design,
+        "order": result.order,
     }

@@ -1,0 +1,730 @@
+"""Experiments' repeats without a vLLM: the interleaved order (A B B A …), the per-run notes
+(how each repeat started, how servers and rounds were sequenced), the A/A spec, the repeats
+default, operators' own experiments and profiles files (and every way they can be wrong), and
+the console table built from the reports' own numbers."""
+
+from __future__ import annotations
+
+import http.server
+import io
+import json
+import random
+import threading
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from servescope.cli import main
+from servescope.commands import experiment as command
+from servescope.loadgen import experiment as loadgen_experiment
+from servescope.loadgen.experiment import (
+    FRESH,
+    KEPT_UP,
+    STATE_FRESH,
+    STATE_REFUSED,
+    STATE_RESET,
+    STATE_WARM,
+    TARGETS,
+    Experiment,
+    ExperimentError,
+    ExperimentHooks,
+    ExperimentResult,
+    ExperimentRun,
+    arm_names,
+    interleaved,
+    load_experiments,
+    order_letters,
+    read_experiments_file,
+    reset_prefix_cache,
+)
+from servescope.loadgen.launcher import (
+    ALWAYS_FLAGS,
+    OBSERVATION_LEVERS,
+    ProfileError,
+    levers_of,
+    load_profiles,
+)
+from servescope.loadgen.runner import RunResult
+from servescope.store import Store
+
+# -- a server that answers POST /reset_prefix_cache as vLLM does (or not, without dev mode) --
+
+
+class _ResetHandler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:  # noqa: N802
+        server: ResetServer = self.server  # type: ignore[assignment]
+        server.resets += 1
+        if not server.dev_mode:
+            self.send_response(404)
+            self.end_headers()
+            return
+        success = server.resets > server.refuse_first
+        body = json.dumps({"success": success}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class ResetServer(http.server.ThreadingHTTPServer):
+    def __init__(self, dev_mode: bool = True, refuse_first: int = 0) -> None:
+        super().__init__(("127.0.0.1", 0), _ResetHandler)
+        self.dev_mode, self.refuse_first, self.resets = dev_mode, refuse_first, 0
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+@pytest.fixture
+def reset_servers() -> Iterator[list[ResetServer]]:
+    made: list[ResetServer] = []
+    yield made
+    for server in made:
+        server.close()
+
+
+class FakeServer:
+    """VllmServer's surface, answering the reset endpoint; counts its starts."""
+
+    made: list[FakeServer] = []
+
+    def __init__(self, model: Any, *, profile: Any, port: int, extra_flags: list[str],
+                 env: dict[str, str], log_path: Path | None) -> None:  # fmt: skip
+        self.profile, self.port, self.env, self.log_path = profile, port, env, log_path
+        self.flags = profile.flags + list(extra_flags)
+        self.http = ResetServer(dev_mode=env.get("VLLM_SERVER_DEV_MODE") == "1")
+        self.url = self.http.url
+        self.starts = self.stops = 0
+        self.ready_s: float | None = None
+        FakeServer.made.append(self)
+
+    @property
+    def levers(self) -> dict[str, Any]:
+        levers = levers_of(ALWAYS_FLAGS + self.flags)
+        return {k: v for k, v in levers.items() if k not in OBSERVATION_LEVERS}
+
+    def start(self) -> FakeServer:
+        self.starts += 1
+        self.ready_s = 0.5
+        return self
+
+    def stop(self) -> None:
+        self.stops += 1
+
+
+@pytest.fixture
+def fake_servers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[FakeServer]]:
+    FakeServer.made = []
+    monkeypatch.setattr(loadgen_experiment, "VllmServer", FakeServer)
+    yield FakeServer.made
+    for server in FakeServer.made:
+        server.http.close()
+
+
+class FakeSidecar:
+    def __init__(self, log: Path, url: str) -> None:
+        self.log, self.url = log, url
+        self.flags = ["--otlp-traces-endpoint", f"http://127.0.0.1:1/{log.name}"]
+        self.env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+        self.settled: list[str] = []
+        self.closed = False
+
+    def settle(self, run_id: str) -> None:
+        self.settled.append(run_id)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+# -- a bench run without a server: synthetic requests stored as bench stores them ------------
+
+START = datetime(2026, 11, 26, 9, 0, 0)
+TTFT_MS = {"no-prefix-caching": 600.0, "default": 100.0}  # per profile; others 300
+
+
+class FakeBench:
+    """The Executor: stores each run's requests (TTFT by profile, a drift over the rounds) and
+    its `runs` row with the levers and notes it was given, as `bench run` does."""
+
+    def __init__(self, store: Store, levers: dict[str, dict[str, Any]] | None = None) -> None:
+        self.store = store
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.levers = levers or {}
+
+    def __call__(self, config: Any, target: str, store: Store, options: dict[str, Any]) -> Any:
+        run_id, notes = options["run_id"], options["notes"]
+        self.calls.append((target, options))
+        position = len(self.calls)
+        rng = random.Random(position)
+        start = START + timedelta(minutes=position)
+        base = TTFT_MS.get(notes["profile"], 300.0) + 5.0 * position  # a linear drift
+        events = []
+        for i in range(40):
+            ttft = base * rng.lognormvariate(0.0, 0.1)
+            events.append(
+                {
+                    "request_id": f"{run_id}-{i + 1:06d}",
+                    "run_id": run_id,
+                    "ts": (start + timedelta(milliseconds=200 * i)).isoformat() + "Z",
+                    "model": "tiny",
+                    "workload": "mixed:probe" if i % 2 else "mixed:long",
+                    "concurrency": 1,
+                    "request_class": "probe" if i % 2 else "long",
+                    "prompt_tokens": 512,
+                    "completion_tokens": 16,
+                    "cached_tokens": 256 if notes["profile"] == "default" else 0,
+                    "ttft_ms": ttft,
+                    "tpot_ms": 3.0 + rng.random(),
+                    "e2e_ms": ttft + 60.0,
+                    "status": "ok",
+                    "finish_reason": "length",
+                }
+            )
+        store.add_events(events)
+        store.upsert_run(
+            run_id,
+            model="tiny",
+            label=options["label"],
+            target=target,
+            levers=self.levers.get(notes["arm"], {}),
+            notes=notes,
+            started_at=start,
+            ended_at=start + timedelta(seconds=10),
+            status="complete",
+        )
+        return RunResult(run_id, Path("unused"), events=len(events))
+
+
+def _spec(name: str, **over: Any) -> Any:
+    from dataclasses import replace
+
+    return replace(load_experiments()[name], **over)
+
+
+# -- the order ---------------------------------------------------------------------------------
+
+
+def test_repeats_interleave_abba_so_a_linear_drift_cancels() -> None:
+    assert order_letters(["a", "b"], 3) == "A B B A A B"
+    assert order_letters(["a", "b"], 4) == "A B B A A B B A"
+    assert order_letters(["a", "b", "c"], 2) == "A B C C B A"
+    assert interleaved(["x", "y"], 2) == [(1, "x"), (1, "y"), (2, "y"), (2, "x")]
+    # a drift of +1 per run position: A B B A gives both arms the same mean position
+    positions: dict[str, list[int]] = {}
+    for position, (_repeat, arm) in enumerate(interleaved(["a", "b"], 4)):
+        positions.setdefault(arm, []).append(position)
+    assert sum(positions["a"]) == sum(positions["b"])
+
+
+def test_every_built_in_experiment_repeats_three_times_or_more() -> None:
+    experiments = load_experiments()
+    assert all(spec.repeats >= 3 for spec in experiments.values()), {
+        n: s.repeats for n, s in experiments.items()
+    }
+    with pytest.raises(ExperimentError, match="--repeats must be positive"):
+        Experiment(
+            experiments["prefix-caching"],
+            store=None,  # type: ignore[arg-type]
+            execute=None,  # type: ignore[arg-type]
+            model=Path("m"),
+            repeats=0,
+        )
+
+
+def test_the_aa_experiment_runs_one_profile_as_two_named_arms() -> None:
+    spec = load_experiments()["aa"]
+    assert spec.profiles == ["default", "default"]
+    assert spec.arms == ["default-a", "default-b"]
+    assert spec.repeats >= 3
+    assert arm_names(["x", "y", "x"]) == ["x-a", "y", "x-b"]
+
+
+# -- the designs: rounds, notes, flips -----------------------------------------------------------
+
+
+def test_kept_up_servers_one_start_per_arm_and_a_reset_before_every_run(
+    tmp_path: Path, fake_servers: list[FakeServer]
+) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    bench = FakeBench(store)
+    sidecars: list[FakeSidecar] = []
+
+    def sidecar(log: Path, url: str) -> FakeSidecar:
+        sidecars.append(FakeSidecar(log, url))
+        return sidecars[-1]
+
+    exp = Experiment(
+        load_experiments()["prefix-caching"],
+        store=store,
+        execute=bench,
+        model=tmp_path,
+        hooks=ExperimentHooks(sidecar=sidecar),
+    )
+    result = exp.run()
+    assert result.status == "complete", result.failure
+    assert result.design == KEPT_UP and result.order == "A B B A A B"
+    assert [(r.arm, r.repeat) for r in result.runs] == [
+        ("no-prefix-caching", 1), ("default", 1), ("default", 2),
+        ("no-prefix-caching", 2), ("no-prefix-caching", 3), ("default", 3),
+    ]  # fmt: skip
+    # one server per arm, started once, stopped at the end, each with its own port, log, sidecar
+    assert len(fake_servers) == 2 and all(s.starts == 1 and s.stops == 1 for s in fake_servers)
+    assert len({s.port for s in fake_servers}) == 2
+    assert len({s.log_path for s in fake_servers}) == 2
+    assert [s.log for s in sidecars] == [s.log_path for s in fake_servers]
+    assert all(s.env["VLLM_SERVER_DEV_MODE"] == "1" for s in fake_servers)
+    assert all("--otlp-traces-endpoint" in s.flags for s in fake_servers)
+    assert all(s.http.resets == 3 for s in fake_servers)  # before each of its arm's runs
+    for sc, server in zip(sidecars, fake_servers, strict=True):
+        # each sidecar watches its own server (its URL) and settles that arm's runs only
+        assert sc.closed and sc.url == f"http://127.0.0.1:{server.port}"
+        assert {r.arm for r in result.runs if r.run_id in sc.settled} == {server.profile.name}
+        assert len(sc.settled) == 3
+    notes = [store.run(r.run_id)["notes"] for r in result.runs]
+    assert [n["repeat_state"] for n in notes] == [STATE_RESET] * 6
+    assert {n["repeat_design"] for n in notes} == {KEPT_UP}
+    assert [n["server_runs_before"] for n in notes] == [0, 0, 1, 1, 2, 2]
+    assert [n["position"] for n in notes] == [1, 2, 3, 4, 5, 6]
+    assert {n["order"] for n in notes} == {"A B B A A B"}
+    assert [n["arm"] for n in notes] == [r.arm for r in result.runs]
+    with store.read() as con:
+        flips = con.execute(
+            "SELECT lever, before, after, run_id, before_run_id FROM lever_flips ORDER BY ts"
+        ).fetchall()
+    ids = [r.run_id for r in result.runs]
+    assert flips == [  # at each switch of arm, none between two runs of one arm
+        ("enable_prefix_caching", "False", "True", ids[1], ids[0]),
+        ("enable_prefix_caching", "True", "False", ids[3], ids[2]),
+        ("enable_prefix_caching", "False", "True", ids[5], ids[4]),
+    ]
+    # the pooled comparison holds every repeat of each arm; a pair per repeat beside it
+    (comparison,) = result.comparisons()
+    assert (comparison.before, comparison.after) == ("no-prefix-caching", "default")
+    assert [r.repeat for r in comparison.before_runs] == [1, 2, 3]
+    assert [(b.repeat, a.repeat) for b, a in result.pairs()] == [(1, 1), (2, 2), (3, 3)]
+
+
+def test_fresh_servers_start_per_run_and_say_so(
+    tmp_path: Path, fake_servers: list[FakeServer]
+) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    exp = Experiment(
+        load_experiments()["max-num-seqs"],
+        store=store,
+        execute=FakeBench(store),
+        model=tmp_path,
+        repeats=2,
+        fresh_servers=True,
+    )
+    result = exp.run()
+    assert result.status == "complete" and result.design == FRESH
+    assert [r.arm for r in result.runs] == [
+        "max-num-seqs-2", "max-num-seqs-8", "max-num-seqs-32",
+        "max-num-seqs-32", "max-num-seqs-8", "max-num-seqs-2",
+    ]  # fmt: skip
+    assert len(fake_servers) == 6 and all(s.starts == s.stops == 1 for s in fake_servers)
+    assert all("VLLM_SERVER_DEV_MODE" not in s.env for s in fake_servers)
+    notes = [store.run(r.run_id)["notes"] for r in result.runs]
+    assert {n["repeat_state"] for n in notes} == {STATE_FRESH}
+    assert {n["repeat_design"] for n in notes} == {FRESH}
+    # three arms: two pooled comparisons (2 → 8, 8 → 32), each with both repeats
+    assert [(c.before, c.after, len(c.before_runs), len(c.after_runs))
+            for c in result.comparisons()] == [
+        ("max-num-seqs-2", "max-num-seqs-8", 2, 2), ("max-num-seqs-8", "max-num-seqs-32", 2, 2)
+    ]  # fmt: skip
+
+
+def test_gpu_profiles_get_a_fresh_server_per_run(tmp_path: Path) -> None:
+    exp = Experiment(
+        load_experiments()["prefix-caching-gpu"],
+        store=Store(tmp_path / "s.duckdb"),
+        execute=None,  # type: ignore[arg-type]
+        model=tmp_path,
+    )
+    assert exp.design == FRESH and exp.repeats == 3
+
+
+def test_targets_are_reset_where_they_can_be_and_say_warm_where_not(
+    tmp_path: Path, reset_servers: list[ResetServer]
+) -> None:
+    dev, plain = ResetServer(dev_mode=True, refuse_first=1), ResetServer(dev_mode=False)
+    reset_servers += [dev, plain]
+    store = Store(tmp_path / "s.duckdb")
+    exp = Experiment(
+        load_experiments()["aa"],
+        store=store,
+        execute=FakeBench(store),
+        model=tmp_path,
+        targets={"default-a": dev.url, "default-b": plain.url},
+        repeats=2,
+    )
+    result = exp.run()
+    assert result.status == "complete", result.failure
+    assert result.design == TARGETS
+    assert [(r.arm, r.repeat, r.target) for r in result.runs] == [
+        ("default-a", 1, dev.url), ("default-b", 1, plain.url),
+        ("default-b", 2, plain.url), ("default-a", 2, dev.url),
+    ]  # fmt: skip
+    notes = {r.run_id: store.run(r.run_id)["notes"] for r in result.runs}
+    states = [notes[r.run_id]["repeat_state"] for r in result.runs]
+    assert states == [STATE_RESET, STATE_WARM, STATE_WARM, STATE_RESET]
+    assert dev.resets == 3  # one refusal (blocks in use), retried
+    # A/A: distinct run ids, no lever changed, so no lever_flips row
+    assert len({r.run_id for r in result.runs}) == 4
+    assert all("-aa-default-" in r.run_id for r in result.runs)
+    with store.read() as con:
+        assert con.execute("SELECT count(*) FROM lever_flips").fetchone() == (0,)
+
+
+def test_a_reset_vllm_keeps_refusing_is_recorded_not_hidden(
+    reset_servers: list[ResetServer],
+) -> None:
+    stuck = ResetServer(dev_mode=True, refuse_first=1000)
+    reset_servers.append(stuck)
+    assert reset_prefix_cache(stuck.url, attempts=3, wait_s=0.0) == STATE_REFUSED
+    assert stuck.resets == 3
+
+
+def test_targets_must_name_the_arms(tmp_path: Path) -> None:
+    kwargs: dict[str, Any] = {"store": None, "execute": None, "model": tmp_path}
+    with pytest.raises(ExperimentError, match=r"no --target for arms \['default-b'\]"):
+        Experiment(load_experiments()["aa"], targets={"default-a": "http://x"}, **kwargs)
+    with pytest.raises(ExperimentError, match="which is no arm"):
+        Experiment(
+            load_experiments()["aa"],
+            targets={"default-a": "http://x", "default-b": "http://y", "default": "http://z"},
+            **kwargs,
+        )
+
+
+def test_a_server_that_fails_to_start_fails_the_experiment_and_stops_the_others(
+    tmp_path: Path, fake_servers: list[FakeServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def start(self: FakeServer) -> FakeServer:
+        if self.profile.name == "default":
+            raise RuntimeError("vLLM exited with code 1 before it was ready")
+        return self
+
+    monkeypatch.setattr(FakeServer, "start", start)
+    store = Store(tmp_path / "s.duckdb")
+    result = Experiment(
+        load_experiments()["prefix-caching"], store=store, execute=FakeBench(store), model=tmp_path
+    ).run()
+    assert result.status == "failed" and "exited with code 1" in (result.failure or "")
+    assert result.runs == [] and all(s.stops == 1 for s in fake_servers)
+
+
+# -- operators' own experiments and profiles ----------------------------------------------------
+
+GOOD_PROFILES = """
+profiles:
+  my-base:
+    description: my model's serving flags
+    extends: default
+    flags: [--max-model-len, "4096"]
+  my-big-batch:
+    extends: my-base
+    flags: [--max-num-seqs, "64"]
+"""
+GOOD_EXPERIMENTS = """
+experiments:
+  my-flip:
+    description: my batch size, before and after
+    workload: my-workload.yaml
+    profiles: [my-base, my-big-batch]
+    model: my-model
+    requests: 4
+"""
+WORKLOAD = """
+workloads:
+  - {name: w, input_tokens: 32, output_tokens: 8, concurrency: [1], requests_per_level: 4}
+"""
+
+
+def _cli(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+@pytest.fixture
+def operator_files(tmp_path: Path) -> dict[str, Path]:
+    (tmp_path / "my-experiments.yaml").write_text(GOOD_EXPERIMENTS)
+    (tmp_path / "my-profiles.yaml").write_text(GOOD_PROFILES)
+    (tmp_path / "my-workload.yaml").write_text(WORKLOAD)
+    (tmp_path / "my-model").mkdir()
+    return {"experiments": tmp_path / "my-experiments.yaml",
+            "profiles": tmp_path / "my-profiles.yaml"}  # fmt: skip
+
+
+def test_an_operators_experiment_runs_through_the_same_path(
+    operator_files: dict[str, Path], tmp_path: Path, reset_servers: list[ResetServer]
+) -> None:
+    experiments = load_experiments(operator_files["experiments"])
+    assert "prefix-caching" in experiments  # the built-in ones stay
+    spec = experiments["my-flip"]
+    assert spec.repeats == 3 and spec.source == str(operator_files["experiments"])
+    assert spec.workload == str(tmp_path / "my-workload.yaml")  # beside the file
+    assert spec.model == str(tmp_path / "my-model")
+    profiles = load_profiles(operator_files["profiles"])
+    assert profiles["my-big-batch"].flags[-2:] == ["--max-num-seqs", "64"]
+    assert "--max-model-len" in profiles["my-big-batch"].flags  # extends mine, which extends
+    assert "--enable-prefix-caching" in profiles["my-big-batch"].flags  # a built-in one
+    a, b = ResetServer(), ResetServer()
+    reset_servers += [a, b]
+    store = Store(tmp_path / "s.duckdb")
+    result = Experiment(
+        spec,
+        store=store,
+        execute=FakeBench(store),
+        model=Path(spec.model),
+        targets={"my-base": a.url, "my-big-batch": b.url},
+        profiles=profiles,
+    ).run()
+    assert result.status == "complete" and result.order == "A B B A A B"
+    with store.read() as con:
+        flips = con.execute("SELECT lever, before, after FROM lever_flips ORDER BY ts").fetchall()
+    assert flips == [  # A B, B A, A B
+        ("max_num_seqs", "default", "64"), ("max_num_seqs", "64", "default"),
+        ("max_num_seqs", "default", "64"),
+    ]  # fmt: skip
+
+
+def test_list_shows_an_operators_experiments(
+    operator_files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _cli("experiment", "list", "--file", str(operator_files["experiments"]),
+                     capsys=capsys)  # fmt: skip
+    assert code == 0
+    assert "my-flip:" in out and "my-base vs my-big-batch, 3 repeats" in out
+    assert "aa: ralph-loop x default vs default" in out
+
+
+@pytest.mark.parametrize(
+    ("experiments", "profiles", "message"),
+    [
+        (None, None, "no such experiments file"),
+        ("experiments: [oops", None, "not valid YAML"),
+        ("- just a list", None, "expected a mapping `experiments:`"),
+        ("experiments:\n  e: {profiles: [default, default]}", None, "missing `workload`"),
+        ("experiments:\n  e: {workload: rag}", None, "missing `profiles`"),
+        ("experiments:\n  e: {workload: rag, profiles: [default]}", None, "at least two"),
+        (
+            "experiments:\n  e: {workload: rag, profiles: [a, b], repets: 3}",
+            None,
+            "unknown keys ['repets']",
+        ),
+        (
+            "experiments:\n  e: {workload: rag, profiles: [default, default], repeats: 0}",
+            None,
+            "`repeats` must be a positive whole number",
+        ),
+        (
+            "experiments:\n  e: {workload: rag, profiles: [default, default], scale: big}",
+            None,
+            "`scale` must be a positive number",
+        ),
+        (
+            "experiments:\n  e: {workload: rag, profiles: [default, nope]}",
+            None,
+            "unknown profiles ['nope']",
+        ),
+        (
+            "experiments:\n  e: {workload: no-such-workload, profiles: [default, default]}",
+            None,
+            "no such workload file",
+        ),
+        ("experiments:\n  e: 3", None, "expected a mapping with `workload`"),
+        ("experiments:\n  e: {workload: rag, profiles: [default, mine]}", None, "unknown exp"),
+        (
+            "experiments:\n  e: {workload: rag, profiles: [default, mine]}",
+            "profiles: [",
+            "not valid YAML",
+        ),
+        (
+            "experiments:\n  e: {workload: rag, profiles: [default, mine]}",
+            "nothing: here",
+            "expected a mapping `profiles:`",
+        ),
+        (
+            "experiments:\n  e: {workload: rag, profiles: [default, mine]}",
+            "profiles:\n  mine: {extends: nowhere}",
+            "extends unknown profile 'nowhere'",
+        ),
+        (
+            "experiments:\n  e: {workload: rag, profiles: [default, mine]}",
+            "profiles:\n  mine: {flags: --max-num-seqs}",
+            "`flags` must be a list",
+        ),
+        (
+            "experiments:\n  e: {workload: rag, profiles: [default, mine]}",
+            "profiles:\n  mine: {extends: mine}",
+            "profile cycle",
+        ),
+        (
+            "experiments:\n  e: {workload: rag, profiles: [default, mine]}",
+            "profiles:\n  mine: {flag: [--x]}",
+            "unknown keys ['flag']",
+        ),
+        (
+            "experiments:\n  e: {workload: rag, profiles: [default, mine]}",
+            None,
+            "unknown profiles ['mine']",
+        ),
+    ],
+)
+def test_a_bad_file_is_one_red_line_and_exit_2(
+    experiments: str | None,
+    profiles: str | None,
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    efile, pfile = tmp_path / "e.yaml", tmp_path / "p.yaml"
+    if experiments is not None:
+        efile.write_text(experiments)
+    args = ["experiment", "run", "e", "--file", str(efile), "--store", str(tmp_path / "s.db")]
+    if profiles is not None:
+        pfile.write_text(profiles)
+        args += ["--profiles", str(pfile)]
+    if message == "unknown exp":
+        args[2], message = "no-such", "unknown experiment 'no-such'"
+        args += ["--profiles", str(tmp_path / "missing.yaml")] if profiles is None else []
+        message = "no such profiles file" if profiles is None else message
+    code, out = _cli(*args, capsys=capsys)
+    assert code == 2, out
+    assert message in out, out
+    assert "Traceback" not in out
+    assert len(out.strip().splitlines()) <= 2, out  # one line (wrapped at most once)
+    if experiments is not None and profiles is None and "list" not in args:
+        code, listed = _cli("experiment", "list", "--file", str(efile), capsys=capsys)
+        assert "Traceback" not in listed and code in (0, 2)
+
+
+def test_a_missing_profiles_file_is_exit_2(
+    operator_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _cli("experiment", "list", "--profiles", str(tmp_path / "nope.yaml"),
+                     capsys=capsys)  # fmt: skip
+    assert code == 2 and "no such profiles file" in out and "Traceback" not in out
+
+
+def test_read_experiments_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ExperimentError, match=str(path)):
+        read_experiments_file(path)
+    path.write_text("profiles:\n  p: {servers: [{port: 1}]}")
+    with pytest.raises(ProfileError, match="servers"):
+        load_profiles(path)
+
+
+# -- one computation: the console table from the reports ----------------------------------------
+
+
+def test_the_table_shows_the_reports_numbers_and_only_rows_that_mean_something(
+    tmp_path: Path, reset_servers: list[ResetServer]
+) -> None:
+    a, b = ResetServer(), ResetServer()
+    reset_servers += [a, b]
+    store = Store(tmp_path / "s.duckdb")
+    levers = {"no-prefix-caching": {"enable_prefix_caching": False},
+              "default": {"enable_prefix_caching": True}}  # fmt: skip
+    result = Experiment(
+        load_experiments()["prefix-caching"],
+        store=store,
+        execute=FakeBench(store, levers),
+        model=tmp_path,
+        targets={"no-prefix-caching": a.url, "default": b.url},
+    ).run()
+    assert result.status == "complete"
+    reports = command.build_reports(store, result, tmp_path / "reports")
+    assert not reports.failures, reports.failures
+    (pooled,) = reports.pooled
+    assert len(reports.repeats) == 3 and pooled.page.exists()
+    assert pooled.before == [r.run_id for r in result.runs if r.arm == "no-prefix-caching"]
+    assert (pooled.report.get("repeats") or {}).get("before") in (3, None)
+    rows = command.outcome_rows(store, result, reports)
+    assert [r["run_id"] for r in rows] == [r.run_id for r in result.runs]
+    for row in rows:  # every figure is the run's own report summary's
+        summary = command.build_summary(store, row["run_id"])
+        assert row["ttft_ms_p50"] == summary["overall"]["ttft_ms"]["p50"]
+        assert row["ttft_ms_p95"] == summary["overall"]["ttft_ms"]["p95"]
+        assert row["ttft_source"] == summary["overall"]["sources"]["ttft_ms"] == "client"
+        assert row["tpot_ms_p50"] == summary["overall"]["tpot_ms"]["p50"]
+        assert row["client_cached_token_ratio"] == summary["overall"]["cached_token_ratio"]
+        (probe,) = [g for g in summary["groups"] if g["workload"] == "mixed:probe"]
+        assert row["probe_ttft_ms_p50"] == probe["ttft_ms"]["p50"]
+        assert row["repeat_state"] == STATE_RESET
+    shown = [h for h, _k, _f in command.shown_indicators(rows)]
+    assert "probe TTFT p50 ms" in shown and "draft acceptance" not in shown
+    no_probes = [{**r, "probe_ttft_ms_p50": None, "has_probes": False} for r in rows]
+    assert "probe TTFT p50 ms" not in [h for h, _k, _f in command.shown_indicators(no_probes)]
+    # the pooled verdicts are the pooled report's own rows, at its primary indicator's level
+    level = command.primary_level(pooled.report)
+    assert level != command.WHOLE_RUN and ":long" in level
+    by_key = {v["key"]: v for v in command.verdict_rows(pooled.report)}
+    for key, metric, at in [
+        ("ttft_ms_p50", "ttft_ms.p50", level),
+        ("probe_ttft_ms_p50", "ttft_ms.p50", level.replace(":long", ":probe")),
+        ("tpot_ms_p50", "tpot_ms.p50", level),
+    ]:
+        (row,) = [r for r in pooled.report["diff"] if r["metric"] == metric and r["level"] == at]
+        assert {k: by_key[key][k] for k in row} == row
+    assert by_key["ttft_ms_p50"]["after"] < by_key["ttft_ms_p50"]["before"]
+    assert "server_prefix_cache_hit_ratio" not in by_key  # measured on neither side: left out
+    out = io.StringIO()
+    console = Console(file=out, width=80, force_terminal=False)
+    console.print(command.verdict_table(pooled, command.shown_indicators(rows)))
+    text = out.getvalue()
+    assert "TTFT p50 ms" in text and "probe TTFT p50 ms" in text
+    assert "…" not in text.replace("…+", "").replace("…−", ""), text  # no cell cut short
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+
+
+def test_a_failed_pooled_report_is_a_line_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    bench = FakeBench(store)
+    runs = []
+    for i, arm in enumerate(["x", "y", "y", "x"]):
+        run = ExperimentRun(arm, 1 + i // 2, f"run-t-{arm}-r{1 + i // 2}", {}, "t")
+        bench(None, "t", store, {"run_id": run.run_id, "label": arm,
+                                  "notes": {"profile": arm, "arm": arm}})  # fmt: skip
+        run.result = RunResult(run.run_id, Path("unused"), events=40)
+        runs.append(run)
+    result = ExperimentResult("t", "exp-t", runs=runs, arms=["x", "y"])
+
+    def broken(store: Store, after: Any, before: Any, *args: Any) -> Any:
+        if isinstance(after, list):
+            raise ValueError("pooling not supported")
+        return real(store, after, before, *args)
+
+    real = command.build_diff
+    monkeypatch.setattr(command, "build_diff", broken)
+    reports = command.build_reports(store, result, tmp_path / "out")
+    assert reports.pooled == [] and len(reports.repeats) == 2
+    assert reports.failures == ["pooled report x → y: ValueError: pooling not supported"]
+
+
+def test_the_run_table_labels_arms_and_repeats() -> None:
+    rows = [
+        {"profile": "default", "arm": arm, "repeat": r, "requests": 1}
+        for r in (1, 2) for arm in ("default-a", "default-b")
+    ]  # fmt: skip
+    assert command._run_labels(rows) == [
+        "default-a r1", "default-b r1", "default-a r2", "default-b r2"
+    ]  # fmt: skip
+    assert command._run_labels(rows[:2]) == ["default-a", "default-b"]
