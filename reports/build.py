@@ -254,6 +254,8 @@ def _compare(
         metric, why = primary, "chosen with --primary"
     chosen = judge(rows, (metric, primary_level(b_arm, a_arm)))
     chosen["why"] = why
+    if chosen["metric"] != metric:
+        chosen["why"] += f"; {metric} is not tested on both sides, so {chosen['metric']} leads"
     run_ids = sorted({p.run_id for p in (*before, *after)})
     flips = _flips(con, run_ids, sides)
     b_fleet = replicas.fleet(con, before[0], runs[0][0], options.prometheus)
@@ -352,7 +354,7 @@ def _ids(run_ids: str | Sequence[str]) -> list[str]:
 
 def _arm_id(parts: list[Slice]) -> str:
     first = _report_id(parts[0])
-    return first if len(parts) == 1 else f"{first}+{len(parts) - 1}"
+    return first if len(parts) == 1 else f"{first}-x{len(parts)}"
 
 
 def build_diff(

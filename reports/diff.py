@@ -373,13 +373,13 @@ def _row(
     }
     if not measured:
         return row
-    if _too_few(indicator.metric, before.counts + after.counts):
-        row["verdict"] = TOO_FEW
-        return row
     if len(before.values) + len(after.values) > 2:
         _repeats_row(row, indicator, before, after, seed)
     else:
         _requests_row(row, indicator, before, after, seed)
+    if _too_few(indicator.metric, before.counts + after.counts):
+        row["verdict"] = TOO_FEW  # the interval is shown, but no test: out of the family
+        row["p_value"] = None
     return row
 
 
@@ -511,9 +511,14 @@ def judge(rows: list[dict[str, Any]], primary: tuple[str, str]) -> dict[str, Any
     the report says about it. A row that is not significant is `unchanged`, with the smallest
     change the design could have found beside it."""
     metric, level = primary
-    lead = next((r for r in rows if r["metric"] == metric and r["level"] == level), None)
-    if lead is None or lead["p_value"] is None:
-        lead = next((r for r in rows if r["metric"] == metric and r["p_value"] is not None), lead)
+    lead = None
+    for name in dict.fromkeys((metric, DEFAULT_PRIMARY)):  # the default when it is not tested
+        found = [r for r in rows if r["metric"] == name and r["p_value"] is not None]
+        lead = next((r for r in found if r["level"] in (level, WHOLE_RUN)), None) or next(
+            iter(found), None
+        )
+        if lead is not None:
+            break
     family = [r for r in rows if r["p_value"] is not None and r is not lead]
     adjusted = verdict.holm_adjusted([r["p_value"] for r in family])
     for row, p in zip(family, adjusted, strict=True):
@@ -530,12 +535,14 @@ def judge(rows: list[dict[str, Any]], primary: tuple[str, str]) -> dict[str, Any
     return {
         "metric": lead["metric"] if lead else metric,
         "level": lead["level"] if lead else level,
+        "asked": metric,
         "alpha": verdict.ALPHA,
         "family": len(family),
         "correction": "holm",
     }
 
 
+DEFAULT_PRIMARY = "ttft_ms.p50"
 POWER_CHANGES_PCT = (5.0, 10.0, 25.0)
 
 

@@ -93,17 +93,19 @@ def store_comparison(
     return their ids."""
     arms: dict[str, list[str]] = {"a": [], "b": []}
     order = [arm for r in range(repeats) for arm in (("a", "b") if r % 2 == 0 else ("b", "a"))]
-    for i, arm in enumerate(order):
-        run_id = f"run-{name}-{arm}{len(arms[arm]) + 1}"
-        arms[arm].append(run_id)
-        effect = ttft_effect if arm == "b" else 1.0
-        events = run_events(run_id, seed * 1000 + i, start + timedelta(minutes=5 * i), effect)
-        store.add_events(events)
-        store.upsert_run(
-            run_id,
-            model="tiny",
-            levers={"max_num_seqs": 8},
-            workload=SPEC,
-            vllm_version="0.32.0",
-        )
+    with store.write() as con:  # one transaction: a store is opened once, not once a run
+        for i, arm in enumerate(order):
+            run_id = f"run-{name}-{arm}{len(arms[arm]) + 1}"
+            arms[arm].append(run_id)
+            effect = ttft_effect if arm == "b" else 1.0
+            events = run_events(run_id, seed * 1000 + i, start + timedelta(minutes=5 * i), effect)
+            store.add_events(events, con)
+            store.upsert_run(
+                run_id,
+                con,
+                model="tiny",
+                levers={"max_num_seqs": 8},
+                workload=SPEC,
+                vllm_version="0.32.0",
+            )
     return Comparison(before=arms["a"], after=arms["b"])

@@ -96,6 +96,16 @@ def counter(store: Store, run_id: str, name: str, start: datetime, first: float,
     )
 
 
+LEVELS = {"short-short · concurrency 4": 4, "short-short · concurrency 8": 8}
+
+
+def rows_at(report: dict[str, Any], level: str) -> dict[str, dict[str, Any]]:
+    """The diff's rows of one load level, and of the whole run, by metric."""
+    found = {d["metric"]: d for d in report["diff"] if d["level"] == "whole run"}
+    found.update({d["metric"]: d for d in report["diff"] if d["level"] == level})
+    return found
+
+
 def plain_bootstrap_verdict(
     before: list[float], after: list[float], q: float, better: str = "lower"
 ) -> tuple[str, tuple[float, float]]:
@@ -161,11 +171,14 @@ def ab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_known_effect_is_improved_and_known_non_effect_is_unchanged(ab: dict[str, Any]) -> None:
-    rows = {d["metric"]: d for d in ab["report"]["diff"]}
+    """Each load level against its counterpart (one run a side: request noise only)."""
     expected = {"ttft_ms": "improved", "tpot_ms": "unchanged"}
-    for metric, verdict in expected.items():
-        b = [e[metric] for e in ab["before"]]
-        a = [e[metric] for e in ab["after"]]
+    for (level, concurrency), (metric, verdict) in (
+        (lv, m) for lv in LEVELS.items() for m in expected.items()
+    ):
+        rows = rows_at(ab["report"], level)
+        b = [e[metric] for e in ab["before"] if e["concurrency"] == concurrency]
+        a = [e[metric] for e in ab["after"] if e["concurrency"] == concurrency]
         for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
             row = rows[f"{metric}.{name}"]
             assert row["before"] == pytest.approx(percentile(b, q), rel=1e-9)
@@ -174,6 +187,10 @@ def test_known_effect_is_improved_and_known_non_effect_is_unchanged(ab: dict[str
             assert row["delta"] == pytest.approx(delta, rel=1e-9)
             assert row["delta_pct"] == pytest.approx(delta / percentile(b, q) * 100, rel=1e-9)
             plain, (lo, hi) = plain_bootstrap_verdict(b, a, q)
+            if name == "p99":  # 200 requests a level: 2 beyond the p99
+                assert row["verdict"] == "too few samples"
+                continue
+            assert row["test"]["covers"] == "request noise only"
             assert row["verdict"] == plain == verdict, (metric, name, row, lo, hi)
             # the interval itself agrees with plain resampling (up to Monte Carlo noise)
             width = hi - lo
@@ -187,7 +204,8 @@ def test_diff_rows_have_the_contract_shape(ab: dict[str, Any]) -> None:
         assert key in report
     assert report["run_id"] == "run-20261122-on"
     assert set(report["overall"]["ttft_ms"]) >= {"p50", "p95", "p99", "mean"}
-    rows = {d["metric"]: d for d in report["diff"]}
+    assert {d["level"] for d in report["diff"]} == {*LEVELS, "whole run"}
+    rows = rows_at(report, "short-short · concurrency 8")
     required = [
         "ttft_ms.p50",
         "ttft_ms.p95",
@@ -201,43 +219,51 @@ def test_diff_rows_have_the_contract_shape(ab: dict[str, Any]) -> None:
         "cache_hit_request_ratio",
     ]
     for metric in required:
-        assert {"metric", "before", "after", "delta", "delta_pct", "ci95", "verdict"} <= set(
-            rows[metric]
-        )
+        assert {"metric", "level", "before", "after", "delta", "delta_pct", "ci95", "verdict",
+                "p_value", "role", "detectable_pct", "repeats"} <= set(rows[metric])  # fmt: skip
+    assert report["repeats"]["before"] == report["repeats"]["after"] == 1
+    assert report["repeats"]["covers"] == "request noise only"
+    assert report["primary"]["metric"] == "ttft_ms.p50"  # prefix caching targets prefill
+    assert [d["role"] for d in report["diff"]].count("primary") == 1
     # not measured on either side: null and said so, never 0
     assert rows["queue_ms.p95"]["before"] is None and rows["queue_ms.p95"]["ci95"] is None
     assert rows["queue_ms.p95"]["verdict"] == "not measured"
     assert rows["cache_hit_request_ratio"]["verdict"] == "not measured"
     assert rows["error_rate"]["before"] == 0 and rows["error_rate"]["verdict"] == "unchanged"
-    e2e = [e["e2e_ms"] for e in ab["after"]]
+    level = [e for e in ab["after"] if e["concurrency"] == 8]
+    e2e = [e["e2e_ms"] for e in level]
     assert rows["e2e_ms.p95"]["after"] == pytest.approx(percentile(e2e, 0.95), rel=1e-9)
-    # throughput: tokens of successful requests ÷ (last end − first start)
-    first = datetime.fromisoformat(ab["after"][0]["ts"].rstrip("Z"))
+    # throughput at a level: its successful requests' tokens ÷ (its last end − its first start)
+    first = datetime.fromisoformat(level[0]["ts"].rstrip("Z"))
     end = max(
         datetime.fromisoformat(e["ts"].rstrip("Z")) + timedelta(milliseconds=e["e2e_ms"])
-        for e in ab["after"]
+        for e in level
     )
-    tokens = sum(e["completion_tokens"] for e in ab["after"])
+    tokens = sum(e["completion_tokens"] for e in level)
     assert rows["throughput.output_tokens_per_s"]["after"] == pytest.approx(
         tokens / (end - first).total_seconds(), rel=1e-4
     )
     server = rows["server.prefix_cache_hit_ratio"]
+    assert server["level"] == "whole run"  # counters are not per level
     assert server["before"] == 0 and server["after"] == pytest.approx(0.93)
 
 
 def test_headline_and_lever_changes(ab: dict[str, Any]) -> None:
     report = ab["report"]
-    ttft = next(d for d in report["diff"] if d["metric"] == "ttft_ms.p95")
+    rows = rows_at(report, "short-short · concurrency 4")  # the level the report leads with
+    assert report["primary"]["level"] == "short-short · concurrency 4"
+    ttft = rows["ttft_ms.p50"]
     headline = report["headline"]
-    assert headline.startswith("enable_prefix_caching off → on: TTFT p95 −")
+    assert headline.startswith(
+        "enable_prefix_caching off → on (one run a side: request noise only; short-short · "
+        "concurrency 4): TTFT p50 −"
+    ), headline
     assert f"−{abs(ttft['delta_pct']):.0f} %" in headline
     assert "prefix hit ratio 0 % → 93 %" in headline
-    tput = next(d for d in report["diff"] if d["metric"] == "throughput.output_tokens_per_s")
-    low, high = (f"{abs(v):.0f} %" for v in tput["ci95_pct"])
-    # the interval next to the change, as for TTFT: it says why a large change can be unchanged
-    assert re.search(
-        rf"throughput [+−±]\d+ % \([+−±]{low[:-2]} … [+−±]{high}\) \[{tput['verdict']}\]", headline
-    ), headline
+    tput = rows["throughput.output_tokens_per_s"]
+    # one run a side, a level of several: its rate has no windows of its own to resample
+    assert tput["ci95_pct"] is None and tput["verdict"] == "not tested"
+    assert f"throughput {'+' if tput['delta_pct'] > 0 else '−'}" in headline
     assert report["lever_changes"] == [
         {"lever": "enable_prefix_caching", "before": False, "after": True}
     ]
@@ -315,14 +341,17 @@ def test_split_at_flip_compares_the_two_parts_of_one_run(tmp_path: Path) -> None
     assert report["overall"]["requests"] == 400  # the skeleton keys describe the whole run
     assert report["before"]["overall"]["requests"] == 200
     assert report["after"]["overall"]["requests"] == 200
-    rows = {d["metric"]: d for d in report["diff"]}
-    b = [e["ttft_ms"] for e in slow]
-    a = [e["ttft_ms"] for e in fast]
+    rows = rows_at(report, "short-short · concurrency 8")
+    b = [e["ttft_ms"] for e in slow if e["concurrency"] == 8]
+    a = [e["ttft_ms"] for e in fast if e["concurrency"] == 8]
     assert rows["ttft_ms.p95"]["before"] == pytest.approx(percentile(b, 0.95), rel=1e-9)
     assert rows["ttft_ms.p95"]["after"] == pytest.approx(percentile(a, 0.95), rel=1e-9)
     assert rows["ttft_ms.p95"]["verdict"] == "improved"
     assert rows["tpot_ms.p50"]["verdict"] == "unchanged"
-    assert report["headline"].startswith("enable_prefix_caching false → true: TTFT p95 −")
+    assert report["headline"].startswith(
+        "enable_prefix_caching false → true (one run a side: request noise only; short-short · "
+        "concurrency 4): TTFT p50 −"
+    ), report["headline"]
 
     no_flip = "run-20261122-noflip"
     store_run(store, no_flip, synthetic_events(no_flip, seed=5, ttft_divisor=1, start=T0),
@@ -435,7 +464,8 @@ def test_tail_quantiles_of_small_runs_say_too_few_samples(tmp_path: Path) -> Non
         assert rows[metric]["verdict"] == "too few samples", metric
         assert rows[metric]["ci95"] is not None  # the interval is still shown
     headline = json.loads((out / "run-s2-vs-run-s1/report.json").read_text())["headline"]
-    assert ": TTFT p50 −" in headline and "[improved]" in headline  # the tested quantile leads
+    assert ": TTFT p50 −" in headline and "[improved]" in headline  # the primary leads
+
 
 
 def test_runs_read_from_a_log_alone_get_a_headline_of_what_they_have(tmp_path: Path) -> None:
@@ -455,7 +485,18 @@ def test_runs_read_from_a_log_alone_get_a_headline_of_what_they_have(tmp_path: P
     rows = {d["metric"]: d for d in report["diff"]}
     assert rows["throughput.requests_per_s"]["before"] is not None
     assert "no indicator measured" not in report["headline"], report["headline"]
-    assert report["headline"].startswith("max_num_seqs 2 → 16: requests/s "), report["headline"]
+    assert report["headline"].startswith(
+        "max_num_seqs 2 → 16 (one run a side: request noise only; (no workload)): requests/s "
+    ), report["headline"]
+    # raising max_num_seqs targets the queue; neither queue time nor TTFT was measured
+    assert report["primary"]["asked"] == "queue_ms.p50"
+    # one level: the whole run's windows give its rate an interval, said in the headline
+    rate = rows["throughput.requests_per_s"]
+    low, high = (f"{abs(v):.0f} %" for v in rate["ci95_pct"])
+    assert re.search(
+        rf"requests/s [+−±]\d+ % \([+−±]{low[:-2]} … [+−±]{high}\) \[{rate['verdict']}\]",
+        report["headline"],
+    ), report["headline"]
 
 
 def test_speculation_headline_names_a_workload_whose_tpot_was_zero_before() -> None:

@@ -101,7 +101,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         "targets, or --primary) is tested at 5 %, the other rows corrected as a family (Holm). "
         "--since/--until report a window of a long-lived run. "
         "The report folder is RUN, RUN-vs-BASE or RUN-at-flip (with @FROM-TO for a window; "
-        "RUN+2-vs-BASE+2 for three repeats a side), "
+        "RUN-x3-vs-BASE-x3 for three repeats a side, named by the first), "
         "percent-encoded (a run id is never a path: a/b is a%2Fb; a run id that cannot be typed "
         "may be given so). Exit codes: 0 written, 2 an unknown run (the known ones are named), "
         "no run before RUN for --vs previous, a run with no lever flip to split at, or bad "
