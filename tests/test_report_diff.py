@@ -467,7 +467,6 @@ def test_tail_quantiles_of_small_runs_say_too_few_samples(tmp_path: Path) -> Non
     assert ": TTFT p50 −" in headline and "[improved]" in headline  # the primary leads
 
 
-
 def test_runs_read_from_a_log_alone_get_a_headline_of_what_they_have(tmp_path: Path) -> None:
     """`collect --once` on a log gives requests with a status and a time but no latency or token
     count: the headline compares the request rate, never says nothing was measured."""

@@ -309,16 +309,21 @@ def _brief(
         "repeats": report.get("repeats"),
         "primary": report.get("primary"),
         "verdicts": {
-            (f"{d['metric']}@{d['level']}" if several and d["level"] != WHOLE_RUN else d["metric"]):
-            d["verdict"]
+            (
+                f"{d['metric']}@{d['level']}"
+                if several and d["level"] != WHOLE_RUN
+                else d["metric"]
+            ): d["verdict"]
             for d in rows
         },
         "fail_on": {
             "verdicts": list(fail_on),
             "exit": EXIT_VERDICT if failing else 0,
             "rows": [
-                {k: r[k] for k in ("metric", "level", "verdict", "delta_pct", "ci95_pct",
-                                   "p_adjusted")}  # fmt: skip
+                {
+                    k: r[k]
+                    for k in ("metric", "level", "verdict", "delta_pct", "ci95_pct", "p_adjusted")
+                }  # fmt: skip
                 for r in failing
             ],
         },
