@@ -160,6 +160,24 @@ class Samples:
             return SERVER_FIGURES[metric]
         return metric
 
+    def one_chunk_share(self) -> float:
+        """The share of the slice's successful multi-token streams that arrived in one chunk
+        (no client TPOT: `sql.ONE_CHUNK`)."""
+        self.measured("tpot_ms")
+        assert self._measured is not None
+        streams = int(self._measured["multi_token"])
+        return int(self._measured["one_chunk"]) / streams if streams else 0.0
+
+    def one_chunk(self) -> dict[str, Any]:
+        """How many successful streams carry no client TPOT for arriving in one chunk."""
+        self.measured("tpot_ms")
+        assert self._measured is not None
+        return {
+            "streams": int(self._measured["one_chunk"]),
+            "share": self.one_chunk_share(),
+            "tpot_source": self.sources.get("tpot_ms", CLIENT),
+        }
+
     def use(self, sources: dict[str, str]) -> None:
         self.sources = {**self.sources, **sources}
 
@@ -289,14 +307,27 @@ def _floats(column: Any) -> Floats:
     return np.asarray(column, dtype=np.float64)
 
 
+# The share of a side's multi-token streams that may arrive in one chunk (no client TPOT) before
+# TPOT is read from vLLM's own record instead, where every side has it.
+ONE_CHUNK_TOLERANCE = 0.1
+
+
 def choose_sources(*sides: Samples) -> dict[str, str]:
     """Per indicator, the one source every side is reported from: the client's figure where
     every side has one, else vLLM's own (a server nobody benchmarked, clients that time
-    nothing). A comparison never mixes a client figure with a server figure."""
+    nothing). TPOT also comes from vLLM where more than a tenth of a side's streams arrived in
+    one chunk (a busy server flushing whole answers: the client saw no decode). A comparison
+    never mixes a client figure with a server figure."""
     chosen = {}
     for metric, server in SERVER_FIGURES.items():
         client = all(s.measured(metric) for s in sides)
         traced = all(s.measured(server) for s in sides)
+        if (
+            metric == "tpot_ms"
+            and traced
+            and any(s.one_chunk_share() > ONE_CHUNK_TOLERANCE for s in sides)
+        ):
+            client = False
         chosen[metric] = SERVER if traced and not client else CLIENT
     return chosen
 

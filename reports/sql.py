@@ -34,9 +34,12 @@ LEVEL_KEY = "hash(workload, concurrency, target_rate)"
 # The per-request latencies a report summarises (overall and per level), bootstraps and draws:
 # name -> the SQL giving it from one `events` row (a fixed expression, never user input). A
 # new per-request figure (a derived one too) is one line here; every report query follows.
+# A stream whose tokens all came in one chunk carries no client TPOT (events stored before the
+# client stopped writing one have it near 0): left out, and counted (`one_chunk` of SLICE_MEASURED).
+ONE_CHUNK = "(completion_tokens > 1 AND len(itl_ms) = 0)"
 REPORT_LATENCY_METRICS: dict[str, str] = {
     "ttft_ms": "ttft_ms",
-    "tpot_ms": "tpot_ms",
+    "tpot_ms": f"CASE WHEN {ONE_CHUNK} THEN NULL ELSE tpot_ms END",
     "e2e_ms": "e2e_ms",
     "queue_ms": "queue_ms",
     "prefill_ms": "prefill_ms",
@@ -55,8 +58,12 @@ SERVER_LATENCY: dict[str, str] = {
 _PER_REQUEST = {**REPORT_LATENCY_METRICS, **SERVER_LATENCY}
 # Goodput bounds ($slo_<metric>, NULL = none): what vLLM's `--goodput` accepts.
 SLO_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
+# A request with no TPOT (one output token, or one chunk) is not held to the TPOT bound.
 _GOOD = "status = 'ok' AND " + " AND ".join(
-    f"(CAST($slo_{m} AS DOUBLE) IS NULL OR {m} <= $slo_{m})" for m in SLO_METRICS
+    f"(CAST($slo_{m} AS DOUBLE) IS NULL OR {m} <= $slo_{m}"
+    + (f" OR {m} IS NULL OR {ONE_CHUNK}" if m == "tpot_ms" else "")
+    + ")"
+    for m in SLO_METRICS
 )
 
 # -- summary: counts, tokens, goodput, per-level latencies -------------------------------------
@@ -208,7 +215,11 @@ SLICE_LEVEL_KEYS = f"""
 SELECT DISTINCT workload, concurrency, target_rate, {LEVEL_KEY} AS level_key
 FROM events WHERE status = 'ok' AND {IN_SLICE}
 """
-SLICE_MEASURED = f"SELECT {_MEASURED} FROM events WHERE status = 'ok' AND {IN_SLICE}"
+SLICE_MEASURED = f"""
+SELECT {_MEASURED}, count(*) FILTER (WHERE {ONE_CHUNK}) AS one_chunk,
+       count(*) FILTER (WHERE completion_tokens > 1) AS multi_token
+FROM events WHERE status = 'ok' AND {IN_SLICE}
+"""
 
 # What the diff needs of a slice besides latencies: request and success counts, cache-hit
 # flags, tokens of successful requests (and whether any was measured), the span of start times;
@@ -401,6 +412,7 @@ SLICE_WORKLOAD_TPOT = f"""
 SELECT workload, list(tpot_ms ORDER BY tpot_ms) AS tpot_ms
 FROM events
 WHERE {IN_SLICE} AND status = 'ok' AND tpot_ms IS NOT NULL AND workload IS NOT NULL
+    AND NOT COALESCE({ONE_CHUNK}, false)
 GROUP BY workload
 """
 

@@ -268,6 +268,7 @@ def summarize(
             "first_ts": _iso(overall["first_ts"]),
             "models": overall["models"],
             "shape": _shape_of(con, params),
+            "one_chunk_streams": samples.one_chunk(),
         },
         "groups": [
             {

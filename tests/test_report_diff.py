@@ -522,3 +522,53 @@ def test_speculation_headline_names_a_workload_whose_tpot_was_zero_before() -> N
         "decoy: TPOT p50 +351 % [regressed] at 0 % acceptance, "
         "draft acceptance off → 21 %"
     )
+
+
+def test_streams_in_one_chunk_carry_no_client_tpot(tmp_path: Path) -> None:
+    """A stream whose whole answer came in one chunk shows the client no decode: the client
+    writes no TPOT for it, a report leaves such samples out of TPOT and counts them, and reads
+    TPOT from vLLM's own record when more than a tenth of the streams are like that."""
+    from servescope.wire.stream import COMPLETIONS, StreamTiming
+
+    def chunk(text: str) -> bytes:
+        return b"data: " + json.dumps({"choices": [{"text": text, "index": 0}]}).encode()
+
+    def timed(chunks: int) -> dict[str, Any]:
+        timing = StreamTiming(COMPLETIONS, start=0.0)
+        for i in range(chunks):
+            timing.feed_line(chunk("word " * (16 // chunks)), now=0.1 + 0.01 * i)
+        usage = {"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 16}}
+        timing.feed_line(b"data: " + json.dumps(usage).encode(), now=0.2)
+        return timing.finish({}, end=0.2)
+
+    assert "tpot_ms" not in timed(1) and timed(1)["itl_ms"] == []
+    assert timed(4)["tpot_ms"] == pytest.approx((200 - 100) / 15)
+
+    db = tmp_path / "s.duckdb"
+    store = Store(db)
+    for run, server in (("run-chunk-a", False), ("run-chunk-b", True)):
+        events = synthetic_events(run, seed=9, ttft_divisor=1, start=T0, n=40)
+        for i, event in enumerate(events):
+            one = i % 2 == 0
+            event.update(itl_ms=[] if one else [30.0] * 31)
+            if one:  # stored by a client of before this rule: a TPOT of next to nothing
+                event["tpot_ms"] = 0.01
+            if server:
+                event["server_tpot_ms"] = 40.0 + i % 3
+        store_run(store, run, events, levers={})
+    out = tmp_path / "r"
+    servescope("report", "build", "run-chunk-a", "--store", str(db), "--out", str(out),
+               check=True)  # fmt: skip
+    report = json.loads((out / "run-chunk-a" / "report.json").read_text())
+    assert report["overall"]["one_chunk_streams"] == {
+        "streams": 20, "share": 0.5, "tpot_source": "client"
+    }  # fmt: skip
+    assert report["overall"]["tpot_ms"]["p50"] > 20  # the zeros are not averaged in
+    assert "20 streams (50.0 % of those with more than one token) arrived in one chunk" in (
+        markdown_text((out / "run-chunk-a" / "report.md").read_text())
+    )
+    servescope("report", "build", "run-chunk-b", "--store", str(db), "--out", str(out),
+               check=True)  # fmt: skip
+    traced = json.loads((out / "run-chunk-b" / "report.json").read_text())
+    assert traced["overall"]["sources"]["tpot_ms"] == "server"
+    assert traced["overall"]["tpot_ms"]["p50"] == pytest.approx(41.0)

@@ -142,7 +142,9 @@ class StreamTiming:
         if self.usage:
             usage_into(event, self.usage)
         completion = event.get("completion_tokens")
-        if self.first is not None and completion and completion > 1:
+        # A stream whose tokens all came in one chunk (a busy server flushing a whole answer at
+        # once) shows the client nothing of the decode: it gets no TPOT, rather than a 0.
+        if self.first is not None and completion and completion > 1 and self.gaps:
             event["tpot_ms"] = (e2e - event["ttft_ms"]) / (completion - 1)
         event["status"] = "ok"
         return event
