@@ -79,7 +79,7 @@ class ResetServer(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _ResetHandler)
         self.dev_mode, self.refuse_first, self.resets = dev_mode, refuse_first, 0
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        threading.Thread(target=self.serve_forever, args=(0.05,), daemon=True).start()
 
     def close(self) -> None:
         self.shutdown()
@@ -204,12 +204,6 @@ class FakeBench:
             status="complete",
         )
         return RunResult(run_id, Path("unused"), events=len(events))
-
-
-def _spec(name: str, **over: Any) -> Any:
-    from dataclasses import replace
-
-    return replace(load_experiments()[name], **over)
 
 
 # -- the order ---------------------------------------------------------------------------------
@@ -728,3 +722,50 @@ def test_the_run_table_labels_arms_and_repeats() -> None:
         "default-a r1", "default-b r1", "default-a r2", "default-b r2"
     ]  # fmt: skip
     assert command._run_labels(rows[:2]) == ["default-a", "default-b"]
+
+
+def test_a_fleet_experiment_interleaves_and_resets_its_replicas(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_servers: list[FakeServer]
+) -> None:
+    """The routing experiment: replicas started once, one gateway per run, the replicas'
+    prefix caches reset before every run, policies in A B B A order."""
+    from servescope.loadgen import fleet
+
+    class FakeGateway:
+        def __init__(self, config: dict, folder: Path, store: Store) -> None:
+            self.config_path, self.url = folder / "gateway.yaml", "http://gateway"
+            self.policy = next(iter(config["models"].values()))["routing"]
+
+        def start(self) -> FakeGateway:
+            return self
+
+        def stop(self) -> None:
+            pass
+
+    def replica(model: Any, *, extra_flags: list[str] | None, **kw: Any) -> FakeServer:
+        served_name = kw.pop("served_name")
+        server = FakeServer(model, extra_flags=extra_flags or [], **kw)
+        server.served_name = served_name  # type: ignore[attr-defined]
+        return server
+
+    monkeypatch.setattr(fleet, "VllmServer", replica)
+    monkeypatch.setattr(fleet, "GatewayProcess", FakeGateway)
+    monkeypatch.setattr(fleet, "FLEET_DIR", tmp_path / "fleet")
+    store = Store(tmp_path / "s.duckdb")
+    result = fleet.FleetExperiment(
+        load_experiments()["routing"],
+        store=store,
+        execute=FakeBench(store),
+        model=tmp_path,
+    ).run()
+    assert result.status == "complete", result.failure
+    assert result.order == "A B B A A B" and result.design == loadgen_experiment.FLEET
+    assert [r.profile for r in result.runs] == [
+        "round-robin", "prefix-affinity", "prefix-affinity",
+        "round-robin", "round-robin", "prefix-affinity",
+    ]  # fmt: skip
+    assert len(fake_servers) == 2 and all(s.http.resets == 6 for s in fake_servers)
+    notes = [store.run(r.run_id)["notes"] for r in result.runs]
+    assert {n["repeat_state"] for n in notes} == {STATE_RESET}
+    assert {n["repeat_design"] for n in notes} == {loadgen_experiment.FLEET}
+    assert [c.before for c in result.comparisons()] == ["round-robin"]
