@@ -107,8 +107,9 @@ class ExperimentSpec:
         config = load_config(self.workload)
         if self.workloads:
             config = config.select(self.workloads)
-        if requests := requests or self.requests:
-            config = config.with_requests(requests)
+        requests = requests if requests is not None else self.requests
+        if requests is not None:
+            config = config.with_requests(requests)  # WorkloadError below 1
         return config.scaled(scale if scale is not None else self.scale)
 
 

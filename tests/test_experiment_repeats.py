@@ -606,6 +606,24 @@ def test_a_bad_file_is_one_red_line_and_exit_2(
         assert "Traceback" not in listed and code in (0, 2)
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--repeats", "0"], "--repeats must be positive"),
+        (["--requests", "0"], "--requests must be positive"),
+        (["--scale", "-1"], "--scale must be positive"),
+        (["--target", "nothing"], "--target takes ARM=URL"),
+        (["--target", "default-a=http://127.0.0.1:9"], "no --target for arms ['default-b']"),
+    ],
+)
+def test_a_bad_option_is_exit_2_before_any_server_starts(
+    option: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _cli("experiment", "run", "aa", *option, "--store", str(tmp_path / "s.db"),
+                     capsys=capsys)  # fmt: skip
+    assert code == 2 and message in out and "Traceback" not in out, out
+
+
 def test_a_missing_profiles_file_is_exit_2(
     operator_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
