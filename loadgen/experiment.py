@@ -270,6 +270,22 @@ def lever_flips(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str
     return flips
 
 
+def start_together(servers: list[VllmServer]) -> None:
+    """Start servers at once, each waiting for its own /health. The first that fails (or a
+    Ctrl-C) stops them all, so no start-up is waited out for nothing."""
+    pool = ThreadPoolExecutor(max_workers=max(1, len(servers)))
+    try:
+        futures = [pool.submit(server.start) for server in servers]
+        for future in futures:
+            future.result()
+    except BaseException:
+        for server in servers:
+            server.stop()  # a start still waiting sees its process gone and returns
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
 class ResetUnavailable(RuntimeError):
     """The server does not serve `POST /reset_prefix_cache` (vLLM without dev mode)."""
 
@@ -506,8 +522,7 @@ class Experiment:
             self._servers[arm] = self._server(arm, port, log, sidecar)
         for arm, server in self._servers.items():
             self.hooks.starting(arm, server)
-        with ThreadPoolExecutor(max_workers=len(self._servers)) as pool:
-            list(pool.map(lambda server: server.start(), self._servers.values()))
+        start_together(list(self._servers.values()))
         for arm, server in self._servers.items():
             self.hooks.ready(arm, server)
 

@@ -27,7 +27,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from servescope.loadgen.experiment import (
     lever_flips,
     order_letters,
     reset_prefix_cache,
+    start_together,
 )
 from servescope.loadgen.launcher import LOG_DIR, Profile, VllmServer, load_profiles
 from servescope.loadgen.workload import WorkloadError
@@ -259,8 +259,7 @@ class FleetExperiment:
             for server in replicas.values():
                 server.start()
         else:
-            with ThreadPoolExecutor(max_workers=len(replicas)) as pool:
-                list(pool.map(lambda s: s.start(), replicas.values()))
+            start_together(list(replicas.values()))
         for name, server in replicas.items():
             self.hooks.ready(name, server)
 

@@ -416,7 +416,7 @@ def test_a_server_that_fails_to_start_fails_the_experiment_and_stops_the_others(
         load_experiments()["prefix-caching"], store=store, execute=FakeBench(store), model=tmp_path
     ).run()
     assert result.status == "failed" and "exited with code 1" in (result.failure or "")
-    assert result.runs == [] and all(s.stops == 1 for s in fake_servers)
+    assert result.runs == [] and all(s.stops >= 1 for s in fake_servers)
 
 
 # -- operators' own experiments and profiles ----------------------------------------------------
