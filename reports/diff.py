@@ -507,7 +507,7 @@ def primary_level(before: Arm, after: Arm) -> str:
 
 def judge(rows: list[dict[str, Any]], primary: tuple[str, str]) -> dict[str, Any]:
     """Verdicts for the tested rows: the primary row (metric, level) at 5 %, every other tested
-    row corrected as a family by Holm's step-down procedure at 5 % family-wise. Returns what
+    row corrected as a family by Holm's step-down procedure at 2.5 % family-wise. Returns what
     the report says about it. A row that is not significant is `unchanged`, with the smallest
     change the design could have found beside it."""
     metric, level = primary
@@ -524,12 +524,12 @@ def judge(rows: list[dict[str, Any]], primary: tuple[str, str]) -> dict[str, Any
     for row, p in zip(family, adjusted, strict=True):
         row["role"] = "secondary"
         row["p_adjusted"] = p
-        _decide(row, p)
+        _decide(row, p, verdict.FAMILY_ALPHA)
     if lead is not None:
         lead["role"] = "primary"
         if lead["p_value"] is not None:
             lead["p_adjusted"] = lead["p_value"]
-            _decide(lead, lead["p_value"])
+            _decide(lead, lead["p_value"], verdict.ALPHA)
     for row in rows:
         row.pop("_direction", None)
     return {
@@ -537,6 +537,7 @@ def judge(rows: list[dict[str, Any]], primary: tuple[str, str]) -> dict[str, Any
         "level": lead["level"] if lead else level,
         "asked": metric,
         "alpha": verdict.ALPHA,
+        "family_alpha": verdict.FAMILY_ALPHA,
         "family": len(family),
         "correction": "holm",
     }
@@ -601,8 +602,8 @@ def power_lines(power: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _decide(row: dict[str, Any], p: float) -> None:
-    if p > verdict.ALPHA:
+def _decide(row: dict[str, Any], p: float, alpha: float) -> None:
+    if p > alpha:
         row["verdict"] = UNCHANGED
         return
     lower = row["_direction"] < 0

@@ -30,6 +30,9 @@ import numpy as np
 from servescope.reports.bootstrap import Floats
 
 ALPHA = 0.05
+# The other rows of a report, as one family (Holm): half the primary's level, so that the report
+# as a whole (primary and family) calls a change in an A/A comparison about 5 % of the time.
+FAMILY_ALPHA = 0.025
 POWER_Z = 0.8416212335729143  # the normal's 80th percentile: 80 % power
 REPEATS_CAP = 50  # "more than 50 repeats a side" is as good as never
 REQUESTS, REPEATS = "requests", "repeats"

@@ -94,7 +94,7 @@ def test_a_true_effect_is_found_and_a_reversed_one_fails_the_gate(
     failing = brief["fail_on"]["rows"]
     assert brief["fail_on"]["exit"] == 3
     assert any(r["metric"] == "ttft_ms.p50" and r["verdict"] == "regressed" for r in failing)
-    assert all(r["p_adjusted"] <= 0.05 for r in failing)
+    assert all(r["p_adjusted"] <= 0.05 for r in failing)  # the primary at 5 %, the rest 2.5 %
 
 
 def test_the_pooled_report_shows_each_repeat(calibration: dict[str, Any]) -> None:
