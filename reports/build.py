@@ -352,6 +352,14 @@ def _ids(run_ids: str | Sequence[str]) -> list[str]:
     return ids
 
 
+def _arm_name(runs: list[dict[str, Any]]) -> str:
+    """An arm as people say it: the experiment's arm name its runs recorded, else the run."""
+    arm = (runs[0].get("notes") or {}).get("arm")
+    if isinstance(arm, str) and arm and len(runs) > 1:
+        return arm
+    return str(runs[0]["run_id"])
+
+
 def _arm_id(parts: list[Slice]) -> str:
     first = _report_id(parts[0])
     return first if len(parts) == 1 else f"{first}-x{len(parts)}"
@@ -391,7 +399,8 @@ def build_diff(
     b_arm, a_arm = compared.pop("sides")
     drawn = compared.pop("charts")
     changes = lever_changes(before_runs[0].get("levers") or {}, run.get("levers") or {})
-    change = describe_change(changes, f"{after[0].name} vs {before[0].name}")
+    change = describe_change(changes, f"no lever changed: {_arm_name(after_runs)} vs "
+                             f"{_arm_name(before_runs)}")  # fmt: skip
     diagnosis = _compared_diagnosis(compared, changes, options.slo or None)
     return {
         "diagnosis": diagnosis,
