@@ -637,9 +637,17 @@ def _tested(name: str, row: dict[str, Any]) -> str:
     ci = row["ci95_pct"]
     interval = f" ({_signed_pct(ci[0])[:-2]} … {_signed_pct(ci[1])})" if ci else ""
     found = f"{name} {_signed_pct(row['delta_pct'])}{interval} [{row['verdict']}]"
-    if row["verdict"] == UNCHANGED and row.get("detectable_pct") is not None:
+    if row["verdict"] == UNCHANGED and corrected_away(row):
+        found += " (not after the correction for the report's other rows)"
+    elif row["verdict"] == UNCHANGED and row.get("detectable_pct") is not None:
         found += f" (no change beyond ±{row['detectable_pct']:.0f} %)"
     return found
+
+
+def corrected_away(row: dict[str, Any]) -> bool:
+    """A row its own 95 % test calls a change that the family's correction does not."""
+    p = row.get("p_value")
+    return row.get("role") == "secondary" and p is not None and p <= verdict.ALPHA
 
 
 METRIC_NAMES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "e2e_ms": "e2e", "queue_ms": "queue",

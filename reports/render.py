@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from markupsafe import Markup
 
-from servescope.reports.diff import power_lines
+from servescope.reports.diff import corrected_away, power_lines
 from servescope.reports.summary import LATENCY_METRICS, SERVER_METRICS
 from servescope.store.paths import inside
 
@@ -93,7 +93,9 @@ def verdict_of(row: dict[str, Any]) -> str:
     text = row["verdict"]
     if row.get("role") == "primary":
         text += " (primary)"
-    if row["verdict"] == "unchanged" and row.get("detectable_pct") is not None:
+    if row["verdict"] == "unchanged" and corrected_away(row):
+        text += ": a change alone, not after the correction for the other rows"
+    elif row["verdict"] == "unchanged" and row.get("detectable_pct") is not None:
         if _is_share(row) and row.get("detectable") is not None:
             text += f": no change beyond ±{row['detectable'] * 100:.1f} pt"
         else:

@@ -161,7 +161,7 @@ class Samples:
         return metric
 
     def one_chunk_share(self) -> float:
-        """The share of the slice's successful multi-token streams that arrived in one chunk
+        """The share of the slice's successful multi-token streams that arrived all at once
         (no client TPOT: `sql.ONE_CHUNK`)."""
         self.measured("tpot_ms")
         assert self._measured is not None

@@ -34,9 +34,10 @@ LEVEL_KEY = "hash(workload, concurrency, target_rate)"
 # The per-request latencies a report summarises (overall and per level), bootstraps and draws:
 # name -> the SQL giving it from one `events` row (a fixed expression, never user input). A
 # new per-request figure (a derived one too) is one line here; every report query follows.
-# A stream whose tokens all came in one chunk carries no client TPOT (events stored before the
-# client stopped writing one have it near 0): left out, and counted (`one_chunk` of SLICE_MEASURED).
-ONE_CHUNK = "(completion_tokens > 1 AND len(itl_ms) = 0)"
+# A stream whose tokens all arrived at once (one chunk, or chunks of one read: every gap 0)
+# carries no client TPOT (events stored before the client stopped writing one have it near 0):
+# left out, and counted (`one_chunk` of SLICE_MEASURED).
+ONE_CHUNK = "(completion_tokens > 1 AND itl_ms IS NOT NULL AND COALESCE(list_max(itl_ms), 0) <= 0)"
 REPORT_LATENCY_METRICS: dict[str, str] = {
     "ttft_ms": "ttft_ms",
     "tpot_ms": f"CASE WHEN {ONE_CHUNK} THEN NULL ELSE tpot_ms END",

@@ -12,8 +12,9 @@ and rates of failure as they are (they sit at 0).
 
 The request noise inside each run is known from its bootstrap draws, and it is a floor under
 the run-to-run variance: three runs can happen to agree more closely than their requests allow.
-When that floor is the larger, it is the error used, with the normal's critical value (the
-variance is then known, not estimated from three values).
+When that floor is the larger, it is the error used, still with Student's critical value: the
+runs also drift, by an amount three values cannot pin down (the normal's value there called a
+change in 8 % of synthetic A/A reports, docs/verdicts.md).
 
 With one run a side there is nothing to estimate run-to-run variation from: the interval is the
 request-level bootstrap's, and the report says that it covers request noise only.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -70,6 +72,7 @@ def t_within(t: float, df: int) -> float:
     return min(1.0, 2.0 / math.pi * (theta + s * math.cos(theta) * total))
 
 
+@cache
 def t_critical(df: int | None, alpha: float = ALPHA) -> float:
     """The two-sided critical value of Student's t (`df` None: the normal's)."""
     if df is None:
@@ -137,8 +140,8 @@ def repeats_test(
     after_draws: Sequence[Floats | None] = (),
 ) -> Test | None:
     """Student's t on the arms' per-run values (already on the test's scale), with the request
-    noise of each run (its bootstrap draws, on the same scale) as a floor; None when there are
-    too few runs to estimate run-to-run variation (fewer than three in all)."""
+    noise of each run (its bootstrap draws, on the same scale) as a floor under the error; None
+    when there are too few runs to estimate run-to-run variation (fewer than three in all)."""
     kb, ka = len(before), len(after)
     df = kb + ka - 2
     if kb == 0 or ka == 0 or df < 1:
@@ -155,7 +158,7 @@ def repeats_test(
         floor = math.sqrt(sum(variances[:kb]) / kb**2 + sum(variances[kb:]) / ka**2)
         if floor > run_error:
             per_run = math.sqrt(float(np.mean(variances)))
-            return Test(REPEATS, estimate, floor, None, max(spread, per_run))
+            return Test(REPEATS, estimate, floor, df, max(spread, per_run))
     return Test(REPEATS, estimate, run_error, df, spread)
 
 

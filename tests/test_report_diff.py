@@ -543,14 +543,19 @@ def test_streams_in_one_chunk_carry_no_client_tpot(tmp_path: Path) -> None:
 
     assert "tpot_ms" not in timed(1) and timed(1)["itl_ms"] == []
     assert timed(4)["tpot_ms"] == pytest.approx((200 - 100) / 15)
+    together = StreamTiming(COMPLETIONS, start=0.0)  # four chunks in one read: one timestamp
+    for _ in range(4):
+        together.feed_line(chunk("word word word word "), now=0.1)
+    together.feed_line(b'data: {"choices": [], "usage": {"completion_tokens": 16}}', now=0.1)
+    assert "tpot_ms" not in together.finish({}, end=0.1)
 
     db = tmp_path / "s.duckdb"
     store = Store(db)
     for run, server in (("run-chunk-a", False), ("run-chunk-b", True)):
         events = synthetic_events(run, seed=9, ttft_divisor=1, start=T0, n=40)
         for i, event in enumerate(events):
-            one = i % 2 == 0
-            event.update(itl_ms=[] if one else [30.0] * 31)
+            one = i % 2 == 0  # half of them at once: in one chunk, or in one read
+            event.update(itl_ms=([] if i % 4 == 0 else [0.0] * 31) if one else [30.0] * 31)
             if one:  # stored by a client of before this rule: a TPOT of next to nothing
                 event["tpot_ms"] = 0.01
             if server:
@@ -564,7 +569,7 @@ def test_streams_in_one_chunk_carry_no_client_tpot(tmp_path: Path) -> None:
         "streams": 20, "share": 0.5, "tpot_source": "client"
     }  # fmt: skip
     assert report["overall"]["tpot_ms"]["p50"] > 20  # the zeros are not averaged in
-    assert "20 streams (50.0 % of those with more than one token) arrived in one chunk" in (
+    assert "20 streams (50.0 % of those with more than one token) arrived all at once" in (
         markdown_text((out / "run-chunk-a" / "report.md").read_text())
     )
     servescope("report", "build", "run-chunk-b", "--store", str(db), "--out", str(out),

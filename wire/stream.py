@@ -142,9 +142,10 @@ class StreamTiming:
         if self.usage:
             usage_into(event, self.usage)
         completion = event.get("completion_tokens")
-        # A stream whose tokens all came in one chunk (a busy server flushing a whole answer at
-        # once) shows the client nothing of the decode: it gets no TPOT, rather than a 0.
-        if self.first is not None and completion and completion > 1 and self.gaps:
+        # A stream whose tokens all arrived at once (one chunk, or chunks of one read: a busy
+        # server flushing a whole answer) shows the client nothing of the decode: it gets no
+        # TPOT, rather than a 0.
+        if self.first is not None and completion and completion > 1 and any(self.gaps):
             event["tpot_ms"] = (e2e - event["ttft_ms"]) / (completion - 1)
         event["status"] = "ok"
         return event
