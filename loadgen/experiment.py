@@ -39,8 +39,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-
 from servescope.loadgen.launcher import (
     ALWAYS_FLAGS,
     LOG_DIR,
@@ -48,6 +46,7 @@ from servescope.loadgen.launcher import (
     VllmServer,
     levers_of,
     load_profiles,
+    read_section,
     state_for,
 )
 from servescope.loadgen.runner import RunResult
@@ -220,19 +219,8 @@ def _beside(source: Path, value: str) -> str:
 
 def read_experiments_file(path: Path) -> dict[str, ExperimentSpec]:
     """One experiments file's specs; ExperimentError names the file and what is wrong."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError as exc:
-        raise ExperimentError(f"{path}: no such experiments file") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ExperimentError(f"{path}: cannot read it ({exc})") from exc
-    except yaml.YAMLError as exc:
-        raise ExperimentError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("experiments"), dict):
-        raise ExperimentError(f"{path}: expected a mapping `experiments:` of experiment names")
-    return {
-        str(name): _spec(str(name), raw, Path(path)) for name, raw in data["experiments"].items()
-    }
+    section = read_section(path, "experiments", ExperimentError)
+    return {str(name): _spec(str(name), raw, Path(path)) for name, raw in section.items()}
 
 
 def load_experiments(path: Path | None = None) -> dict[str, ExperimentSpec]:
@@ -370,6 +358,24 @@ class Comparison:
     after_runs: list[ExperimentRun]
 
 
+def run_notes(
+    experiment: Any, run: ExperimentRun, position: int, order: str, design: str | None = None
+) -> dict[str, Any]:
+    """What every experiment run records in its notes: which experiment, arm and repeat, where
+    it fell in the order, and how its servers were sequenced (`repeat_design`)."""
+    return {
+        "experiment": experiment.spec.name,
+        "experiment_id": experiment.experiment_id,
+        "profile": run.profile,
+        "arm": run.arm,
+        "repeat": run.repeat,
+        "repeats": experiment.repeats,
+        "position": position,
+        "order": order,
+        "repeat_design": design or experiment.design,
+    }
+
+
 @dataclass
 class ExperimentResult:
     name: str
@@ -380,6 +386,16 @@ class ExperimentResult:
     arms: list[str] = field(default_factory=list)  # in the spec's order (the first: before)
     design: str = ""  # how servers and rounds were sequenced (KEPT_UP, FRESH, TARGETS, FLEET)
     order: str = ""  # the planned run order, e.g. "A B B A A B"
+
+    def record(self, run: ExperimentRun) -> bool:
+        """Keep a measured run; False (the experiment stops) when it did not complete."""
+        self.runs.append(run)
+        assert run.result is not None
+        if run.result.status != "complete":
+            self.status = "partial" if run.result.status == "partial" else "failed"
+            self.failure = run.result.failure
+            return False
+        return True
 
     def _arms(self) -> list[str]:
         return self.arms or list(dict.fromkeys(run.arm for run in self.runs))
@@ -545,29 +561,12 @@ class Experiment:
             except Exception as exc:  # a server that did not start, a target that is gone
                 result.status, result.failure = "failed", f"{arm}: {exc}"
                 return
-            result.runs.append(run)
-            previous = run
-            assert run.result is not None
-            if run.result.status != "complete":
-                result.status = "partial" if run.result.status == "partial" else "failed"
-                result.failure = run.result.failure
+            if not result.record(run):
                 return
-
-    def _notes(self, run: ExperimentRun, position: int) -> dict[str, Any]:
-        return {
-            "experiment": self.spec.name,
-            "experiment_id": self.experiment_id,
-            "profile": run.profile,
-            "arm": run.arm,
-            "repeat": run.repeat,
-            "repeats": self.repeats,
-            "position": position,
-            "order": order_letters(self.arms, self.repeats),
-            "repeat_design": self.design,
-        }
+            previous = run
 
     def _one(self, run: ExperimentRun, previous: ExperimentRun | None, position: int) -> None:
-        run.notes = self._notes(run, position)
+        run.notes = run_notes(self, run, position, order_letters(self.arms, self.repeats))
         if self.design == FRESH:
             self._fresh(run, previous)
             return

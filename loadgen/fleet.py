@@ -48,6 +48,7 @@ from servescope.loadgen.experiment import (
     lever_flips,
     order_letters,
     reset_prefix_cache,
+    run_notes,
     start_together,
 )
 from servescope.loadgen.launcher import LOG_DIR, Profile, VllmServer, load_profiles
@@ -275,26 +276,13 @@ class FleetExperiment:
                 levers={**levers, "routing": policy},
                 target="",
             )
-            run.notes = {
-                "experiment": self.spec.name,
-                "experiment_id": self.experiment_id,
-                "profile": run.profile,
-                "arm": run.arm,
-                "repeat": run.repeat,
-                "repeats": self.repeats,
-                "position": position,
-                "order": order_letters(self.spec.profiles, self.repeats),
-                "repeat_design": FLEET,
-                "server_runs_before": position - 1,
-            }
+            order_text = order_letters(self.spec.profiles, self.repeats)
+            run.notes = run_notes(self, run, position, order_text, FLEET)
+            run.notes["server_runs_before"] = position - 1
             self._one(run, previous, replicas)
-            result.runs.append(run)
-            previous = run
-            assert run.result is not None
-            if run.result.status != "complete":
-                result.status = "partial" if run.result.status == "partial" else "failed"
-                result.failure = run.result.failure
+            if not result.record(run):
                 return
+            previous = run
 
     def _one(
         self, run: ExperimentRun, previous: ExperimentRun | None, replicas: dict[str, VllmServer]

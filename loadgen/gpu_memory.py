@@ -130,7 +130,7 @@ def rounding(shape: Shape, dtype_bytes: int, tp: int = 1) -> int:
     layer = [h * (heads + 2 * kv_heads) * d * b, heads * d * h * b, h * 2 * inter * b,
              inter * h * b, h * b, h * b]  # fmt: skip
     tensors = layer * shape.layers + [math.ceil(vocab / tp) * h * b] * 2 + [h * b]
-    exact = (sum(layer) * shape.layers + 2 * shape.vocab * h * b // tp + h * b)
+    exact = sum(layer) * shape.layers + 2 * shape.vocab * h * b // tp + h * b
     return sum(_allocated(t) for t in tensors) - exact
 
 

@@ -99,21 +99,28 @@ class ProfileError(ValueError):
 PROFILE_KEYS = {"description", "extends", "flags", "env", "device", "servers"}
 
 
-def read_profiles_file(path: Path) -> dict[str, dict[str, Any]]:
-    """The `profiles:` mapping of a profiles file, checked for shape (ProfileError says what is
-    wrong: a missing file, bad YAML, a profile that is not a mapping, a key it cannot have)."""
+def read_section(path: Path, key: str, error: type[Exception]) -> dict[Any, Any]:
+    """The mapping under `key` of an operator's YAML file (profiles, experiments); `error`
+    names the file and what is wrong: missing, unreadable, not YAML, not that shape."""
+    what = key.rstrip("s")
     try:
         data = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError as exc:
-        raise ProfileError(f"{path}: no such profiles file") from exc
+        raise error(f"{path}: no such {what}s file") from exc
     except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"{path}: cannot read it ({exc})") from exc
+        raise error(f"{path}: cannot read it ({exc})") from exc
     except yaml.YAMLError as exc:
-        raise ProfileError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("profiles"), dict):
-        raise ProfileError(f"{path}: expected a mapping `profiles:` of profile names")
+        raise error(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from exc
+    if not isinstance(data, dict) or not isinstance(data.get(key), dict):
+        raise error(f"{path}: expected a mapping `{key}:` of {what} names")
+    return data[key]
+
+
+def read_profiles_file(path: Path) -> dict[str, dict[str, Any]]:
+    """The `profiles:` mapping of a profiles file, checked for shape (ProfileError says what is
+    wrong: a missing file, bad YAML, a profile that is not a mapping, a key it cannot have)."""
     raw: dict[str, dict[str, Any]] = {}
-    for name, spec in data["profiles"].items():
+    for name, spec in read_section(path, "profiles", ProfileError).items():
         where = f"{path}: profile {name!r}"
         if not isinstance(spec, dict):
             raise ProfileError(f"{where}: expected a mapping with `flags`")
