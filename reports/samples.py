@@ -197,15 +197,9 @@ class Samples:
         if metric not in self._sorted:
             values, keys = self._fetch(metric)
             self._levels[metric] = by_level(values, keys, self.counts.level_keys)
-            levels = self.counts.level_keys
-            per_level = {} if len(levels) < 2 else {
-                key: self._level_values(metric, values, keys, key) for key in levels
-            }  # fmt: skip
             del keys
             values.sort()  # in place: the column is held once
-            whole = Sorted(values, lambda: self._fetch_sorted(metric))
-            self._sorted[metric] = whole
-            self._level_sorted[metric] = per_level or dict.fromkeys(levels, whole)
+            self._sorted[metric] = Sorted(values, lambda: self._fetch_sorted(metric))
         return self._sorted[metric]
 
     def _level_values(
@@ -222,9 +216,20 @@ class Samples:
         return Sorted(mine, fetch)
 
     def level_successful(self, metric: str) -> dict[int, Sorted]:
-        """`successful(metric)` per level key (one level: the same object as the whole)."""
-        self.successful(metric)
-        return self._level_sorted[self.figure(metric)]
+        """`successful(metric)` per level key (one level: the same object as the whole). Only a
+        diff compares levels one by one: a run's summary never pays for this second fetch."""
+        whole = self.successful(metric)
+        figure = self.figure(metric)
+        if figure not in self._level_sorted:
+            levels = self.counts.level_keys
+            if len(levels) < 2:
+                self._level_sorted[figure] = dict.fromkeys(levels, whole)
+            else:
+                values, keys = self._fetch(figure)
+                self._level_sorted[figure] = {
+                    key: self._level_values(figure, values, keys, key) for key in levels
+                }
+        return self._level_sorted[figure]
 
     def level_key(self, workload: Any, concurrency: Any, target_rate: Any) -> int | None:
         """The key `successful` and `level_quantiles` file a level under (None: no such level
