@@ -234,6 +234,12 @@ def test_diagnosis_recommends_prefix_caching_only_for_the_off_run(experiment: di
     diff = json.loads((report.parent / "report.json").read_text())
     (flip,) = diff["diagnosis"]["flip"]
     assert flip["lever"] == "enable_prefix_caching" and flip["verdict"] == "resolved"
+    # the pooled report says how each repeat started, and that its verdict counts run drift
+    assert diff["repeats"]["before"] == diff["repeats"]["after"] == 2
+    assert diff["repeats"]["covers"] == "run-to-run and request noise"
+    states = diff["repeat_states"]["before"] + diff["repeat_states"]["after"]
+    assert {s["repeat_state"] for s in states} == {"prefix cache reset"}
+    assert "prefix cache reset" in (report.parent / "report.md").read_text()
     # vLLM's start-up statement of its KV cache, recorded with the run next to ours
     kv = store.run(on["run_id"])["notes"]["kv_cache"]
     assert kv["vllm"]["kv_cache_tokens"] == kv["servescope"]["kv_tokens"]
