@@ -45,8 +45,9 @@ class NoLeverFlip(LookupError):
     """`--split-at-flip` on a run that has no `lever_flips` row."""
 
 
-class BadPrimary(ValueError):
-    """`--primary` names no diff metric."""
+class BadComparison(ValueError):
+    """Runs that cannot be compared as given (a run named twice), or a `--primary` that names
+    no diff metric."""
 
 
 class NoPreviousRun(LookupError):
@@ -348,7 +349,9 @@ def _headline(change: str, compared: dict[str, Any], before: Arm, after: Arm) ->
 def _ids(run_ids: str | Sequence[str]) -> list[str]:
     ids = [run_ids] if isinstance(run_ids, str) else list(run_ids)
     if not ids:
-        raise ValueError("a comparison needs at least one run a side")
+        raise BadComparison("a comparison needs at least one run a side")
+    if twice := sorted({r for r in ids if ids.count(r) > 1}):
+        raise BadComparison(f"run {twice[0]!r} is named twice: each repeat is a run of its own")
     return ids
 
 
@@ -381,8 +384,12 @@ def build_diff(
     `lever_changes`. `primary` names the diff metric the flip is judged by (default: the
     symptom its lever targets, reports/diagnosis.yaml)."""
     after_ids, before_ids = _ids(run_ids), _ids(base_run_ids)
+    if (len(after_ids) > 1 or len(before_ids) > 1) and (both := set(after_ids) & set(before_ids)):
+        raise BadComparison(
+            f"run {sorted(both)[0]!r} is on both sides: an arm's repeats are its own"
+        )
     if primary is not None and primary not in BY_METRIC:
-        raise BadPrimary(f"unknown --primary {primary!r}; choose from {', '.join(BY_METRIC)}")
+        raise BadComparison(f"unknown --primary {primary!r}; choose from {', '.join(BY_METRIC)}")
     with store.read() as con, ExitStack() as stack:
         after_runs = [require_run(con, r) for r in after_ids]
         if before_ids == [PREVIOUS]:
@@ -451,7 +458,7 @@ def build_split(
 ) -> dict[str, Any]:
     """One run, before and after its (first) `lever_flips` row."""
     if primary is not None and primary not in BY_METRIC:
-        raise BadPrimary(f"unknown --primary {primary!r}; choose from {', '.join(BY_METRIC)}")
+        raise BadComparison(f"unknown --primary {primary!r}; choose from {', '.join(BY_METRIC)}")
     with store.read() as con, ExitStack() as stack:
         run = require_run(con, run_id)
         options = _with_slo(options, run)

@@ -161,6 +161,8 @@ def test_bad_comparisons_are_refused_in_one_line(
         ([*arms(c), "--since", "start+1s"], "take one run a side"),
         ([c.after[0], "--vs", "previous", c.before[0]], "--vs previous compares one run"),
         ([*arms(c)[:1], "--vs", "run-nobody"], "unknown run"),
+        ([c.after[0], c.after[0], "--vs", *c.before], "is named twice"),
+        ([c.after[0], c.before[0], "--vs", *c.before], "is on both sides"),
     ):
         code = cli.main(["report", "build", *args, "--store", db, "--out", out])
         err = capsys.readouterr()

@@ -39,7 +39,7 @@ from servescope.reports import (
     sql,
     write_report,
 )
-from servescope.reports.build import PREVIOUS, BadPrimary, previous_run
+from servescope.reports.build import PREVIOUS, BadComparison, previous_run
 from servescope.reports.diff import WHOLE_RUN
 from servescope.reports.summary import require_run
 from servescope.store.lakeread import Lake
@@ -260,7 +260,7 @@ def run_build(args: argparse.Namespace) -> int:
             else:
                 report = build_summary(store, run_ids[0], options, window)
             paths = write_report(report, args.out, formats)
-    except (UnknownRun, NoLeverFlip, NoPreviousRun, BadWindow, NotAFleet, BadPrimary) as exc:
+    except (UnknownRun, NoLeverFlip, NoPreviousRun, BadWindow, NotAFleet, BadComparison) as exc:
         console.print(str(exc), style="red")
         return 2
     except PrometheusUnavailable as exc:
