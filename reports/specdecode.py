@@ -94,8 +94,9 @@ def _by_workload(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return groups
 
 
-def _tpots(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, np.ndarray]:
-    rows = con.execute(sql.SLICE_WORKLOAD_TPOT, part.params()).fetchall()
+def _tpots(con: duckdb.DuckDBPyConnection, part: Slice, source: str) -> dict[str, np.ndarray]:
+    figure = "server_tpot_ms" if source == "server" else "tpot_ms"
+    rows = con.execute(sql.SLICE_WORKLOAD_TPOT[figure], part.params()).fetchall()
     return {name: np.asarray(values, dtype=np.float64) for name, values in rows}
 
 
@@ -139,7 +140,8 @@ def spec_diff(
         return None
     by_metric = {r["metric"]: r for r in rows}
     b_groups, a_groups = _by_workload(before), _by_workload(after)
-    b_tpot, a_tpot = _tpots(con, parts[0]), _tpots(con, parts[1])
+    source = before["overall"]["sources"]["tpot_ms"]  # the diff's TPOT source, both sides
+    b_tpot, a_tpot = _tpots(con, parts[0], source), _tpots(con, parts[1], source)
     b_accept = {w["workload"]: w for w in (b_spec or {}).get("workloads", [])}
     a_accept = {w["workload"]: w for w in (a_spec or {}).get("workloads", [])}
     workloads = []

@@ -407,15 +407,19 @@ FROM (SELECT *, {counter_step("NULL")} AS step FROM s) GROUP BY ALL
 ORDER BY min(ts), workload
 """
 
-# Each workload's successful TPOTs, sorted: the speculative-decoding diff tests TPOT per workload
-# (drafts accepted on one, rejected on another: a pooled TPOT hides both).
-SLICE_WORKLOAD_TPOT = f"""
-SELECT workload, list(tpot_ms ORDER BY tpot_ms) AS tpot_ms
-FROM events
-WHERE {IN_SLICE} AND status = 'ok' AND tpot_ms IS NOT NULL AND workload IS NOT NULL
-    AND NOT COALESCE({ONE_CHUNK}, false)
+# Each workload's successful TPOTs, sorted, from the figure the diff reads TPOT from (the client's
+# or vLLM's): the speculative-decoding diff tests TPOT per workload (drafts accepted on one,
+# rejected on another: a pooled TPOT hides both).
+SLICE_WORKLOAD_TPOT = {
+    figure: f"""
+SELECT workload, list(v ORDER BY v) AS tpot_ms
+FROM (SELECT workload, {_PER_REQUEST[figure]} AS v FROM events
+      WHERE {IN_SLICE} AND status = 'ok' AND workload IS NOT NULL)
+WHERE v IS NOT NULL AND NOT isnan(v)
 GROUP BY workload
 """
+    for figure in ("tpot_ms", "server_tpot_ms")
+}
 
 # -- runs and flips (reports/build.py, `report flips`) -----------------------------------------
 # Flips a report marks: those recorded for the runs, or unattributed ones inside their span.

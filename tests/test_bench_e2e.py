@@ -66,10 +66,14 @@ def test_one_event_per_request_with_exact_prompt_sizes(bench_run: dict) -> None:
         assert event["status"] == "ok", event
         assert (event["prompt_tokens"], event["completion_tokens"]) == expected[event["workload"]]
         assert event["ttft_ms"] > 0
-        # one gap per SSE message; vLLM merges tokens into one message when its reader lags
-        assert 1 <= len(event["itl_ms"]) <= event["completion_tokens"] - 1
-        rebuilt = event["ttft_ms"] + event["tpot_ms"] * (event["completion_tokens"] - 1)
-        assert rebuilt == pytest.approx(event["e2e_ms"], rel=1e-9)
+        # one gap per SSE message; vLLM merges tokens into one message when its reader lags (on a
+        # busy machine a whole answer in one message: no gap at all)
+        assert len(event["itl_ms"]) <= event["completion_tokens"] - 1
+        # a stream whose tokens all arrived in one read (every gap 0) shows no decode: no TPOT
+        assert ("tpot_ms" in event) == any(event["itl_ms"]), event
+        if "tpot_ms" in event:
+            rebuilt = event["ttft_ms"] + event["tpot_ms"] * (event["completion_tokens"] - 1)
+            assert rebuilt == pytest.approx(event["e2e_ms"], rel=1e-9)
         assert event["e2e_ms"] >= event["ttft_ms"] + sum(event["itl_ms"]) - 1e-6
 
 
@@ -85,13 +89,15 @@ def test_report_overall_equals_an_independent_computation(bench_run: dict) -> No
     overall = report["overall"]
     assert overall["requests"] == 24 and overall["errors"] == 0 and overall["error_rate"] == 0
     for metric in ("ttft_ms", "tpot_ms", "e2e_ms"):
-        values = [e[metric] for e in events]
+        values = [e[metric] for e in events if metric in e]  # TPOT: streams not all at once
         for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
             assert overall[metric][name] == pytest.approx(percentile(values, q), rel=1e-9), (
                 metric,
                 name,
             )
         assert overall[metric]["mean"] == pytest.approx(sum(values) / len(values), rel=1e-9)
+    at_once = sum(1 for e in events if "tpot_ms" not in e)
+    assert overall["one_chunk_streams"]["streams"] == at_once
     assert overall["queue_ms"]["p50"] is None
     assert overall["throughput"]["output_tokens_per_s"] > 0
     groups = {(g["workload"], g["concurrency"]): g["requests"] for g in report["groups"]}

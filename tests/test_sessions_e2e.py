@@ -256,7 +256,10 @@ def test_flip_report_from_the_servers_own_records(live: Sessions) -> None:
         assert overall["error_rate"] == REFUSED / (GOOD + REFUSED)
         assert overall["errors_by_class"] == {"http_4xx": REFUSED}
         assert overall["queue_ms"]["p50"] is not None and overall["decode_ms"]["p50"] is not None
-    assert report["headline"].startswith("enable_prefix_caching off → on: TTFT")
+    assert report["headline"].startswith(
+        "enable_prefix_caching off → on (one run a side: request noise only"
+    ), report["headline"]
+    assert "): TTFT p50" in report["headline"]
 
 
 def test_the_same_log_imported_once_gives_the_same_runs(live: Sessions) -> None:
