@@ -134,17 +134,15 @@ def attach_gpu(con: duckdb.DuckDBPyConnection, side: Side) -> None:
     windows, and the draws of those a diff tests (`cache["gpu"]`)."""
     found, span = throughput_windows(side), side.samples.span
     window = gpu.Window(span[0], *found) if found and span else None
-    totals = None
-    if window is not None:
+
+    def totals() -> tuple[Floats | None, Floats | None]:
+        if window is None:
+            return None, None
         good = side.summary["overall"]["goodput"]
-        totals = side.samples.window_totals(window.width, window.count, good["slo"] if good else {})
-    figures, draws = gpu.gpu_numbers(
-        con,
-        side.samples.part.run_id,
-        window,
-        totals["output_tokens"] if totals is not None else None,
-        totals["ok"] if totals is not None else None,
-    )
+        got = side.samples.window_totals(window.width, window.count, good["slo"] if good else {})
+        return (got["output_tokens"], got["ok"]) if got is not None else (None, None)
+
+    figures, draws = gpu.gpu_numbers(con, side.samples.part.run_id, window, totals)
     side.summary["gpu"] = figures
     side.cache["gpu"] = draws
 

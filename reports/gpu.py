@@ -21,6 +21,7 @@ windows' mean readings, resampled the same way.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,11 +153,11 @@ def gpu_numbers(
     con: duckdb.DuckDBPyConnection,
     run_id: str,
     window: Window | None,
-    output_tokens: Floats | None,
-    ok_requests: Floats | None,
+    totals: Callable[[], tuple[Floats | None, Floats | None]],
 ) -> tuple[dict[str, Any], dict[str, Draws | None]]:
     """The slice's GPU figures for the report and the bootstrap draws of those a diff tests.
-    `output_tokens` and `ok_requests`: the slice's per-window totals (by completion)."""
+    `totals`: the slice's per-window output tokens and successful requests (by completion),
+    asked for only when the slice has GPU samples."""
     params = {"power": POWER, "energy": ENERGY, "fb_used": FB_USED, "gpu_util": GPU_UTIL}
     none: dict[str, Any] = {"measured": False, "gpus": 0}
     if window is None:
@@ -195,6 +196,7 @@ def gpu_numbers(
     draws: dict[str, Draws | None] = {"gpu.gpu_util_pct": _mean_draws(util) if util is not None
                                       else None}  # fmt: skip
     if energy is not None:
+        output_tokens, ok_requests = totals()
         draws["gpu.mean_power_w"] = total_draws(energy, 1.0 / seconds)
         if output_tokens is not None and output_tokens.sum() > 0:
             out["j_per_output_token"] = float(energy.sum() / output_tokens.sum())
