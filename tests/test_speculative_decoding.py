@@ -94,9 +94,15 @@ def test_diff_puts_tpot_next_to_acceptance(experiment: dict) -> None:
     rows = {w["workload"]: w for w in section["workloads"]}
     assert rows["repeat"]["acceptance_before"] is None
     assert rows["repeat"]["acceptance_after"] > 0.5
+    at_once = [side["overall"]["one_chunk_streams"]["streams"] for side in
+               (report["before"], report["after"])]  # fmt: skip
     for row in rows.values():
         assert row["tpot_ms_p50_before"] is not None and row["tpot_ms_p50_after"] is not None
-        assert row["tpot_verdict"] in ("improved", "regressed", "unchanged")
+        assert row["tpot_verdict"] in ("improved", "regressed", "unchanged", "too few samples")
+        if row["tpot_verdict"] == "too few samples":
+            # 8 streams a workload: too few only when streams that came all at once (no client
+            # TPOT: the decode was not seen) left fewer than 6 TPOTs on a side
+            assert max(at_once) > 2, at_once
     # TPOT's direction is not asserted: at ~1-2 ms per token on 2 shared cores it is at the
     # mercy of process scheduling (docs/benchmarks.md), down to bursts with TPOT 0; the test is
     # that it is measured on both sides and given a verdict (above)
