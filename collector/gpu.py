@@ -59,8 +59,9 @@ def nvml_open() -> int:
 def nvml_rows() -> list[dict[str, Any]]:
     """One reading of every GPU NVML sees (those of `CUDA_VISIBLE_DEVICES` when set), one plain
     row per GPU — the rows `benchmarks/gpu/nvml_record.py` records on a GPU server — with its
-    MIG instances' memory under `mig`. A field the GPU does not support is left out. The only
-    code here that touches a GPU."""
+    MIG instances' memory under `mig` and the processes computing on it under `processes`
+    (`pid`, `used_bytes`: what the collector matches to a server's processes). A field the GPU
+    does not support is left out. The only code here that touches a GPU."""
     import pynvml
 
     def read(call: Any, *args: Any) -> Any:
@@ -91,6 +92,7 @@ def nvml_rows() -> list[dict[str, Any]]:
             "gpu_util_pct": util.gpu if util is not None else None,
             "mem_util_pct": util.memory if util is not None else None,
             "sm_clock_mhz": read(pynvml.nvmlDeviceGetClockInfo, handle, pynvml.NVML_CLOCK_SM),
+            "processes": _processes(read(pynvml.nvmlDeviceGetComputeRunningProcesses, handle)),
         }
         mode = read(pynvml.nvmlDeviceGetMigMode, handle)
         if mode is not None and mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE:
@@ -106,6 +108,20 @@ def nvml_rows() -> list[dict[str, Any]]:
                     "fb_used_bytes": used.used if used is not None else None,
                 })  # fmt: skip
         rows.append({k: v for k, v in row.items() if v is not None})
+    return rows
+
+
+def _processes(found: Any) -> list[dict[str, Any]] | None:
+    """NVML's compute processes on a GPU as plain rows (`pid`, `used_bytes` when NVML knows it);
+    None when NVML cannot list them, which is not the same as a GPU nobody uses (`[]`)."""
+    if found is None:
+        return None
+    rows = []
+    for proc in found:
+        row: dict[str, Any] = {"pid": int(proc.pid)}
+        if getattr(proc, "usedGpuMemory", None) is not None:
+            row["used_bytes"] = int(proc.usedGpuMemory)
+        rows.append(row)
     return rows
 
 
