@@ -35,23 +35,43 @@ teams:
 
 Plain keys only ever exist here, long enough to be hashed: the gateway keeps SHA-256 digests
 and compares digests in constant time.
+
+The file is checked once, at this boundary, by converting it into the typed structures below
+(msgspec): types, ranges and unknown keys come from the declarations, and only the rules that
+span several fields (a route's upstreams exist, a key belongs to one team) are written out. Each
+entry of `upstreams`, `models` and `teams` is converted on its own, because msgspec writes a
+mapping's key as `[...]` in its paths, and an error must name the entry:
+`gateway.yaml: teams.demo.max_queue: expected an integer ≥ 0, got -1`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import dataclass, field, fields
+import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
+import msgspec
 import yaml
+from msgspec import Meta, Struct
 
 from servescope.wire.routing import ROUTING_POLICIES
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_EVENTS_DIR = Path("servescope-data") / "events"
+DEFAULT_ROUTING = "round-robin"
+DEFAULT_PREFIX_CHARS = 256
+DEFAULT_LOAD_FACTOR = 1.25
+
+Count = Annotated[int, Meta(ge=0)]
+AtLeastOne = Annotated[int, Meta(ge=1)]
+Seconds = Annotated[float, Meta(ge=0.001)]
+Share = Annotated[float, Meta(ge=0.001)]
+HEX_DIGEST = "^[0-9a-fA-F]{64}$"
+Digest = Annotated[str, Meta(pattern=HEX_DIGEST)]
+Names = Annotated[tuple[str, ...], Meta(min_length=1)]
 
 
 class ConfigError(ValueError):
@@ -63,52 +83,71 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-@dataclass(frozen=True)
-class TokenBudget:
-    tokens: int
-    window_s: float
+class TokenBudget(Struct, frozen=True, forbid_unknown_fields=True):
+    """Prompt + completion tokens a team may use per window."""
+
+    tokens: Count
+    window_s: Annotated[float, Meta(ge=1)] = 60.0
 
 
-@dataclass(frozen=True)
-class Team:
-    name: str
-    key_digests: tuple[str, ...]
-    priority: int = 0
-    weight: float = 1.0
-    max_concurrent: int = 4
-    max_queue: int = 16
-    queue_timeout_s: float = 30.0
-    max_prompt_tokens: int | None = None
+class TeamLimits(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A team's admission rules: the fields `defaults` and each team may set."""
+
+    priority: Annotated[int, Meta(ge=-(10**9))] = 0
+    weight: Share = 1.0
+    max_concurrent: AtLeastOne = 4
+    max_queue: Count = 16
+    queue_timeout_s: Seconds = 30.0
+    max_prompt_tokens: AtLeastOne | None = None
     token_budget: TokenBudget | None = None
-    prefill_timeout_s: float | None = None
-    decode_timeout_s: float | None = None
+    prefill_timeout_s: Seconds | None = None
+    decode_timeout_s: Seconds | None = None
     models: tuple[str, ...] | None = None  # allowed model names; None = all
 
 
-@dataclass(frozen=True)
-class Upstream:
+class TeamEntry(TeamLimits, frozen=True, kw_only=True):
+    """A team as gateway.yaml writes it (its defaults merged in), plain keys included."""
+
+    keys: tuple[str, ...] = ()
+    key_sha256: tuple[Digest, ...] = ()
+
+
+class Team(TeamLimits, frozen=True, kw_only=True):
+    """A team as the gateway keeps it: its limits and the digests of its keys, never a key."""
+
     name: str
+    key_digests: tuple[str, ...]
+
+
+class Upstream(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str  # the entry's name in `upstreams`
     url: str
     model: str | None = None  # served name there; None = the name the client sent
-    max_concurrent: int = 64
+    max_concurrent: AtLeastOne = 64
 
 
-DEFAULT_ROUTING = "round-robin"
-DEFAULT_PREFIX_CHARS = 256
-DEFAULT_LOAD_FACTOR = 1.25
+class RoutePolicy(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a model's pool is used: the fields a route shares with its gateway.yaml entry."""
+
+    fallback: str | None = None
+    routing: str = DEFAULT_ROUTING
+    prefix_chars: AtLeastOne = DEFAULT_PREFIX_CHARS
+    load_factor: Annotated[float, Meta(ge=1)] = DEFAULT_LOAD_FACTOR
 
 
-@dataclass(frozen=True)
-class Route:
+class RouteEntry(RoutePolicy, frozen=True, kw_only=True):
+    """A route as gateway.yaml writes it: one `upstream`, or a `pool` of replicas."""
+
+    upstream: str | None = None
+    pool: Names | None = None
+
+
+class Route(RoutePolicy, frozen=True):
     """A model's upstreams: a pool of replicas (one, in the plain `upstream:` form), the policy
     that picks one per request, and a fallback tried when the pool fails before any byte."""
 
     model: str
     pool: tuple[str, ...]
-    fallback: str | None = None
-    routing: str = DEFAULT_ROUTING
-    prefix_chars: int = DEFAULT_PREFIX_CHARS
-    load_factor: float = DEFAULT_LOAD_FACTOR
 
     @property
     def upstream(self) -> str:
@@ -116,8 +155,24 @@ class Route:
         return self.pool[0]
 
 
-@dataclass(frozen=True)
-class GatewayConfig:
+class Listen(Struct, frozen=True, forbid_unknown_fields=True):
+    host: str = DEFAULT_HOST
+    port: Count = DEFAULT_PORT
+
+
+class GatewayFile(Struct, frozen=True, forbid_unknown_fields=True):
+    """gateway.yaml's top level. The named entries stay raw here: each is converted on its
+    own, so that an error can name it (see the module docstring)."""
+
+    upstreams: Annotated[dict[Any, Any], Meta(min_length=1)]
+    teams: Annotated[dict[Any, Any], Meta(min_length=1)]
+    models: dict[Any, Any] | None = None
+    defaults: dict[Any, Any] | None = None
+    listen: Listen | None = None
+    events_dir: str | None = None
+
+
+class GatewayConfig(Struct, frozen=True, kw_only=True):
     upstreams: dict[str, Upstream]
     routes: dict[str, Route]
     teams: dict[str, Team]
@@ -125,7 +180,7 @@ class GatewayConfig:
     port: int = DEFAULT_PORT
     events_dir: Path = DEFAULT_EVENTS_DIR
     source: str = "gateway.yaml"
-    _digests: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    digests: tuple[tuple[str, str], ...] = ()  # (key digest, team), sorted
 
     def team_for_key(self, key: str | None) -> Team | None:
         """The team owning `key`, comparing digests in constant time against every stored one."""
@@ -133,159 +188,33 @@ class GatewayConfig:
             return None
         digest = key_digest(key)
         found: str | None = None
-        for stored, team in self._digests:
+        for stored, team in self.digests:
             if hmac.compare_digest(stored, digest):
                 found = team
         return self.teams[found] if found else None
 
 
-TEAM_FIELDS = {f.name for f in fields(Team)} - {"name", "key_digests"} | {"keys", "key_sha256"}
-
-
-def _number(value: Any, where: str, *, integer: bool = False, minimum: float = 0) -> Any:
-    ok = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok or value < minimum:
-        kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{where} must be {kind} ≥ {minimum}, got {value!r}")
-    return value
-
-
-def _mapping(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where} must be a mapping, got {type(value).__name__}")
-    return value
-
-
-def _team(name: str, raw: dict[str, Any], defaults: dict[str, Any], source: str) -> Team:
-    where = f"{source}: teams.{name}"
-    merged = {**defaults, **_mapping(raw, where)}
-    if unknown := sorted(set(merged) - TEAM_FIELDS):
-        raise ConfigError(f"{where}: unknown keys {unknown}; known: {sorted(TEAM_FIELDS)}")
-    digests = [key_digest(str(k)) for k in merged.pop("keys", None) or []]
-    for d in merged.pop("key_sha256", None) or []:
-        d = str(d).lower()
-        if len(d) != 64 or any(c not in "0123456789abcdef" for c in d):
-            raise ConfigError(f"{where}: key_sha256 entries must be 64 hex digits")
-        digests.append(d)
-    if not digests:
-        raise ConfigError(f"{where}: needs `keys` or `key_sha256`")
-    kwargs: dict[str, Any] = {}
-    for key in ("max_concurrent", "max_queue", "max_prompt_tokens", "priority"):
-        if merged.get(key) is not None:
-            minimum = {"max_concurrent": 1, "max_prompt_tokens": 1}.get(key, 0)
-            if key == "priority":
-                minimum = -(10**9)
-            kwargs[key] = _number(merged[key], f"{where}.{key}", integer=True, minimum=minimum)
-    for key in ("queue_timeout_s", "prefill_timeout_s", "decode_timeout_s"):
-        if merged.get(key) is not None:
-            kwargs[key] = float(_number(merged[key], f"{where}.{key}", minimum=0.001))
-    if merged.get("weight") is not None:
-        kwargs["weight"] = float(_number(merged["weight"], f"{where}.weight", minimum=0.001))
-    if (budget := merged.get("token_budget")) is not None:
-        budget = _mapping(budget, f"{where}.token_budget")
-        kwargs["token_budget"] = TokenBudget(
-            tokens=_number(budget.get("tokens"), f"{where}.token_budget.tokens", integer=True),
-            window_s=float(
-                _number(budget.get("window_s", 60), f"{where}.token_budget.window_s", minimum=1)
-            ),
-        )
-    if (models := merged.get("models")) is not None:
-        if not isinstance(models, list):
-            raise ConfigError(f"{where}.models must be a list of model names")
-        kwargs["models"] = tuple(str(m) for m in models)
-    return Team(name=name, key_digests=tuple(digests), **kwargs)
-
-
-ROUTE_FIELDS = ("upstream", "pool", "fallback", "routing", "prefix_chars", "load_factor")
-
-
-def _route(model: str, raw: Any, upstreams: dict[str, Upstream], source: str) -> Route:
-    where = f"{source}: models.{model}"
-    raw = _mapping(raw, where)
-    if unknown := sorted(set(raw) - set(ROUTE_FIELDS)):
-        raise ConfigError(f"{where}: unknown keys {unknown}; known: {list(ROUTE_FIELDS)}")
-    if (raw.get("upstream") is None) == (raw.get("pool") is None):
-        raise ConfigError(f"{where} needs either `upstream` or `pool` (a list of upstreams)")
-    pool = raw.get("pool")
-    if pool is None:
-        pool = [raw["upstream"]]
-    elif not isinstance(pool, list) or not pool:
-        raise ConfigError(f"{where}.pool must be a non-empty list of upstream names")
-    names = [str(n) for n in pool]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"{where}.pool names an upstream twice: {names}")
-    fallback = raw.get("fallback")
-    for key, name in [*(("pool" if len(names) > 1 else "upstream", n) for n in names),
-                      ("fallback", fallback)]:  # fmt: skip
-        if name is not None and str(name) not in upstreams:
-            raise ConfigError(
-                f"{where}.{key} {name!r} is not an upstream (known: {sorted(upstreams)})"
-            )
-    if fallback is not None and str(fallback) in names:
-        raise ConfigError(f"{where}.fallback {fallback!r} is already in the pool")
-    routing = raw.get("routing", DEFAULT_ROUTING)
-    if routing not in ROUTING_POLICIES:
-        raise ConfigError(
-            f"{where}.routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}"
-        )
-    return Route(
-        model=model,
-        pool=tuple(names),
-        fallback=str(fallback) if fallback is not None else None,
-        routing=routing,
-        prefix_chars=_number(
-            raw.get("prefix_chars", DEFAULT_PREFIX_CHARS),
-            f"{where}.prefix_chars",
-            integer=True,
-            minimum=1,
-        ),
-        load_factor=float(
-            _number(raw.get("load_factor", DEFAULT_LOAD_FACTOR), f"{where}.load_factor", minimum=1)
-        ),
-    )
+S = TypeVar("S", bound=Struct)
 
 
 def parse_config(data: Any, *, source: str = "gateway.yaml") -> GatewayConfig:
     """Validate a loaded YAML document; every problem is a `ConfigError` naming the field."""
-    data = _mapping(data, source)
-    known = {"listen", "events_dir", "upstreams", "models", "defaults", "teams"}
-    if unknown := sorted(set(data) - known):
-        raise ConfigError(f"{source}: unknown top-level keys {unknown}; known: {sorted(known)}")
-    upstreams: dict[str, Upstream] = {}
-    for name, raw in _mapping(data.get("upstreams"), f"{source}: upstreams").items():
-        raw = _mapping(raw, f"{source}: upstreams.{name}")
-        url = raw.get("url")
-        if not isinstance(url, str) or not url.startswith("http://"):
-            raise ConfigError(
-                f"{source}: upstreams.{name}.url must be an http:// URL (vLLM sits on a private "
-                "network behind the gateway; TLS terminates in front of it)"
-            )
-        upstreams[str(name)] = Upstream(
-            name=str(name),
-            url=url.rstrip("/"),
-            model=str(raw["model"]) if raw.get("model") else None,
-            max_concurrent=_number(
-                raw.get("max_concurrent", 64),
-                f"{source}: upstreams.{name}.max_concurrent",
-                integer=True,
-                minimum=1,
-            ),
-        )
-    if not upstreams:
-        raise ConfigError(f"{source}: needs at least one upstream")
-    routes: dict[str, Route] = {}
-    raw_models = data.get("models")
+    doc = _convert(data, GatewayFile, source, "")
+    upstreams = {
+        name: _upstream(name, raw, source)
+        for name, raw in _named(doc.upstreams, source, "upstreams")
+    }
+    raw_models = doc.models
     if raw_models is None:  # one route per upstream, by its served name
         raw_models = {u.model or u.name: {"upstream": u.name} for u in upstreams.values()}
-    for model, raw in _mapping(raw_models, f"{source}: models").items():
-        routes[str(model)] = _route(str(model), raw, upstreams, source)
-    defaults = _mapping(data.get("defaults") or {}, f"{source}: defaults")
-    teams = {
-        str(name): _team(str(name), raw, defaults, source)
-        for name, raw in _mapping(data.get("teams"), f"{source}: teams").items()
+    routes = {
+        model: _route(model, raw, upstreams, source)
+        for model, raw in _named(raw_models, source, "models")
     }
-    if not teams:
-        raise ConfigError(f"{source}: needs at least one team")
+    defaults = doc.defaults or {}
+    teams = {
+        name: _team(name, raw, defaults, source) for name, raw in _named(doc.teams, source, "teams")
+    }
     owners: dict[str, str] = {}
     for team in teams.values():
         for digest in team.key_digests:
@@ -293,16 +222,16 @@ def parse_config(data: Any, *, source: str = "gateway.yaml") -> GatewayConfig:
                 raise ConfigError(
                     f"{source}: one key is shared by teams {owners[digest]!r} and {team.name!r}"
                 )
-    listen = _mapping(data.get("listen") or {}, f"{source}: listen")
+    listen = doc.listen or Listen()
     return GatewayConfig(
         upstreams=upstreams,
         routes=routes,
         teams=teams,
-        host=str(listen.get("host", DEFAULT_HOST)),
-        port=_number(listen.get("port", DEFAULT_PORT), f"{source}: listen.port", integer=True),
-        events_dir=Path(data.get("events_dir") or DEFAULT_EVENTS_DIR),
+        host=listen.host,
+        port=listen.port,
+        events_dir=Path(doc.events_dir or DEFAULT_EVENTS_DIR),
         source=source,
-        _digests=tuple(sorted(owners.items())),
+        digests=tuple(sorted(owners.items())),
     )
 
 
@@ -312,3 +241,126 @@ def load_config(path: Path) -> GatewayConfig:
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     return parse_config(data, source=str(path))
+
+
+def _upstream(name: str, raw: Any, source: str) -> Upstream:
+    where = f"upstreams.{name}"
+    upstream = _convert({**_mapping(raw, source, where), "name": name}, Upstream, source, where)
+    if not upstream.url.startswith("http://"):
+        raise ConfigError(
+            f"{source}: {where}.url must be an http:// URL (vLLM sits on a private network "
+            "behind the gateway; TLS terminates in front of it)"
+        )
+    return msgspec.structs.replace(
+        upstream, url=upstream.url.rstrip("/"), model=upstream.model or None
+    )
+
+
+def _route(model: str, raw: Any, upstreams: dict[str, Upstream], source: str) -> Route:
+    where = f"models.{model}"
+    entry = _convert(raw, RouteEntry, source, where)
+    if (entry.upstream is None) == (entry.pool is None):
+        raise ConfigError(
+            f"{source}: {where} needs either `upstream` or `pool` (a list of upstreams)"
+        )
+    names = entry.pool or (str(entry.upstream),)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{source}: {where}.pool names an upstream twice: {list(names)}")
+    field = "pool" if entry.pool is not None else "upstream"
+    for key, name in [*((field, n) for n in names), ("fallback", entry.fallback)]:
+        if name is not None and name not in upstreams:
+            raise ConfigError(
+                f"{source}: {where}.{key} {name!r} is not an upstream (known: {sorted(upstreams)})"
+            )
+    if entry.fallback is not None and entry.fallback in names:
+        raise ConfigError(f"{source}: {where}.fallback {entry.fallback!r} is already in the pool")
+    if entry.routing not in ROUTING_POLICIES:
+        raise ConfigError(
+            f"{source}: {where}.routing must be one of {', '.join(ROUTING_POLICIES)}, "
+            f"got {entry.routing!r}"
+        )
+    policy = {f: getattr(entry, f) for f in RoutePolicy.__struct_fields__}
+    return Route(model, names, **policy)
+
+
+def _team(name: str, raw: Any, defaults: dict[Any, Any], source: str) -> Team:
+    where = f"teams.{name}"
+    merged = {**defaults, **_mapping(raw, source, where)}
+    entry = _convert(
+        {k: v for k, v in merged.items() if v is not None}, TeamEntry, source, where
+    )  # a key set to null is a key left out, as in the defaults
+    digests = (
+        *(key_digest(k) for k in entry.keys),
+        *(d.lower() for d in entry.key_sha256),
+    )
+    if not digests:
+        raise ConfigError(f"{source}: {where} needs `keys` or `key_sha256`")
+    limits = {f: getattr(entry, f) for f in TeamLimits.__struct_fields__}
+    return Team(name=name, key_digests=digests, **limits)
+
+
+def _named(raw: dict[Any, Any], source: str, where: str) -> list[tuple[str, Any]]:
+    """A mapping's entries, named as strings (YAML may give a name as a number)."""
+    return [(str(name), value) for name, value in _mapping(raw, source, where).items()]
+
+
+def _mapping(raw: Any, source: str, where: str) -> dict[Any, Any]:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {where}: expected a mapping, got {_shown(raw)}")
+    return raw
+
+
+def _convert(raw: Any, kind: type[S], source: str, where: str) -> S:
+    """`raw` as `kind`, or a `ConfigError` that says where and what, in the file's terms."""
+    try:
+        return msgspec.convert(raw, kind)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_readable(str(exc), raw, kind, source, where)) from None
+
+
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_EXPECTED = re.compile(r"^Expected `(?P<kinds>[^`]+)`(?:, got `[^`]+`)?(?P<rule>.*)$", re.S)
+_FIELD = re.compile(r"^Object (?P<problem>contains unknown|missing required) field `(?P<f>.+)`$")
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_KINDS = {
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "bool": "true or false",
+    "object": "a mapping",
+    "array": "a list",
+}
+
+
+def _readable(message: str, raw: Any, kind: type[Struct], source: str, where: str) -> str:
+    """msgspec's `Expected `int` >= 0 - at `$.max_queue`` as
+    `gateway.yaml: teams.a.max_queue: expected an integer ≥ 0, got -1`."""
+    at = _AT.match(message)
+    what, path = (at["what"], at["path"] or "") if at else (message, "")
+    place = f"{where}{path}".lstrip(".")
+    prefix = f"{source}: {place}: " if place else f"{source}: "
+    if expected := _EXPECTED.match(what):
+        kinds = [_KINDS.get(k, k) for k in expected["kinds"].split(" | ") if k != "null"]
+        rule = expected["rule"].replace(">=", "≥").replace("<=", "≤")
+        rule = rule.replace(f" matching regex '{HEX_DIGEST}'", " of 64 hex digits")
+        return f"{prefix}expected {' or '.join(kinds)}{rule}, got {_shown(_value_at(raw, path))}"
+    if field := _FIELD.match(what):
+        if field["problem"] == "missing required":
+            return f"{prefix}missing `{field['f']}`"
+        known = "" if path else f"; known: {sorted(kind.__struct_fields__)}"
+        return f"{prefix}unknown key {field['f']!r}{known}"
+    return prefix + what
+
+
+def _value_at(raw: Any, path: str) -> Any:
+    for name, index in _STEP.findall(path):
+        try:
+            raw = raw[name] if name else raw[int(index)]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return raw
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -44,14 +44,23 @@ def test_config_keys_are_kept_as_digests_and_matched() -> None:
     ("patch", "message"),
     [
         ({"teams": {"a": {}}}, "needs `keys` or `key_sha256`"),
-        ({"teams": {"a": {"keys": ["k"], "max_queue": -1}}}, "max_queue"),
-        ({"teams": {"a": {"keys": ["k"], "colour": "red"}}}, "unknown keys ['colour']"),
+        ({"teams": {"a": {"keys": ["k"], "max_queue": -1}}},
+         "gateway.yaml: teams.a.max_queue: expected an integer ≥ 0, got -1"),
+        ({"teams": {"a": {"keys": ["k"], "weight": "ten"}}},
+         "teams.a.weight: expected a number, got 'ten'"),
+        ({"teams": {"a": {"keys": ["k"], "token_budget": {"tokens": 1.5}}}},
+         "teams.a.token_budget.tokens: expected an integer, got 1.5"),
+        ({"teams": {"a": {"key_sha256": ["abc"]}}},
+         "teams.a.key_sha256[0]: expected a string of 64 hex digits, got 'abc'"),
+        ({"teams": {"a": {"keys": ["k"], "colour": "red"}}}, "teams.a: unknown key 'colour'"),
+        ({"teams": {}}, "teams: expected a mapping of length ≥ 1"),
+        ({"colour": "red"}, "gateway.yaml: unknown key 'colour'; known: ['defaults'"),
         ({"teams": {"a": {"keys": ["k"]}, "b": {"keys": ["k"]}}}, "shared by teams"),
         ({"models": {"m": {"upstream": "nope"}}}, "is not an upstream"),
         ({"upstreams": {"u": {"url": "ftp://x"}}}, "must be an http:// URL"),
-        ({"listen": {"port": "x"}}, "listen.port"),
+        ({"listen": {"port": "x"}}, "listen.port: expected an integer, got 'x'"),
     ],
-)
+)  # fmt: skip
 def test_config_errors_name_the_field(patch: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config({**BASE, **patch})

@@ -58,11 +58,12 @@ def test_a_pool_route_parses_and_todays_routes_still_do() -> None:
         ({"m": {"pool": ["r1", "nope"]}}, "models.m.pool 'nope' is not an upstream"),
         ({"m": {"pool": ["r1", "r2"], "routing": "random"}}, "routing must be one of"),
         ({"m": {"pool": ["r1", "r1"]}}, "names an upstream twice"),
-        ({"m": {"pool": []}}, "pool must be a non-empty list"),
+        ({"m": {"pool": []}}, "models.m.pool: expected a list of length ≥ 1, got []"),
         ({"m": {"pool": ["r1"], "upstream": "r1"}}, "needs either `upstream` or `pool`"),
         ({"m": {"pool": ["r1", "r2"], "fallback": "r2"}}, "already in the pool"),
-        ({"m": {"pool": ["r1", "r2"], "load_factor": 0.5}}, "load_factor must be a number ≥ 1"),
-        ({"m": {"upstream": "r1", "weights": [1]}}, "unknown keys ['weights']"),
+        ({"m": {"pool": ["r1", "r2"], "load_factor": 0.5}}, "load_factor: expected a number ≥ 1"),
+        ({"m": {"upstream": "r1", "weights": [1]}}, "models.m: unknown key 'weights'"),
+        ({"m": {"pool": ["r1", 2]}}, "models.m.pool[1]: expected a string, got 2"),
     ],
 )
 def test_pool_config_errors_name_the_field(models: dict[str, Any], message: str) -> None:
