@@ -455,21 +455,24 @@ class Collector:
                 self.attribution.hold(result, version)
 
     def read_gpu(self) -> None:
-        """One reading of the GPUs (`collector/gpu.py`), stored as samples of the server session
-        running now when there is exactly one (several servers sharing the GPUs, or none:
-        no session; the reports take those too, by time)."""
+        """One reading of the GPUs (`collector/gpu.py`), each GPU's samples stored as the
+        running server session's that uses it (`gpu.owners`: by process, else by its
+        `CUDA_VISIBLE_DEVICES`); a GPU several servers share is no session's (the reports
+        take those too, by time)."""
         if self.gpu is None:
             return
-        samples = self.gpu.read()
+
+        def running() -> list[Session]:
+            with self._lock:
+                sessions = self.attribution.sessions()
+            return [s for s in sessions if s.ended_at is None and s.run_id]
+
+        samples = self.gpu.read(running)
+        self.metrics.gpu_servers(self.gpu.owned)
         with self._lock:
-            running = [s for s in self.attribution.sessions() if s.ended_at is None and s.run_id]
-            run = running[0].run_id if len(running) == 1 else None
             self._pending.touch()
             self._pending.lines[f"gpu:{self.gpu.name}"] += 1
-            self._pending.samples.extend(
-                (ts, target, name, labels, run, value)
-                for ts, target, name, labels, _run, value in samples
-            )
+            self._pending.samples.extend(samples)
 
     def _place_scrapes(self) -> None:
         """Held scrapes whose session is known: their samples and their target's state into

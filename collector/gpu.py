@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+import psutil
 
 from servescope.wire.exposition import Sample, parse_exposition
 
@@ -188,41 +192,255 @@ def dcgm_samples(text: str, *, url: str, ts: datetime, run_id: str | None = None
     return out
 
 
+@dataclass(frozen=True)
+class Reading:
+    """One GPU's samples of one read, with what says whose they are: the GPU (`gpu` index and
+    `UUID`, as labelled) and the pids NVML saw computing on it (None: not known, as from a
+    dcgm-exporter page or where NVML cannot list processes)."""
+
+    index: str
+    uuid: str
+    processes: frozenset[int] | None
+    samples: list[Sample]
+
+
+def readings_of_rows(rows: list[dict[str, Any]]) -> list[Reading]:
+    """NVML rows (one per GPU) as readings, their samples under dcgm-exporter's names."""
+    out = []
+    for row in rows:
+        procs = row.get("processes")
+        pids = frozenset(int(p["pid"]) for p in procs) if isinstance(procs, list) else None
+        out.append(
+            Reading(str(row.get("gpu", "")), str(row.get("uuid", "")), pids, samples_of(row))
+        )
+    return out
+
+
+def readings_of_samples(samples: list[Sample]) -> list[Reading]:
+    """A dcgm-exporter page's samples grouped per physical GPU (a MIG instance's rows go with
+    their GPU's)."""
+    by: dict[tuple[str, str], list[Sample]] = {}
+    for sample in samples:
+        labels = sample[3]
+        by.setdefault((str(labels.get("gpu", "")), str(labels.get("UUID", ""))), []).append(sample)
+    return [Reading(index, uuid, None, group) for (index, uuid), group in by.items()]
+
+
+def gpu_filter(value: str) -> Callable[[str, str], bool]:
+    """`collect --gpu 0,1` or `--gpu GPU-…`: a test of (index, UUID) for the GPUs named."""
+    names = {v.strip() for v in value.split(",") if v.strip()}
+    return lambda index, uuid: index in names or uuid in names
+
+
+class Server(Protocol):
+    """What attributing a GPU needs of a server session (`collector.sessions.Session`)."""
+
+    run_id: str | None
+    target: str | None
+
+
+@dataclass(frozen=True)
+class ServerGpus:
+    """A running server as the GPU attribution sees it: its process tree (empty when it cannot
+    be read) and its `CUDA_VISIBLE_DEVICES` (None when unset or unreadable)."""
+
+    run_id: str
+    target: str | None
+    pids: frozenset[int] = frozenset()
+    visible: str | None = None
+
+
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""}
+RETRY_S = 30.0  # a server whose process was not found is looked for again this often
+
+
+class ServerProcesses:
+    """Finds a server session's processes on this host: the process listening on its port
+    (a vLLM API server), and everything it started (engine cores, tensor-parallel workers),
+    which are the processes NVML sees on the GPUs. A server on another host, in another PID
+    namespace or of another user is not found: it is then matched by `CUDA_VISIBLE_DEVICES`
+    if readable, else not at all."""
+
+    def __init__(self) -> None:
+        self._root: dict[str, tuple[int | None, float]] = {}  # run id → (pid, when looked)
+        self._visible: dict[int, str | None] = {}
+
+    def of(self, server: Server) -> ServerGpus | None:
+        if not server.run_id:
+            return None
+        pid = self._root_pid(server)
+        if pid is None:
+            return ServerGpus(server.run_id, server.target)
+        try:
+            root = psutil.Process(pid)
+            pids = frozenset([pid, *(c.pid for c in root.children(recursive=True))])
+        except psutil.Error:
+            self._root.pop(server.run_id, None)
+            return ServerGpus(server.run_id, server.target)
+        if pid not in self._visible:
+            try:
+                self._visible[pid] = root.environ().get("CUDA_VISIBLE_DEVICES")
+            except psutil.Error:
+                self._visible[pid] = None
+        return ServerGpus(server.run_id, server.target, pids, self._visible[pid])
+
+    def _root_pid(self, server: Server) -> int | None:
+        assert server.run_id is not None
+        pid, looked = self._root.get(server.run_id, (None, float("-inf")))
+        if pid is not None and psutil.pid_exists(pid):
+            return pid
+        if time.monotonic() - looked < RETRY_S:
+            return None
+        pid = listening_pid(server.target)
+        self._root[server.run_id] = (pid, time.monotonic())
+        return pid
+
+
+def listening_pid(target: str | None) -> int | None:
+    """The local process listening on a target URL's port; None for another host's URL or
+    where the sockets of that process cannot be read."""
+    if not target:
+        return None
+    parsed = urlparse(target)
+    if (parsed.hostname or "") not in LOCAL_HOSTS | {socket.gethostname()} or not parsed.port:
+        return None
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == parsed.port:
+                return conn.pid
+    except (psutil.Error, OSError):
+        return None
+    return None
+
+
+SHARED = ""  # an owner: several servers (or another process) use the GPU; stored as no run's
+
+
+def owners(readings: list[Reading], servers: list[ServerGpus]) -> list[str | None]:
+    """Whose each reading is: a server's run id, `SHARED`, or None (drop it: the GPU is none of
+    these servers', which are all placed; another collector or nobody measures it).
+
+    A server's GPUs are those NVML saw its processes on; when it saw them on none (processes
+    unreadable, or not on a GPU yet), those of its `CUDA_VISIBLE_DEVICES`; when neither is
+    known, the server is not placed. A GPU one placed server uses is that server's, unless
+    processes of no server here compute on it too (shared); a GPU several use is shared. With
+    a server not placed, a GPU no placed server claims is the one running server's (one
+    server a host, as before servers could be placed), else shared. Without a running server,
+    every reading is stored as no run's."""
+    ours = frozenset().union(*(s.pids for s in servers))
+    by_process: dict[str, set[int]] = {}
+    for server in servers:
+        found = {
+            i for i, r in enumerate(readings)
+            if r.processes is not None and r.processes & server.pids
+        }  # fmt: skip
+        if found:
+            by_process[server.run_id] = found
+    placed: dict[str, set[int]] = dict(by_process)
+    for server in servers:
+        if server.run_id in placed or server.visible is None:
+            continue
+        pick = visible_devices(server.visible)
+        if pick is not None:
+            placed[server.run_id] = {
+                i for i, r in enumerate(readings) if pick(_index(r.index), r.uuid or None)
+            }
+    unplaced = [s for s in servers if s.run_id not in placed]
+    out: list[str | None] = []
+    for i, reading in enumerate(readings):
+        claims = [run for run, gpus in placed.items() if i in gpus]
+        foreign = reading.processes is not None and bool(reading.processes - ours)
+        if len(claims) == 1:
+            mine_by_process = claims[0] in by_process
+            out.append(SHARED if mine_by_process and foreign else claims[0])
+        elif claims or not servers:
+            out.append(SHARED)
+        elif unplaced:
+            out.append(servers[0].run_id if len(servers) == 1 else SHARED)
+        else:
+            out.append(None)
+    return out
+
+
+def _index(index: str) -> int:
+    return int(index) if index.isdigit() else -1
+
+
 @dataclass
 class GpuSource:
     """Where the collector's GPU samples come from: `nvml` (this host's GPUs) or a
-    dcgm-exporter URL. `read()` never raises: a failed read is logged and gives nothing."""
+    dcgm-exporter URL; `only` keeps the GPUs `collect --gpu IDS` names. `read()` gives each
+    GPU's samples the run of the server session that uses it (`owners`), and never raises: a
+    failed read is logged and gives nothing. `nvml` is NVML's boundary, replayed from
+    recordings where there is no GPU."""
 
     url: str | None = None  # a dcgm-exporter /metrics URL; None = NVML
     timeout: float = 5.0
+    only: Callable[[str, str], bool] | None = None
+    nvml: Callable[[], list[dict[str, Any]]] = nvml_rows
+    processes: ServerProcesses = field(default_factory=ServerProcesses)
+    owned: dict[tuple[str, str], str] = field(default_factory=dict)  # (gpu, UUID) → target
 
     @property
     def name(self) -> str:
         return self.url or NVML_TARGET
 
-    def read(self) -> list[Sample]:
+    def read(self, running: Callable[[], Sequence[Server]] = tuple) -> list[Sample]:
+        """One reading of the GPUs, attributed among the server sessions `running()` gives
+        once the GPUs are read; `owned` then maps each GPU one server uses to that server's
+        target."""
         try:
-            if self.url is None:
-                return [s for row in nvml_rows() for s in samples_of(row)]
-            with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:
-                text = resp.read().decode("utf-8", "replace")
-            return dcgm_samples(text, url=self.url, ts=datetime.now(UTC).replace(tzinfo=None))
+            readings = self._read()
         except Exception as exc:  # a GPU read must never stop the collector
             log.warning("GPU telemetry from %s failed: %s", self.name, exc)
             return []
+        if self.only is not None:
+            only = self.only
+            readings = [r for r in readings if only(r.index, r.uuid)]
+        servers = [g for g in (self.processes.of(s) for s in running()) if g is not None]
+        targets = {s.run_id: s.target for s in servers}
+        out: list[Sample] = []
+        self.owned = {}
+        for reading, owner in zip(readings, owners(readings, servers), strict=True):
+            if owner is None:
+                continue
+            run = owner or None
+            out.extend((ts, tgt, name, labels, run, v) for ts, tgt, name, labels, _r, v in
+                       reading.samples)  # fmt: skip
+            if run is not None and targets.get(run):
+                self.owned[(reading.index, reading.uuid)] = str(targets[run])
+        return out
+
+    def _read(self) -> list[Reading]:
+        if self.url is None:
+            return readings_of_rows(self.nvml())
+        with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:
+            text = resp.read().decode("utf-8", "replace")
+        now = datetime.now(UTC).replace(tzinfo=None)
+        return readings_of_samples(dcgm_samples(text, url=self.url, ts=now))
+
+
+GPU_MODES = ("auto", "on", "off")
 
 
 def open_gpu_source(mode: str, dcgm_url: str | None) -> tuple[GpuSource | None, str]:
     """The GPU source `collect` uses and the one line its log says about it. `mode`: `auto`
-    (NVML when it finds a GPU), `on` (NVML must work), `off`; a dcgm-exporter URL wins."""
+    (NVML when it finds a GPU), `on` (NVML must work), `off`, or the GPUs to read (indices or
+    UUIDs, comma-separated: NVML must work, or the dcgm-exporter is filtered to them); a
+    dcgm-exporter URL wins over NVML."""
+    only = gpu_filter(mode) if mode not in GPU_MODES else None
+    which = f", GPU(s) {mode}" if only is not None else ""
     if dcgm_url:
-        return GpuSource(url=dcgm_url), f"GPU telemetry: scraping dcgm-exporter at {dcgm_url}"
+        return (
+            GpuSource(url=dcgm_url, only=only),
+            f"GPU telemetry: scraping dcgm-exporter at {dcgm_url}{which}",
+        )
     if mode == "off":
         return None, "GPU telemetry: off"
     try:
         count = nvml_open()
     except NoGpu as exc:
-        if mode == "on":
+        if mode != "auto":
             raise
         return None, f"GPU telemetry: no GPU ({exc})"
-    return GpuSource(), f"GPU telemetry: NVML, {count} GPU(s)"
+    return GpuSource(only=only), f"GPU telemetry: NVML, {count} GPU(s){which}"

@@ -3,6 +3,8 @@ what dashboards annotate lever flips from)."""
 
 from __future__ import annotations
 
+from urllib.parse import urlparse
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 
@@ -59,6 +61,22 @@ class SelfMetrics:
             ["lever", "before", "after"],
             registry=self.registry,
         )
+        self.gpu_server = Gauge(
+            "servescope_gpu_server_info",
+            "A GPU (dcgm-exporter's gpu and UUID labels) used by one server alone (`server`: "
+            "its host:port as the collector reaches it), as the collector attributes it (by "
+            "process, else the server's CUDA_VISIBLE_DEVICES); dashboards join a GPU's energy "
+            "to that server's tokens on it. Value 1.",
+            ["gpu", "UUID", "server"],
+            registry=self.registry,
+        )
+
+    def gpu_servers(self, owned: dict[tuple[str, str], str]) -> None:
+        """The GPUs each used by one server now ((gpu, UUID) → the server's URL); the others'
+        series go."""
+        self.gpu_server.clear()
+        for (index, uuid), target in owned.items():
+            self.gpu_server.labels(index, uuid, urlparse(target).netloc or target).set(1)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         server, _thread = start_http_server(port, addr=host, registry=self.registry)

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import FrameType
 
 from servescope.collector import Collector
-from servescope.collector.gpu import NoGpu, open_gpu_source
+from servescope.collector.gpu import GPU_MODES, NoGpu, open_gpu_source
 from servescope.collector.otlp import OtlpReceiver
 from servescope.collector.otlp_export import OtlpExport, StoredRequestForwarder
 from servescope.collector.selfmetrics import SelfMetrics
@@ -96,11 +96,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--gpu",
-        choices=("auto", "on", "off"),
         default="auto",
+        metavar="auto|on|off|IDS",
         help="GPU telemetry through NVML every --scrape-interval into metric_samples, under "
         "dcgm-exporter's names: auto (default) = on when NVML finds a GPU; on = fail without "
-        "one. NVML reads the GPUs of CUDA_VISIBLE_DEVICES when it is set. Not with --once",
+        "one; IDS = only these GPUs, by index or UUID (0,1 or GPU-…), from NVML or from "
+        "--dcgm-url's page. NVML reads the GPUs of CUDA_VISIBLE_DEVICES when it is set. Each "
+        "GPU's readings belong to the server whose processes use it (else whose "
+        "CUDA_VISIBLE_DEVICES names it): two servers on two GPUs each get their own energy. "
+        "Not with --once",
     )
     parser.add_argument(
         "--dcgm-url",
@@ -138,6 +142,14 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return "--once reads files and exits; it cannot receive traces (drop --otlp-port)"
     if args.scrape_interval <= 0:
         return "--scrape-interval must be positive"
+    if args.gpu not in GPU_MODES:
+        names = [n.strip() for n in args.gpu.split(",")]
+        bad = [n for n in names if not (n.isdigit() or n.startswith("GPU-"))]
+        if bad or not names:
+            return (
+                f"--gpu {args.gpu}: give auto, on, off, or GPU indices or UUIDs (0,1 or "
+                f"GPU-…), not {', '.join(map(repr, bad)) or 'nothing'}"
+            )
     if args.once:
         for path in args.vllm_log:
             if not Path(path).is_file():
@@ -158,7 +170,7 @@ def run_collect(args: argparse.Namespace) -> int:
         try:
             gpu, said = open_gpu_source(args.gpu, args.dcgm_url)
         except NoGpu as exc:
-            console.print(f"--gpu on: no GPU ({exc})", style="red")
+            console.print(f"--gpu {args.gpu}: no GPU ({exc})", style="red")
             return 2
         console.print(said)
     metrics = SelfMetrics()
