@@ -2,7 +2,7 @@
 
 ```yaml
 listen: {host: 127.0.0.1, port: 8080}
-events_dir: servescope-data/events
+events_dir: servescope-data/events   # default: events/ in the data folder (store.settings)
 upstreams:
   main:  {url: http://127.0.0.1:8000, model: tiny, max_concurrent: 32}
   small: {url: http://127.0.0.1:8001, model: tiny-small, max_concurrent: 8}
@@ -56,11 +56,9 @@ import msgspec
 import yaml
 from msgspec import Meta, Struct
 
+from servescope.store import settings
 from servescope.wire.routing import ROUTING_POLICIES
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8080
-DEFAULT_EVENTS_DIR = Path("servescope-data") / "events"
 DEFAULT_ROUTING = "round-robin"
 DEFAULT_PREFIX_CHARS = 256
 DEFAULT_LOAD_FACTOR = 1.25
@@ -156,8 +154,8 @@ class Route(RoutePolicy, frozen=True):
 
 
 class Listen(Struct, frozen=True, forbid_unknown_fields=True):
-    host: str = DEFAULT_HOST
-    port: Count = DEFAULT_PORT
+    host: str = settings.HOST
+    port: Count = settings.GATEWAY_PORT
 
 
 class GatewayFile(Struct, frozen=True, forbid_unknown_fields=True):
@@ -176,9 +174,9 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     upstreams: dict[str, Upstream]
     routes: dict[str, Route]
     teams: dict[str, Team]
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
-    events_dir: Path = DEFAULT_EVENTS_DIR
+    host: str = settings.HOST
+    port: int = settings.GATEWAY_PORT
+    events_dir: Path = msgspec.field(default_factory=settings.events_dir)
     source: str = "gateway.yaml"
     digests: tuple[tuple[str, str], ...] = ()  # (key digest, team), sorted
 
@@ -229,7 +227,7 @@ def parse_config(data: Any, *, source: str = "gateway.yaml") -> GatewayConfig:
         teams=teams,
         host=listen.host,
         port=listen.port,
-        events_dir=Path(doc.events_dir or DEFAULT_EVENTS_DIR),
+        events_dir=Path(doc.events_dir or settings.events_dir()),
         source=source,
         digests=tuple(sorted(owners.items())),
     )

@@ -41,7 +41,6 @@ from typing import Any, Protocol
 
 from servescope.loadgen.launcher import (
     ALWAYS_FLAGS,
-    LOG_DIR,
     Profile,
     VllmServer,
     levers_of,
@@ -51,7 +50,7 @@ from servescope.loadgen.launcher import (
 )
 from servescope.loadgen.runner import RunResult
 from servescope.loadgen.workload import BenchConfig, WorkloadError, load_config
-from servescope.store import Store
+from servescope.store import Store, settings
 
 EXPERIMENTS_FILE = Path(__file__).with_name("experiments.yaml")
 DEFAULT_LEVER = "default"  # a lever a profile leaves to vLLM's own default
@@ -499,7 +498,7 @@ class Experiment:
                 self._start_all()
             elif self.design == FRESH and self.hooks.sidecar is not None:
                 self._port = free_port()
-                log = LOG_DIR / f"{self.experiment_id}.log"
+                log = settings.logs_dir() / f"{self.experiment_id}.log"
                 self._sidecars[""] = self.hooks.sidecar(log, f"http://127.0.0.1:{self._port}")
             self._runs(result)
         except KeyboardInterrupt:
@@ -531,7 +530,7 @@ class Experiment:
         receives the server's traces from its first request), all starting at once."""
         for arm in self.arms:
             port = free_port()
-            log = LOG_DIR / f"{self.experiment_id}-{arm}.log"
+            log = settings.logs_dir() / f"{self.experiment_id}-{arm}.log"
             sidecar = None
             if self.hooks.sidecar is not None:
                 sidecar = self._sidecars[arm] = self.hooks.sidecar(log, f"http://127.0.0.1:{port}")
@@ -595,7 +594,7 @@ class Experiment:
         server = self._server(
             run.arm,
             self._port or free_port(),
-            LOG_DIR / f"{self.experiment_id}.log" if sidecar else None,
+            settings.logs_dir() / f"{self.experiment_id}.log" if sidecar else None,
             sidecar,
         )
         run.target, run.levers = server.url, server.levers

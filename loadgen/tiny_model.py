@@ -2,10 +2,10 @@
 
 Two kinds, same shapes, same tokenizer, same cost per token:
 
-- `random` (the default, `servescope-data/models/tiny`): random weights. Its output is gibberish,
+- `random` (the default, `models/tiny` in the data folder): random weights. Its output is gibberish,
   but vLLM serves it with every real mechanism: batching, paged KV cache, prefix caching, chunked
   prefill, metrics, logs and traces.
-- `predictable` (`servescope-data/models/tiny-predictable`): hand-set weights that make greedy
+- `predictable` (`models/tiny-predictable`): hand-set weights that make greedy
   decoding recite `PASSAGE`, a cycle of 71 words that are one token each: after passage word i
   the model says word i+1 (after the last, the first), after any other token the first word. A
   prompt that quotes the passage is therefore continued by text the prompt already holds, the
@@ -31,10 +31,10 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-DEFAULT_DIR = Path("servescope-data") / "models" / "tiny"
-PREDICTABLE_DIR = Path("servescope-data") / "models" / "tiny-predictable"
+from servescope.store import settings
+
 KINDS = ("random", "predictable")
-DIRS = {"random": DEFAULT_DIR, "predictable": PREDICTABLE_DIR}
+FOLDERS = {"random": "tiny", "predictable": "tiny-predictable"}  # under the models folder
 VOCAB_SIZE = 1024
 MAX_POSITIONS = 32768
 SEED = 20260512
@@ -77,14 +77,21 @@ tools
 PASSAGE = _PASSAGE_TEXT.split()
 
 
-def make_tiny_model(out_dir: Path = DEFAULT_DIR, *, seed: int = SEED, kind: str = "random") -> Path:
+def model_dir(kind: str = "random") -> Path:
+    """Where the model of `kind` is built and read by default: under the data folder's
+    `models/` (`store.settings`)."""
+    return settings.models_dir() / FOLDERS[kind]
+
+
+def make_tiny_model(out_dir: Path | None = None, *, seed: int = SEED, kind: str = "random") -> Path:
     """Build the model of `kind` (see the module docstring) into `out_dir` (created or
-    overwritten) and return it."""
+    overwritten; default `model_dir(kind)`) and return it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if kind not in KINDS:
         raise ValueError(f"unknown tiny model kind {kind!r}; one of {', '.join(KINDS)}")
+    out_dir = out_dir or model_dir(kind)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(out_dir)
 

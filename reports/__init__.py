@@ -2,7 +2,7 @@
 its lever flip), rendered to self-contained HTML, Markdown and JSON.
 
     report = build_diff(Store(), "run-b", "run-a")
-    write_report(report, Path("servescope-data/reports"), ("html", "md", "json"))
+    write_report(report, settings.reports_dir(), ("html", "md", "json"))
 """
 
 from servescope.reports.build import (
@@ -13,14 +13,13 @@ from servescope.reports.build import (
     build_summary,
 )
 from servescope.reports.prometheus import PrometheusUnavailable
-from servescope.reports.render import DEFAULT_OUT, FORMATS, render, write_report
+from servescope.reports.render import FORMATS, render, write_report
 from servescope.reports.replicas import NotAFleet
 from servescope.reports.summary import ReportOptions, UnknownRun
 from servescope.reports.windows import BadWindow, Window
 
 __all__ = [
     "BadWindow",
-    "DEFAULT_OUT",
     "FORMATS",
     "NoLeverFlip",
     "NoPreviousRun",

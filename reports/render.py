@@ -17,7 +17,6 @@ from servescope.store.paths import inside
 if TYPE_CHECKING:
     from jinja2 import Environment
 
-DEFAULT_OUT = Path("servescope-data") / "reports"
 FORMATS = ("html", "md", "json")
 FILENAMES = {"html": "index.html", "md": "report.md", "json": "report.json"}
 
@@ -218,7 +217,7 @@ def render(report: dict[str, Any], fmt_name: str) -> str:
 
 
 def write_report(
-    report: dict[str, Any], out: Path = DEFAULT_OUT, formats: tuple[str, ...] = FORMATS
+    report: dict[str, Any], out: Path, formats: tuple[str, ...] = FORMATS
 ) -> list[Path]:
     """Write `out/<report_id>/{index.html,report.md,report.json}`; returns the paths written.
     The folder's name is `store.paths.safe_name(report_id)`: a run id is data, never a path."""

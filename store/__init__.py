@@ -1,6 +1,6 @@
 """The event store: schema, DuckDB file, `.events.jsonl` in and out, and the queries rooms share."""
 
-from servescope.store.db import Store, StoreBusy, default_path
+from servescope.store.db import Store, StoreBusy
 from servescope.store.jsonl import ImportResult, export_run, import_file
 from servescope.store.merge import merge_docs
 from servescope.store.validation import InvalidEvent, check, check_built, parse_line, run_id_of
@@ -12,7 +12,6 @@ __all__ = [
     "StoreBusy",
     "check",
     "check_built",
-    "default_path",
     "export_run",
     "import_file",
     "merge_docs",

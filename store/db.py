@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -22,11 +21,9 @@ from typing import Any
 
 import duckdb
 
-from servescope.store import queries, runtime, schema_sql
+from servescope.store import queries, runtime, schema_sql, settings
 from servescope.store.merge import merge_docs
 from servescope.store.validation import clip, dumps, load_doc, run_id_of
-
-DEFAULT_PATH = Path("servescope-data") / "servescope.duckdb"
 
 
 def quiet(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
@@ -34,11 +31,6 @@ def quiet(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
     2 s: into the JSON a script reads from `--json`. Commands draw their own (rich, on stderr)."""
     con.execute("SET enable_progress_bar = false")
     return con
-
-
-def default_path() -> Path:
-    """`$SERVESCOPE_STORE`, else `./servescope-data/servescope.duckdb`."""
-    return Path(os.environ.get("SERVESCOPE_STORE") or DEFAULT_PATH)
 
 
 @cache
@@ -59,7 +51,7 @@ class Store:
     """The servescope store in one DuckDB file."""
 
     def __init__(self, path: str | Path | None = None, *, lock_timeout_s: float = 30.0) -> None:
-        self.path = Path(path) if path is not None else default_path()
+        self.path = Path(path) if path is not None else settings.store_path()
         self.lock_timeout_s = lock_timeout_s
         self._initialised = False
 

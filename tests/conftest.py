@@ -23,9 +23,12 @@ from typing import Any
 import psutil
 import pytest
 
-from servescope.loadgen.tiny_model import DEFAULT_DIR, PREDICTABLE_DIR, is_built, make_tiny_model
+from servescope.loadgen.tiny_model import FOLDERS, is_built, make_tiny_model
+from servescope.store import settings
 
 ROOT = Path(__file__).resolve().parents[1]
+# The tiny models, where the Makefile builds them: an input of the suite, never its output.
+MODELS = ROOT / settings.DEFAULT_DATA_DIR / "models"
 SERVESCOPE = [sys.executable, "-m", "servescope.cli"]
 
 # Every vLLM the suite starts (here, in `experiment run`, by hand) inherits this: no
@@ -134,9 +137,28 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
         )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The data folder of everything the suite runs (`store.settings`): a temporary one, so no
+    test writes a store, an events file, a log, a report or a server's state file into the
+    checkout. Its `models/` is the checkout's, which the tests only read. Set in the environment,
+    so the commands the tests start inherit it."""
+    folder = tmp_path_factory.mktemp("servescope-data")
+    MODELS.mkdir(parents=True, exist_ok=True)
+    (folder / "models").symlink_to(MODELS, target_is_directory=True)
+    names = (settings.DATA_DIR_ENV, settings.STORE_ENV)
+    saved = {name: os.environ.pop(name, None) for name in names}
+    os.environ[settings.DATA_DIR_ENV] = str(folder)
+    yield folder
+    for name, value in saved.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    return _built(ROOT / DEFAULT_DIR, "random")
+    return _built(MODELS / FOLDERS["random"], "random")
 
 
 def _built(model: Path, kind: str) -> Path:
@@ -185,7 +207,7 @@ def vllm_server(
 
 @pytest.fixture(scope="session")
 def predictable_model() -> Path:
-    return _built(ROOT / PREDICTABLE_DIR, "predictable")
+    return _built(MODELS / FOLDERS["predictable"], "predictable")
 
 
 @pytest.fixture(scope="session")
@@ -278,7 +300,7 @@ def _served(
             pytest.fail(f"vLLM did not start (exit {process.returncode}):\n{output}\n{tail}")
         time.sleep(0.2)  # a poll, not a wait: the tests start the moment vLLM answers
     # the API server is up; wait for the launcher's own readiness record too
-    state = ROOT / "servescope-data" / "servers" / f"{port}.json"
+    state = settings.servers_dir() / f"{port}.json"
     while not state.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]

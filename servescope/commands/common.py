@@ -13,8 +13,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 from rich.table import Table
 from rich.text import Text
 
-from servescope.store import Store
-from servescope.store.db import default_path
+from servescope.store import Store, settings
 from servescope.store.lakeread import Lake, NoLake
 from servescope.store.paths import name_of
 
@@ -28,8 +27,8 @@ def add_store_option(parser: argparse.ArgumentParser) -> None:
         "--store",
         type=Path,
         default=None,
-        help="DuckDB store file "
-        "(default: $SERVESCOPE_STORE or ./servescope-data/servescope.duckdb)",
+        help="DuckDB store file (default: $SERVESCOPE_STORE, else servescope.duckdb in the data "
+        "folder, $SERVESCOPE_DATA_DIR or ./servescope-data)",
     )
 
 
@@ -59,7 +58,7 @@ def open_store(args: argparse.Namespace, *, create: bool = False) -> Store:
             return Lake(args.lake)
         except NoLake as exc:
             raise UsageError(str(exc)) from None
-    path = Path(args.store) if args.store else default_path()
+    path = Path(args.store) if args.store else settings.store_path()
     if not create and not path.exists():
         raise UsageError(
             f"no store at {path}: point --store (or $SERVESCOPE_STORE) at one, or make one with "

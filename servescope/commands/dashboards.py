@@ -8,8 +8,7 @@ from pathlib import Path
 
 from servescope.commands.common import console
 from servescope.dashboards import RULES_DIR, LintFailed, build
-
-DEFAULT_OUT = Path("servescope-data/dashboards")
+from servescope.store import settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Import). Prometheus rules are in dashboards/rules/. Exits 1 when the lint fails "
         "(nothing is written then).",
     )
-    cmd.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"(default: {DEFAULT_OUT})")
+    cmd.add_argument(
+        "--out",
+        type=Path,
+        default=settings.dashboards_dir(),
+        help=f"(default: {settings.dashboards_dir()})",
+    )
     cmd.add_argument(
         "--prometheus-url",
         default="http://prometheus:9090",

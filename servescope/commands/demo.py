@@ -17,11 +17,10 @@ from rich.text import Text
 
 from servescope.commands import experiment
 from servescope.commands.common import add_store_option, console, open_store
-from servescope.commands.dashboards import DEFAULT_OUT as DASHBOARDS_OUT
 from servescope.dashboards import build as build_dashboards
 from servescope.loadgen.experiment import Experiment, load_experiments
-from servescope.loadgen.tiny_model import DEFAULT_DIR, is_built, make_tiny_model
-from servescope.reports.render import DEFAULT_OUT
+from servescope.loadgen.tiny_model import is_built, make_tiny_model, model_dir
+from servescope.store import settings
 
 DEMO_EXPERIMENT = "prefix-caching"
 
@@ -36,8 +35,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "reset before every run; about 5 minutes), store every request, build the pooled "
         "report (and one per repeat) and the Grafana dashboards, and print their paths.",
     )
-    parser.add_argument("--model", type=Path, default=DEFAULT_DIR)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--model", type=Path, default=model_dir(), help=f"model dir (default {model_dir()})"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=settings.reports_dir(),
+        help="reports folder (default "
+        f"{settings.reports_dir()}; the dashboards go to {settings.dashboards_dir()})",
+    )
     add_store_option(parser)
     parser.set_defaults(func=run_demo)
 
@@ -65,7 +72,7 @@ def run_demo(args: argparse.Namespace) -> int:
     console.print("reports (pooled first, then one per repeat):")
     for path in reports.paths():
         print(path.resolve())
-    built = build_dashboards(DASHBOARDS_OUT)
+    built = build_dashboards(settings.dashboards_dir())
     console.print("Grafana dashboards (load them as the README's dashboards section says):")
     for path in built.dashboards:
         print(path.resolve())

@@ -30,16 +30,15 @@ from servescope.loadgen.fleet import FleetExperiment
 from servescope.loadgen.launcher import Profile, ProfileError, VllmServer, load_profiles
 from servescope.loadgen.runner import parse_slo
 from servescope.loadgen.sidecar import CollectorSidecar
-from servescope.loadgen.tiny_model import DIRS, is_built, make_tiny_model
+from servescope.loadgen.tiny_model import KINDS, is_built, make_tiny_model, model_dir
 from servescope.loadgen.workload import BenchConfig, WorkloadError
 from servescope.reports import (
-    DEFAULT_OUT,
     ReportOptions,
     build_diff,
     build_summary,
     write_report,
 )
-from servescope.store import Store
+from servescope.store import Store, settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -108,10 +107,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         help="model dir (default: the experiment's `model`: a tiny model kind, "
-        + ", ".join(f"{k} {d}" for k, d in DIRS.items())
+        + ", ".join(f"{k} {model_dir(k)}" for k in KINDS)
         + ", built when missing; or a folder)",
     )
-    run.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"(default {DEFAULT_OUT})")
+    run.add_argument(
+        "--out",
+        type=Path,
+        default=settings.reports_dir(),
+        help=f"(default {settings.reports_dir()})",
+    )
     run.add_argument("--json", action="store_true", help="print the outcome as JSON")
     add_store_option(run)
     run.set_defaults(func=run_experiment)
@@ -173,8 +177,8 @@ def _model(spec: ExperimentSpec, given: Path | None) -> tuple[Path, bool]:
     """The model folder the servers load, and whether it is the user's (never built)."""
     if given is not None:
         return given, True
-    if spec.model in DIRS:
-        return DIRS[spec.model], False
+    if spec.model in KINDS:
+        return model_dir(spec.model), False
     return Path(spec.model), True
 
 

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from servescope.commands.common import console
-from servescope.loadgen.tiny_model import DIRS, KINDS, checksum, is_built, make_tiny_model
+from servescope.loadgen.tiny_model import KINDS, checksum, is_built, make_tiny_model, model_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         nargs="?",
         type=Path,
         default=None,
-        help=", ".join(f"default {d} for {k}" for k, d in DIRS.items()),
+        help=", ".join(f"default {model_dir(k)} for {k}" for k in KINDS),
     )
     make.add_argument("--kind", choices=KINDS, default="random", help="(default random)")
     make.add_argument("--force", action="store_true", help="rebuild even when the model exists")
@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_make_tiny(args: argparse.Namespace) -> int:
-    target = args.dir or DIRS[args.kind]
+    target = args.dir or model_dir(args.kind)
     if is_built(target) and not args.force:
         console.print(f"tiny model already at {target} (use --force to rebuild)")
     else:

@@ -23,7 +23,6 @@ from servescope.commands.common import (
     run_arg,
 )
 from servescope.reports import (
-    DEFAULT_OUT,
     FORMATS,
     BadWindow,
     NoLeverFlip,
@@ -42,6 +41,7 @@ from servescope.reports import (
 from servescope.reports.build import PREVIOUS, BadComparison, previous_run
 from servescope.reports.diff import WHOLE_RUN
 from servescope.reports.summary import require_run
+from servescope.store import settings
 from servescope.store.lakeread import Lake
 
 FAIL_ON = ("improved", "regressed")
@@ -136,7 +136,11 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--vs-since", metavar="TIME", help="the base side from this time on")
     build.add_argument("--vs-until", metavar="TIME", help="the base side up to this time")
     build.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, metavar="DIR", help=f"(default {DEFAULT_OUT})"
+        "--out",
+        type=Path,
+        default=settings.reports_dir(),
+        metavar="DIR",
+        help=f"(default {settings.reports_dir()})",
     )
     build.add_argument(
         "--format", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}"

@@ -16,7 +16,7 @@ from servescope.loadgen.launcher import (
     server_set,
     with_mig_uuids,
 )
-from servescope.loadgen.tiny_model import DEFAULT_DIR
+from servescope.loadgen.tiny_model import model_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         + ", ".join(f"{n} ({p.description})" for n, p in profiles.items()),
     )
     parser.add_argument(
-        "--model", type=Path, default=DEFAULT_DIR, help=f"model dir (default {DEFAULT_DIR})"
+        "--model", type=Path, default=model_dir(), help=f"model dir (default {model_dir()})"
     )
     parser.add_argument(
         "--served-model-name", default=None, help="name clients use (default: dir name)"

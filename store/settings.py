@@ -1,0 +1,77 @@
+"""Where servescope keeps what it writes, and the ports it serves on by default: read here only.
+
+Everything a command leaves behind goes under one data folder: `$SERVESCOPE_DATA_DIR`, else
+`servescope-data` in the working directory. `$SERVESCOPE_STORE` moves the store file alone
+(a shared store next to per-machine logs). The tiny models live under the data folder too:
+`servescope model build` writes them there and the commands that default to them read them
+from there.
+
+The environment is read when a path is asked for, not when this module is imported: a test
+session (tests/conftest.py) or a program that sets `SERVESCOPE_DATA_DIR` after importing
+servescope still gets its own folder, never the working directory's.
+
+The settings live in the store's room because every room that writes files may import the
+store and the store imports nothing of ours: a module in `servescope/` (the CLI) could not be
+read by the launcher, the gateway or the reports without an import the contract forbids.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DATA_DIR_ENV = "SERVESCOPE_DATA_DIR"
+STORE_ENV = "SERVESCOPE_STORE"
+DEFAULT_DATA_DIR = Path("servescope-data")
+
+# Default ports, all bound to 127.0.0.1 unless configured (docs/architecture.md, "Ports").
+HOST = "127.0.0.1"
+VLLM_PORT = 8000
+GATEWAY_PORT = 8080
+OTLP_PORT = 4318  # the collector's OTLP/HTTP trace receiver, where vLLM sends its spans
+COLLECTOR_METRICS_PORT = 9400  # the collector's own /metrics
+
+
+def data_dir() -> Path:
+    """The data folder: `$SERVESCOPE_DATA_DIR`, else `./servescope-data`."""
+    return Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR)
+
+
+def store_path() -> Path:
+    """The store file: `$SERVESCOPE_STORE`, else `servescope.duckdb` in the data folder."""
+    return Path(os.environ.get(STORE_ENV) or data_dir() / "servescope.duckdb")
+
+
+def events_dir() -> Path:
+    """`.events.jsonl` files the load generator and the gateway write."""
+    return data_dir() / "events"
+
+
+def logs_dir() -> Path:
+    """vLLM's logs, for the servers servescope starts."""
+    return data_dir() / "logs"
+
+
+def servers_dir() -> Path:
+    """One state file per running server (`<port>.json`), read by other servescope processes."""
+    return data_dir() / "servers"
+
+
+def fleet_dir() -> Path:
+    """A fleet experiment's gateway configurations and logs, one folder per experiment."""
+    return data_dir() / "fleet"
+
+
+def reports_dir() -> Path:
+    """Reports, one folder each (`index.html`, `report.md`, `report.json`)."""
+    return data_dir() / "reports"
+
+
+def dashboards_dir() -> Path:
+    """Grafana dashboards and their provisioning files."""
+    return data_dir() / "dashboards"
+
+
+def models_dir() -> Path:
+    """The tiny local models (`servescope model build`), one folder per kind."""
+    return data_dir() / "models"
