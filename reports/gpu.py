@@ -205,3 +205,59 @@ def gpu_numbers(
             out["j_per_request"] = float(energy.sum() / ok_requests.sum())
             draws["gpu.j_per_request"] = ratio_draws(energy, ok_requests)
     return out, draws
+
+
+def replica_energy(
+    con: duckdb.DuckDBPyConnection, params: dict[str, Any], urls: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    """Per replica of a fleet slice (`params`: the slice's run and window): the energy of the
+    GPUs its server session(s) used alone, over the slice's span (the first request's start
+    to the last completion, the same for every replica), per output token and per successful
+    request it served. A replica's sessions are those its events name (`vllm_session`), else
+    the sessions whose target is its URL (`urls`, the run's notes). Samples no session owns (a
+    GPU two replicas share) are no replica's: such a replica has `measured: false` and the
+    run's own figure holds that GPU's energy."""
+    rows = con.execute(sql.REPLICA_SESSIONS, params).fetchall()
+    if not rows:
+        return {}
+    first = min((r[4] for r in rows if r[4] is not None), default=None)
+    last = max((r[5] for r in rows if r[5] is not None), default=None)
+    if first is None or last is None or last <= first:
+        return {}
+    window = Window(float(first), float(last) - float(first), 1)
+    names = {"power": POWER, "energy": ENERGY, "fb_used": FB_USED, "gpu_util": GPU_UTIL}
+    out: dict[str, dict[str, Any]] = {}
+    for replica, sessions, ok, output_tokens, _first, _last in rows:
+        runs = [s for s in sessions or [] if s]
+        if not runs and urls.get(replica):
+            found = con.execute(
+                sql.SESSIONS_AT_TARGET,
+                {"target": urls[replica], "lo": float(first), "hi": float(last)},
+            ).fetchall()
+            runs = [r[0] for r in found]
+        samples = (
+            con.execute(
+                sql.GPU_SAMPLES_OF_RUNS,
+                {**names, "runs": runs, "lo": first - EDGE_S, "hi": last + EDGE_S},
+            ).fetchall()
+            if runs
+            else []
+        )
+        energy, basis = window_energy(samples, window) if samples else (None, None)
+        if energy is None:
+            out[replica] = {"measured": False, "sessions": runs}
+            continue
+        joules = float(energy.sum())
+        gpus = sorted({key[1] for key in (_series(samples, POWER) | _series(samples, ENERGY))})
+        out[replica] = {
+            "measured": True,
+            "sessions": runs,
+            "gpus": len(gpus),
+            "gpu_ids": gpus,
+            "energy_basis": basis,
+            "energy_j": joules,
+            "mean_power_w": joules / window.width,
+            "j_per_output_token": joules / output_tokens if output_tokens else None,
+            "j_per_request": joules / ok if ok else None,
+        }
+    return out

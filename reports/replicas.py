@@ -9,7 +9,9 @@ replica: requests, errors by class, TTFT p50/p95 of the successful ones, the rou
 from each replica's own scraped samples: the prefix-cache hit ratio (Δhits / Δqueries), KV-cache
 usage peak, preemptions, vLLM's count of finished requests, and the queue-time p95 from vLLM's
 `request_queue_time_seconds` histogram (bucket-interpolated like Prometheus's
-`histogram_quantile`; reports/histograms.py).
+`histogram_quantile`; reports/histograms.py); from the GPU samples its server session owned
+(the collector attributes each GPU to the server whose processes use it): energy, J per output
+token and per request (`gpu.replica_energy`).
 
 The skew of each indicator across the replicas that served requests is `max / mean` (1 = even;
 2 on two replicas = one did everything) and the coefficient of variation (population standard
@@ -27,7 +29,7 @@ from typing import Any
 
 import duckdb
 
-from servescope.reports import sql
+from servescope.reports import gpu, sql
 from servescope.reports.histograms import bucket_bound, histogram_quantile
 from servescope.reports.prometheus import server_side
 from servescope.reports.samples import Slice
@@ -42,6 +44,7 @@ INDICATORS = (
     "kv_cache_usage_peak",
     "preemptions",
     "errors",
+    "j_per_output_token",
 )
 
 COUNTERS = (
@@ -125,6 +128,7 @@ def replica_rows(
         reasons.setdefault(replica, {})[reason] = n
     if server is None:
         server = _server_side(con, part) if urls else {}
+    energy = gpu.replica_energy(con, params, urls)
     seen = {r["replica"] for r in rows}
     for name in urls:  # a replica that served nothing is a row too: that is skew
         if name not in seen:
@@ -163,6 +167,10 @@ def replica_rows(
                 "preemptions": scraped.get("vllm:num_preemptions_total"),
                 "server_requests_finished": scraped.get("vllm:request_success_total"),
                 "scraped": bool(scraped),
+                "gpu": energy.get(name) if name is not None else None,
+                "j_per_output_token": (energy.get(name) or {}).get("j_per_output_token")
+                if name is not None
+                else None,
             }
         )
     return sorted(out, key=lambda r: (r["replica"] is None, r["replica"] or ""))

@@ -475,6 +475,34 @@ ORDER BY t
 """
 
 
+# A fleet run's GPU energy by replica (reports/gpu.py): each replica's server sessions, counts
+# and span; the sessions at a replica's URL when its events name none; the GPU samples that
+# those sessions own (no session's samples are a shared GPU's: no replica's).
+REPLICA_SESSIONS = f"""
+SELECT doc->>'upstream' AS replica,
+       list(DISTINCT vllm_session) FILTER (WHERE vllm_session IS NOT NULL) AS sessions,
+       count(*) FILTER (WHERE status = 'ok') AS ok,
+       sum(completion_tokens) FILTER (WHERE status = 'ok') AS output_tokens,
+       min(epoch(ts)) AS first_t,
+       max(epoch(ts) + COALESCE(e2e_ms, 0) / 1000.0) AS last_t
+FROM events WHERE run_id = $run_id AND doc->>'upstream' IS NOT NULL {IN_WINDOW}
+GROUP BY ALL ORDER BY replica
+"""
+SESSIONS_AT_TARGET = """
+SELECT run_id FROM runs
+WHERE target = $target AND epoch(started_at) <= $hi
+  AND (ended_at IS NULL OR epoch(ended_at) >= $lo)
+"""
+GPU_SAMPLES_OF_RUNS = """
+SELECT epoch(ts) AS t, target, name, labels, value
+FROM metric_samples
+WHERE name IN ($power, $energy, $fb_used, $gpu_util)
+  AND epoch(ts) BETWEEN $lo AND $hi
+  AND list_contains($runs::VARCHAR[], run_id)
+ORDER BY t
+"""
+
+
 # -- a fleet run by replica (reports/replicas.py) ---------------------------------------------
 # Is it a fleet run? Its first events carry routing decisions (store.queries.ROUTED_SAMPLE,
 # shared with the lake reader).
