@@ -344,21 +344,44 @@ def gpu_row() -> list:
         timeseries(
             "Energy rate and joules per output token",
             "Energy used per second (the rate of the energy counter "
-            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION, mJ → J) and, across the GPUs, joules per "
-            "generated token (energy rate / vLLM's generation tokens rate). Bad: joules per token "
-            "rising after a lever flip at the same load - the GPU does more work (or waits "
-            "longer at high power) for each token.",
+            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION, mJ → J); joules per generated token of each "
+            "server: the energy of the GPUs the servescope collector found that server alone "
+            "using (servescope_gpu_server_info: by its processes, else its "
+            "CUDA_VISIBLE_DEVICES) / that server's generation tokens rate, joined on its "
+            "host:port (vLLM scraped at the address the collector reaches it); and across the "
+            "selected GPUs and servers together. Bad: joules per token rising after a lever "
+            "flip at the same load - the GPU does more work (or waits longer at high power) for "
+            "each token; one server far above the others at the same load.",
             "short",
             [
                 Query(f"sum by (gpu) (rate({ENERGY}{{{GPU}}}[{RATE}])) / 1000", "W {{gpu}}"),
+                Query(_joules_per_token_by_server(), "J per output token {{server}}"),
                 Query(
                     f"sum(rate({ENERGY}{{{GPU}}}[{RATE}])) / 1000 / "
                     f"sum(rate(vllm:generation_tokens_total{{{MODEL}}}[{RATE}]))",
-                    "J per output token",
+                    "J per output token, all selected",
                 ),
             ],
         ),
     ]
+
+
+def _joules_per_token_by_server() -> str:
+    """Per server: its own GPUs' energy rate / its generation tokens rate. A GPU is joined to
+    a server through the collector's `servescope_gpu_server_info{UUID, server}`, kept only for
+    a UUID that names one server (two collectors that each claim a GPU would make the join
+    ambiguous); vLLM's `instance` is copied to `server` for the division."""
+    owner = "max by (UUID, server) (servescope_gpu_server_info)"
+    sole = f"{owner} and on (UUID) (count by (UUID) ({owner}) == 1)"
+    energy = (
+        f"sum by (server) (rate({ENERGY}{{{GPU}}}[{RATE}]) * on (UUID) group_left (server) "
+        f"({sole})) / 1000"
+    )
+    tokens = (
+        f"label_join(sum by (instance) (rate(vllm:generation_tokens_total{{{MODEL}}}[{RATE}])), "
+        '"server", "", "instance")'
+    )
+    return f"{energy} / on (server) {tokens}"
 
 
 def _skew(per_replica: str) -> str:
