@@ -9,9 +9,17 @@ runs on a GPU server.
 
 from __future__ import annotations
 
+import http.server
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,8 +29,10 @@ from typing import Any
 import pytest
 
 from servescope.collector import gpu
+from servescope.dashboards import DASHBOARDS, dashboard_json
+from servescope.dashboards.lint import queries, substitute
 from servescope.store import Store
-from tests.conftest import free_port, servescope
+from tests.conftest import ROOT, SERVESCOPE, free_port, servescope
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gpu"
 UUID_1 = "GPU-00000000-0000-0000-0000-000000000001"
@@ -153,3 +163,126 @@ def test_collect_refuses_a_gpu_it_cannot_name(tmp_path: Path) -> None:
     done = servescope("collect", "--vllm-log", str(log), "--gpu", "0,first", "--metrics-port",
                       "0", "--store", str(tmp_path / "s.duckdb"), timeout=60)  # fmt: skip
     assert done.returncode == 2 and "'first'" in done.stderr and "Traceback" not in done.stderr
+
+
+# -- the dashboard's joules per output token, per server, from a real Prometheus ---------------
+
+# A vLLM stand-in: its /metrics counts generated tokens at a steady rate; CUDA_VISIBLE_DEVICES
+# (set by the test) is what places it on its GPU, as dcgm-exporter lists no processes.
+VLLM = """
+import http.server, sys, time
+port, rate, t0 = int(sys.argv[1]), float(sys.argv[2]), time.time()
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = ('# TYPE vllm:generation_tokens counter\\n'
+                f'vllm:generation_tokens_total{{model_name="m"}} {rate * (time.time() - t0)}\\n')
+        self.send_response(200); self.end_headers(); self.wfile.write(body.encode())
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+WATTS = {"0": 300.0, "1": 150.0}
+TOKENS_PER_S = (100.0, 25.0)  # server a on GPU 0: 3 J a token; server b on GPU 1: 6 J a token
+
+
+class DcgmPage(http.server.BaseHTTPRequestHandler):
+    """dcgm-exporter's recorded page for two GPUs (the recorded one and a copy as GPU 1), each
+    energy counter growing at its GPU's power."""
+
+    t0 = time.time()
+
+    def do_GET(self) -> None:  # noqa: N802
+        page = (FIXTURES / "dcgm-exporter.txt").read_text()
+        uuid0 = re.search(r'UUID="([^"]+)"', page)
+        assert uuid0 is not None
+        lines = []
+        for index, uuid in (("0", uuid0.group(1)), ("1", UUID_1)):
+            for line in page.splitlines():
+                if line.startswith("#"):
+                    continue
+                line = line.replace('gpu="0"', f'gpu="{index}"').replace(uuid0.group(1), uuid)
+                if line.startswith(gpu.ENERGY):
+                    grown = WATTS[index] * 1000 * (time.time() - self.t0)
+                    line = f"{line.rsplit(' ', 1)[0]} {5e10 + grown:.0f}"
+                lines.append(line)
+        body = ("\n".join(lines) + "\n").encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+def _log_of(port: int, path: Path) -> Path:
+    """The recorded server's first lifetime, started on `port` and still running."""
+    lines = (FIXTURES / "vllm-h100.log").read_text().splitlines()
+    end = next(i for i, line in enumerate(lines) if "shutdown triggered" in line)
+    text = "\n".join(lines[:end]) + "\n"
+    text = text.replace("{'host': '127.0.0.1', ", f"{{'host': '127.0.0.1', 'port': {port}, ")
+    path.write_text(text.replace("http://127.0.0.1:8000", f"http://127.0.0.1:{port}"))
+    return path
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus package")
+def test_the_dashboard_gives_each_server_its_own_joules_per_token(tmp_path: Path) -> None:
+    expr = next(
+        q.expr
+        for q in queries(dashboard_json(DASHBOARDS["servescope-vllm"]))
+        if "servescope_gpu_server_info" in q.expr
+    )
+    page = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DcgmPage)
+    threading.Thread(target=page.serve_forever, daemon=True).start()
+    dcgm = f"127.0.0.1:{page.server_address[1]}"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        ports = []
+        for visible, rate in zip(("0", UUID_1), TOKENS_PER_S, strict=True):
+            port = free_port()
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", VLLM, str(port), str(rate)], env=env
+            ))  # fmt: skip
+            ports.append(port)
+        logs = [_log_of(p, tmp_path / f"{i}.log") for i, p in enumerate(ports)]
+        collector = free_port()
+        procs.append(subprocess.Popen(
+            [*SERVESCOPE, "collect", *(a for log in logs for a in ("--vllm-log", str(log))),
+             "--dcgm-url", f"http://{dcgm}/metrics", "--scrape-interval", "0.5",
+             "--metrics-port", str(collector), "--store", str(tmp_path / "s.duckdb")],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ))  # fmt: skip
+        targets = [dcgm, f"127.0.0.1:{collector}", *(f"127.0.0.1:{p}" for p in ports)]
+        config = {
+            "global": {"scrape_interval": "1s"},
+            "scrape_configs": [{"job_name": "all", "static_configs": [{"targets": targets}]}],
+        }
+        (tmp_path / "prometheus.yml").write_text(json.dumps(config))
+        prom_port = free_port()
+        procs.append(subprocess.Popen(
+            [str(shutil.which("prometheus")), f"--config.file={tmp_path / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{prom_port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ))  # fmt: skip
+        query = urllib.parse.quote(substitute(expr, rate_interval="5s"))
+        deadline, found = time.monotonic() + 90, {}
+        while time.monotonic() < deadline and len(found) < 2:
+            time.sleep(1)
+            try:
+                data = _get(f"http://127.0.0.1:{prom_port}/api/v1/query?query={query}")
+            except OSError:
+                continue
+            found = {r["metric"]["server"]: float(r["value"][1]) for r in data["data"]["result"]}
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(timeout=30)
+        page.shutdown()
+    assert found.keys() == {f"127.0.0.1:{p}" for p in ports}, found
+    assert found[f"127.0.0.1:{ports[0]}"] == pytest.approx(3.0, rel=0.2)
+    assert found[f"127.0.0.1:{ports[1]}"] == pytest.approx(6.0, rel=0.2)
