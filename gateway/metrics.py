@@ -5,6 +5,7 @@ Label values are team, upstream, outcome and reason names from gateway.yaml — 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -23,74 +24,66 @@ class GatewayMetrics:
         self._per_team: dict[str, tuple[Any, Any, Any]] = {}
         self._routes: dict[tuple[str, str, str], Any] = {}
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.rejected = Counter(
+        counter = partial(Counter, registry=self.registry)
+        gauge = partial(Gauge, registry=self.registry)
+        histogram = partial(Histogram, registry=self.registry)
+        self.rejected = counter(
             "admission_rejected",
             "Requests the gateway refused (boundary-protection events), by team and reason",
             ["team", "reason"],
-            registry=r,
         )
-        self.requests = Counter(
+        self.requests = counter(
             "servescope_gateway_requests",
             "Requests by team and outcome (the event's status)",
             ["team", "outcome"],
-            registry=r,
         )
-        self.queue_depth = Gauge(
-            "servescope_gateway_queue_depth", "Requests waiting for admission", ["team"], registry=r
+        self.queue_depth = gauge(
+            "servescope_gateway_queue_depth", "Requests waiting for admission", ["team"]
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = histogram(
             "servescope_gateway_queue_wait_seconds",
             "Admission wait of admitted requests",
             ["team"],
             buckets=QUEUE_BUCKETS,
-            registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = histogram(
             "servescope_gateway_ttft_seconds",
             "Time to first token measured at the gateway (arrival → first content chunk)",
             ["team"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             "servescope_gateway_tpot_seconds",
             "Time per output token after the first, measured at the gateway",
             ["team"],
             buckets=TPOT_BUCKETS,
-            registry=r,
         )
-        self.inflight = Gauge(
+        self.inflight = gauge(
             "servescope_gateway_inflight",
             "Requests admitted and running, per upstream",
             ["upstream"],
-            registry=r,
         )
-        self.budget_used = Gauge(
+        self.budget_used = gauge(
             "servescope_gateway_token_budget_used_ratio",
             "Share (0-1) of the team's token budget used in the current window",
             ["team"],
-            registry=r,
         )
-        self.route_decisions = Counter(
+        self.route_decisions = counter(
             "servescope_gateway_route_decisions",
             "Routing decisions (one per attempt: a retry or fallback is another), by model, the "
             "upstream chosen and why (gateway/routing.py)",
             ["model", "upstream", "reason"],
-            registry=r,
         )
-        self.upstream_up = Gauge(
+        self.upstream_up = gauge(
             "servescope_gateway_upstream_up",
             "1 while the upstream is used, 0 while it is skipped after a refused connection or a "
             "dropped stream",
             ["upstream"],
-            registry=r,
         )
-        self.reloads = Counter(
+        self.reloads = counter(
             "servescope_gateway_config_reloads",
             "SIGHUP reloads of gateway.yaml by outcome",
             ["outcome"],
-            registry=r,
         )
 
     def route(self, model: str, upstream: str, reason: str) -> None:

@@ -192,16 +192,7 @@ async def _relay(
         # end of the chunked body go in one send.
         ends = timing.done if timed_first else data.endswith(b"data: [DONE]\n\n")
         if state.response is None:  # status and headers leave with the first bytes
-            state.response = reply
-            reply.start(
-                200,
-                {
-                    "Content-Type": upstream.headers.get("content-type", "text/event-stream"),
-                    "Cache-Control": "no-cache",
-                    "X-Request-Id": a.headers["X-Request-Id"],
-                    **a.route_headers,
-                },
-            )
+            state.response = _start_reply(a, upstream)
         try:
             await _to_client(reply.write_eof(data) if ends else reply.write(data))
         finally:  # timed even when the write fails or times out: the bytes were relayed
@@ -215,13 +206,31 @@ async def _relay(
                 await _to_client(reply.write_eof())
             state.end = now
             break
+    await _conclude(a, state, event)
+
+
+def _start_reply(a: Attempt, upstream: UpstreamResponse) -> Reply:
+    a.reply.start(
+        200,
+        {
+            "Content-Type": upstream.headers.get("content-type", "text/event-stream"),
+            "Cache-Control": "no-cache",
+            "X-Request-Id": a.headers["X-Request-Id"],
+            **a.route_headers,
+        },
+    )
+    return a.reply
+
+
+async def _conclude(a: Attempt, state: _Relay, event: dict[str, Any]) -> None:
+    """The event of a stream the upstream ended: complete, cut short, or failed inside."""
     if state.response is None:
         raise UpstreamFailed("disconnect", "upstream closed before sending anything", 502)
-    if not timing.done:
+    if not a.timing.done:
         await _fail(a, state, event, "error", "disconnect", "upstream ended before [DONE]", 502)
         return
     event["http_status"] = 200
-    timing.finish(event, state.end)
+    a.timing.finish(event, state.end)
     if state.stream_error is not None:  # the upstream reported a failure inside the stream
         error = state.stream_error
         code = error.get("code") if isinstance(error, dict) else None

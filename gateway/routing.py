@@ -39,7 +39,7 @@ reason}` (one per attempt):
 | `retry` | the replica chosen before it failed before sending a byte |
 | `fallback` | the pool failed before sending a byte: the route's fallback |
 
-Health is the gateway's (`server.Gateway`): a replica that refuses a connection, drops a
+Health is the gateway's (`gateway/health.py`): a replica that refuses a connection, drops a
 stream or fails its `/health` probe is down and skipped (tried last); a probe that answers 200
 brings it back by itself.
 """
@@ -57,18 +57,6 @@ from servescope.gateway.config import Route
 
 VNODES = 64  # ring points per replica: a replica's share of the keys within a few % of 1/n
 CHARS_PER_TOKEN = 4
-
-REASONS = (
-    "only",
-    "round-robin",
-    "least-outstanding",
-    "prefix-home",
-    "prefix-spill",
-    "prefix-failover",
-    "no-prefix",
-    "retry",
-    "fallback",
-)
 
 
 @dataclass(frozen=True)

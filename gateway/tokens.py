@@ -19,8 +19,6 @@ class TokenCounter:
         self.session = session
         self.capacity = capacity
         self._cache: OrderedDict[tuple[str, str], int] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
 
     async def count(self, base_url: str, model: str, body: dict[str, Any], chat: bool) -> int:
         """Tokens in the request's prompt (`prompt` or chat `messages`), as `base_url` counts."""
@@ -36,9 +34,7 @@ class TokenCounter:
         key = (base_url, hashlib.sha256(text.encode()).hexdigest())
         if (cached := self._cache.get(key)) is not None:
             self._cache.move_to_end(key)
-            self.hits += 1
             return cached
-        self.misses += 1
         async with self.session.post(
             f"{base_url}/tokenize", json=query, timeout=aiohttp.ClientTimeout(total=10)
         ) as resp:

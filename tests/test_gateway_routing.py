@@ -201,7 +201,7 @@ def test_a_reload_that_changes_the_policy_is_a_routing_lever_flip(tmp_path: Path
     assert gateway.reload()
     assert gateway.config.routes["m"].routing == "least-outstanding"
 
-    gateway.flush_flips()
+    gateway.reloader.flush()
     with store.read() as con:
         (flip,) = con.execute("SELECT lever, before, after, note FROM lever_flips").fetchall()
     assert flip[:3] == ("routing", "round-robin", "least-outstanding")
