@@ -24,7 +24,6 @@ endpoint does. Standard `OTEL_*` variables are honoured: `OTEL_EXPORTER_OTLP_END
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -48,7 +47,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-from servescope.store import queries
+from servescope.store import reads
 from servescope.store.validation import is_runtime_event
 
 log = logging.getLogger(__name__)
@@ -590,10 +589,8 @@ class StoredRequestForwarder:
         # a read-write connection: in this process the collector may hold the file for writing,
         # and DuckDB shares one instance between connections of the same configuration
         with self.store.write() as con:
-            rows = con.execute(
-                queries.EVENTS_BY_KEYS, [[k[0] for k in keys], [k[1] for k in keys]]
-            ).fetchall()
-        self.export.submit(json.loads(doc) for (doc,) in rows)
+            docs = reads.events_by_keys(con, keys)
+        self.export.submit(docs)
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):

@@ -38,7 +38,7 @@ from servescope.reports.specdecode import headline_part, spec_diff
 from servescope.reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
 from servescope.reports.windows import WHOLE, Window, resolve
 from servescope.reports.windows import label as window_label
-from servescope.store import Store
+from servescope.store import Store, reads
 
 
 class NoLeverFlip(LookupError):
@@ -151,9 +151,8 @@ def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
 
 def _flips(con: duckdb.DuckDBPyConnection, run_ids: list[str], sides: list[Side]) -> list[dict]:
     start, end = _span(sides)
-    cursor = con.execute(sql.REPORT_LEVER_FLIPS, {"run_ids": run_ids, "start": start, "end": end})
-    names = [d[0] for d in cursor.description]
-    flips = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    params = {"run_ids": run_ids, "start": start, "end": end}
+    flips = reads.rows(con.execute(sql.REPORT_LEVER_FLIPS, params))
     for flip in flips:
         flip["ts"] = flip["ts"].isoformat() + "Z"
     return flips

@@ -15,6 +15,7 @@ import duckdb
 from servescope.reports import sql
 from servescope.reports.samples import Slice
 from servescope.reports.summary import ReportOptions
+from servescope.store import reads
 
 PASS, FAIL, NOT_MEASURED = "pass", "fail", "not measured"
 STABILITY_LIMIT_PER_100 = 2.0
@@ -164,9 +165,7 @@ def checklist(
     options: ReportOptions,
 ) -> list[dict[str, str]]:
     params = {**part.params(), "chat_workloads": _chat_workloads(meta.get("workload"))}
-    cursor = con.execute(sql.SLICE_CHECKS, params)
-    names = [d[0] for d in cursor.description]
-    checks = dict(zip(names, cursor.fetchone() or (), strict=True))
+    checks = reads.row(con.execute(sql.SLICE_CHECKS, params)) or {}
     row = con.execute(sql.SLICE_OOMS, part.params()).fetchone()
     checks["ooms"] = row[0] if row else 0
     return [

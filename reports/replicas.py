@@ -33,7 +33,7 @@ from servescope.reports import gpu, sql
 from servescope.reports.histograms import bucket_bound, histogram_quantile
 from servescope.reports.prometheus import server_side
 from servescope.reports.samples import Slice
-from servescope.store.queries import ROUTED_SAMPLE, ROUTED_SAMPLE_ROWS
+from servescope.store import reads
 
 INDICATORS = (
     "requests",
@@ -67,14 +67,7 @@ def is_fleet(con: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> bool:
     """Does the run's notes name replicas, or do its events carry routing decisions?"""
     if (run.get("notes") or {}).get("replicas"):
         return True
-    params = {"run_id": run["run_id"], "rows": ROUTED_SAMPLE_ROWS}
-    row = con.execute(ROUTED_SAMPLE, params).fetchone()
-    return bool(row and row[0])
-
-
-def _rows(cursor: Any) -> list[dict[str, Any]]:
-    names = [d[0] for d in cursor.description]
-    return [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
+    return reads.is_routed(con, run["run_id"])
 
 
 def _server_side(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, dict[str, Any]]:
@@ -119,7 +112,7 @@ def replica_rows(
     joined by the replica's URL in the run's notes; `server` (by URL) replaces servescope's own
     scrapes (reports/prometheus.py)."""
     params = part.params()
-    rows = _rows(con.execute(sql.BY_REPLICA, params))
+    rows = reads.rows(con.execute(sql.BY_REPLICA, params))
     errors: dict[str | None, dict[str, int]] = {}
     for replica, cls, n in con.execute(sql.ERRORS_BY_REPLICA, params).fetchall():
         errors.setdefault(replica, {})[cls] = n
@@ -176,12 +169,15 @@ def replica_rows(
     return sorted(out, key=lambda r: (r["replica"] is None, r["replica"] or ""))
 
 
-def skew(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per indicator, across the named replicas that measured it: max, mean, max / mean and
-    the coefficient of variation (population). Ratios are None where the mean is 0."""
-    named = [r for r in rows if r["replica"] is not None]
+def skew(
+    rows: list[dict[str, Any]], indicators: tuple[str, ...] = INDICATORS, key: str = "replica"
+) -> dict[str, dict[str, Any]]:
+    """Per indicator, across the named replicas (or another `key`: a server's engines) that
+    measured it: max, mean, max / mean and the coefficient of variation (population). Ratios
+    are None where the mean is 0."""
+    named = [r for r in rows if r[key] is not None]
     out: dict[str, dict[str, Any]] = {}
-    for name in INDICATORS:
+    for name in indicators:
         values = [float(r[name]) for r in named if r.get(name) is not None]
         if not values:
             out[name] = {"n": 0, "max": None, "mean": None, "max_over_mean": None, "cv": None}

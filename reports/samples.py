@@ -24,6 +24,7 @@ from servescope.reports import sql
 from servescope.reports.bootstrap import Floats, quantile
 from servescope.reports.quantiles import QUANTILES, by_level
 from servescope.reports.svg import cdf_series
+from servescope.store import reads
 
 CLIENT, SERVER = "client", "server"
 # The client's indicators vLLM measures too (its trace; its decode time for TPOT): the figure
@@ -184,10 +185,9 @@ class Samples:
     def measured(self, figure: str) -> int:
         """How many successful requests have this per-request figure."""
         if self._measured is None:
-            cursor = self.con.execute(sql.SLICE_MEASURED, self.part.params())
-            names = [d[0] for d in cursor.description]
-            row = cursor.fetchone() or (0,) * len(names)
-            self._measured = dict(zip(names, row, strict=True))
+            # an aggregate without GROUP BY: always one row
+            self._measured = reads.row(self.con.execute(sql.SLICE_MEASURED, self.part.params()))
+            assert self._measured is not None
         return int(self._measured[figure])
 
     def successful(self, metric: str) -> Sorted:

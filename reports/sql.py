@@ -11,11 +11,11 @@ session-run rule are the store's (`store.queries`), shared with its own run-scop
 from __future__ import annotations
 
 from servescope.store.queries import (
-    COUNTER_GROWTH,
-    SESSION_RUN,
     counter_deltas,
+    counter_growth,
     counter_step,
     gauge_peaks,
+    session_run,
 )
 
 # -- a slice ----------------------------------------------------------------------------------
@@ -24,7 +24,7 @@ IN_WINDOW = """
     AND (CAST($until AS TIMESTAMP) IS NULL OR ts < CAST($until AS TIMESTAMP))"""
 # A server session's run also holds the requests it served for client runs (`vllm_session`);
 # for any other run the test folds away, so a bench run's slice reads no more than its own rows.
-IN_SLICE = f"(run_id = $run_id OR ({SESSION_RUN} AND vllm_session = $run_id))" + IN_WINDOW
+IN_SLICE = f"(run_id = $run_id OR ({session_run()} AND vllm_session = $run_id))" + IN_WINDOW
 SAMPLES_IN_SLICE = "run_id = $run_id" + IN_WINDOW
 
 # A request's load level (workload, concurrency, target rate) as one number: per-level numbers
@@ -317,7 +317,7 @@ FROM ({_TTFT_TIMED}) GROUP BY b ORDER BY b
 # latency is the client's, or vLLM's own where no client measured it.
 _CHAT = (
     "(list_contains($chat_workloads, workload) OR starts_with(request_id, 'chatcmpl-') OR "
-    f"({SESSION_RUN} AND (starts_with(doc->>'vllm_request_id', 'chatcmpl-') "
+    f"({session_run()} AND (starts_with(doc->>'vllm_request_id', 'chatcmpl-') "
     "OR doc->>'http_path' = '/v1/chat/completions')))"
 )
 SLICE_CHECKS = f"""
@@ -402,7 +402,7 @@ s AS (
                               ORDER BY m.ts) AS prev
     FROM b JOIN m ON m.ts BETWEEN b.lo AND b.hi
 )
-SELECT workload, name, {_POSITION}, {COUNTER_GROWTH}
+SELECT workload, name, {_POSITION}, {counter_growth()}
 FROM (SELECT *, {counter_step("NULL")} AS step FROM s) GROUP BY ALL
 ORDER BY min(ts), workload
 """
@@ -504,7 +504,7 @@ ORDER BY t
 
 
 # -- a fleet run by replica (reports/replicas.py) ---------------------------------------------
-# Is it a fleet run? Its first events carry routing decisions (store.queries.ROUTED_SAMPLE,
+# Is it a fleet run? Its first events carry routing decisions (`store.reads.is_routed`,
 # shared with the lake reader).
 # Per replica (the event's `upstream`): counts and TTFT of successful requests, from events.
 BY_REPLICA = f"""
@@ -538,5 +538,23 @@ GAUGE_PEAKS_BY_TARGET = f"""
 SELECT target, name, max(value) AS peak
 FROM metric_samples
 WHERE run_id = $run_id AND list_contains($names, name) {IN_WINDOW}
+GROUP BY ALL
+"""
+
+# -- a server of several data-parallel engines: its `/metrics` series by their `engine` label --
+# (reports/engines.py). vLLM labels every series with its engine, one engine or several.
+ENGINE_LABEL = "CAST(labels AS JSON)->>'engine'"
+ENGINES_SCRAPED = f"""
+SELECT DISTINCT target, {ENGINE_LABEL} AS engine
+FROM metric_samples
+WHERE {SAMPLES_IN_SLICE} AND name = 'vllm:num_requests_running' AND {ENGINE_LABEL} IS NOT NULL
+"""
+COUNTERS_BY_ENGINE = counter_deltas(
+    "list_contains($names, name)", f"target, {ENGINE_LABEL} AS engine, name", IN_WINDOW
+)
+GAUGES_BY_ENGINE = f"""
+SELECT target, {ENGINE_LABEL} AS engine, name, max(value) AS peak, avg(value) AS mean
+FROM metric_samples
+WHERE {SAMPLES_IN_SLICE} AND list_contains($names, name)
 GROUP BY ALL
 """

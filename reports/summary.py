@@ -5,7 +5,6 @@ Every field with no data is None (null in JSON): a report never shows a 0 it did
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -16,10 +15,9 @@ from servescope.reports import sql
 from servescope.reports.quantiles import pooled_itl
 from servescope.reports.samples import CLIENT, FIXED_SOURCES, SERVER, SERVER_FIGURES, Samples, Slice
 from servescope.reports.specdecode import spec_decode
-from servescope.store import queries
+from servescope.store import reads
 from servescope.wire.exposition import prefix_cache_hit_ratio
 
-PERCENTILES = ("p50", "p90", "p95", "p99", "mean")
 # The report's latency rows: the per-request metrics, with the pooled ITL after TPOT.
 LATENCY_METRICS = tuple(
     m
@@ -80,25 +78,9 @@ def recorded_slo(run: dict[str, Any]) -> dict[str, float]:
 def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
     """The run's `runs` row (or a bare one for runs known only from events), read on the
     caller's connection; `UnknownRun` names the runs the store does know."""
-    row = con.execute(queries.RUN_EXISTS, {"run_id": run_id}).fetchone()
-    if not (row and row[0]):
-        raise UnknownRun(run_id, _run_ids(con))
-    cursor = con.execute(queries.GET_RUN, {"run_id": run_id})
-    found = _dicts(cursor)
-    run = found[0] if found else {"run_id": run_id}
-    for key in ("levers", "workload", "notes"):
-        if isinstance(run.get(key), str):
-            run[key] = json.loads(run[key])
-    return run
-
-
-def _run_ids(con: duckdb.DuckDBPyConnection) -> list[str]:
-    return [row[0] for row in con.execute(queries.LIST_RUNS).fetchall()]
-
-
-def _dicts(cursor: Any) -> list[dict[str, Any]]:
-    names = [d[0] for d in cursor.description]
-    return [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
+    if not reads.has_run(con, run_id):
+        raise UnknownRun(run_id, reads.run_ids(con))
+    return reads.run(con, run_id) or {"run_id": run_id}
 
 
 def _level(row: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -210,7 +192,7 @@ def _phase_means(deltas: dict[str, float | None]) -> dict[str, float | None]:
 def _shape_of(con: duckdb.DuckDBPyConnection, params: dict[str, Any]) -> dict[str, Any]:
     """Token quantiles: what the workload looked like (t-digest estimates: a shape needs no
     exact rank, and a long-lived run's tokens are not held to sort them)."""
-    row = _dicts(con.execute(sql.SLICE_SHAPE, params))[0]
+    row = reads.rows(con.execute(sql.SLICE_SHAPE, params))[0]
     prompt, output = row["prompt_q"] or [None, None], row["output_q"] or [None, None]
     return {
         "prompt_tokens": {"p50": prompt[0], "p95": prompt[1]},
@@ -247,9 +229,9 @@ def summarize(
     """Overall and per-level numbers of one slice, server-side deltas and admission evidence."""
     params = part.params()
     slo_params = {f"slo_{m}": options.slo.get(m) for m in sql.SLO_METRICS}
-    overall = _dicts(con.execute(sql.SLICE_OVERALL, {**params, **slo_params}))[0]
+    overall = reads.rows(con.execute(sql.SLICE_OVERALL, {**params, **slo_params}))[0]
     overall = _overall_quantiles(overall, samples)
-    groups = _dicts(con.execute(sql.SLICE_LEVELS, {**params, **slo_params}))
+    groups = reads.rows(con.execute(sql.SLICE_LEVELS, {**params, **slo_params}))
     for metric in _figures(samples):
         by_level = samples.level_quantiles(metric)
         for g in groups:
@@ -257,7 +239,7 @@ def summarize(
     itl_all, itl = pooled_itl(con, params, samples.counts.itl_gaps, samples.counts.level_keys)
     errors: dict[tuple[Any, Any, Any], dict[str, int]] = {}
     errors_all: dict[str, int] = {}
-    for row in _dicts(con.execute(sql.SLICE_ERRORS_BY_CLASS, params)):
+    for row in reads.rows(con.execute(sql.SLICE_ERRORS_BY_CLASS, params)):
         errors.setdefault(_level(row), {})[row["class"]] = row["n"]
         errors_all[row["class"]] = errors_all.get(row["class"], 0) + row["n"]
     errors_all = dict(sorted(errors_all.items(), key=lambda kv: (-kv[1], kv[0])))
@@ -282,8 +264,8 @@ def summarize(
         ],
         "server": {**_server(con, part), "spec_decode": spec_decode(con, part)},
         "admission": {
-            "rejections": _dicts(con.execute(sql.SLICE_REJECTIONS, params)),
-            "teams": _dicts(con.execute(sql.SLICE_TEAMS, params)),
+            "rejections": reads.rows(con.execute(sql.SLICE_REJECTIONS, params)),
+            "teams": reads.rows(con.execute(sql.SLICE_TEAMS, params)),
         },
     }
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import duckdb
 
-from servescope.store import queries, runtime, schema_sql, settings
+from servescope.store import queries, reads, runtime, schema_sql, settings
 from servescope.store.merge import merge_docs
 from servescope.store.validation import clip, dumps, load_doc, run_id_of
 
@@ -337,20 +337,19 @@ class Store:
     def runs(self) -> list[dict[str, Any]]:
         """Every run with its event counts (all, ok, errors, rejected) and flips, oldest first."""
         with self.read() as con:
-            return _rows(con.execute(queries.LIST_RUNS))
+            return reads.runs(con)
 
     def run_ids(self) -> list[str]:
-        return [r["run_id"] for r in self.runs()]
+        with self.read() as con:
+            return reads.run_ids(con)
 
     def has_run(self, run_id: str) -> bool:
         with self.read() as con:
-            row = con.execute(queries.RUN_EXISTS, {"run_id": run_id}).fetchone()
-            return bool(row and row[0]) or runtime.has_run(con, run_id)
+            return reads.has_run(con, run_id) or runtime.has_run(con, run_id)
 
     def run(self, run_id: str) -> dict[str, Any] | None:
         with self.read() as con:
-            rows = _rows(con.execute(queries.GET_RUN, {"run_id": run_id}))
-        return rows[0] if rows else None
+            return reads.run(con, run_id)
 
     def counter_deltas(self, run_id: str, names: Sequence[str]) -> dict[str, float | None]:
         """How much each counter grew during the run (summed over series; resets handled).
@@ -392,18 +391,6 @@ class Store:
         with self.read() as con:
             rows = con.execute(queries.EXPORT_EVENTS, {"run_id": run_id}).fetchall()
         return [load_doc(doc) for (doc,) in rows]
-
-
-def _rows(cursor: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
-    names = [d[0] for d in cursor.description]
-    out = []
-    for values in cursor.fetchall():
-        row = dict(zip(names, values, strict=True))
-        for key in ("levers", "workload", "notes"):
-            if isinstance(row.get(key), str):
-                row[key] = json.loads(row[key])
-        out.append(row)
-    return out
 
 
 def _stamped(con: duckdb.DuckDBPyConnection) -> bool:

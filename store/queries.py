@@ -3,6 +3,12 @@ session-run rule, counter growth, gauge peaks). The reports' own SQL is `reports
 
 Values are bound parameters (`$name`); a statement made of parts is composed from the named
 constants and functions here, never by replacing marker words in a text.
+
+The statements (the upper-case constants) are the store's own: other rooms run them through
+`store.reads` or `Store`, never on a connection of theirs, so a table can change with its
+statements in one room. What other rooms compose their own statements from is functions:
+`session_run`, `counter_step`, `counter_growth`, `counter_deltas`, `gauge_peaks`
+(tests/integration/test_layout.py checks both).
 """
 
 from __future__ import annotations
@@ -248,11 +254,15 @@ FROM runs r FULL OUTER JOIN counted c USING (run_id) LEFT JOIN flips f USING (ru
 ORDER BY COALESCE(r.started_at, c.first_ts) NULLS LAST, run_id
 """
 
+
 # -- `/metrics` samples of a run: counter growth and gauge peaks -------------------------------
 # A server session's run (`vllm-…`, collector/sessions.py) holds one vLLM process's samples and
 # the requests it served for client runs (`vllm_session`). The test is on a bound parameter: for
 # any other run it folds away, so a bench run's statements read no more than before.
-SESSION_RUN = "starts_with($run_id, 'vllm-')"
+def session_run(run_id: str = "$run_id") -> str:
+    """True when `run_id` (SQL: a parameter or a column) names a server session's run."""
+    return f"starts_with({run_id}, 'vllm-')"
+
 
 # Is it a fleet run (requests routed by the gateway to a pool of replicas)? Its first events
 # carry routing decisions in their verbatim record (any other run pays this much): read by the
@@ -278,7 +288,9 @@ def counter_step(first: str) -> str:
             ELSE value END"""
 
 
-COUNTER_GROWTH = "sum(step) AS delta, count(step) AS steps"
+def counter_growth(step: str = "step") -> str:
+    """The growth of the `step`s (`counter_step`) a group holds, and how many there were."""
+    return f"sum({step}) AS delta, count({step}) AS steps"
 
 
 def counter_deltas(names: str, keys: str, window: str = "") -> str:
@@ -292,9 +304,9 @@ WITH s AS (
     FROM metric_samples
     WHERE run_id = $run_id AND {names}
 ),
-steps AS (SELECT *, {counter_step(f"CASE WHEN {SESSION_RUN} THEN value END")} AS step
+steps AS (SELECT *, {counter_step(f"CASE WHEN {session_run()} THEN value END")} AS step
           FROM s WHERE true{window})
-SELECT {keys}, {COUNTER_GROWTH} FROM steps GROUP BY ALL
+SELECT {keys}, {counter_growth()} FROM steps GROUP BY ALL
 """
 
 

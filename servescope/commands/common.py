@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
@@ -76,12 +75,6 @@ def add_window_options(parser: argparse.ArgumentParser, what: str = "RUN") -> No
         "or from the run's start or end (start+1h, end-30m)",
     )
     parser.add_argument("--until", metavar="TIME", help=f"{what} up to this time")
-
-
-def rows(cursor: Any) -> list[dict[str, Any]]:
-    """A query's rows as dicts by column name."""
-    names = [d[0] for d in cursor.description]
-    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
 
 def run_arg(store: Store, text: str) -> str:

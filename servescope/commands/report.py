@@ -19,7 +19,6 @@ from servescope.commands.common import (
     console,
     list_runs,
     open_store,
-    rows,
     run_arg,
 )
 from servescope.reports import (
@@ -41,7 +40,7 @@ from servescope.reports import (
 from servescope.reports.build import PREVIOUS, BadComparison, previous_run
 from servescope.reports.diff import WHOLE_RUN
 from servescope.reports.summary import require_run
-from servescope.store import settings
+from servescope.store import reads, settings
 from servescope.store.lakeread import Lake
 
 FAIL_ON = ("improved", "regressed")
@@ -338,7 +337,7 @@ def _brief(
 def run_flips(args: argparse.Namespace) -> int:
     store = open_store(args)
     with store.read() as con:
-        flips = rows(con.execute(sql.FLIP_LIST))
+        flips = reads.rows(con.execute(sql.FLIP_LIST))
     for flip in flips:
         before = flip["before_run_id"]
         flip["report"] = (
