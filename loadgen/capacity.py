@@ -64,7 +64,10 @@ class Settings:
     GPU memory × utilization less what vLLM subtracts (`loadgen/gpu_memory.py`: weights,
     activation peak, non-torch memory, CUDA graphs) and `overhead_gib` (anything else the
     GPU holds). `device` (`cpu`, `cuda`; `auto`: cuda with `gpu_memory_gib`) sets the
-    default block size."""
+    default block size. `gpu_name` (a card's or NVML's) picks vLLM's scheduler defaults (an A100
+    keeps the small ones); `gpu_memory_source` says where `gpu_memory_gib` was read. Each of
+    `data_parallel_size` engines holds a whole copy of the model on its own GPUs and sizes its
+    own KV cache: the numbers are per engine, the totals of all engines beside them."""
 
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -79,6 +82,9 @@ class Settings:
     max_num_seqs: int | None = None
     enforce_eager: bool = False
     device: str = "auto"
+    gpu_name: str | None = None
+    gpu_memory_source: str | None = None
+    data_parallel_size: int = 1
 
 
 def _config_path(model: Path) -> Path:
@@ -250,6 +256,7 @@ def _kv_space(
         max_num_seqs=settings.max_num_seqs,
         cudagraphs=not settings.enforce_eager,
         extra_bytes=int(settings.overhead_gib * GIB),
+        device_name=settings.gpu_name,
     )  # fmt: skip
     basis = (
         "GPU memory × gpu_memory_utilization − weights − activation peak − non-torch memory − "
@@ -275,9 +282,9 @@ def compute(
 ) -> dict[str, Any]:
     """The filled worksheet's numbers: weights, KV bytes per token, blocks, KV tokens, max
     concurrency at `max_model_len` (vLLM's statement) and at the p50/p95 request shapes."""
-    tp = settings.tensor_parallel_size
-    if tp < 1:
-        raise CapacityError("--tensor-parallel-size must be at least 1")
+    tp, dp = settings.tensor_parallel_size, settings.data_parallel_size
+    if tp < 1 or dp < 1:
+        raise CapacityError("--tensor-parallel-size and --data-parallel-size must be at least 1")
     dtype, kv_dtype, max_len = _resolved(shape, settings)
     kv_size = dtype_bytes(kv_dtype, "--kv-cache-dtype")
     weight_bytes = shape.parameters * dtype_bytes(dtype, "--dtype") if shape.parameters else None
@@ -303,6 +310,9 @@ def compute(
         "kv_tokens": None,
         "max_concurrency": None,
         "max_model_len_fits": None,
+        "kv_tokens_all_engines": None,
+        "max_concurrency_all_engines": None,
+        "gpus": tp * dp,
         "concurrency_at": {},
     }  # fmt: skip
     if space is None:
@@ -314,6 +324,8 @@ def compute(
         kv_tokens=int(conc * max_len),
         max_concurrency=round(conc, 4),
         max_model_len_fits=blocks * block >= max_len,
+        kv_tokens_all_engines=int(conc * max_len) * dp,
+        max_concurrency_all_engines=round(conc * dp, 4),
     )
     if traffic is not None:
         for q in ("p50", "p95"):
@@ -382,6 +394,7 @@ def worksheet(
         "targets": targets,
         "tuning": {
             "tensor_parallel_size": settings["tensor_parallel_size"],
+            "data_parallel_size": settings["data_parallel_size"],
             "gpu_memory_utilization": settings["gpu_memory_utilization"]
             if settings["gpu_memory_gib"] is not None else None,
             "enable_prefix_caching": tuning.get("enable_prefix_caching"),
@@ -395,6 +408,7 @@ def worksheet(
             "block_size": settings["block_size"],
             "max_concurrency": result["max_concurrency"],
             "max_model_len_fits": result["max_model_len_fits"],
+            "kv_tokens_all_engines": result["kv_tokens_all_engines"],
             "concurrency_at": result["concurrency_at"],
         },
         "measured": measured,
@@ -420,6 +434,7 @@ def from_levers(model: Path, levers: dict[str, Any], env: dict[str, str]) -> dic
         kv_cache_dtype=str(levers.get("kv_cache_dtype") or "auto"),
         max_model_len=num("max_model_len", int),
         tensor_parallel_size=num("tensor_parallel_size", int) or 1,
+        data_parallel_size=num("data_parallel_size", int) or 1,
         kv_cache_gib=float(space) if space else None,
         block_size=num("block_size", int),
     )

@@ -46,7 +46,10 @@ so a wrong term shows by itself.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -98,9 +101,131 @@ class GpuMemory:
 _COUNTS = {"max_num_batched_tokens", "max_num_seqs", "cudagraph_sizes"}
 
 
-def scheduler_defaults(total_gib: float) -> tuple[int, int]:
-    """vLLM's API-server defaults (max_num_batched_tokens, max_num_seqs) for a GPU this big."""
-    return (8192, 1024) if total_gib >= LARGE_GPU_GIB else (2048, 256)
+def scheduler_defaults(total_gib: float, device_name: str | None = None) -> tuple[int, int]:
+    """vLLM's API-server defaults (max_num_batched_tokens, max_num_seqs) for a GPU this big
+    (`EngineArgs.get_batch_defaults`): the larger ones from 70 GiB up, except on an A100, where
+    they cost throughput."""
+    a100 = device_name is not None and "a100" in device_name.lower()
+    return (8192, 1024) if total_gib >= LARGE_GPU_GIB and not a100 else (2048, 256)
+
+
+# -- the total vLLM multiplies by its utilization ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Card:
+    """A GPU model's memory as two tools report it. nvidia-smi's total counts memory the driver
+    reserves for itself; CUDA's (`cudaMemGetInfo`, `torch.cuda.mem_get_info`) does not, and it is
+    CUDA's that vLLM multiplies by `--gpu-memory-utilization`. The two differ by 0.5-0.8 GiB,
+    which is 1-2 % of an 8B model's KV cache; `source` says where `cuda_gib` was read. Drivers
+    reserve a little more or less (±0.1 GiB between releases)."""
+
+    name: str
+    aliases: tuple[str, ...]
+    nvidia_smi_mib: int
+    cuda_gib: float
+    source: str
+
+
+_PUBLISHED = (
+    "PyTorch's out-of-memory messages on this card ('GPU 0 has a total capacity of {gib} GiB'), "
+    "as published"
+)
+CARDS = (
+    Card("H100-80GB", ("H100", "H100-SXM", "H100-PCIE", "H100-80GB-HBM3"), 81_559, 79.18,
+         "recorded here, nvidia-smi -q of an H100 80GB HBM3, driver 580: 81,559 MiB less 480 "
+         "reserved (tests/fixtures/gpu/nvidia-smi-q.txt)"),
+    Card("H100-94GB", ("H100-NVL", "H100NVL"), 95_830, 93.10, _PUBLISHED),
+    Card("H200", ("H200-141GB", "H200-SXM"), 143_771, 139.80, _PUBLISHED),
+    Card("B200", ("B200-180GB",), 183_359, 178.35, _PUBLISHED),
+    Card("A100-80GB", ("A100-SXM4-80GB", "A100-PCIE-80GB"), 81_920, 79.15, _PUBLISHED),
+    Card("A100-40GB", ("A100", "A100-SXM4-40GB", "A100-PCIE-40GB"), 40_960, 39.39, _PUBLISHED),
+    Card("L40S", (), 46_068, 44.39, _PUBLISHED),
+    Card("L4", (), 23_034, 22.03, _PUBLISHED),
+    Card("A10G", (), 23_028, 22.06, _PUBLISHED),
+    Card("T4", ("TESLA-T4",), 15_360, 14.75, _PUBLISHED),
+)  # fmt: skip
+
+
+def _key(name: str) -> str:
+    """A card's name as people and NVML spell it, reduced to one spelling: `NVIDIA H100 80GB
+    HBM3`, `h100_80gb_hbm3` → `H100-80GB-HBM3`."""
+    words = re.sub(r"[^A-Za-z0-9]+", " ", name).upper().split()
+    return "-".join(w for w in words if w != "NVIDIA")
+
+
+def card(name: str) -> Card | None:
+    """The card of that name (or alias, in any spelling); None when it is not in `CARDS`."""
+    wanted = _key(name)
+    return next((c for c in CARDS if wanted in (_key(c.name), *map(_key, c.aliases))), None)
+
+
+def card_source(found: Card) -> str:
+    """Where the card's CUDA total comes from, said in full."""
+    return found.source.format(gib=f"{found.cuda_gib:.2f}")
+
+
+def card_names() -> str:
+    return ", ".join(c.name for c in CARDS)
+
+
+def nvml_cuda_total() -> tuple[int, str] | None:
+    """The memory CUDA reports on the GPU this process would use (the first of
+    `CUDA_VISIBLE_DEVICES`, a MIG slice's own when it names one), read through NVML: its total
+    less what the driver reserves (`nvmlDeviceGetMemoryInfo` v2), with the device's name. None
+    without NVML or a visible GPU. NVML needs no CUDA context, so asking costs no GPU memory."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        first = visible.split(",")[0].strip() if visible is not None else "0"
+        if first.isdigit():
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(first))
+        elif first.startswith(("GPU-", "MIG-")):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(first)
+        else:
+            return None  # "", "-1": no GPU visible to CUDA
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+        name = pynvml.nvmlDeviceGetName(handle)
+        return int(info.total) - int(info.reserved), name.decode() if isinstance(
+            name, bytes) else str(name)  # fmt: skip
+    except pynvml.NVMLError:
+        return None
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+def doubtful_total(gib: float) -> str | None:
+    """Why a GPU total someone typed looks like another total than CUDA's — nvidia-smi's (which
+    counts reserved memory), a marketing size, MiB — or None when it does not. The figure stays
+    the user's; this only says which total vLLM uses."""
+    cuda_hint = "; ".join(f"{c.name} {c.cuda_gib:.2f}" for c in CARDS[:3])
+    why = None
+    if gib >= 1024:
+        why = f"{gib:,g} GiB is more than any GPU holds: a total in MiB?"
+    elif gib == round(gib) and not any(abs(gib - c.cuda_gib) < 0.01 for c in CARDS):
+        why = f"{gib:g} GiB is a round number, as a card's marketing size is"
+    else:
+        for found in CARDS:
+            smi = found.nvidia_smi_mib
+            if min(abs(gib - smi / 1024), abs(gib - smi * MIB / 1e9), abs(gib - smi / 1000)) < 0.05:
+                why = (f"{gib:g} GiB looks like nvidia-smi's total for the {found.name} "
+                       f"({smi:,} MiB), which counts the memory the driver reserves; CUDA "
+                       f"reports {found.cuda_gib:.2f} GiB (--gpu {found.name})")  # fmt: skip
+                break
+    if why is None:
+        return None
+    return (f"{why}. vLLM multiplies --gpu-memory-utilization by the total CUDA reports: "
+            f"nvidia-smi's total less its reserved memory ({cuda_hint} GiB; --gpu NAME knows "
+            f"{card_names()}; on the GPU machine itself the total is read through NVML). "
+            f"Computed with {gib:g} GiB as given.")  # fmt: skip
 
 
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
@@ -159,9 +284,10 @@ def predict(
     max_num_seqs: int | None = None,
     cudagraphs: bool = True,
     extra_bytes: int = 0,
+    device_name: str | None = None,
 ) -> GpuMemory:
     """vLLM's available KV memory on one GPU, term by term (see the module docstring)."""
-    tokens_default, seqs_default = scheduler_defaults(total_bytes / GIB)
+    tokens_default, seqs_default = scheduler_defaults(total_bytes / GIB, device_name)
     tokens = max_num_batched_tokens or tokens_default
     seqs = max_num_seqs or seqs_default
     requested = math.ceil(total_bytes * utilization)

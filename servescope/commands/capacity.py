@@ -11,7 +11,9 @@ from typing import Any
 import yaml
 
 from servescope.commands.common import add_store_option, console, open_store
+from servescope.loadgen import gpu_memory
 from servescope.loadgen.capacity import (
+    GIB,
     CapacityError,
     Settings,
     Traffic,
@@ -27,14 +29,18 @@ DESCRIPTION = (
     "with tensor parallelism), KV blocks and tokens that fit, the largest concurrency at "
     "max_model_len (as vLLM states it at start-up) and at the p50/p95 request shape, whether "
     "max_model_len fits at all, and the cost per 1K tokens at a stored run's measured "
-    "throughput. The KV space is --kv-cache-gib (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE) or "
-    "--gpu-memory-gib × --gpu-memory-utilization less what vLLM subtracts at start-up "
-    "(weights, the activation peak of a --max-num-batched-tokens step, non-torch memory, CUDA "
-    "graphs; docs/architecture.md 'Capacity on a GPU') and --overhead-gib: vLLM's 'Available "
-    "KV cache memory' and 'GPU KV cache size'. "
+    "throughput. The KV space is --kv-cache-gib (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE) or one "
+    "GPU's memory × --gpu-memory-utilization less what vLLM subtracts at start-up (weights, "
+    "the activation peak of a --max-num-batched-tokens step, non-torch memory, CUDA graphs; "
+    "docs/design.md 'Capacity on a GPU') and --overhead-gib: vLLM's 'Available KV cache "
+    "memory' and 'GPU KV cache size', per GPU under tensor parallelism and per engine under "
+    "data parallelism. The GPU's memory is the total CUDA reports, which is nvidia-smi's total "
+    "less the memory the driver reserves: --gpu NAME knows it for common cards, on a machine "
+    "with a GPU it is read through NVML, and --gpu-memory-gib takes it as a number. "
     "Prints Markdown (--json or --yaml for scripts; --out DIR writes capacity.yaml and "
-    "capacity.md). Exit codes: 0 done, 2 bad input (unreadable config, unknown dtype, "
-    "unknown run)."
+    "capacity.md). Exit codes: 0 done (a GPU total that looks like nvidia-smi's or a "
+    "marketing size is a warning on stderr), 2 bad input (unreadable config, unknown dtype, "
+    "unknown card, unknown run)."
 )
 
 
@@ -45,10 +51,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="weights dtype (default: the config's)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (= --dtype), fp8, …")
     p.add_argument("--max-model-len", type=int, help="default: max_position_embeddings")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="TP")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="TP",
+        help="GPUs one engine's model is split over; numbers are per GPU",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="DP",
+        help="engines, each a whole copy of the model on its own TP GPUs; numbers "
+        "are per engine, with the totals of all engines beside them",
+    )
     space = p.add_mutually_exclusive_group()
     space.add_argument("--kv-cache-gib", type=float, help="KV space per GPU/node in GiB")
-    space.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU in GiB")
+    space.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="the card, whose total as CUDA reports it is known: "
+        + gpu_memory.card_names()
+        + " (aliases such as H100-NVL, A100-SXM4-80GB too)",
+    )
+    space.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        metavar="GIB",
+        help="one GPU's total memory as CUDA reports it (torch.cuda.mem_get_info()[1] / 2**30), "
+        "which is nvidia-smi's total less its reserved memory (nvidia-smi -q: FB Memory Usage, "
+        "Total − Reserved): 79.18 on an H100 80GB, not nvidia-smi's 81,559 MiB nor 80. Default: "
+        "--gpu's, else NVML's on a machine with a GPU",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument(
         "--overhead-gib",
@@ -60,8 +95,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, metavar="B",
                    help="the profiled step (default: vLLM's, 8192 on GPUs of 70 GiB or more, "
                    "else 2048)")  # fmt: skip
-    p.add_argument("--max-num-seqs", type=int, metavar="S",
-                   help="requests per step (default: vLLM's, 1024 or 256 as above)")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        metavar="S",
+        help="requests per step (default: vLLM's, 1024 or 256 as above)",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
         "--device",
@@ -95,8 +134,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _positive(args: argparse.Namespace) -> str | None:
-    for name in ("max_model_len", "tensor_parallel_size", "block_size", "kv_cache_gib",
-                 "gpu_memory_gib", "max_num_batched_tokens", "max_num_seqs"):  # fmt: skip
+    for name in ("max_model_len", "tensor_parallel_size", "data_parallel_size", "block_size",
+                 "kv_cache_gib", "gpu_memory_gib", "max_num_batched_tokens",
+                 "max_num_seqs"):  # fmt: skip
         value = getattr(args, name)
         if value is not None and value <= 0:
             return f"--{name.replace('_', '-')} must be positive, got {value}"
@@ -105,17 +145,48 @@ def _positive(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _gpu_memory(args: argparse.Namespace) -> tuple[float | None, str | None, str | None]:
+    """One GPU's total as CUDA reports it, the card's name and where the figure comes from:
+    `--gpu`'s table, `--gpu-memory-gib` as given (with a warning when it looks like another
+    total), else NVML on a machine with a GPU; (None, None, None) for a CPU server or KV space
+    given as such. An unknown card is a `CapacityError`."""
+    if args.gpu is not None:
+        found = gpu_memory.card(args.gpu)
+        if found is None:
+            raise CapacityError(f"unknown card {args.gpu!r}; known: {gpu_memory.card_names()} "
+                                "(else give --gpu-memory-gib)")  # fmt: skip
+        source = f"{found.name}: {gpu_memory.card_source(found)}"
+        return found.cuda_gib, found.name, source
+    if args.gpu_memory_gib is not None:
+        if doubt := gpu_memory.doubtful_total(args.gpu_memory_gib):
+            console.print(f"warning: --gpu-memory-gib {doubt}", style="yellow")
+        return args.gpu_memory_gib, None, "--gpu-memory-gib, as given"
+    if args.kv_cache_gib is None and args.device != "cpu" and (
+            found_here := gpu_memory.nvml_cuda_total()):  # fmt: skip
+        total, name = found_here
+        return total / GIB, name, f"NVML: {name}, total less reserved"
+    return None, None, None
+
+
 def run(args: argparse.Namespace) -> int:
     if problem := _positive(args):
         console.print(problem, style="red")
+        return 2
+    try:
+        gpu_gib, gpu_name, gpu_source = _gpu_memory(args)
+    except CapacityError as exc:
+        console.print(str(exc), style="red")
         return 2
     settings = Settings(
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         kv_cache_gib=args.kv_cache_gib,
-        gpu_memory_gib=args.gpu_memory_gib,
+        gpu_memory_gib=gpu_gib,
+        gpu_name=gpu_name,
+        gpu_memory_source=gpu_source,
         gpu_memory_utilization=args.gpu_memory_utilization,
         overhead_gib=args.overhead_gib,
         block_size=args.block_size,
@@ -142,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if measured is not None and args.gpu_hour_usd is not None:
         measured["cost_per_1k_tokens"] = cost_per_1k_tokens(
-            args.gpu_hour_usd, settings.tensor_parallel_size, measured["tokens_per_s"]
+            args.gpu_hour_usd, result["gpus"], measured["tokens_per_s"]
         )
     targets = {"ttft_p95": args.ttft_p95_ms, "itl_p95": args.itl_p95_ms,
                "cost_per_1k_tokens": (measured or {}).get("cost_per_1k_tokens")}  # fmt: skip
@@ -192,17 +263,18 @@ def _bytes(value: int | None) -> str:
     return "n/a" if value is None else f"{value:,} B ({value / 2**30:,.2f} GiB)"
 
 
-def _gpu_terms(memory: dict[str, Any] | None) -> list[str]:
+def _gpu_terms(memory: dict[str, Any] | None, source: str | None) -> list[str]:
     """The terms of the GPU memory model, one row each (GiB)."""
     if not memory:
         return []
     return [
+        f"| GPU memory (as CUDA reports it) | {memory['total']} GiB: {source} |",
         f"| GPU: {memory['total']} GiB × utilization = {memory['requested']} GiB − weights "
         f"{memory['weights']} − activation peak {memory['activation_peak']} (a "
         f"{memory['max_num_batched_tokens']:,}-token step, {memory['max_num_seqs']:,} sequences) "
         f"− non-torch {memory['non_torch']} − CUDA graphs {memory['cudagraphs']} "
         f"({memory['cudagraph_sizes']} sizes) − overhead {memory['extra']} | "
-        f"available KV cache memory {memory['available']} GiB |"
+        f"available KV cache memory {memory['available']} GiB |",
     ]
 
 
@@ -220,18 +292,25 @@ def markdown(result: dict[str, Any], sheet: dict[str, Any]) -> str:
         f"| dtype / KV-cache dtype | {s['dtype']} / {s['kv_cache_dtype']} |",
         f"| tensor parallel size | {s['tensor_parallel_size']} "
         f"({m['kv_heads_per_gpu']} KV heads per GPU) |",
+        f"| data parallel size | {s['data_parallel_size']} (engines; {result['gpus']} GPUs in "
+        f"all) |",
         f"| weights | {_bytes(m['weight_bytes'])}; per GPU {_bytes(m['weight_bytes_per_gpu'])} |",
         f"| KV bytes per token (per GPU) | {_n(result['kv_bytes_per_token'])} |",
         f"| KV bytes per sequence at max_model_len {_n(s['max_model_len'])} | "
         f"{_bytes(result['kv_bytes_per_sequence_at_max_model_len'])} |",
         f"| KV space | {_bytes(result['kv_cache_bytes'])}: {result['kv_cache_bytes_basis']} |",
-        *_gpu_terms(result.get("gpu_memory")),
+        *_gpu_terms(result.get("gpu_memory"), s.get("gpu_memory_source")),
         f"| KV blocks ({s['block_size']} tokens) | {_n(result['kv_blocks'])} |",
         f"| KV tokens | {_n(result['kv_tokens'])} |",
         f"| max concurrency at {_n(s['max_model_len'])} tokens per request | "
         f"{_n(result['max_concurrency'], 2)}x |",
         f"| max_model_len fits | {_n(result['max_model_len_fits'])} |",
     ]
+    if s["data_parallel_size"] > 1:
+        lines.append(
+            f"| all {s['data_parallel_size']} engines | {_n(result['kv_tokens_all_engines'])} KV "
+            f"tokens, {_n(result['max_concurrency_all_engines'], 2)}x at max_model_len |"
+        )
     for q, at in result["concurrency_at"].items():
         lines.append(
             f"| max concurrency at the {q} request ({_n(at['tokens_per_request'])} tokens) | "

@@ -1,0 +1,81 @@
+"""`servescope capacity` on a GPU: which total it multiplies (the card table, NVML, the warning
+for a total that looks like nvidia-smi's or a marketing size), and its prediction against every
+KV statement vLLM made on a recorded GPU server (one H100; two H200s: tensor and data
+parallelism, an fp8 KV cache, a non-Llama shape), each within 1 %."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from servescope.loadgen import gpu_memory
+
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+
+
+def cuda_total_gib(nvidia_smi_q: Path) -> float:
+    """What CUDA reports on a recorded card: nvidia-smi's FB total less its reserved memory."""
+    text = nvidia_smi_q.read_text()
+    fb = text[text.index("FB Memory Usage") :]
+    total = int(re.search(r"Total\s*:\s*(\d+) MiB", fb).group(1))  # type: ignore[union-attr]
+    reserved = int(re.search(r"Reserved\s*:\s*(\d+) MiB", fb).group(1))  # type: ignore[union-attr]
+    return (total - reserved) / 1024
+
+
+def test_the_card_table_holds_the_recorded_totals() -> None:
+    """The H100's row is the recording's nvidia-smi -q: total less reserved, to the MiB."""
+    h100 = gpu_memory.card("NVIDIA H100 80GB HBM3")
+    assert h100 is not None and h100.name == "H100-80GB"
+    recorded = FIXTURES / "gpu" / "nvidia-smi-q.txt"
+    assert h100.cuda_gib == pytest.approx(cuda_total_gib(recorded), abs=0.005)
+    assert h100.nvidia_smi_mib == 81_559
+    assert "recorded here" in gpu_memory.card_source(h100)
+
+
+@pytest.mark.parametrize(
+    "spelling, name",
+    [("h100", "H100-80GB"), ("H100 NVL", "H100-94GB"), ("nvidia_h200", "H200"),
+     ("A100-SXM4-80GB", "A100-80GB"), ("a100", "A100-40GB"), ("l40s", "L40S")],
+)  # fmt: skip
+def test_cards_are_found_in_any_spelling(spelling: str, name: str) -> None:
+    found = gpu_memory.card(spelling)
+    assert found is not None and found.name == name
+
+
+def test_every_card_s_cuda_total_is_below_its_nvidia_smi_total() -> None:
+    """CUDA's total is nvidia-smi's less the driver's reserve: 0.2-1 GiB less, never more."""
+    for card in gpu_memory.CARDS:
+        gap = card.nvidia_smi_mib / 1024 - card.cuda_gib
+        assert 0.2 < gap < 1.0, card
+        assert gpu_memory.card_source(card)
+
+
+@pytest.mark.parametrize(
+    "typed, why",
+    [(80.0, "round number"), (141.0, "round number"), (79.65, "nvidia-smi's total for the H100"),
+     (140.4, "nvidia-smi's total for the H200"), (143_771.0, "in MiB"),
+     (85.52, "nvidia-smi's total for the H100")],
+)  # fmt: skip
+def test_a_total_that_is_not_cuda_s_is_doubted(typed: float, why: str) -> None:
+    doubt = gpu_memory.doubtful_total(typed)
+    assert doubt is not None and why in doubt
+    assert "less its reserved memory" in doubt
+
+
+@pytest.mark.parametrize("typed", [79.18, 139.8, 39.39, 22.03, 44.39, 70.5])
+def test_a_cuda_total_is_not_doubted(typed: float) -> None:
+    assert gpu_memory.doubtful_total(typed) is None
+
+
+def test_vllm_s_scheduler_defaults_spare_the_a100() -> None:
+    """vLLM keeps the small batch defaults on an A100-80GB, whatever its memory."""
+    assert gpu_memory.scheduler_defaults(79.18, "NVIDIA H100 80GB HBM3") == (8192, 1024)
+    assert gpu_memory.scheduler_defaults(79.15, "NVIDIA A100-SXM4-80GB") == (2048, 256)
+    assert gpu_memory.scheduler_defaults(44.39, "NVIDIA L40S") == (2048, 256)
+
+
+def test_without_a_gpu_nvml_gives_no_total() -> None:
+    """This machine has no GPU: the NVML reading is None, not an error."""
+    assert gpu_memory.nvml_cuda_total() is None
