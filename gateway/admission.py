@@ -136,6 +136,10 @@ class Scheduler:
     def queue_depth(self, team: str) -> int:
         return len(self.teams[team].queue)
 
+    def running_on(self, upstream: str) -> int:
+        """Requests admitted and running on `upstream`."""
+        return self.inflight.get(upstream, 0)
+
     async def admit(self, team_name: str, upstream: str, *, prompt_tokens: int = 0) -> Slot:
         """Wait for a slot under the team's and the upstream's limits, or raise `Rejected`."""
         state = self.teams[team_name]

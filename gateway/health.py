@@ -41,6 +41,10 @@ class UpstreamHealth:
         down_until = self._down_until
         return lambda name: now >= down_until.get(name, 0.0)
 
+    def up(self, name: str) -> float:
+        """1 while `name` is used, 0 while it is skipped (`servescope_gateway_upstream_up`)."""
+        return float(self.usable(name, time.monotonic()))
+
     def mark_down(self, name: str) -> None:
         """Skip `name` for `DOWN_FOR_S`; it is tried again after that by itself."""
         self._down_until[name] = time.monotonic() + DOWN_FOR_S

@@ -93,7 +93,7 @@ class GatewayMetrics:
             counter = self._routes[key] = self.route_decisions.labels(*key)
         counter.inc()
 
-    def observe(self, event: dict) -> None:
+    def observe(self, event: dict[str, Any]) -> None:
         """Count one finished request from its event."""
         team = event.get("team") or "unknown"
         status = event.get("status", "error")

@@ -21,6 +21,7 @@ import logging
 import signal
 import time
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -71,21 +72,16 @@ class Gateway:
         self._wire_gauges()
 
     def _wire_gauges(self) -> None:
-        for name in self.config.teams:
-            self.metrics.queue_depth.labels(name).set_function(
-                lambda n=name: self.scheduler.queue_depth(n)
-            )
-            if self.config.teams[name].token_budget is not None:
-                self.metrics.budget_used.labels(name).set_function(
-                    lambda n=name: self.scheduler.teams[n].budget_used_ratio()
+        metrics, scheduler = self.metrics, self.scheduler
+        for name, team in self.config.teams.items():
+            metrics.queue_depth.labels(name).set_function(partial(scheduler.queue_depth, name))
+            if team.token_budget is not None:
+                metrics.budget_used.labels(name).set_function(
+                    scheduler.teams[name].budget_used_ratio
                 )
         for name in self.config.upstreams:
-            self.metrics.inflight.labels(name).set_function(
-                lambda n=name: self.scheduler.inflight.get(n, 0)
-            )
-            self.metrics.upstream_up.labels(name).set_function(
-                lambda n=name: float(self.upstream_health.usable(n, time.monotonic()))
-            )
+            metrics.inflight.labels(name).set_function(partial(scheduler.running_on, name))
+            metrics.upstream_up.labels(name).set_function(partial(self.upstream_health.up, name))
 
     # --- life cycle -------------------------------------------------------------------------
 

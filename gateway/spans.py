@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from opentelemetry.trace import Span, Tracer
+from opentelemetry.trace import Span, SpanKind, Tracer
 
 from servescope.wire import tracing
 from servescope.wire.stream import Endpoint
@@ -28,7 +28,7 @@ class RequestSpan:
         self._span, self.headers = tracing.start_request_span(
             tracer,
             f"gateway {operation}",
-            kind=tracing.SpanKind.SERVER,
+            kind=SpanKind.SERVER,
             attributes=tracing.genai_attributes(operation, None, rid),
             parent_headers=request_headers,
         )  # `headers`: the traceparent of this span, for the upstream

@@ -30,7 +30,7 @@ config file or usage.
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "gateway",
         help="run the admission-control gateway in front of vLLM",
