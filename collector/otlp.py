@@ -25,6 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
+from servescope.store import settings
 from servescope.store.validation import InvalidEvent
 from servescope.store.validation import decode as decode_json
 from servescope.wire.ids import client_request_id
@@ -197,7 +198,9 @@ class OtlpReceiver:
     """Serves `/v1/traces` in a background thread; hands pieces and refusals to `submit`, which
     returns an event set once they are committed."""
 
-    def __init__(self, submit: Submit, host: str = "127.0.0.1", port: int = 4318) -> None:
+    def __init__(
+        self, submit: Submit, host: str = settings.HOST, port: int = settings.OTLP_PORT
+    ) -> None:
         self.submit = submit
         self.spans = 0
         receiver = self

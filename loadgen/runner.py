@@ -185,7 +185,6 @@ class BenchRun:
         self.extra_notes = notes or {}
         self._seq = 0
         self._peak_rss = 0
-        self._in_flight = 0
         self._cancelled = 0
         self._lock = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
@@ -422,7 +421,6 @@ class BenchRun:
             now = time.perf_counter()
             if record and turn == 0:
                 state.sends.append(now)
-            self._in_flight += 1
             try:
                 event = await stream_request(
                     self._pool or self._session,
@@ -438,8 +436,6 @@ class BenchRun:
             except asyncio.CancelledError:
                 self._cancelled += record
                 raise
-            finally:
-                self._in_flight -= 1
             output = event.pop("output_text", "")
             if record:
                 self._record(state, unit, plan, turn, event, body, now, intended)

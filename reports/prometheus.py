@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-DEFAULT_SCRAPE_S = 15.0
 UNKNOWN_INTERVAL_PAD_S = 30.0
 TIMEOUT_S = 30.0
 

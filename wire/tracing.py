@@ -62,12 +62,6 @@ def tracer_from_env(service_name: str) -> Tracer | None:
     return _PROVIDERS[service_name].get_tracer("servescope")
 
 
-def shutdown_tracing() -> None:
-    """Export what is still queued (also done at interpreter exit)."""
-    for provider in _PROVIDERS.values():
-        provider.force_flush()
-
-
 def trace_id_of(span: Span) -> str:
     return format(span.get_span_context().trace_id, "032x")
 

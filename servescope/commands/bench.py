@@ -18,7 +18,7 @@ from servescope.loadgen.runner import (
     parse_slo,
 )
 from servescope.loadgen.workload import BenchConfig, Workload, WorkloadError, load_config, shipped
-from servescope.store import Store
+from servescope.store import Store, settings
 
 EXIT_HELP = (
     "Exit codes: 0 every request succeeded; 1 requests failed, the target was unreachable or "
@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         + EXIT_HELP,
     )
     add_workload_options(run)
-    run.add_argument("--target", default="http://127.0.0.1:8000", help="server base URL")
+    default_target = f"http://{settings.HOST}:{settings.VLLM_PORT}"
+    run.add_argument("--target", default=default_target, help=f"server base URL ({default_target})")
     run.add_argument("--run-id", default=None, help="run id (default run-YYYYMMDD-HHMMSS)")
     run.add_argument("--label", default=None, help="a label stored with the run")
     run.add_argument(

@@ -17,6 +17,7 @@ from servescope.loadgen.launcher import (
     with_mig_uuids,
 )
 from servescope.loadgen.tiny_model import model_dir
+from servescope.store import settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--served-model-name", default=None, help="name clients use (default: dir name)"
     )
     parser.add_argument("--profile", default="default", choices=sorted(profiles))
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--port", type=int, default=settings.VLLM_PORT, help=f"(default {settings.VLLM_PORT})"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument(
         "--log", type=Path, default=None, help="vLLM log file (default under servescope-data/logs)"
