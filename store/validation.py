@@ -13,10 +13,15 @@ A line is good when:
   it) nested at most `MAX_DEPTH` deep; a number too large for a double is valid JSON and kept
   where the contract does not type it;
 - it is an object; when a key repeats, the first value counts (what DuckDB reads too);
-- it is a request record (a non-empty string `request_id`, contract keys of their contract
-  types: durations and rates finite and >= 0, token counts and concurrency integers in
-  0..2**31-1, `http_status` an integer in 100..999, `itl_ms` a list of such durations) or an
-  agent-runtime event (a `type` other than "request", with a run or request id).
+- it is a request record (`RequestEvent`: a non-empty string `request_id`, contract keys of
+  their contract types: durations and rates finite and >= 0, token counts and concurrency
+  integers in 0..2**31-1, `http_status` an integer in 100..999, `itl_ms` a list of such
+  durations) or an agent-runtime event (`RuntimeLine`: a `type` other than "request", with a
+  run or request id).
+
+The two types are the contract's one definition: msgspec checks a record against them (its error
+names the key, and the reason says what the key's value breaks), and `store.bulk` derives its SQL
+from the same fields (`CONTRACT_TYPES`, `DURATIONS`, `COUNTS`).
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import json
 import math
 import re
 import secrets
-from typing import Any
+import sys
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
+import msgspec.inspect as mi
 
 MAX_LINE_BYTES = 1024 * 1024  # longest line taken; the tailer hands longer ones over as such
 MAX_DEPTH = 64  # deepest nesting of arrays and objects in a line
@@ -35,45 +42,94 @@ MAX_RAW = 64 * 1024  # bytes of a refused line kept in ingest_errors.raw (with i
 MAX_COUNT = 2**31 - 1  # token counts and concurrency are INTEGER columns
 HTTP_STATUS = (100, 999)
 _NUMBER = (int, float)
-DURATIONS = (
-    "ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms", "target_rate",
-    "server_ttft_ms", "server_e2e_ms", "server_tpot_ms",
-)  # fmt: skip
-COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens", "concurrency")
-# key -> accepted Python types after decoding (bool is an int subclass: excluded explicitly)
-CONTRACT_TYPES: dict[str, tuple[type, ...]] = {
-    "request_id": (str,),
-    "run_id": (str,),
-    "ts": (str,),
-    "model": (str,),
-    "team": (str,),
-    "workload": (str,),
-    "source": (str,),
-    "prompt_tokens": (int,),
-    "completion_tokens": (int,),
-    "cached_tokens": (int,),
-    "concurrency": (int,),
-    "target_rate": _NUMBER,
-    "cache_hit": (bool,),
-    "ttft_ms": _NUMBER,
-    "tpot_ms": _NUMBER,
-    "e2e_ms": _NUMBER,
-    "itl_ms": (list,),
-    "queue_ms": _NUMBER,
-    "prefill_ms": _NUMBER,
+Status = Literal["ok", "error", "timeout", "rejected"]
+# A duration or a rate: finite (at most the largest double) and >= 0. A count: an INTEGER.
+Duration = Annotated[float, msgspec.Meta(ge=0, le=sys.float_info.max)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+HttpStatus = Annotated[int, msgspec.Meta(ge=HTTP_STATUS[0], le=HTTP_STATUS[1])]
+
+
+class RequestEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """A request record's contract keys and their types (docs/architecture.md, "The event"):
+    what a line must meet to be stored. Any other key is kept verbatim and not read here, so
+    the stored and exported record stays the line itself; null is the same as absent."""
+
+    request_id: Annotated[str, msgspec.Meta(min_length=1)]
+    run_id: str | None = None
+    ts: str | None = None
+    model: str | None = None
+    team: str | None = None
+    workload: str | None = None
+    source: str | None = None
+    prompt_tokens: Count | None = None
+    completion_tokens: Count | None = None
+    cached_tokens: Count | None = None
+    concurrency: Count | None = None
+    target_rate: Duration | None = None
+    cache_hit: bool | None = None
+    ttft_ms: Duration | None = None
+    tpot_ms: Duration | None = None
+    e2e_ms: Duration | None = None
+    itl_ms: list[Duration] | None = None
+    queue_ms: Duration | None = None
+    prefill_ms: Duration | None = None
     # typed columns beyond the contract table: vLLM's own timings, the serving session
-    "server_ttft_ms": _NUMBER,
-    "server_e2e_ms": _NUMBER,
-    "server_tpot_ms": _NUMBER,
-    "vllm_session": (str,),
-    "decode_ms": _NUMBER,
-    "finish_reason": (str,),
-    "status": (str,),
-    "http_status": (int,),
-    "error": (str,),
-    "trace_id": (str,),
-}
-STATUSES = frozenset({"ok", "error", "timeout", "rejected"})
+    server_ttft_ms: Duration | None = None
+    server_e2e_ms: Duration | None = None
+    server_tpot_ms: Duration | None = None
+    vllm_session: str | None = None
+    decode_ms: Duration | None = None
+    finish_reason: str | None = None
+    status: Status | None = None
+    http_status: HttpStatus | None = None
+    error: str | None = None
+    trace_id: str | None = None
+
+
+class RuntimeLine(msgspec.Struct, frozen=True, kw_only=True):
+    """An agent-runtime line's keys the store reads (`type` other than "request"): it belongs
+    to a run through `run_id` or `request_id`."""
+
+    type: str
+    run_id: str | None = None
+    request_id: str | None = None
+    ts: str | None = None
+    trace_id: str | None = None
+
+
+def _accepted(kind: mi.Type) -> tuple[type, ...]:
+    """The Python types a decoded value of this msgspec type has (an integer is a float too)."""
+    if isinstance(kind, mi.UnionType):
+        return tuple(t for k in kind.types if not isinstance(k, mi.NoneType) for t in _accepted(k))
+    found: dict[type[mi.Type], tuple[type, ...]] = {
+        mi.StrType: (str,), mi.LiteralType: (str,), mi.IntType: (int,), mi.FloatType: _NUMBER,
+        mi.BoolType: (bool,), mi.ListType: (list,),
+    }  # fmt: skip
+    return found[type(kind)]
+
+
+def _bounded(kind: mi.Type) -> mi.Type:
+    """The type a nullable field has when it is not null."""
+    if isinstance(kind, mi.UnionType):
+        return next(k for k in kind.types if not isinstance(k, mi.NoneType))
+    return kind
+
+
+def _fields(record: type[msgspec.Struct]) -> dict[str, mi.Type]:
+    info = mi.type_info(record)
+    assert isinstance(info, mi.StructType)
+    return {f.name: _bounded(f.type) for f in info.fields}
+
+
+Kinds = dict[str, tuple[type, ...]]
+_FIELDS = _fields(RequestEvent)
+# key -> accepted Python types after decoding (bool is an int subclass: excluded explicitly);
+# what store.bulk's SQL conditions are derived from
+CONTRACT_TYPES: Kinds = {k: _accepted(t) for k, t in _FIELDS.items()}
+RUNTIME_TYPES: Kinds = {k: _accepted(t) for k, t in _fields(RuntimeLine).items()}
+DURATIONS = tuple(k for k, t in _FIELDS.items() if isinstance(t, mi.FloatType))
+COUNTS = tuple(k for k, t in _FIELDS.items() if isinstance(t, mi.IntType) and t.le == MAX_COUNT)
+STATUSES = frozenset(get_args(Status))
 REQUEST_TYPE = "request"  # the only `type` a request record may carry
 _RUN_SUFFIX = re.compile(r"(.)-[0-9]+\Z")  # never the whole id: "-000001" is its own run
 _BOM = b"\xef\xbb\xbf"
@@ -111,63 +167,72 @@ def is_runtime_event(doc: dict[str, Any]) -> bool:
 
 def check_runtime(doc: dict[str, Any]) -> dict[str, Any]:
     """Return a runtime event if it can be stored: it needs a run (`run_id` or `request_id`)."""
-    for key in ("run_id", "request_id", "ts", "trace_id"):
-        if doc.get(key) is not None and not isinstance(doc[key], str):
-            raise InvalidEvent(f"wrong type for {key}: {type(doc[key]).__name__}")
-    if not doc.get("run_id") and not doc.get("request_id"):
-        raise InvalidEvent(f"runtime event {doc['type']!r} has neither run_id nor request_id")
+    try:
+        line = msgspec.convert(doc, RuntimeLine)
+    except msgspec.ValidationError as exc:
+        raise InvalidEvent(_reason(doc, exc, RUNTIME_TYPES)) from None
+    if not line.run_id and not line.request_id:
+        raise InvalidEvent(f"runtime event {line.type!r} has neither run_id nor request_id")
     return doc
-
-
-def _duration_ok(value: Any) -> bool:
-    return (
-        isinstance(value, _NUMBER)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= 0
-    )
 
 
 def check(doc: Any) -> dict[str, Any]:
     """Return `doc` if it is a storable request record or runtime event, else raise
-    `InvalidEvent`."""
+    `InvalidEvent`. The record is checked as a `RequestEvent`; `doc` itself, every key of it,
+    is what is stored."""
     if not isinstance(doc, dict):
         raise InvalidEvent(f"not a JSON object but {_kind(doc)}: one object per line")
     if is_runtime_event(doc):
         return check_runtime(doc)
     request_id = doc.get("request_id")
-    if not isinstance(request_id, str) or not request_id:
+    if not isinstance(request_id, str) or not request_id:  # the first thing a reason names
         raise InvalidEvent(
             "missing request_id" if request_id is None else "request_id is not a non-empty string"
         )
-    for key, types in CONTRACT_TYPES.items():
-        value = doc.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) and bool not in types:
-            raise InvalidEvent(f"wrong type for {key}: bool")
-        if not isinstance(value, types):
-            raise InvalidEvent(f"wrong type for {key}: {type(value).__name__}")
-    for key in DURATIONS:
-        value = doc.get(key)
-        if value is not None and not _duration_ok(value):
-            raise InvalidEvent(f"{key} is {value!r}: a duration must be finite and >= 0")
-    for key in COUNTS:
-        value = doc.get(key)
-        if value is not None and not 0 <= value <= MAX_COUNT:
-            raise InvalidEvent(f"{key} is {value}: a count must be in 0..{MAX_COUNT}")
-    status_code = doc.get("http_status")
-    if status_code is not None and not HTTP_STATUS[0] <= status_code <= HTTP_STATUS[1]:
-        raise InvalidEvent(f"http_status is {status_code}: not an HTTP status code")
-    itl = doc.get("itl_ms")
-    if itl is not None and not all(_duration_ok(x) for x in itl):
-        if not all(isinstance(x, _NUMBER) and not isinstance(x, bool) for x in itl):
-            raise InvalidEvent("wrong type for itl_ms: not a list of numbers")
-        raise InvalidEvent("itl_ms holds a gap that is not a finite duration >= 0")
-    status = doc.get("status")
-    if status is not None and status not in STATUSES:
-        raise InvalidEvent(f"unknown status: {status!r}")
+    try:
+        msgspec.convert(doc, RequestEvent)
+    except msgspec.ValidationError as exc:
+        raise InvalidEvent(_reason(doc, exc, CONTRACT_TYPES)) from None
     return doc
+
+
+_AT = re.compile(r"at `\$\.([^`\[]+)(\[\d+\])?`")
+
+
+def _reason(doc: dict[str, Any], exc: msgspec.ValidationError, types: Kinds) -> str:
+    """The quarantine reason of a record msgspec refused, in the contract's words: the key at
+    the error's path, and what its value breaks (its type, or the rule of durations, counts,
+    HTTP status codes or statuses)."""
+    message = str(exc)
+    at = _AT.search(message)
+    if at is None:
+        return f"not a record of the contract: {message}"
+    key, index = at.group(1), at.group(2) or ""
+    value = doc.get(key)
+    if key == "itl_ms" and isinstance(value, list):
+        if all(isinstance(x, _NUMBER) and not isinstance(x, bool) for x in value):
+            return f"itl_ms holds a gap that is not a finite duration >= 0 (itl_ms{index})"
+        return "wrong type for itl_ms: not a list of numbers"
+    accepted = types.get(key, ())
+    if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
+        return f"wrong type for {key}: {type(value).__name__}"
+    if key == "status":
+        return f"unknown status: {_shown(value)}"
+    if key in DURATIONS:
+        return f"{key} is {_shown(value)}: a duration must be finite and >= 0"
+    if key in COUNTS:
+        return f"{key} is {_shown(value)}: a count must be in 0..{MAX_COUNT}"
+    if key == "http_status":
+        return f"http_status is {_shown(value)}: not an HTTP status code"
+    return f"{key}: {message}"
+
+
+def _shown(value: Any) -> str:
+    """A refused value as a reason quotes it: its repr, cut at 40 characters."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**40:
+        return "a number of more than 40 digits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 def check_built(doc: dict[str, Any]) -> dict[str, Any]:
