@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from servescope.loadgen.capacity import GIB, Settings, compute, load_shape
+from servescope.store.settings import free_port
 from servescope.wire.kv_statement import kv_cache_from_log
 from servescope.wire.vllm_log import cold_start_from_log
 
@@ -107,14 +108,6 @@ def start_and_read(model: Path, flags: list[str], log: Path, env: dict[str, str]
             break
         time.sleep(1.0)
     return elapsed
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def vllm_figures(text: str) -> dict[str, Any]:

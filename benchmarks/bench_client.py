@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from servescope.loadgen.tiny_model import model_dir  # noqa: E402
+from servescope.store.settings import free_port  # noqa: E402
 
 CHUNKS = 16
 MODEL = "tiny"
@@ -58,12 +60,6 @@ def canned_stream() -> str:
     )
     lines.append("data: [DONE]")
     return "".join(line + "\\n\\n" for line in lines)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class InstantServer:
@@ -235,7 +231,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--concurrency", default="16,64,256")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tokenizer", default=str(ROOT / "servescope-data" / "models" / "tiny"))
+    parser.add_argument("--tokenizer", default=str(ROOT / model_dir()))
     parser.add_argument("--worker", choices=("ours", "reference"), help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -53,7 +53,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,16 +70,11 @@ sys.path.insert(0, str(ROOT))
 
 from servescope.loadgen.client import stream_request  # noqa: E402
 from servescope.loadgen.transport import Http1Pool  # noqa: E402
+from servescope.store.settings import free_port  # noqa: E402
 from servescope.wire.stream import COMPLETIONS  # noqa: E402
 
 KEY = "sk-bench-gateway"
 CHUNKS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def canned_sse(chunks: int = CHUNKS) -> str:

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_report import REFERENCE_SQL, _peak_rss  # noqa: E402
-from servescope.store import Store  # noqa: E402
+from servescope.store import Store, settings  # noqa: E402
 from servescope.store.lake import LakeWriter, part_name, run_folder  # noqa: E402
 
 RUNS = ("run-20261122-lake-base", "run-20261122-lake-new")
@@ -220,7 +220,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.keep:
         return measure(args.keep, args)
-    folder = Path(tempfile.mkdtemp(prefix="bench-lake-", dir=ROOT / "servescope-data"))
+    folder = Path(tempfile.mkdtemp(prefix="bench-lake-", dir=ROOT / settings.data_dir()))
     try:
         return measure(folder, args)
     finally:

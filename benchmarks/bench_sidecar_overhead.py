@@ -45,12 +45,7 @@ from typing import Any
 
 from servescope.loadgen.launcher import VllmServer
 from servescope.store import Store
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from servescope.store.settings import free_port
 
 
 def listening(port: int) -> bool:

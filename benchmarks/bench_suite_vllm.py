@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from servescope.loadgen.launcher import VllmServer  # noqa: E402
-from servescope.loadgen.tiny_model import DEFAULT_DIR  # noqa: E402
+from servescope.loadgen.tiny_model import model_dir  # noqa: E402
+from servescope.store import settings  # noqa: E402
 
 SETTINGS = {
     "ci": {"VLLM_CPU_CI_ENV": "1"},
@@ -72,8 +73,8 @@ def _complete(url: str, tokens: int) -> None:
 def measure(setting: str, requests: int, tokens: int, port: int) -> dict[str, Any]:
     for name in {k for env in SETTINGS.values() for k in env}:
         os.environ.pop(name, None)  # only this setting's variable reaches the server
-    log = Path("servescope-data") / "logs" / f"bench-suite-vllm-{setting}.log"
-    server = VllmServer(ROOT / DEFAULT_DIR, port=port, served_name="tiny",
+    log = ROOT / settings.logs_dir() / f"bench-suite-vllm-{setting}.log"
+    server = VllmServer(ROOT / model_dir(), port=port, served_name="tiny",
                         env=SETTINGS[setting], log_path=log)  # fmt: skip
     with server:
         assert server.process is not None

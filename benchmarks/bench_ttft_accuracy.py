@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,17 +34,12 @@ from servescope.collector.otlp import OtlpReceiver  # noqa: E402
 from servescope.loadgen.client import stream_request  # noqa: E402
 from servescope.loadgen.launcher import VllmServer  # noqa: E402
 from servescope.loadgen.prompts import PromptMaker, payload_for  # noqa: E402
-from servescope.loadgen.tiny_model import DEFAULT_DIR, is_built, make_tiny_model  # noqa: E402
+from servescope.loadgen.tiny_model import is_built, make_tiny_model, model_dir  # noqa: E402
 from servescope.loadgen.transport import Http1Pool  # noqa: E402
+from servescope.store.settings import free_port  # noqa: E402
 from servescope.wire.stream import COMPLETIONS  # noqa: E402
 
 TARGET_MS = 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Spans:
@@ -90,7 +84,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--model", type=Path, default=ROOT / DEFAULT_DIR)
+    parser.add_argument("--model", type=Path, default=ROOT / model_dir())
     args = parser.parse_args()
     if not is_built(args.model):
         make_tiny_model(args.model)

@@ -28,7 +28,6 @@ run is joined with vLLM's own timings.
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -238,12 +237,6 @@ def check_profiles(spec: ExperimentSpec, profiles: dict[str, Profile]) -> None:
         raise ExperimentError(
             f"experiment {spec.name}: unknown profiles {unknown}; known: {', '.join(profiles)}"
         )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def lever_flips(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -497,7 +490,7 @@ class Experiment:
             if self.design == KEPT_UP:
                 self._start_all()
             elif self.design == FRESH and self.hooks.sidecar is not None:
-                self._port = free_port()
+                self._port = settings.free_port()
                 log = settings.logs_dir() / f"{self.experiment_id}.log"
                 self._sidecars[""] = self.hooks.sidecar(log, f"http://127.0.0.1:{self._port}")
             self._runs(result)
@@ -529,7 +522,7 @@ class Experiment:
         """One server per arm, each with its own port, log and sidecar (started first: it
         receives the server's traces from its first request), all starting at once."""
         for arm in self.arms:
-            port = free_port()
+            port = settings.free_port()
             log = settings.logs_dir() / f"{self.experiment_id}-{arm}.log"
             sidecar = None
             if self.hooks.sidecar is not None:
@@ -593,7 +586,7 @@ class Experiment:
         sidecar = self._sidecars.get("")
         server = self._server(
             run.arm,
-            self._port or free_port(),
+            self._port or settings.free_port(),
             settings.logs_dir() / f"{self.experiment_id}.log" if sidecar else None,
             sidecar,
         )

@@ -43,7 +43,6 @@ from servescope.loadgen.experiment import (
     ExperimentRun,
     ExperimentSpec,
     Sidecar,
-    free_port,
     interleaved,
     lever_flips,
     order_letters,
@@ -93,7 +92,7 @@ class GatewayProcess:
         self.config_path = folder / "gateway.yaml"
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.log_path = folder / "gateway.log"
-        self.port = free_port()
+        self.port = settings.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.store = store
         self.process: subprocess.Popen[bytes] | None = None
@@ -231,7 +230,7 @@ class FleetExperiment:
         assert self.spec.fleet is not None
         replicas: dict[str, VllmServer] = {}
         for i in range(self.spec.fleet.replicas):
-            name, port = f"r{i + 1}", free_port()
+            name, port = f"r{i + 1}", settings.free_port()
             log = settings.logs_dir() / f"{self.experiment_id}-{name}.log"
             sidecar = None
             if self.hooks.sidecar is not None:

@@ -13,8 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from servescope.loadgen.experiment import free_port
-from servescope.store import Store
+from servescope.store import Store, settings
 
 Notice = Callable[[str, bool], None]
 
@@ -36,7 +35,7 @@ class CollectorSidecar:
     def __init__(self, store: Store, log: Path, url: str, *, notice: Notice = _quiet) -> None:
         self.store = store
         self.notice = notice
-        otlp_port = free_port()
+        otlp_port = settings.free_port()
         self.flags = ["--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_port}/v1/traces"]
         self.env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
         log.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ read by the launcher, the gateway or the reports without an import the contract 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 DATA_DIR_ENV = "SERVESCOPE_DATA_DIR"
@@ -30,6 +31,14 @@ VLLM_PORT = 8000
 GATEWAY_PORT = 8080
 OTLP_PORT = 4318  # the collector's OTLP/HTTP trace receiver, where vLLM sends its spans
 COLLECTOR_METRICS_PORT = 9400  # the collector's own /metrics
+
+
+def free_port() -> int:
+    """A loopback port no one listens on now, for a server started next to others (an
+    experiment's vLLMs and sidecars, a test's receivers), where a default port may be taken."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
 
 
 def data_dir() -> Path:

@@ -10,7 +10,6 @@ import http.server
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 
 from servescope.loadgen.tiny_model import FOLDERS, is_built, make_tiny_model
 from servescope.store import settings
+from servescope.store.settings import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tiny models, where the Makefile builds them: an input of the suite, never its output.
@@ -97,12 +97,6 @@ def bench_args(config: str | Path, target: str, run_id: str, store: str | Path) 
     """`servescope bench run` arguments: one workload file against one server, into one store."""
     return ["bench", "run", "--config", str(config), "--target", target, "--run-id", run_id,
             "--store", str(store)]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def servescope(
