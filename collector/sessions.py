@@ -126,6 +126,8 @@ class Session:
     previous_scraped: bool = False  # whether `previous_levers` hold that server's cache config
     source: str | None = None
 
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # DP rank → its KV statement
+    gpus: dict[str, dict[str, float]] = field(default_factory=dict)  # `gpu_key` → its memory (GiB)
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> Session | None:
         if not state:
@@ -209,11 +211,37 @@ class Session:
             if before.get(lever) != after.get(lever)
         ]
 
-    def phase(self, values: dict[str, float], ts: datetime | None, *, ready: bool) -> None:
+    def statement(self, values: dict[str, Any], engine: str | None) -> None:
+        """vLLM's KV statement: the server's (`kv_cache`: its only engine's, or the first
+        engine's), and each data-parallel engine's own (`engines`), every engine sizing its
+        own cache."""
+        if engine is None or engine == "0":
+            self.kv_cache = {**self.kv_cache, **values}
+        if engine is not None:
+            mine = self.engines.setdefault(engine, {})
+            mine["kv_cache"] = {**mine.get("kv_cache", {}), **values}
+
+    def phase(
+        self,
+        values: dict[str, float],
+        ts: datetime | None,
+        *,
+        ready: bool,
+        engine: str | None = None,
+        rank: str | None = None,
+    ) -> None:
         """A start-up phase line (`wire.vllm_log.PHASES`); `ready` (uvicorn's `Application
         startup complete`) gives `ready_s`, from the session's first line, timed by `ts` or,
-        for an undated text line, the last dated line before it."""
-        self.cold_start = vllm_log.add_phase(self.cold_start, values)
+        for an undated text line, the last dated line before it. Every process of a parallel
+        server (each engine, each tensor-parallel worker) logs its own phases: its memory
+        figures go to `gpus`, one entry per GPU, and the session's `cold_start` is the first
+        process's, so a compile time every worker logs is not summed over them."""
+        memory = {k: v for k, v in values.items() if k.endswith("_gib")}
+        if memory:
+            key = gpu_key(engine, rank)
+            self.gpus[key] = {**self.gpus.get(key, {}), **memory}
+        if engine in (None, "0") and rank in (None, "0"):
+            self.cold_start = vllm_log.add_phase(self.cold_start, values)
         self.seen(ts)
         start, at = self.started(), _parse(self.last_ts)
         if ready and "ready_s" not in self.cold_start and start is not None and at is not None:
@@ -232,8 +260,13 @@ class Session:
         if self.kv_cache:
             notes["kv_cache"] = {"vllm": self.kv_cache, "servescope": None}
         if self.cold_start:
+        if self.engines:
+            notes["engines"] = self.engines
             notes["cold_start"] = self.cold_start
         return {
+        notes["parallel"] = self.parallel()
+        if self.gpus:
+            notes["gpus"] = self.gpus
             "started_at": _naive(self.started()),
             "ended_at": _naive(self.ended()),
             "label": LABEL,
@@ -246,6 +279,14 @@ class Session:
         }
 
     def served(self, doc: dict[str, Any]) -> dict[str, Any]:
+    def parallel(self) -> dict[str, int]:
+        """How the server spreads over GPUs, from its flags: GPUs per engine (tensor and
+        pipeline parallel) and engines (data parallel)."""
+        tp, pp, dp = (_size(self.args.get(f"{kind}_parallel_size"))
+                      for kind in ("tensor", "pipeline", "data"))  # fmt: skip
+        return {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                "data_parallel_size": dp, "gpus": tp * pp * dp}  # fmt: skip
+
         """Mark a request as one this session served: its `vllm_session`, and its model when
         the record names none (the client's stays)."""
         doc["vllm_session"] = self.run_id
@@ -347,14 +388,15 @@ class ServerLog:
         session = self.session
         if session is not None:
             session.seen(item.ts)
-            session.kv_cache = {**session.kv_cache, **item.values}
+            session.statement(item.values, item.engine)
             self._attribution.touch(session)
 
     def phase(self, item: vllm_log.Phase) -> None:
         """A start-up phase (model loading, compilation, CUDA graphs, engine init, ready) into
         the session's runs row (`notes.cold_start`)."""
         if self.session is not None:
-            self.session.phase(item.values, item.ts, ready=item.ready)
+            self.session.phase(item.values, item.ts, ready=item.ready, engine=item.engine,
+                               rank=item.rank)  # fmt: skip
             self._attribution.touch(self.session)
 
     def _end(self, ts: datetime | None) -> None:
@@ -588,6 +630,16 @@ class Attribution:
 
 
 def _in_session(doc: dict[str, Any], sessions: list[Session]) -> Session | None:
+def _size(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
+def gpu_key(engine: str | None, rank: str | None) -> str:
+    """One GPU of a server, named by its data-parallel engine and tensor-parallel rank:
+    `dp0-tp0` (the only GPU of a plain server), `dp1-tp0`, `dp0-tp1`."""
+    return f"dp{engine or 0}-tp{rank or 0}"
+
+
     """The only session whose lifetime holds the request's server start (trace pieces)."""
     ts = parse_ts(doc.get("server_ts"))
     if ts is None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import duckdb
 
-from servescope.reports import bootstrap, coldstart, replicas, sql
+from servescope.reports import bootstrap, coldstart, engines, replicas, sql
 from servescope.reports.charts import charts
 from servescope.reports.checklist import checklist
 from servescope.reports.coldstart import cold_start_of
@@ -195,6 +195,7 @@ def build_summary(
         flips = _flips(con, [run_id], [side])
         drawn = charts([side], flips) if options.charts else {}
         by_replica = replicas.fleet(con, part, run, options.prometheus)
+        by_engine = engines.of_run(con, part, run)
     report = {
         "report_id": _report_id(part),
         "kind": "run",
@@ -204,6 +205,7 @@ def build_summary(
         "run": meta,
         **_public(summary),
         **by_replica,
+        "engines": by_engine,
         "slo": options.slo or None,
         "checklist": checks,
         "flips": flips,
@@ -270,6 +272,7 @@ def _compare(
             "run": b_meta,
             **_public(b_summary),
             **b_fleet,
+            "engines": engines.of_run(con, before[0], runs[0][0]),
         },
         "after": {
             "name": after[0].name,
@@ -278,6 +281,7 @@ def _compare(
             "run": a_meta,
             **_public(a_summary),
             **a_fleet,
+            "engines": engines.of_run(con, after[0], runs[1][0]),
         },
         "diff": rows,
         "primary": chosen,

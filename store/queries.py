@@ -310,12 +310,21 @@ SELECT {keys}, {counter_growth()} FROM steps GROUP BY ALL
 """
 
 
+# Gauges that are a share of one engine's capacity: several engines (or replicas) at the same
+# instant are as full as the fullest, never the sum of their shares.
+SHARE_GAUGES = ("vllm:kv_cache_usage_perc",)
+
+
 def gauge_peaks(where: str) -> str:
-    """The peak of each gauge over the samples `where` selects, summed across targets sampled
-    at the same instant."""
+    """The peak of each gauge over the samples `where` selects, summed across the series
+    sampled at the same instant (the engines of a data-parallel server, the targets of a
+    fleet): requests running or waiting add up; a share of capacity (`SHARE_GAUGES`) is the
+    largest one's."""
+    shares = ", ".join(f"'{name}'" for name in SHARE_GAUGES)
     return f"""
 WITH per_ts AS (
-    SELECT name, ts, sum(value) AS value
+    SELECT name, ts,
+           CASE WHEN name IN ({shares}) THEN max(value) ELSE sum(value) END AS value
     FROM metric_samples
     WHERE {where}
     GROUP BY name, ts

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -124,11 +124,13 @@ class Levers:
 class KvCache:
     """vLLM's start-up statement of its KV cache (`CPU KV cache size: N tokens, Maximum
     concurrency for L tokens per request: Xx`): `kv_cache_tokens`, `kv_cache_device`,
-    `max_model_len`, `max_concurrency`, whichever the line states."""
+    `max_model_len`, `max_concurrency`, whichever the line states. `engine`: the data-parallel
+    rank of the engine that stated it (`(EngineCore_DP1 …)`), None for a server of one engine."""
 
     ts: datetime | None
     values: dict[str, Any]
 
+    engine: str | None = None
 
 @dataclass(frozen=True)
 class Access:
@@ -167,17 +169,36 @@ class Bad:
 class Phase:
     """A start-up phase vLLM reports (`PHASES`): model loading, compilation, CUDA graphs, engine
     init, the KV memory it found; or `ready`, uvicorn's `Application startup complete` (text
-    lines carry no time: `ts` is None for it)."""
+    lines carry no time: `ts` is None for it). `engine` and `rank`: the data-parallel engine
+    and the tensor-parallel rank of the process that logged it (`process_of`), None when the
+    prefix names none: the memory lines of each GPU come from its own worker."""
 
     ts: datetime | None
     values: dict[str, float]
     ready: bool = False
 
+    engine: str | None = None
+    rank: str | None = None
 
 Item = Piece | Stats | Levers | KvCache | Access | Startup | Phase | Tick | Bad | None
 
 
 def parse_line(raw: bytes, *, year: int) -> Item:
+_DP_RANK = re.compile(r"_DP(\d+)")
+_TP_RANK = re.compile(r"(?:\bTP|_TP|\brank=)(\d+)")
+
+
+def process_of(prefix: str | None) -> tuple[str | None, str | None]:
+    """(data-parallel engine, tensor-parallel rank) of the process a text line's prefix names:
+    `EngineCore_DP1 pid=9` → ("1", None), `Worker_DP0_TP1 pid=9` → ("0", "1"), `Worker_TP1
+    pid=9` and the older `VllmWorker rank=1 pid=9` → (None, "1"), `EngineCore pid=9` or
+    `APIServer pid=9` → (None, None)."""
+    if not prefix:
+        return None, None
+    dp, tp = _DP_RANK.search(prefix), _TP_RANK.search(prefix)
+    return (dp.group(1) if dp else None), (tp.group(1) if tp else None)
+
+
     """What one log line says (`year` completes the text format's month-day timestamps)."""
     try:
         line = raw.decode("utf-8")
@@ -192,7 +213,13 @@ def parse_line(raw: bytes, *, year: int) -> Item:
     match = _TEXT.match(line)
     if match:
         ts = _text_ts(year, match["md"], match["hms"])
-        return _message(match["msg"], ts)
+        item = _message(match["msg"], ts)
+        if isinstance(item, KvCache | Phase) and match["proc"]:
+            engine, rank = process_of(match["proc"])
+            if engine is not None or rank is not None:
+                item = replace(item, engine=engine, **({"rank": rank} if isinstance(
+                    item, Phase) else {}))  # fmt: skip
+        return item
     access = _ACCESS.match(line)
     if access:
         return _access(access)
