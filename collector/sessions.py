@@ -125,9 +125,9 @@ class Session:
     previous_args: dict[str, Any] | None = None  # its `non-default args`
     previous_scraped: bool = False  # whether `previous_levers` hold that server's cache config
     source: str | None = None
-
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # DP rank → its KV statement
     gpus: dict[str, dict[str, float]] = field(default_factory=dict)  # `gpu_key` → its memory (GiB)
+
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> Session | None:
         if not state:
@@ -259,14 +259,14 @@ class Session:
             notes["cache_config"] = self.cache_config
         if self.kv_cache:
             notes["kv_cache"] = {"vllm": self.kv_cache, "servescope": None}
-        if self.cold_start:
         if self.engines:
             notes["engines"] = self.engines
+        if self.cold_start:
             notes["cold_start"] = self.cold_start
-        return {
         notes["parallel"] = self.parallel()
         if self.gpus:
             notes["gpus"] = self.gpus
+        return {
             "started_at": _naive(self.started()),
             "ended_at": _naive(self.ended()),
             "label": LABEL,
@@ -278,7 +278,6 @@ class Session:
             "notes": notes,
         }
 
-    def served(self, doc: dict[str, Any]) -> dict[str, Any]:
     def parallel(self) -> dict[str, int]:
         """How the server spreads over GPUs, from its flags: GPUs per engine (tensor and
         pipeline parallel) and engines (data parallel)."""
@@ -287,6 +286,7 @@ class Session:
         return {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
                 "data_parallel_size": dp, "gpus": tp * pp * dp}  # fmt: skip
 
+    def served(self, doc: dict[str, Any]) -> dict[str, Any]:
         """Mark a request as one this session served: its `vllm_session`, and its model when
         the record names none (the client's stays)."""
         doc["vllm_session"] = self.run_id
@@ -629,7 +629,6 @@ class Attribution:
         return session
 
 
-def _in_session(doc: dict[str, Any], sessions: list[Session]) -> Session | None:
 def _size(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
@@ -640,6 +639,7 @@ def gpu_key(engine: str | None, rank: str | None) -> str:
     return f"dp{engine or 0}-tp{rank or 0}"
 
 
+def _in_session(doc: dict[str, Any], sessions: list[Session]) -> Session | None:
     """The only session whose lifetime holds the request's server start (trace pieces)."""
     ts = parse_ts(doc.get("server_ts"))
     if ts is None:

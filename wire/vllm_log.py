@@ -129,8 +129,8 @@ class KvCache:
 
     ts: datetime | None
     values: dict[str, Any]
-
     engine: str | None = None
+
 
 @dataclass(frozen=True)
 class Access:
@@ -176,14 +176,13 @@ class Phase:
     ts: datetime | None
     values: dict[str, float]
     ready: bool = False
-
     engine: str | None = None
     rank: str | None = None
+
 
 Item = Piece | Stats | Levers | KvCache | Access | Startup | Phase | Tick | Bad | None
 
 
-def parse_line(raw: bytes, *, year: int) -> Item:
 _DP_RANK = re.compile(r"_DP(\d+)")
 _TP_RANK = re.compile(r"(?:\bTP|_TP|\brank=)(\d+)")
 
@@ -199,6 +198,7 @@ def process_of(prefix: str | None) -> tuple[str | None, str | None]:
     return (dp.group(1) if dp else None), (tp.group(1) if tp else None)
 
 
+def parse_line(raw: bytes, *, year: int) -> Item:
     """What one log line says (`year` completes the text format's month-day timestamps)."""
     try:
         line = raw.decode("utf-8")
