@@ -12,7 +12,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from servescope.loadgen.workload import Workload
+from servescope.loadgen.workload import Workload, sample
 
 WARMUP_LEVEL = "warmup"
 
@@ -54,8 +54,8 @@ def request_plan(workload: Workload, level: object, index: int, scale: float) ->
         name, input_tokens, output_tokens = None, workload.input_tokens, workload.output_tokens
     return RequestPlan(
         index=index,
-        input_tokens=input_tokens.sample(rng, scale),
-        output_tokens=output_tokens.sample(rng, 1.0),
+        input_tokens=sample(input_tokens, rng, scale),
+        output_tokens=sample(output_tokens, rng, 1.0),
         request_class=name,
         text_seed=f"{workload.seed}:{workload.name}:{level}:{index}:text",
     )
@@ -78,7 +78,7 @@ def prefix_size(workload: Workload, scale: float) -> int:
     """The shared static prefix's token count: one draw per workload (0 when there is none)."""
     if workload.prefix_tokens is None:
         return 0
-    return workload.prefix_tokens.sample(rng_for(workload, "prefix", "size"), scale)
+    return sample(workload.prefix_tokens, rng_for(workload, "prefix", "size"), scale)
 
 
 def units_per_level(workload: Workload) -> int:

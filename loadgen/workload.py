@@ -26,43 +26,57 @@ requests and the same schedule every time, whatever order the requests complete 
 
 from __future__ import annotations
 
+import json
 import math
 import random
-from dataclasses import asdict, dataclass, field, replace
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
+import msgspec
+import msgspec.inspect as mi
 import yaml
 
 DEFAULT_REQUESTS_PER_LEVEL = 32
 WORKLOADS_DIR = Path(__file__).with_name("workloads")
-ARRIVALS = ("constant", "poisson", "gamma")
-ENDPOINTS = ("completions", "chat")
+Arrival = Literal["constant", "poisson", "gamma"]
+Endpoint = Literal["completions", "chat"]
 # Prompt text: a seeded word stream; the predictable tiny model's passage (its outputs repeat the
 # prompt: n-gram drafts accepted); or decoys (the passage's word pairs continued otherwise: drafts
 # proposed and rejected). See loadgen/prompts.py and loadgen/tiny_model.py.
-TEXTS = ("words", "passage", "decoy")
-DISTRIBUTIONS = ("uniform", "normal", "lognormal")
+Text = Literal["words", "passage", "decoy"]
+ARRIVALS, ENDPOINTS, TEXTS = get_args(Arrival), get_args(Endpoint), get_args(Text)
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveNumber = Annotated[float, msgspec.Meta(gt=0)]
+T = TypeVar("T")
 
 
 class WorkloadError(ValueError):
     """A workload file that cannot be run; the message says which field and why."""
 
 
-@dataclass(frozen=True)
-class Tokens:
-    """A token count: fixed (`value`), or drawn from a distribution clipped to [min, max]."""
+class Distribution(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A token count drawn from a distribution clipped to [min, max]: `{dist: uniform, min: 64,
+    max: 256}`, `{dist: normal, mean: 500, std: 100}`, `{dist: lognormal, mean: 500, std: 300,
+    max: 4000}`."""
 
-    value: int | None = None
-    dist: str | None = None
-    min: int | None = None
-    max: int | None = None
-    mean: float | None = None
-    std: float | None = None
+    dist: Literal["uniform", "normal", "lognormal"]
+    min: PositiveInt | None = None
+    max: PositiveInt | None = None
+    mean: PositiveNumber | None = None
+    std: PositiveNumber | None = None
+
+    def __post_init__(self) -> None:
+        if self.dist == "uniform" and (self.min is None or self.max is None):
+            raise ValueError("a uniform distribution needs `min` and `max`")
+        if self.dist != "uniform" and self.mean is None:
+            raise ValueError(f"a {self.dist} distribution needs `mean` (and `std`)")
+        if (self.min or 1) > (self.max or 10**9):
+            raise ValueError("min is above max")
 
     def sample(self, rng: random.Random, scale: float = 1.0) -> int:
-        if self.value is not None:
-            return max(1, round(self.value * scale))
         low, high = self.min or 1, self.max or 10**9
         if self.dist == "uniform":
             drawn = rng.uniform(low, high)
@@ -74,41 +88,64 @@ class Tokens:
             drawn = rng.lognormvariate(math.log(mean) - sigma2 / 2, math.sqrt(sigma2))
         return max(1, round(min(max(drawn, low), high) * scale))
 
-    def to_yaml(self) -> int | dict[str, Any]:
-        if self.value is not None:
-            return self.value
-        return {k: v for k, v in asdict(self).items() if v is not None and k != "value"}
+
+# A token count: fixed (`128`), or drawn from a distribution.
+Tokens = PositiveInt | Distribution
 
 
-@dataclass(frozen=True)
-class RequestClass:
+def sample(tokens: Tokens, rng: random.Random, scale: float = 1.0) -> int:
+    """One request's token count, times `scale` (at least 1)."""
+    if isinstance(tokens, Distribution):
+        return tokens.sample(rng, scale)
+    return max(1, round(tokens * scale))
+
+
+class RequestClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One kind of request in a mixed workload (e.g. long summaries vs short probes)."""
 
     name: str
     input_tokens: Tokens
     output_tokens: Tokens
-    weight: float = 1.0
+    weight: PositiveNumber = 1.0
 
 
-@dataclass(frozen=True)
-class Workload:
+class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One workload of a file, as written there (Lab 10's keys and the scenarios'); its load
+    levels are `concurrency` (closed loop) or `rate` (open loop), never both. A workload of
+    request `classes` takes its sizes from them (the first class's stand for the workload)."""
+
     name: str
-    input_tokens: Tokens
-    output_tokens: Tokens
-    concurrency: list[int] = field(default_factory=list)
-    rate: list[float] = field(default_factory=list)
-    arrival: str = "poisson"
-    burstiness: float = 1.0
-    requests_per_level: int = DEFAULT_REQUESTS_PER_LEVEL
-    duration_s: float | None = None
-    warmup: int = 0
-    endpoint: str = "completions"
-    text: str = "words"
+    input_tokens: Tokens = 0  # 0: not given, which only a workload of `classes` may do
+    output_tokens: Tokens = 0
+    concurrency: list[PositiveInt] = []
+    rate: list[PositiveNumber] = []
+    arrival: Arrival = "poisson"
+    burstiness: PositiveNumber = 1.0
+    requests_per_level: PositiveInt = DEFAULT_REQUESTS_PER_LEVEL
+    duration_s: PositiveNumber | None = None
+    warmup: NonNegativeInt = 0
+    endpoint: Endpoint = "completions"
+    text: Text = "words"
     team: str | None = None
     seed: int = 0
-    prefix_tokens: Tokens | None = None
-    classes: list[RequestClass] = field(default_factory=list)
-    turns: int = 1
+    prefix_tokens: NonNegativeInt | Distribution | None = None  # 0 (or none): no shared prefix
+    classes: list[RequestClass] = []
+    turns: PositiveInt = 1
+
+    def __post_init__(self) -> None:
+        if bool(self.concurrency) == bool(self.rate):
+            raise ValueError(
+                "give either `concurrency` (closed loop) or `rate` (open loop), "
+                + ("not both" if self.concurrency else "a non-empty list of levels")
+            )
+        if self.classes:
+            msgspec.structs.force_setattr(self, "input_tokens", self.classes[0].input_tokens)
+            msgspec.structs.force_setattr(self, "output_tokens", self.classes[0].output_tokens)
+        for key in ("input_tokens", "output_tokens"):
+            if not getattr(self, key):
+                raise ValueError(f"needs `{key}`: a positive integer or a distribution mapping")
+        if self.prefix_tokens == 0:
+            msgspec.structs.force_setattr(self, "prefix_tokens", None)
 
     @property
     def open_loop(self) -> bool:
@@ -118,6 +155,34 @@ class Workload:
     def levels(self) -> list[int] | list[float]:
         """The load levels: concurrencies (closed loop) or target rates in requests/s."""
         return self.rate if self.open_loop else self.concurrency
+
+    def to_dict(self) -> dict[str, Any]:
+        """The workload as run, in the file's own shape (`prefix_tokens` 0 when none)."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        out["prefix_tokens"] = out["prefix_tokens"] or 0
+        return out
+
+
+class WorkloadFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A workload file's top level: the workloads, and defaults every workload takes unless it
+    sets its own."""
+
+    workloads: list[dict[str, Any]]  # each becomes a `Workload`, the defaults below under it
+    metrics: list[str] = []
+    together: bool = False  # run level i of every workload side by side
+    requests_per_level: PositiveInt | None = None
+    duration_s: PositiveNumber | None = None
+    warmup: NonNegativeInt | None = None
+    seed: int | None = None
+    endpoint: Endpoint | None = None
+    team: str | None = None
+
+
+class _Workloads(msgspec.Struct, frozen=True):
+    workloads: list[Workload]
+
+
+TOP_LEVEL_DEFAULTS = ("requests_per_level", "duration_s", "warmup", "seed", "endpoint", "team")
 
 
 @dataclass(frozen=True)
@@ -129,15 +194,12 @@ class BenchConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The spec as run (after `--scale` and selection), stored as the run's `workload`."""
-        out: dict[str, Any] = asdict(self)
-        for raw, workload in zip(out["workloads"], self.workloads, strict=True):
-            raw["input_tokens"] = workload.input_tokens.to_yaml()
-            raw["output_tokens"] = workload.output_tokens.to_yaml()
-            raw["prefix_tokens"] = workload.prefix_tokens.to_yaml() if workload.prefix_tokens else 0
-            for raw_class, cls in zip(raw["classes"], workload.classes, strict=True):
-                raw_class["input_tokens"] = cls.input_tokens.to_yaml()
-                raw_class["output_tokens"] = cls.output_tokens.to_yaml()
-        return out
+        return {
+            "workloads": [w.to_dict() for w in self.workloads],
+            "metrics": list(self.metrics),
+            "scale": self.scale,
+            "together": self.together,
+        }
 
     def select(self, names: list[str]) -> BenchConfig:
         """Only the named workloads, in the given order (WorkloadError for an unknown name)."""
@@ -159,7 +221,7 @@ class BenchConfig:
         return replace(
             self,
             workloads=[
-                replace(w, requests_per_level=requests_per_level, duration_s=None)
+                msgspec.structs.replace(w, requests_per_level=requests_per_level, duration_s=None)
                 for w in self.workloads
             ],
         )
@@ -174,155 +236,136 @@ class BenchConfig:
         return total
 
 
-KNOWN_KEYS = set(Workload.__dataclass_fields__)
-TOP_LEVEL_DEFAULTS = ("requests_per_level", "duration_s", "warmup", "seed", "endpoint", "team")
-
-
-def _positive_int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise WorkloadError(f"{where} must be a positive integer, got {value!r}")
-    return value
-
-
-def _non_negative_int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise WorkloadError(f"{where} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _positive_number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise WorkloadError(f"{where} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def parse_tokens(value: Any, where: str) -> Tokens:
-    """`128`, or `{dist: uniform, min: 64, max: 256}`, `{dist: normal, mean: 500, std: 100}`,
-    `{dist: lognormal, mean: 500, std: 300, max: 4000}`."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return Tokens(value=_positive_int(value, where))
-    if not isinstance(value, dict):
-        raise WorkloadError(f"{where} must be a positive integer or a distribution mapping")
-    dist = value.get("dist")
-    if dist not in DISTRIBUTIONS:
-        raise WorkloadError(f"{where}: `dist` must be one of {DISTRIBUTIONS}, got {dist!r}")
-    if unknown := sorted(set(value) - {"dist", "min", "max", "mean", "std"}):
-        raise WorkloadError(f"{where}: unknown keys {unknown}")
-    bounds = {k: _positive_int(value[k], f"{where}.{k}") for k in ("min", "max") if k in value}
-    if dist == "uniform" and set(bounds) != {"min", "max"}:
-        raise WorkloadError(f"{where}: a uniform distribution needs `min` and `max`")
-    if dist != "uniform" and "mean" not in value:
-        raise WorkloadError(f"{where}: a {dist} distribution needs `mean` (and `std`)")
-    if bounds.get("min", 1) > bounds.get("max", 10**9):
-        raise WorkloadError(f"{where}: min is above max")
-    moments = {k: _positive_number(value[k], f"{where}.{k}") for k in ("mean", "std") if k in value}
-    return Tokens(dist=dist, **bounds, **moments)
-
-
-def _levels(raw: dict[str, Any], where: str) -> tuple[list[int], list[float]]:
-    concurrency, rate = raw.get("concurrency"), raw.get("rate")
-    if (concurrency is None) == (rate is None):
-        raise WorkloadError(
-            f"{where}: give either `concurrency` (closed loop) or `rate` (open loop), not "
-            + ("both" if concurrency is not None else "neither")
-        )
-    if concurrency is not None:
-        if not isinstance(concurrency, list) or not concurrency:
-            raise WorkloadError(f"{where}: `concurrency` must be a non-empty list")
-        return [_positive_int(c, f"{where}: concurrency") for c in concurrency], []
-    if not isinstance(rate, list) or not rate:
-        raise WorkloadError(f"{where}: `rate` must be a non-empty list of requests/s")
-    return [], [_positive_number(r, f"{where}: rate") for r in rate]
-
-
-def _classes(raw: Any, where: str) -> list[RequestClass]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list) or not raw:
-        raise WorkloadError(f"{where}: `classes` must be a non-empty list")
-    classes = []
-    for i, item in enumerate(raw):
-        spot = f"{where}: classes[{i}]"
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise WorkloadError(f"{spot} needs a `name`")
-        if unknown := sorted(set(item) - {"name", "input_tokens", "output_tokens", "weight"}):
-            raise WorkloadError(f"{spot}: unknown keys {unknown}")
-        classes.append(
-            RequestClass(
-                name=item["name"],
-                input_tokens=parse_tokens(item.get("input_tokens"), f"{spot}.input_tokens"),
-                output_tokens=parse_tokens(item.get("output_tokens"), f"{spot}.output_tokens"),
-                weight=_positive_number(item.get("weight", 1), f"{spot}.weight"),
-            )
-        )
-    return classes
-
-
-def parse_workload(raw: Any, defaults: dict[str, Any], where: str) -> Workload:
-    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-        raise WorkloadError(f"{where} needs a `name`")
-    where = f"{where.rsplit(':', 1)[0]}: workload {raw['name']!r}"
-    if unknown := sorted(set(raw) - KNOWN_KEYS):
-        raise WorkloadError(f"{where}: unknown keys {unknown}; known: {sorted(KNOWN_KEYS)}")
-    raw = {**defaults, **raw}
-    concurrency, rate = _levels(raw, where)
-    classes = _classes(raw.get("classes"), where)
-    if classes:
-        input_tokens, output_tokens = classes[0].input_tokens, classes[0].output_tokens
-    else:
-        input_tokens = parse_tokens(raw.get("input_tokens"), f"{where}: input_tokens")
-        output_tokens = parse_tokens(raw.get("output_tokens"), f"{where}: output_tokens")
-    arrival = raw.get("arrival", "poisson")
-    if arrival not in ARRIVALS:
-        raise WorkloadError(f"{where}: arrival must be one of {ARRIVALS}, got {arrival!r}")
-    endpoint = raw.get("endpoint", "completions")
-    if endpoint not in ENDPOINTS:
-        raise WorkloadError(f"{where}: endpoint must be completions or chat, got {endpoint!r}")
-    text = raw.get("text", "words")
-    if text not in TEXTS:
-        raise WorkloadError(f"{where}: text must be one of {TEXTS}, got {text!r}")
-    duration = raw.get("duration_s")
-    prefix = raw.get("prefix_tokens")
-    return Workload(
-        name=raw["name"],
-        input_tokens=input_tokens,
-        output_tokens=output_tokens,
-        concurrency=concurrency,
-        rate=rate,
-        arrival=arrival,
-        burstiness=_positive_number(raw.get("burstiness", 1.0), f"{where}: burstiness"),
-        requests_per_level=_positive_int(
-            raw.get("requests_per_level", DEFAULT_REQUESTS_PER_LEVEL),
-            f"{where}: requests_per_level",
-        ),
-        duration_s=None if duration is None else _positive_number(duration, f"{where}: duration_s"),
-        warmup=_non_negative_int(raw.get("warmup", 0), f"{where}: warmup"),
-        endpoint=endpoint,
-        text=text,
-        team=None if raw.get("team") is None else str(raw["team"]),
-        seed=int(raw.get("seed", 0)),
-        prefix_tokens=None if not prefix else parse_tokens(prefix, f"{where}: prefix_tokens"),
-        classes=classes,
-        turns=_positive_int(raw.get("turns", 1), f"{where}: turns"),
-    )
-
-
 def parse_config(data: Any, *, source: str = "workload file") -> BenchConfig:
-    if not isinstance(data, dict) or not isinstance(data.get("workloads"), list):
-        raise WorkloadError(f"{source}: needs a top-level `workloads:` list")
-    defaults = {k: data[k] for k in TOP_LEVEL_DEFAULTS if k in data}
-    workloads = [
-        parse_workload(raw, defaults, f"{source}: workloads[{i}]")
-        for i, raw in enumerate(data["workloads"])
-    ]
+    """A workload file's content as a `BenchConfig`; WorkloadError names the file, the
+    workload and the key: `ralph.yaml: workload 'ralph-loop': turns: expected int, got "3"`."""
+    top = typed(data, WorkloadFile, source)
+    defaults = {k: v for k in TOP_LEVEL_DEFAULTS if (v := getattr(top, k)) is not None}
+    raw = [{**defaults, **w} for w in top.workloads]
+    workloads = typed({"workloads": raw}, _Workloads, source).workloads
     names = [w.name for w in workloads]
     if len(set(names)) != len(names):
         raise WorkloadError(f"{source}: workload names must be unique, got {names}")
-    metrics = data.get("metrics") or []
-    together = data.get("together", False)
-    if not isinstance(together, bool):
-        raise WorkloadError(f"{source}: together must be true or false, got {together!r}")
-    return BenchConfig(workloads=workloads, metrics=[str(m) for m in metrics], together=together)
+    return BenchConfig(workloads=workloads, metrics=top.metrics, together=top.together)
+
+
+# -- typed reading of an operator's YAML, with errors a person reads ------------------------------
+
+
+def typed(data: Any, kind: type[T], source: str, error: type[Exception] = WorkloadError) -> T:
+    """`data` (a YAML file's content) as `kind`, a msgspec Struct; `error` says what is wrong as
+    a person reads it: the file, where in it (a workload by its name) and what the key needs."""
+    try:
+        return msgspec.convert(data, kind)
+    except msgspec.ValidationError as exc:
+        raise error(readable(exc, data, kind, source)) from None
+
+
+_MESSAGE = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_WORDS = {"object": "a mapping", "array": "a list", "float": "a number", "str": "a string",
+          "bool": "true or false", "null": "nothing"}  # fmt: skip
+
+
+def readable(exc: msgspec.ValidationError, data: Any, kind: type, source: str) -> str:
+    """msgspec's error in the file's words: `FILE: WHERE: expected int, got "three"`."""
+    found = _MESSAGE.match(str(exc))
+    assert found is not None  # the pattern matches any text
+    what, path = found["what"], found["path"] or ""
+    steps: list[str | int] = [name if name else int(index) for name, index in _STEP.findall(path)]
+    value, declared = _walk(data, steps), _declared(kind, steps)
+    where = _where(data, steps)
+    return (
+        f"{source}: {where}: {_explain(what, value, declared)}"
+        if where
+        else (f"{source}: {_explain(what, value, declared)}")
+    )
+
+
+def _walk(data: Any, steps: list[str | int]) -> Any:
+    """The value at a path of the data (None where there is none)."""
+    for step in steps:
+        if isinstance(step, int):
+            data = data[step] if isinstance(data, list) and step < len(data) else None
+        else:
+            data = data.get(step) if isinstance(data, dict) else None
+    return data
+
+
+def _declared(kind: type, steps: list[str | int]) -> mi.Type | None:
+    """The msgspec type declared at a path of `kind` (None where the path leaves the types)."""
+    at: mi.Type | None = mi.type_info(kind)
+    for step in steps:
+        at = _inner(at)
+        if isinstance(at, mi.ListType) and isinstance(step, int):
+            at = at.item_type
+        elif isinstance(at, mi.StructType) and isinstance(step, str):
+            at = next((f.type for f in at.fields if f.name == step), None)
+        else:
+            return None
+    return _inner(at)
+
+
+def _inner(at: mi.Type | None) -> mi.Type | None:
+    """A nullable type as its value's, a token count's union as its mapping's."""
+    if isinstance(at, mi.UnionType):
+        kinds = [k for k in at.types if not isinstance(k, mi.NoneType)]
+        structs = [k for k in kinds if isinstance(k, mi.StructType)]
+        return structs[0] if structs else kinds[0] if len(kinds) == 1 else at
+    return at
+
+
+def _where(data: Any, steps: list[str | int]) -> str:
+    """`workload 'chat': classes[1].weight` for the path workloads.0.classes.1.weight."""
+    parts, rest = [], list(steps)
+    if rest[:1] == ["workloads"] and len(rest) > 1 and isinstance(rest[1], int):
+        name = _walk(data, rest[:2] + ["name"])
+        parts.append(f"workload {name!r}" if isinstance(name, str) else f"workloads[{rest[1]}]")
+        rest = rest[2:]
+    key = ""
+    for step in rest:
+        key += f"[{step}]" if isinstance(step, int) else (f".{step}" if key else step)
+    return ": ".join([*parts, key] if key else parts)
+
+
+def _shown(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _explain(what: str, value: Any, declared: mi.Type | None) -> str:
+    """One msgspec complaint as a person reads it."""
+    if found := re.fullmatch(r"Expected `(.+?)`, got `\w+`", what):
+        return f"expected {_type_words(found[1])}, got {_shown(value)}"
+    if found := re.fullmatch(r"Expected `(\w+)` (>=|>|<=|<) (\S+)", what):
+        kind, op, bound = found.groups()
+        noun = "integer" if kind == "int" else "number"
+        if (op, bound) in ((">=", "1"), (">", "0"), (">", "0.0")):
+            return f"expected a positive {noun}, got {_shown(value)}"
+        if (op, bound) in ((">=", "0"), (">=", "0.0")):
+            return f"expected a non-negative {noun}, got {_shown(value)}"
+        return f"expected {_type_words(kind)} {op} {bound}, got {_shown(value)}"
+    if what.startswith("Invalid enum value"):
+        choices = (
+            ", ".join(map(str, declared.values))
+            if isinstance(declared, mi.LiteralType)
+            else "the known values"
+        )
+        return f"expected one of {choices}, got {_shown(value)}"
+    if found := re.fullmatch(r"Object contains unknown field `(.+)`", what):
+        known = (
+            sorted(f.name for f in declared.fields) if isinstance(declared, mi.StructType) else []
+        )
+        return f"unknown key {found[1]!r}" + (f" (known: {', '.join(known)})" if known else "")
+    if found := re.fullmatch(r"Object missing required field `(.+)`", what):
+        return f"missing `{found[1]}`"
+    return what
+
+
+def _type_words(text: str) -> str:
+    return " or ".join(_WORDS.get(part, part) for part in text.split(" | "))
 
 
 def resolve(name_or_path: str | Path) -> Path:
