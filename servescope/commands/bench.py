@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from servescope.commands.common import add_store_option, console, open_store
+from servescope.commands.common import console, open_store, store_command
 from servescope.loadgen.runner import (
     BenchRun,
     LevelProgress,
@@ -61,9 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "/metrics is scraped with the target's and the report gets a per-replica table "
         "(repeatable)",
     )
-    run.add_argument("--json", action="store_true", help="print the run result as JSON")
-    add_store_option(run)
-    run.set_defaults(func=run_bench)
+    store_command(run, run_bench, json_help="print the run result as JSON")
 
 
 def parse_replicas(pairs: list[str] | None) -> dict[str, str]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from servescope.commands.common import add_store_option, console, open_store
+from servescope.commands.common import console, open_store, store_command
 from servescope.loadgen import gpu_memory
 from servescope.loadgen.capacity import (
     GIB,
@@ -129,8 +129,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--json", action="store_true", help="print everything as JSON")
     out.add_argument("--yaml", action="store_true", help="print the filled worksheet as YAML")
     p.add_argument("--out", type=Path, metavar="DIR", help="also write DIR/capacity.{yaml,md}")
-    add_store_option(p)
-    p.set_defaults(func=run)  # fmt: skip
+    store_command(p, run)
 
 
 def _positive(args: argparse.Namespace) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -41,6 +42,23 @@ def add_lake_option(parser: argparse.ArgumentParser) -> None:
         help="read the shared Parquet lake that `servescope collect --lake` writes, in place "
         "(no import), instead of the store: a folder or a quoted glob of folders; repeatable",
     )
+
+
+def store_command(
+    parser: argparse.ArgumentParser,
+    func: Callable[[argparse.Namespace], int],
+    *,
+    json_help: str | None = None,
+    lake: bool = False,
+) -> None:
+    """What every command that opens the store ends with: `--json` (saying what it prints) when
+    it has one, `--store`, `--lake` when it only reads, and the function it runs."""
+    if json_help is not None:
+        parser.add_argument("--json", action="store_true", help=json_help)
+    add_store_option(parser)
+    if lake:
+        add_lake_option(parser)
+    parser.set_defaults(func=func)
 
 
 class UsageError(Exception):

@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.text import Text
 
 from servescope.commands import experiment
-from servescope.commands.common import add_store_option, console, open_store
+from servescope.commands.common import console, open_store, store_command
 from servescope.dashboards import build as build_dashboards
 from servescope.loadgen.experiment import Experiment, load_experiments
 from servescope.loadgen.tiny_model import is_built, make_tiny_model, model_dir
@@ -45,8 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="reports folder (default "
         f"{settings.reports_dir()}; the dashboards go to {settings.dashboards_dir()})",
     )
-    add_store_option(parser)
-    parser.set_defaults(func=run_demo)
+    store_command(parser, run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -10,13 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from servescope.commands.common import (
-    add_lake_option,
-    add_store_option,
-    add_window_options,
-    console,
-    open_store,
-)
+from servescope.commands.common import add_window_options, console, open_store, store_command
 from servescope.commands.report import _slo
 from servescope.reports import BadWindow, ReportOptions, UnknownRun, Window, build_summary
 from servescope.store.lakeread import Lake
@@ -44,10 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="targets in ms (default: the run's recorded SLOs, else the rules')",
     )
     add_window_options(p, "diagnose RUN")
-    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
-    add_store_option(p)
-    add_lake_option(p)
-    p.set_defaults(func=run)  # fmt: skip
+    store_command(p, run, json_help="print the diagnosis as JSON", lake=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from servescope.commands import bench
-from servescope.commands.common import add_store_option, console, open_store
+from servescope.commands.common import console, open_store, store_command
 from servescope.loadgen.experiment import (
     Comparison,
     Experiment,
@@ -116,9 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=settings.reports_dir(),
         help=f"(default {settings.reports_dir()})",
     )
-    run.add_argument("--json", action="store_true", help="print the outcome as JSON")
-    add_store_option(run)
-    run.set_defaults(func=run_experiment)
+    store_command(run, run_experiment, json_help="print the outcome as JSON")
 
 
 def _add_files(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from servescope.commands.common import add_store_option, console
+from servescope.commands.common import console, store_command
 from servescope.gateway import ConfigError, Gateway, load_config, serve
 from servescope.gateway.config import key_digest
 from servescope.store import Store
@@ -49,8 +49,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="read an API key on stdin and print its SHA-256 for `key_sha256` (keys stay out of "
         "config files)",
     )
-    add_store_option(parser)
-    parser.set_defaults(func=run_gateway)
+    store_command(parser, run_gateway)
 
 
 def run_gateway(args: argparse.Namespace) -> int:

@@ -13,13 +13,12 @@ from rich.table import Table
 from rich.text import Text
 
 from servescope.commands.common import (
-    add_lake_option,
-    add_store_option,
     add_window_options,
     console,
     list_runs,
     open_store,
     run_arg,
+    store_command,
 )
 from servescope.reports import (
     FORMATS,
@@ -180,12 +179,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         "prefill/decode histograms) from this Prometheus, which scrapes the replicas, over the "
         "run's window, instead of servescope's own scrapes",
     )
-    build.add_argument(
-        "--json", action="store_true", help="print the headline, paths and verdicts as JSON"
+    store_command(
+        build, run_build, json_help="print the headline, paths and verdicts as JSON", lake=True
     )
-    add_store_option(build)
-    add_lake_option(build)
-    build.set_defaults(func=run_build)
 
     flips = reports.add_parser(
         "flips",
@@ -194,10 +190,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         "or an experiment's switch), grouped by the runs it goes between, with the report "
         "command that compares them.",
     )
-    flips.add_argument("--json", action="store_true", help="print the flips as JSON")
-    add_store_option(flips)
-    add_lake_option(flips)
-    flips.set_defaults(func=run_flips)
+    store_command(flips, run_flips, json_help="print the flips as JSON", lake=True)
 
     listing = reports.add_parser(
         "list",
@@ -205,10 +198,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         description="Every run in the store: events (ok, errors, rejected), lever flips, "
         "model, status and levers.",
     )
-    listing.add_argument("--json", action="store_true", help="print the runs as JSON")
-    add_store_option(listing)
-    add_lake_option(listing)
-    listing.set_defaults(func=list_runs)
+    store_command(listing, list_runs, json_help="print the runs as JSON", lake=True)
 
 
 def run_build(args: argparse.Namespace) -> int:

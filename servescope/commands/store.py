@@ -7,13 +7,12 @@ import json
 from pathlib import Path
 
 from servescope.commands.common import (
-    add_lake_option,
-    add_store_option,
     byte_progress,
     console,
     list_runs,
     open_store,
     run_arg,
+    store_command,
 )
 from servescope.store import export_run, import_file
 from servescope.store.parquet import count_parquet, export_parquet
@@ -38,9 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "is merged, never duplicated. Bad lines go to ingest_errors with a reason.",
     )
     imp.add_argument("files", nargs="+", type=Path)
-    imp.add_argument("--json", action="store_true", help="print the totals as JSON")
-    add_store_option(imp)
-    imp.set_defaults(func=run_import)
+    store_command(imp, run_import, json_help="print the totals as JSON")
 
     exp = stores.add_parser(
         "export",
@@ -53,15 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     exp.add_argument("run_id", nargs="?", metavar="RUN", help="the run (required for jsonl)")
     exp.add_argument("--out", type=Path, required=True, help="a file (jsonl) or folder (parquet)")
     exp.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
-    exp.add_argument("--json", action="store_true", help="print the counts as JSON")
-    add_store_option(exp)
-    exp.set_defaults(func=run_export)
+    store_command(exp, run_export, json_help="print the counts as JSON")
 
     runs = stores.add_parser("runs", help="list runs with their event counts (as `report list`)")
-    runs.add_argument("--json", action="store_true", help="print the runs as JSON")
-    add_store_option(runs)
-    add_lake_option(runs)
-    runs.set_defaults(func=list_runs)
+    store_command(runs, list_runs, json_help="print the runs as JSON", lake=True)
 
 
 def run_import(args: argparse.Namespace) -> int:
