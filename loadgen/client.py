@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
 from opentelemetry.trace import SpanKind, Tracer
 
-from servescope.loadgen.transport import Http1Pool, stream_request_http1
+from servescope.loadgen.transport import Http1Pool, StreamCall, stream_request_http1
 from servescope.wire import tracing
 from servescope.wire.stream import (
     Endpoint,
@@ -24,7 +25,6 @@ from servescope.wire.stream import (
     error_class,
     mark_failed,
     route_into,
-    utc_now_iso,
 )
 
 
@@ -54,47 +54,35 @@ def stream_request(
     so the client stays far from being the bottleneck and out of what it measures); both carry
     the same timing rules and give the same event.
     """
-    args = (session, base_url, endpoint, payload, request_id)
-    options = {"headers": headers, "timeout_s": timeout_s, "keep_text": keep_text}
+    call = StreamCall(endpoint, payload, request_id, headers, timeout_s, keep_text)
     if tracer is None and not (headers and "traceparent" in headers):
-        return _stream_request(*args, **options)
-    return _traced_request(tracer, *args, **options)
+        return _stream_request(session, base_url, call)
+    return _traced_request(tracer, session, base_url, call)
 
 
 async def _traced_request(
     tracer: Tracer | None,
     session: aiohttp.ClientSession | Http1Pool,
     base_url: str,
-    endpoint: Endpoint,
-    payload: dict[str, Any],
-    request_id: str,
-    *,
-    headers: dict[str, str] | None,
-    timeout_s: float | None,
-    keep_text: bool,
+    call: StreamCall,
 ) -> dict[str, Any]:
     if tracer is None:  # the caller's own trace context
-        event = await _stream_request(
-            session, base_url, endpoint, payload, request_id,
-            headers=headers, timeout_s=timeout_s, keep_text=keep_text,
-        )  # fmt: skip
-        if trace_id := tracing.trace_id_from_headers(headers or {}):
+        event = await _stream_request(session, base_url, call)
+        if trace_id := tracing.trace_id_from_headers(call.headers or {}):
             event["trace_id"] = trace_id
         return event
-    operation = "chat" if endpoint.chat else "text_completion"
-    model = payload.get("model")
+    operation = "chat" if call.endpoint.chat else "text_completion"
+    model = call.payload.get("model")
     span, carrier = tracing.start_request_span(
         tracer,
         f"{operation} {model}" if model else operation,
         kind=SpanKind.CLIENT,
-        attributes=tracing.genai_attributes(operation, model, request_id),
-        parent_headers=headers,
+        attributes=tracing.genai_attributes(operation, model, call.request_id),
+        parent_headers=call.headers,
     )
     try:
-        event = await _stream_request(
-            session, base_url, endpoint, payload, request_id,
-            headers={**(headers or {}), **carrier}, timeout_s=timeout_s, keep_text=keep_text,
-        )  # fmt: skip
+        traced = replace(call, headers={**(call.headers or {}), **carrier})
+        event = await _stream_request(session, base_url, traced)
     except BaseException:
         span.end()
         raise
@@ -104,33 +92,20 @@ async def _traced_request(
 
 
 async def _stream_request(
-    session: aiohttp.ClientSession | Http1Pool,
-    base_url: str,
-    endpoint: Endpoint,
-    payload: dict[str, Any],
-    request_id: str,
-    *,
-    headers: dict[str, str] | None = None,
-    timeout_s: float | None = None,
-    keep_text: bool = False,
+    session: aiohttp.ClientSession | Http1Pool, base_url: str, call: StreamCall
 ) -> dict[str, Any]:
     if not isinstance(session, aiohttp.ClientSession):
-        return await stream_request_http1(
-            session, endpoint, payload, request_id,
-            headers=headers, timeout_s=timeout_s, keep_text=keep_text,
-        )  # fmt: skip
-    body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
-    send_headers = {"X-Request-Id": request_id, **(headers or {})}
-    event: dict[str, Any] = {"request_id": request_id, "ts": utc_now_iso()}
+        return await stream_request_http1(session, call)
+    endpoint, event = call.endpoint, call.event()
     start = time.perf_counter()
     timing = StreamTiming(endpoint, start)
     pieces: list[str] = []
     try:
         async with session.post(
             base_url + endpoint.path,
-            json=body,
-            headers=send_headers,
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            json=call.body(),
+            headers=call.send_headers(),
+            timeout=aiohttp.ClientTimeout(total=call.timeout_s),
         ) as resp:
             event["http_status"] = resp.status
             route_into(event, resp.headers)
@@ -151,7 +126,7 @@ async def _stream_request(
                     if chunk is not None and "error" in chunk:
                         detail = json.dumps(chunk["error"])
                         return mark_failed(event, start, "http_5xx", "error", detail)
-                    if keep_text and chunk is not None:
+                    if call.keep_text and chunk is not None:
                         pieces.extend(endpoint.text_of(c) for c in chunk.get("choices") or ())
                 if timing.done:
                     break
@@ -162,7 +137,7 @@ async def _stream_request(
     end = time.perf_counter()
     if not timing.done:
         return mark_failed(event, start, "disconnect", "error", "stream ended before [DONE]")
-    if keep_text:
+    if call.keep_text:
         event["output_text"] = "".join(pieces)
     return timing.finish(event, end)
 

@@ -38,6 +38,7 @@ import socket
 import struct
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -53,6 +54,33 @@ from servescope.wire.stream import (
 )
 
 READ_SIZE = 65536
+
+
+@dataclass(frozen=True)
+class StreamCall:
+    """One streaming request as `loadgen.client.stream_request` takes it, passed whole to
+    whichever transport carries it."""
+
+    endpoint: Endpoint
+    payload: dict[str, Any]
+    request_id: str
+    headers: dict[str, str] | None = None
+    timeout_s: float | None = None
+    keep_text: bool = False  # return the generated text as `output_text`
+
+    def body(self) -> dict[str, Any]:
+        """The payload as sent: streamed, with the usage in the last message."""
+        return {**self.payload, "stream": True, "stream_options": {"include_usage": True}}
+
+    def send_headers(self) -> dict[str, str]:
+        """The request id as `X-Request-Id` (vLLM keeps it in its ids), then the caller's."""
+        return {"X-Request-Id": self.request_id, **(self.headers or {})}
+
+    def event(self) -> dict[str, Any]:
+        """The request's event as it starts: its id and send time."""
+        return {"request_id": self.request_id, "ts": utc_now_iso()}
+
+
 # Linux's SO_TIMESTAMPNS (= its SCM_TIMESTAMPNS cmsg type), the generic value (x86, arm, riscv,
 # powerpc, s390); Python's socket module does not name it.
 SO_TIMESTAMPNS: int | None = getattr(
@@ -347,27 +375,17 @@ class _Stream:
                 self.pieces.extend(self.endpoint.text_of(c) for c in chunk.get("choices") or ())
 
 
-async def stream_request_http1(
-    pool: Http1Pool,
-    endpoint: Endpoint,
-    payload: dict[str, Any],
-    request_id: str,
-    *,
-    headers: dict[str, str] | None = None,
-    timeout_s: float | None = None,
-    keep_text: bool = False,
-) -> dict[str, Any]:
+async def stream_request_http1(pool: Http1Pool, call: StreamCall) -> dict[str, Any]:
     """`loadgen.client.stream_request` over this transport (what `bench run` uses against
     `http://` targets): the same timing rules (`StreamTiming`), the same event, with the times
     of the module docstring."""
-    body = json.dumps({**payload, "stream": True, "stream_options": {"include_usage": True}})
-    send_headers = {"X-Request-Id": request_id, **(headers or {})}
-    event: dict[str, Any] = {"request_id": request_id, "ts": utc_now_iso()}
-    stream = _Stream(event, endpoint, keep_text)
+    body = json.dumps(call.body()).encode()
+    event = call.event()
+    stream = _Stream(event, call.endpoint, call.keep_text)
     timing = stream.timing
     try:
-        async with asyncio.timeout(timeout_s):
-            await post(pool, endpoint.path, body.encode(), send_headers, stream)
+        async with asyncio.timeout(call.timeout_s):
+            await post(pool, call.endpoint.path, body, call.send_headers(), stream)
     except TimeoutError as exc:
         return mark_failed(event, timing.start, "timeout", "timeout", repr(exc), wire_now)
     except ConnectFailed as exc:
@@ -385,6 +403,6 @@ async def stream_request_http1(
         return mark_failed(
             event, timing.start, "disconnect", "error", "stream ended before [DONE]", wire_now
         )
-    if keep_text:
+    if call.keep_text:
         event["output_text"] = "".join(stream.pieces)
     return timing.finish(event, stream.end)
