@@ -34,11 +34,14 @@ def _rate(metric: str, by: str = "model_name", selector: str = MODEL) -> str:
     return f"sum by ({by}) (rate({metric}{{{selector}}}[{RATE}]))"
 
 
+def _quantile(q: float, bucket: str, label: str = "") -> Query:
+    """A quantile of one of vLLM's histograms by model, its legend `[label] pNN <model>`."""
+    legend = " ".join(part for part in (label, f"p{round(q * 100)}", "{{model_name}}") if part)
+    return Query(quantile(q, bucket, "model_name", MODEL), legend)
+
+
 def _percentiles(bucket: str, qs: tuple[float, ...] = (0.5, 0.95, 0.99)) -> list[Query]:
-    return [
-        Query(quantile(q, bucket, "model_name", MODEL), f"p{round(q * 100)} {{{{model_name}}}}")
-        for q in qs
-    ]
+    return [_quantile(q, bucket) for q in qs]
 
 
 def core_indicators() -> list:
@@ -60,19 +63,8 @@ def core_indicators() -> list:
             "too many sequences batched, preemptions, or low decode utilisation.",
             "s",
             [
-                Query(
-                    quantile(
-                        0.95,
-                        "vllm:request_time_per_output_token_seconds_bucket",
-                        "model_name",
-                        MODEL,
-                    ),
-                    "TPOT p95 {{model_name}}",
-                ),
-                Query(
-                    quantile(0.95, "vllm:inter_token_latency_seconds_bucket", "model_name", MODEL),
-                    "ITL p95 {{model_name}}",
-                ),
+                _quantile(0.95, "vllm:request_time_per_output_token_seconds_bucket", "TPOT"),
+                _quantile(0.95, "vllm:inter_token_latency_seconds_bucket", "ITL"),
             ],
         ),
         timeseries(
@@ -81,14 +73,8 @@ def core_indicators() -> list:
             "growing queue time means excess concurrency or missing admission control.",
             "s",
             [
-                Query(
-                    quantile(0.95, "vllm:request_queue_time_seconds_bucket", "model_name", MODEL),
-                    "queue p95 {{model_name}}",
-                ),
-                Query(
-                    quantile(0.5, "vllm:request_queue_time_seconds_bucket", "model_name", MODEL),
-                    "queue p50 {{model_name}}",
-                ),
+                _quantile(0.95, "vllm:request_queue_time_seconds_bucket", "queue"),
+                _quantile(0.5, "vllm:request_queue_time_seconds_bucket", "queue"),
             ],
         ),
         timeseries(
@@ -204,14 +190,8 @@ def throughput_and_latency() -> list:
             "growing means larger batches or preemptions.",
             "s",
             [
-                Query(
-                    quantile(0.95, "vllm:request_prefill_time_seconds_bucket", "model_name", MODEL),
-                    "prefill p95 {{model_name}}",
-                ),
-                Query(
-                    quantile(0.95, "vllm:request_decode_time_seconds_bucket", "model_name", MODEL),
-                    "decode p95 {{model_name}}",
-                ),
+                _quantile(0.95, "vllm:request_prefill_time_seconds_bucket", "prefill"),
+                _quantile(0.95, "vllm:request_decode_time_seconds_bucket", "decode"),
             ],
         ),
     ]
