@@ -32,6 +32,16 @@ measurement:
 - non-torch: the CUDA kernel images loaded on first use during the profile run (cuBLAS/cuBLASLt,
   FlashAttention, vLLM's and inductor's kernels): `NON_TORCH_GIB`, a stated assumption (vLLM
   logs report 0.1–0.3 GiB for a dense model at TP 1); the one term the shape cannot give.
+- NCCL's buffers, with tensor parallelism: NCCL (2.22 on) connects an algorithm's channels on
+  their first use. vLLM's communicator warms up with a one-element all-reduce before its
+  snapshot, which a small-message algorithm carries; the profile run's first large all-reduce
+  (T × hidden, the row-parallel layers' output) then connects the ring, allocating outside
+  torch, after the snapshot, one buffer per protocol in every channel: Simple 4 MiB
+  (`NCCL_BUFFSIZE`), LL128 4.6875 MiB (120 × 640 threads × 8 steps × 8 bytes), LL 0.5 MiB
+  (8 × 512 × 8 × 16 bytes), on each GPU. NCCL opens 32 channels for a ring of NVLink-connected
+  Hopper or Ampere GPUs (its `32 coll channels` line on an HGX H100); a ring over PCIe, 2 (an
+  assumption, not measured here): `Card.nccl_channels`, 32 for a card not in `CARDS`. Data
+  parallelism alone connects no such ring (its engines agree on batch sizes over the CPU).
 - CUDA graphs: the capture sizes vLLM picks (1, 2, 4, then every 8 up to 256, every 16 up to
   `max_cudagraph_capture_size` = min(2 × max_num_seqs, 512, max_num_batched_tokens)), each
   captured once PIECEWISE and once FULL (FULL_AND_PIECEWISE, the default); the first capture
@@ -58,6 +68,10 @@ MIB = 1 << 20
 CUBLAS_WORKSPACE = 32 * MIB  # torch's default on sm90: 8 chunks of 4 MiB
 NON_TORCH_GIB = 0.10  # assumption, see the module docstring
 GRAPH_FLOOR = 1 * MIB  # vLLM's minimum per captured graph
+# NCCL's buffers of one connection, one per protocol (see the module docstring)
+NCCL_PROTOCOL_BUFFERS = 4 * MIB + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
+NVLINK_CHANNELS = 32  # NCCL's channels for a ring of NVLink-connected GPUs
+PCIE_CHANNELS = 2  # and for one over PCIe
 SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 8  # float32 logits, probs, sorted values; int64 indices
 LARGE_GPU_GIB = 70  # vLLM's larger defaults above this (H100/H200/MI300; A100-80GB excepted)
 
@@ -84,6 +98,7 @@ class GpuMemory:
     weights: int
     activation_peak: int
     non_torch: int
+    nccl: int
     cudagraphs: int
     extra: int
     available: int
@@ -125,6 +140,7 @@ class Card:
     nvidia_smi_mib: int
     cuda_gib: float
     source: str
+    nccl_channels: int = NVLINK_CHANNELS  # a ring of these cards (PCIE_CHANNELS without NVLink)
 
 
 _PUBLISHED = (
@@ -140,10 +156,10 @@ CARDS = (
     Card("B200", ("B200-180GB",), 183_359, 178.35, _PUBLISHED),
     Card("A100-80GB", ("A100-SXM4-80GB", "A100-PCIE-80GB"), 81_920, 79.15, _PUBLISHED),
     Card("A100-40GB", ("A100", "A100-SXM4-40GB", "A100-PCIE-40GB"), 40_960, 39.39, _PUBLISHED),
-    Card("L40S", (), 46_068, 44.39, _PUBLISHED),
-    Card("L4", (), 23_034, 22.03, _PUBLISHED),
-    Card("A10G", (), 23_028, 22.06, _PUBLISHED),
-    Card("T4", ("TESLA-T4",), 15_360, 14.75, _PUBLISHED),
+    Card("L40S", (), 46_068, 44.39, _PUBLISHED, PCIE_CHANNELS),
+    Card("L4", (), 23_034, 22.03, _PUBLISHED, PCIE_CHANNELS),
+    Card("A10G", (), 23_028, 22.06, _PUBLISHED, PCIE_CHANNELS),
+    Card("T4", ("TESLA-T4",), 15_360, 14.75, _PUBLISHED, PCIE_CHANNELS),
 )  # fmt: skip
 
 
@@ -200,6 +216,16 @@ def nvml_cuda_total() -> tuple[int, str] | None:
     finally:
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
+
+
+def nccl_buffers(tp: int, device_name: str | None = None) -> int:
+    """Bytes NCCL allocates on each GPU when the profile run connects the tensor-parallel ring
+    (0 without tensor parallelism): its channels × one buffer per protocol."""
+    if tp < 2:
+        return 0
+    found = card(device_name) if device_name else None
+    channels = found.nccl_channels if found is not None else NVLINK_CHANNELS
+    return channels * NCCL_PROTOCOL_BUFFERS
 
 
 def doubtful_total(gib: float) -> str | None:
@@ -304,13 +330,15 @@ def predict(
         pool = layer_peak(shape, max(sizes), dtype_bytes, tp)
         graphs = pool + GRAPH_FLOOR * (2 * len(sizes) - 2)  # PIECEWISE and FULL, less the firsts
     non_torch = int(NON_TORCH_GIB * GIB)
-    available = requested - weights - activation - non_torch - graphs - extra_bytes
+    nccl = nccl_buffers(tp, device_name)
+    available = requested - weights - activation - non_torch - nccl - graphs - extra_bytes
     return GpuMemory(
         total=total_bytes,
         requested=requested,
         weights=weights,
         activation_peak=activation,
         non_torch=non_torch,
+        nccl=nccl,
         cudagraphs=graphs,
         extra=extra_bytes,
         available=max(available, 0),

@@ -271,7 +271,8 @@ def _gpu_terms(memory: dict[str, Any] | None, source: str | None) -> list[str]:
         f"| GPU: {memory['total']} GiB × utilization = {memory['requested']} GiB − weights "
         f"{memory['weights']} − activation peak {memory['activation_peak']} (a "
         f"{memory['max_num_batched_tokens']:,}-token step, {memory['max_num_seqs']:,} sequences) "
-        f"− non-torch {memory['non_torch']} − CUDA graphs {memory['cudagraphs']} "
+        f"− non-torch {memory['non_torch']} − NCCL buffers {memory['nccl']} "
+        f"− CUDA graphs {memory['cudagraphs']} "
         f"({memory['cudagraph_sizes']} sizes) − overhead {memory['extra']} | "
         f"available KV cache memory {memory['available']} GiB |",
     ]
