@@ -14,7 +14,7 @@ import pytest
 
 from servescope.store import Store
 from tests.conftest import servescope
-from tests.test_report_diff import percentile
+from tests.integration.test_report_diff import percentile
 
 T0 = datetime(2026, 11, 22, 5, 0, 0)
 RUN = "run-20261122-summary"

@@ -29,7 +29,7 @@ from servescope.gateway.config import parse_config
 from servescope.gateway.httpserver import Reply, Request, Response, Server, json_response
 from servescope.gateway.server import Gateway, build_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from gateway_asgi import asgi_app  # noqa: E402
 
 H = b"POST /echo HTTP/1.1\r\nHost: x\r\n"

@@ -12,7 +12,7 @@ from markupsafe import escape
 
 from servescope.store import Store
 from tests.conftest import servescope
-from tests.test_store import SEED_LINE
+from tests.unit.test_store import SEED_LINE
 
 
 def test_seed_run_builds_with_nulls_for_what_was_not_measured(tmp_path: Path) -> None:

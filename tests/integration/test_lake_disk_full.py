@@ -20,7 +20,7 @@ import pytest
 from servescope.store import Store
 from servescope.store.lakeread import Lake
 from tests.conftest import ROOT, SERVESCOPE, free_port
-from tests.test_lake import _metrics, _wait_up
+from tests.integration.test_lake import _metrics, _wait_up
 
 RUN = "run-20261125-diskfull"
 

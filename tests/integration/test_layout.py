@@ -12,7 +12,7 @@ from pathlib import Path
 
 from servescope.commands import NAMES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ROOMS = {  # folder → the rooms of ours it may import (docs/architecture.md, "Rooms")
     "store": set(),
     "wire": {"store"},

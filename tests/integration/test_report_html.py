@@ -29,7 +29,7 @@ from PIL import Image
 
 from servescope.store import Store
 from tests.conftest import servescope
-from tests.test_report_diff import T0, store_run, synthetic_events
+from tests.integration.test_report_diff import T0, store_run, synthetic_events
 
 HOSTILE = "<script>alert(1)</script>"
 HOSTILE_LEVER = '"><img src=x onerror=alert(2)>'

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 import pytest
 import yaml
@@ -20,7 +19,6 @@ from servescope.loadgen.plan import (
 from servescope.loadgen.runner import meets_slo, parse_slo
 from servescope.loadgen.workload import WorkloadError, load_config, parse_config, shipped
 from servescope.wire.routing import ROUTING_POLICIES
-from tests.conftest import servescope
 
 SEED_FILE = """
 workloads:
@@ -168,19 +166,6 @@ def test_classes_and_agent_sessions() -> None:
 def test_bad_workloads_say_what_is_wrong(workload: dict, message: str) -> None:
     with pytest.raises(WorkloadError, match=message):
         parse_config({"workloads": [workload]})
-
-
-def test_bad_input_exits_2_with_a_message(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("workloads:\n  - {name: w, input_tokens: 8, output_tokens: 8}\n")
-    result = servescope("bench", "run", "--config", str(bad), "--store", str(tmp_path / "s"))
-    assert result.returncode == 2 and "concurrency" in result.stderr
-    result = servescope("bench", "run", "--config", "no-such-scenario")
-    assert result.returncode == 2 and "ralph-loop" in result.stderr
-    result = servescope("bench", "run", "--config", "rag", "--slo", "ttft=5")
-    assert result.returncode == 2 and "unknown SLO metric" in result.stderr
-    result = servescope("experiment", "run", "no-such-experiment")
-    assert result.returncode == 2 and "prefix-caching" in result.stderr
 
 
 def test_slo_and_goodput_rule() -> None:
