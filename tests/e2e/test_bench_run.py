@@ -18,7 +18,7 @@ from servescope.loadgen.plan import unit_plan
 from servescope.loadgen.prompts import PromptBook, PromptMaker
 from servescope.loadgen.runner import SATURATION_LAG_MS
 from servescope.loadgen.workload import load_config
-from servescope.store import Store
+from servescope.store import Store, settings
 from tests.conftest import ROOT, SERVESCOPE, RunningServer, bench_args, read_events, servescope
 
 
@@ -162,7 +162,7 @@ def test_ctrl_c_stores_what_was_measured_as_a_partial_run(
         " requests_per_level: 400}\n"
     )
     store = tmp_path / "s.duckdb"
-    events_file = ROOT / "servescope-data" / "events" / "run-20261122-ctrlc.events.jsonl"
+    events_file = settings.events_dir() / "run-20261122-ctrlc.events.jsonl"
     events_file.unlink(missing_ok=True)
     process = subprocess.Popen(
         [

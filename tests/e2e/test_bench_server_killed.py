@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from servescope.loadgen.launcher import VllmServer
-from servescope.store import Store
+from servescope.store import Store, settings
 from tests.conftest import ROOT, SERVESCOPE, bench_args, free_port, read_events
 
 
@@ -25,7 +25,7 @@ def test_a_server_killed_mid_run_gives_error_events_and_exit_1(
     )
     store = tmp_path / "s.duckdb"
     run_id = "run-20261122-killed"
-    events_file = ROOT / "servescope-data" / "events" / f"{run_id}.events.jsonl"
+    events_file = settings.events_dir() / f"{run_id}.events.jsonl"
     events_file.unlink(missing_ok=True)
     server = VllmServer(
         tiny_model, port=free_port(), served_name="tiny", log_path=tmp_path / "vllm.log"

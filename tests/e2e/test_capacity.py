@@ -10,8 +10,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from servescope.store import settings
 from servescope.wire.kv_statement import kv_cache_from_log
-from tests.conftest import ROOT, RunningServer, servescope
+from tests.conftest import RunningServer, servescope
 from tests.integration.test_capacity import capacity
 
 
@@ -28,8 +29,7 @@ def test_tiny_model_matches_what_real_vllm_states(
     assert ours["kv_tokens"] == stated["kv_cache_tokens"] == 524_288
     assert ours["max_concurrency"] == pytest.approx(stated["max_concurrency"], abs=0.005)
 
-    state = json.loads((ROOT / "servescope-data" / "servers" / f"{vllm_server.port}.json")
-                       .read_text())  # fmt: skip
+    state = json.loads((settings.servers_dir() / f"{vllm_server.port}.json").read_text())
     assert state["kv_cache"]["vllm"] == stated
     recorded = state["kv_cache"]["servescope"]
     assert recorded["kv_tokens"] == stated["kv_cache_tokens"]

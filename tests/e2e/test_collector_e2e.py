@@ -17,7 +17,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from servescope.store import Store
+from servescope.store import Store, reads
 from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, servescope
 
 pytestmark = pytest.mark.vllm
@@ -46,9 +46,8 @@ def _wait_port(port: int, process: subprocess.Popen[bytes], out: Path) -> None:
 def _events(store: Path, run_id: str) -> list[dict]:
     """Read while the collector writes: the store's reader waits out a flush, never fails."""
     with Store(store).read() as con:
-        cur = con.execute("SELECT * FROM events WHERE run_id = ? ORDER BY request_id", [run_id])
-        names = [d[0] for d in cur.description]
-        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+        sql = "SELECT * FROM events WHERE run_id = ? ORDER BY request_id"
+        return reads.rows(con.execute(sql, [run_id]))
 
 
 def _collect_during_bench(
@@ -90,6 +89,7 @@ def _collect_during_bench(
         bench = servescope(
             "bench", "run", "--config", str(config), "--target", url, "--run-id", run_id,
             "--store", str(store), "--json", cwd=folder,
+            env={"SERVESCOPE_DATA_DIR": str(folder / "servescope-data")},
         )  # fmt: skip
         assert bench.returncode == 0, bench.stderr
         # reads while the collector writes: never a lock error, and they see each flush

@@ -12,8 +12,7 @@ import pytest
 
 from servescope.commands.experiment import OUTCOME_INDICATORS
 from servescope.loadgen.experiment import KEPT_UP, STATE_RESET
-from servescope.loadgen.launcher import LOG_DIR
-from servescope.store import Store
+from servescope.store import Store, settings
 from tests.conftest import servescope
 
 
@@ -81,7 +80,8 @@ def test_four_runs_interleaved_with_the_profiles_levers(experiment: dict) -> Non
         assert notes["repeat_design"] == KEPT_UP and notes["position"] == position
         assert notes["server_runs_before"] == row["repeat"] - 1
     for arm in ("no-prefix-caching", "default"):  # one server per arm, reset before each run
-        log = (LOG_DIR / f"{out['experiment_id']}-{arm}.log").read_text(errors="replace")
+        log_path = settings.logs_dir() / f"{out['experiment_id']}-{arm}.log"
+        log = log_path.read_text(errors="replace")
         assert log.count("Resetting prefix cache") == 2, arm
         assert log.count("non-default args") == 1, arm  # started once
     stderr = experiment["stderr"]  # the outcome table, printed to a pipe: one column per run

@@ -768,7 +768,7 @@ def test_a_fleet_experiment_interleaves_and_resets_its_replicas(
 
     monkeypatch.setattr(fleet, "VllmServer", replica)
     monkeypatch.setattr(fleet, "GatewayProcess", FakeGateway)
-    monkeypatch.setattr(fleet, "FLEET_DIR", tmp_path / "fleet")
+    monkeypatch.setenv("SERVESCOPE_DATA_DIR", str(tmp_path))
     store = Store(tmp_path / "s.duckdb")
     result = fleet.FleetExperiment(
         load_experiments()["routing"],
