@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from servescope.commands import bench
-from servescope.commands.common import console, open_store, store_command
+from servescope.commands.common import UsageError, console, open_store, store_command
 from servescope.loadgen.experiment import (
     Comparison,
     Experiment,
@@ -139,17 +139,16 @@ def _add_files(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> tuple[dict[str, ExperimentSpec], dict[str, Profile]]:
-    """The experiments and profiles, with the user's files; ExperimentError or ProfileError
-    (one line) for a file that cannot be used."""
-    return load_experiments(args.file), load_profiles(args.profiles)
+    """The experiments and profiles, with the user's files; a file that cannot be used is a
+    usage error (its one line, exit 2)."""
+    try:
+        return load_experiments(args.file), load_profiles(args.profiles)
+    except (ExperimentError, ProfileError) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run_list(args: argparse.Namespace) -> int:
-    try:
-        experiments, _profiles = _load(args)
-    except (ExperimentError, ProfileError) as exc:
-        console.print(str(exc), style="red", markup=False, soft_wrap=True)
-        return 2
+    experiments, _profiles = _load(args)
     for name, spec in experiments.items():
         origin = "" if spec.source == "built-in" else f" [{spec.source}]"
         print(
@@ -181,11 +180,7 @@ def _model(spec: ExperimentSpec, given: Path | None) -> tuple[Path, bool]:
 
 
 def run_experiment(args: argparse.Namespace) -> int:
-    try:
-        experiments, profiles = _load(args)
-    except (ExperimentError, ProfileError) as exc:
-        console.print(str(exc), style="red", markup=False, soft_wrap=True)
-        return 2
+    experiments, profiles = _load(args)
     if args.name not in experiments:
         where = f" or in {args.file}" if args.file else ""
         console.print(
