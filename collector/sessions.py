@@ -238,7 +238,7 @@ class Session:
         process's, so a compile time every worker logs is not summed over them."""
         memory = {k: v for k, v in values.items() if k.endswith("_gib")}
         if memory:
-            key = gpu_key(engine, rank)
+            key = vllm_log.gpu_key(engine, rank)
             self.gpus[key] = {**self.gpus.get(key, {}), **memory}
         if engine in (None, "0") and rank in (None, "0"):
             self.cold_start = vllm_log.add_phase(self.cold_start, values)
@@ -631,12 +631,6 @@ class Attribution:
 
 def _size(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
-
-
-def gpu_key(engine: str | None, rank: str | None) -> str:
-    """One GPU of a server, named by its data-parallel engine and tensor-parallel rank:
-    `dp0-tp0` (the only GPU of a plain server), `dp1-tp0`, `dp0-tp1`."""
-    return f"dp{engine or 0}-tp{rank or 0}"
 
 
 def _in_session(doc: dict[str, Any], sessions: list[Session]) -> Session | None:

@@ -415,11 +415,10 @@ def worksheet(
     }  # fmt: skip
 
 
-def from_levers(model: Path, levers: dict[str, Any], env: dict[str, str]) -> dict[str, Any] | None:
-    """servescope's numbers for a server the launcher started (its flags and environment), to
-    record next to vLLM's own statement; None when the model is not a local folder."""
-    if not _config_path_exists(model):
-        return None
+def settings_of(levers: dict[str, Any], **given: Any) -> Settings:
+    """The arithmetic's settings for a server started with these flags (vLLM's `non-default
+    args`, or the launcher's levers: vLLM's names); `given` sets what flags do not hold (the KV
+    space, the GPU's total and name)."""
 
     def num(key: str, cast: type) -> Any:
         value = levers.get(key)
@@ -428,16 +427,29 @@ def from_levers(model: Path, levers: dict[str, Any], env: dict[str, str]) -> dic
         except (TypeError, ValueError):
             return None
 
+    found: dict[str, Any] = {
+        "dtype": str(levers.get("dtype") or "auto"),
+        "kv_cache_dtype": str(levers.get("kv_cache_dtype") or "auto"),
+        "max_model_len": num("max_model_len", int),
+        "tensor_parallel_size": num("tensor_parallel_size", int) or 1,
+        "data_parallel_size": num("data_parallel_size", int) or 1,
+        "block_size": num("block_size", int),
+        "max_num_batched_tokens": num("max_num_batched_tokens", int),
+        "max_num_seqs": num("max_num_seqs", int),
+        "enforce_eager": levers.get("enforce_eager") is True,
+    }
+    if (utilization := num("gpu_memory_utilization", float)) is not None:
+        found["gpu_memory_utilization"] = utilization
+    return Settings(**{**found, **given})
+
+
+def from_levers(model: Path, levers: dict[str, Any], env: dict[str, str]) -> dict[str, Any] | None:
+    """servescope's numbers for a server the launcher started (its flags and environment), to
+    record next to vLLM's own statement; None when the model is not a local folder."""
+    if not _config_path_exists(model):
+        return None
     space = env.get("VLLM_CPU_KVCACHE_SPACE")
-    settings = Settings(
-        dtype=str(levers.get("dtype") or "auto"),
-        kv_cache_dtype=str(levers.get("kv_cache_dtype") or "auto"),
-        max_model_len=num("max_model_len", int),
-        tensor_parallel_size=num("tensor_parallel_size", int) or 1,
-        data_parallel_size=num("data_parallel_size", int) or 1,
-        kv_cache_gib=float(space) if space else None,
-        block_size=num("block_size", int),
-    )
+    settings = settings_of(levers, kv_cache_gib=float(space) if space else None)
     try:
         result = compute(load_shape(model), settings)
     except (CapacityError, ValueError):

@@ -362,6 +362,35 @@ def cold_start_from_log(text: str, *, year: int) -> dict[str, float]:
     return phases
 
 
+def gpu_key(engine: str | None, rank: str | None) -> str:
+    """One GPU of a server, named by its data-parallel engine and tensor-parallel rank:
+    `dp0-tp0` (the only GPU of a plain server), `dp1-tp0`, `dp0-tp1`."""
+    return f"dp{engine or 0}-tp{rank or 0}"
+
+
+def start_from_log(text: str, *, year: int) -> dict[str, Any]:
+    """What the last server start in a log's text said about its size, process by process:
+    `levers` (its `non-default args`), `engines` (each data-parallel engine's KV statement, "0"
+    for a server of one engine) and `gpus` (each GPU's memory lines, `gpu_key` → GiB figures).
+    For scripts and tests that compare a recorded start with a prediction."""
+    out: dict[str, Any] = {"levers": {}, "engines": {}, "gpus": {}}
+    for line in text.splitlines():
+        item = parse_line(line.encode("utf-8", "replace"), year=year)
+        if isinstance(item, Startup) and item.version is not None:
+            out = {"levers": {}, "engines": {}, "gpus": {}}
+        elif isinstance(item, Levers):
+            out["levers"] = item.levers
+        elif isinstance(item, KvCache):
+            engine = out["engines"].setdefault(item.engine or "0", {})
+            engine.update(item.values)
+        elif isinstance(item, Phase):
+            memory = {k: v for k, v in item.values.items() if k.endswith("_gib")}
+            if memory:
+                key = gpu_key(item.engine, item.rank)
+                out["gpus"][key] = {**out["gpus"].get(key, {}), **memory}
+    return out
+
+
 def _piece(vllm_id: str, fields: dict[str, Any], *, engine: bool) -> Item:
     if vllm_id.startswith(NOT_INFERENCE):
         return None  # /tokenize and /detokenize log their calls too; they serve no request

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from servescope.loadgen import gpu_memory
+from servescope.loadgen.capacity import GIB, Settings, compute, load_shape, settings_of
+from servescope.wire.vllm_log import start_from_log
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 
@@ -79,3 +81,34 @@ def test_vllm_s_scheduler_defaults_spare_the_a100() -> None:
 def test_without_a_gpu_nvml_gives_no_total() -> None:
     """This machine has no GPU: the NVML reading is None, not an error."""
     assert gpu_memory.nvml_cuda_total() is None
+
+
+# -- every recorded KV statement ----------------------------------------------------------------
+def _captures() -> list[tuple[Path, Path, Path]]:
+    """(vLLM's log, the model's config.json, nvidia-smi -q of its GPUs) of every recorded start:
+    one H100 (tests/fixtures/gpu/kv: kv-SHAPE-uU-lL.log beside config-SHAPE.json)."""
+    one = FIXTURES / "gpu" / "kv"
+    return [
+        (log, one / f"config-{log.stem.split('-')[1]}.json", FIXTURES / "gpu" / "nvidia-smi-q.txt")
+        for log in sorted(one.glob("kv-*.log"))
+    ]
+
+
+@pytest.mark.parametrize("log, config, smi", _captures(), ids=lambda p: p.stem)
+def test_capacity_is_within_1_percent_of_every_recorded_statement(
+    log: Path, config: Path, smi: Path
+) -> None:
+    """The flags are the log's own (`non-default args`: utilization, max-model-len, TP, DP, KV
+    dtype, eager), the total CUDA's as the card's nvidia-smi -q gives it; every GPU's "Available
+    KV cache memory" and every engine's "GPU KV cache size" within 1 % (nothing fitted to these)."""
+    start = start_from_log(log.read_text(errors="replace"), year=2026)
+    settings = Settings(**{**vars(settings_of(start["levers"])),
+                           "gpu_memory_gib": cuda_total_gib(smi)})  # fmt: skip
+    ours = compute(load_shape(config), settings)
+    available = [g["kv_cache_available_gib"] for g in start["gpus"].values()
+                 if "kv_cache_available_gib" in g]  # fmt: skip
+    assert available and start["engines"]
+    for stated in available:
+        assert ours["kv_cache_bytes"] / GIB == pytest.approx(stated, rel=0.01)
+    for engine in start["engines"].values():
+        assert ours["kv_tokens"] == pytest.approx(engine["kv_cache_tokens"], rel=0.01)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from servescope.collector.sessions import Session, gpu_key
-from servescope.wire.vllm_log import KvCache, Phase, parse_line, process_of
+from servescope.collector.sessions import Session
+from servescope.wire.vllm_log import KvCache, Phase, gpu_key, parse_line, process_of
 
 DP_LOG = Path(__file__).resolve().parents[1] / "fixtures" / "dp2-cpu" / "vllm-dp2.log"
 
