@@ -1,5 +1,6 @@
 """bench_capacity_gpu.py — `servescope capacity`'s prediction of vLLM's KV-cache memory beside
-vLLM's own statement: one JSON line per server start, then a Markdown table of the errors.
+vLLM's own statement: one JSON line per server start (stdout), then a Markdown table of the
+errors (stderr).
 
 Each start is predicted from its own log: its flags (`non-default args`: utilization,
 max-model-len, tensor and data parallel sizes, KV-cache dtype, eager, batch limits), its model's
@@ -291,7 +292,7 @@ def main() -> int:
             shutil.copy(log, args.keep_logs / log.name)
         print(json.dumps({"start": log.stem, "start_s": round(seconds, 1), **row}), flush=True)
         rows.append((log.stem, row))
-    print(table(rows))
+    print(table(rows), file=sys.stderr)  # stdout stays one JSON line a start
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
@@ -315,7 +316,7 @@ def from_logs(folder: Path, configs: dict[str, Path], gib: float | None) -> int:
         row = compare(text, config, device="cuda", total_gib=total)
         print(json.dumps({"start": log.stem, **row}), flush=True)
         rows.append((log.stem, row))
-    print(table(rows))
+    print(table(rows), file=sys.stderr)  # stdout stays one JSON line a start
     return 0
 
 
