@@ -4,7 +4,7 @@
 # two_gpu_traffic.py (20 good requests, 4 refused with 400, one of them a prompt longer than the
 # context), NVML read every 0.5 s throughout with each GPU's compute processes. JOB:
 #   tp2    the 8B Llama shape, --tensor-parallel-size 2
-#   dp2    the 8B Llama shape, --data-parallel-size 2, plus 64 streams with /metrics snapshots
+#   dp2    the 8B Llama shape, --data-parallel-size 2 --enforce-eager, plus 64 streams with /metrics snapshots
 #   fp8    the 8B Llama shape, --tensor-parallel-size 2 --kv-cache-dtype fp8 --enforce-eager
 #   qwen3  a Qwen3-8B shape (shapes/qwen3-8b.json), --tensor-parallel-size 2 --enforce-eager
 #   pair   two one-GPU servers of the 8B shape at once, CUDA_VISIBLE_DEVICES=0 and 1, ports 8000
@@ -50,7 +50,7 @@ lifetime() {  # JOB NEED_S MODEL_DIR NAME [serve flags...]: one server on both G
 for job in "$@"; do
   case "$job" in
     tp2) lifetime tp2 250 "$BASE_MODEL" llama8b-dummy --tensor-parallel-size 2 ;;
-    dp2) lifetime dp2 250 "$BASE_MODEL" llama8b-dummy --data-parallel-size 2 ;;
+    dp2) lifetime dp2 140 "$BASE_MODEL" llama8b-dummy --data-parallel-size 2 --enforce-eager ;;
     fp8) lifetime fp8 140 "$BASE_MODEL" llama8b-dummy --tensor-parallel-size 2 --kv-cache-dtype fp8 --enforce-eager ;;
     qwen3)
       Q=/tmp/model-qwen3; rm -rf $Q; cp -r "$BASE_MODEL" $Q; cp "$HERE/shapes/qwen3-8b.json" $Q/config.json
