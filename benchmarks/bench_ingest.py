@@ -47,6 +47,7 @@ _CODE = sys.argv[sys.argv.index("--code-root") + 1] if "--code-root" in sys.argv
 sys.path.insert(0, _CODE)
 
 from servescope.collector import Collector, FlushReport  # noqa: E402
+from servescope.collector.sources.events import EventsFiles  # noqa: E402
 from servescope.store import Store  # noqa: E402
 from servescope.store.lake import LakeWriter  # noqa: E402
 from servescope.store.lakeread import Lake  # noqa: E402
@@ -98,7 +99,7 @@ def ours(path: Path, folder: Path, n: int, lake: bool = False) -> tuple[float, f
     store = Store(folder / "ours.duckdb")
     store._ensure_schema()
     writer = LakeWriter(folder / "lake-ours", store) if lake else None
-    collector = Collector(store, events=[str(path)], lake=writer)
+    collector = Collector(store, [EventsFiles(str(path))], lake=writer)
     written = {"n": 0}
     done = threading.Event()
 
@@ -160,7 +161,7 @@ def steady(folder: Path, rate: int, seconds: float, lake: bool = False) -> dict[
     store = Store(folder / "steady.duckdb")
     store._ensure_schema()
     writer = LakeWriter(folder / "lake-steady", store) if lake else None
-    collector = Collector(store, events=[str(path)], want_keys=True, lake=writer)
+    collector = Collector(store, [EventsFiles(str(path))], want_keys=True, lake=writer)
     total = int(rate * seconds)
     sent: list[float] = [0.0] * total
     lags: list[float] = []

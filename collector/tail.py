@@ -129,21 +129,21 @@ class Tailer:
         for key, row in list(self.saved.items()):
             if key in current:
                 continue  # at its path: `_discover` resumes it, or finds its copy and restarts
-            path = rotated.get(key)
-            if path is not None and self._matches(self._open_path(path), row):
-                fh = self._open_path(path)
+            moved = rotated.get(key)
+            if moved is not None and self._matches(self._open_path(moved), row):
+                fh = self._open_path(moved)
                 if fh is not None:
-                    state = FileState(key, path, row["offset"], row["fp_len"], row["fp"], fh=fh)
+                    state = FileState(key, moved, row["offset"], row["fp_len"], row["fp"], fh=fh)
                     state.gen = (row.get("state") or {}).get("gen") or _now()
                     self._adopt(state, detached=True)
                 continue
             found = self._find_copy(row, exclude={key})
             if found is not None:
                 self._adopt(found, detached=True)
-            if path is not None:  # same inode, other content: written after a truncation
-                fh = self._open_path(path)
+            if moved is not None:  # same inode, other content: written after a truncation
+                fh = self._open_path(moved)
                 if fh is not None:
-                    self._adopt(FileState(key, path, fh=fh, gen=_now()), detached=True)
+                    self._adopt(FileState(key, moved, fh=fh, gen=_now()), detached=True)
 
     def _rotated_names(self) -> dict[str, str]:
         """key -> path of the files in the folder named like the pattern plus a suffix

@@ -13,10 +13,15 @@ from pathlib import Path
 from types import FrameType
 
 from servescope.collector import Collector
-from servescope.collector.gpu import GPU_MODES, NoGpu, open_gpu_source
-from servescope.collector.otlp import OtlpReceiver
+from servescope.collector.gpu import GPU_MODES, GpuSource, NoGpu, open_gpu_source
 from servescope.collector.otlp_export import OtlpExport, StoredRequestForwarder
 from servescope.collector.selfmetrics import SelfMetrics
+from servescope.collector.sources import Source
+from servescope.collector.sources.events import EventsFiles
+from servescope.collector.sources.gpu import GpuTelemetry
+from servescope.collector.sources.logs import VllmLog
+from servescope.collector.sources.metrics import MetricsTarget
+from servescope.collector.sources.otlp import OtlpTraces
 from servescope.commands.common import add_store_option, byte_progress, console, open_store
 from servescope.store.lake import LakeWriter
 
@@ -180,28 +185,26 @@ def run_collect(args: argparse.Namespace) -> int:
     except OSError as exc:
         console.print(f"cannot write the lake at {args.lake}: {exc}", style="red")
         return 1
+    otlp = OtlpTraces(args.host, args.otlp_port) if args.otlp_port is not None else None
     collector = Collector(
         store,
+        _sources(args, gpu, otlp),
         lake=lake,
-        vllm_logs=args.vllm_log,
-        events=args.events,
-        metrics_urls=args.metrics_url,
         scrape_interval=args.scrape_interval,
         once=args.once,
         metrics=metrics,
-        gpu=gpu,
+        want_keys=bool(args.otlp_export),
     )
     forwarder = None
     if args.otlp_export:
         export = OtlpExport(args.otlp_export, registry=metrics.registry)
         forwarder = StoredRequestForwarder(collector.store, export)
-        collector.want_keys = True
         collector.exporters.append(forwarder)
     try:
         if args.once:
             _run_once(collector, args)
         else:
-            code = _run_forever(collector, metrics, args)
+            code = _run_forever(collector, metrics, otlp, args)
             if code:
                 return code
     finally:
@@ -226,7 +229,24 @@ def _run_once(collector: Collector, args: argparse.Namespace) -> None:
         collector.run_once(on_read=lambda n: progress.advance(task, n))
 
 
-def _run_forever(collector: Collector, metrics: SelfMetrics, args: argparse.Namespace) -> int:
+def _sources(
+    args: argparse.Namespace, gpu: GpuSource | None, otlp: OtlpTraces | None
+) -> list[Source]:
+    """The sources the options name, in the order they are read: events files, vLLM logs,
+    `/metrics` targets, the GPUs, the trace receiver."""
+    sources: list[Source] = [EventsFiles(pattern) for pattern in args.events]
+    sources += [VllmLog(path) for path in args.vllm_log]
+    sources += [MetricsTarget(url) for url in args.metrics_url]
+    if gpu is not None:
+        sources.append(GpuTelemetry(gpu))
+    if otlp is not None:
+        sources.append(otlp)
+    return sources
+
+
+def _run_forever(
+    collector: Collector, metrics: SelfMetrics, otlp: OtlpTraces | None, args: argparse.Namespace
+) -> int:
     stop = threading.Event()
 
     def _stop(signum: int, frame: FrameType | None) -> None:
@@ -234,21 +254,16 @@ def _run_forever(collector: Collector, metrics: SelfMetrics, args: argparse.Name
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    receiver = None
     try:
         port = metrics.serve(args.metrics_port, args.host)
-        if args.otlp_port is not None:
-            receiver = OtlpReceiver(collector.submit, args.host, args.otlp_port).start()
+        collector.start()
     except OSError as exc:
         console.print(f"cannot listen: {exc}", style="red")
+        collector.close()
         return 2
     parts = [f"/metrics on http://{args.host}:{port}/metrics"]
-    if receiver is not None:
-        parts.append(f"OTLP traces on http://{args.host}:{receiver.port}/v1/traces")
+    if otlp is not None:
+        parts.append(f"OTLP traces on http://{args.host}:{otlp.port}/v1/traces")
     console.print(f"collector running (pid {os.getpid()}): " + "; ".join(parts))
-    try:
-        collector.run(stop)
-    finally:
-        if receiver is not None:
-            receiver.stop()
+    collector.run(stop)
     return 0

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servescope.collector import Collector
+from servescope.collector.sources.events import EventsFiles
 from servescope.store import InvalidEvent, Store, merge_docs, run_id_of
 from servescope.store import parse_line as parse_event
 from servescope.wire.vllm_log import Piece, parse_line
@@ -155,7 +156,7 @@ def test_events_lines_valid_ingested_invalid_quarantined(lines: list[bytes]) -> 
                     bad_offsets.add(offset)
             offset += len(line) + 1
         store = Store(Path(folder) / "s.duckdb")
-        Collector(store, events=[str(path)], once=True).run_once()
+        Collector(store, [EventsFiles(str(path))], once=True).run_once()
         ordinary = Store(Path(folder) / "o.duckdb")  # every line through the ordinary path
         ordinary.add_events(valid)
         with store.read() as con:

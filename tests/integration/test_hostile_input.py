@@ -20,6 +20,7 @@ import duckdb
 import pytest
 
 from servescope.collector import Collector, FlushReport
+from servescope.collector.sources.events import EventsFiles
 from servescope.store import Store
 from servescope.store.paths import name_of, safe_name
 from tests.conftest import ROOT
@@ -341,7 +342,8 @@ def test_the_collector_tailing_a_poison_line_keeps_ingesting_what_follows(tmp_pa
     """Lines after a poison line are stored by the flush that quarantines it."""
     path = tmp_path / "live.events.jsonl"
     path.write_bytes(b"")
-    collector = Collector(Store(tmp_path / "s.duckdb"), events=[str(path)], flush_interval=0.05)
+    store = Store(tmp_path / "s.duckdb")
+    collector = Collector(store, [EventsFiles(str(path))], flush_interval=0.05)
     reports: list[FlushReport] = []
     flushed = threading.Event()
 

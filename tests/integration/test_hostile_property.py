@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servescope.collector import Collector
-from servescope.collector.otlp import OtlpReceiver
+from servescope.collector.sources.events import EventsFiles
+from servescope.collector.sources.logs import VllmLog
+from servescope.collector.sources.otlp import OtlpTraces
 from servescope.reports import ReportOptions, build_summary, write_report
 from servescope.store import InvalidEvent, Store, export_run, import_file, parse_line
 from servescope.store.parquet import export_parquet
@@ -169,7 +171,7 @@ def test_import_and_collector_agree_and_lose_nothing(lines: list[bytes]) -> None
         result = import_file(imported, path)
         assert (result.events + result.runtime_events, result.errors) == (good, bad)
         collected = Store(folder / "c.duckdb")
-        collector = Collector(collected, events=[str(path)], once=True)
+        collector = Collector(collected, [EventsFiles(str(path))], once=True)
         collector.run_once()
         assert collector.totals["errors"] == bad
         with imported.read() as a, collected.read() as b:
@@ -236,7 +238,7 @@ def test_log_lines_never_stop_the_collector(lines: list[bytes]) -> None:
         log = Path(tmp) / "vllm.log"
         log.write_bytes(b"\n".join(lines) + b"\n")
         store = Store(Path(tmp) / "s.duckdb")
-        Collector(store, vllm_logs=[str(log)], once=True).run_once()
+        Collector(store, [VllmLog(str(log))], once=True).run_once()
         _assert_finite(store)
 
 
@@ -279,11 +281,12 @@ def an_otlp_body(draw: st.DrawFn) -> bytes:
 def test_otlp_bodies_are_answered_and_never_stored_non_finite(bodies: list[bytes]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "s.duckdb")
-        collector = Collector(store, flush_interval=0.02)
+        receiver = OtlpTraces(port=0)
+        collector = Collector(store, [receiver], flush_interval=0.02)
+        collector.start()
         stop = threading.Event()
         loop = threading.Thread(target=collector.run, args=(stop,), daemon=True)
         loop.start()
-        receiver = OtlpReceiver(collector.submit, port=0).start()
         try:
             for body in bodies:
                 request = urllib.request.Request(
@@ -297,8 +300,7 @@ def test_otlp_bodies_are_answered_and_never_stored_non_finite(bodies: list[bytes
                 except urllib.error.HTTPError as exc:
                     assert exc.code == 400
         finally:
-            receiver.stop()
             stop.set()
-            loop.join(timeout=60)
+            loop.join(timeout=60)  # the receiver stops with the collector
         assert not loop.is_alive()
         _assert_finite(store)

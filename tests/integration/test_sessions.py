@@ -201,6 +201,8 @@ def test_a_restart_not_scraped_yet_flips_only_the_lever_that_changed(tmp_path: P
     unknown is not "unset", so the only flip is the flag the operator changed — in the store and
     in the collector's `servescope_lever_flip_info` that dashboards annotate."""
     from servescope.collector import Collector
+    from servescope.collector.sources.logs import VllmLog
+    from servescope.collector.sources.metrics import MetricsTarget
     from servescope.store import Store
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RestartingVllmMetrics)
@@ -214,7 +216,7 @@ def test_a_restart_not_scraped_yet_flips_only_the_lever_that_changed(tmp_path: P
     log.write_text("\n".join(first[:-1]) + "\n")  # the first server, still running
     store = Store(tmp_path / "s.duckdb")
     collector = Collector(
-        store, vllm_logs=[str(log)], metrics_urls=[f"http://127.0.0.1:{port}/metrics"]
+        store, [VllmLog(str(log)), MetricsTarget(f"http://127.0.0.1:{port}/metrics")]
     )
     flips_sql = "SELECT lever, before, after FROM lever_flips ORDER BY lever"
     try:
@@ -251,6 +253,7 @@ def test_a_refusal_read_live_is_dated_when_it_was_written_not_at_the_last_dated_
     at the server's last dated line (a start-up a minute earlier, on an idle server hours),
     which shifted it out of `--since` windows and stretched the run's throughput span."""
     from servescope.collector import Collector
+    from servescope.collector.sources.logs import VllmLog
     from servescope.store import Store
 
     started = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=30)
@@ -263,7 +266,7 @@ def test_a_refusal_read_live_is_dated_when_it_was_written_not_at_the_last_dated_
         f"{head} [entry.py:140] Starting vLLM server on http://0.0.0.0:8001\n"
     )
     store = Store(tmp_path / "s.duckdb")
-    collector = Collector(store, vllm_logs=[str(log)])
+    collector = Collector(store, [VllmLog(str(log))])
     try:
         collector.poll()
         collector.flush()  # read to the end: the server is up and idle

@@ -16,7 +16,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from servescope.collector import Collector
-from servescope.collector.otlp import OtlpReceiver
+from servescope.collector.sources.events import EventsFiles
+from servescope.collector.sources.metrics import MetricsTarget
+from servescope.collector.sources.otlp import OtlpTraces
 from servescope.store import Store
 from servescope.wire.ids import client_request_id
 from servescope.wire.vllm_log import Access, Levers, Piece, Stats, Tick, parse_line
@@ -102,10 +104,10 @@ def test_scrapes_record_down_targets_legacy_names_and_cache_lever_flips(tmp_path
     down = f"http://127.0.0.1:{free_port()}/metrics"
     store = Store(tmp_path / "s.duckdb")
     try:
-        Collector(store, metrics_urls=[url, down], once=True).run_once()
+        Collector(store, [MetricsTarget(url), MetricsTarget(down)], once=True).run_once()
         _ChangingMetrics.CONFIG = {"enable_prefix_caching": "False", "block_size": "16"}
         _ChangingMetrics.STARTED += 120
-        Collector(store, metrics_urls=[url, down], once=True).run_once()
+        Collector(store, [MetricsTarget(url), MetricsTarget(down)], once=True).run_once()
     finally:
         server.shutdown()
     with store.read() as con:
@@ -150,10 +152,11 @@ def _llm_request_span(tracer_provider: TracerProvider, request_id: str) -> None:
 
 def test_otlp_protobuf_and_json_merge_with_the_client_record_in_any_order(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.duckdb")
-    collector = Collector(store)
+    receiver = OtlpTraces(port=0)
+    collector = Collector(store, [receiver])
+    collector.start()
     stop = threading.Event()
     loop = threading.Thread(target=collector.run, args=(stop,), daemon=True)
-    receiver = OtlpReceiver(collector.submit, port=0).start()
     loop.start()
     try:
         client = {"request_id": "run-20261122-otlp-000001", "ttft_ms": 20.0, "e2e_ms": 70.0}
@@ -190,8 +193,7 @@ def test_otlp_protobuf_and_json_merge_with_the_client_record_in_any_order(tmp_pa
         store.add_events([{"request_id": "run-20261122-otlp-000002", "ttft_ms": 21.0}])
     finally:
         stop.set()
-        loop.join(timeout=30)
-        receiver.stop()
+        loop.join(timeout=30)  # its last flush, then the receiver stops
     with store.read() as con:
         rows = con.execute(
             "SELECT request_id, ttft_ms, queue_ms, prefill_ms, decode_ms, completion_tokens "
@@ -213,7 +215,7 @@ def test_rotation_deletion_and_partial_lines_in_process(tmp_path: Path) -> None:
     def line(i: int) -> bytes:
         return json.dumps({"request_id": f"run-20261122-rot-{i:04d}"}).encode() + b"\n"
 
-    collector = Collector(store, events=[str(path)])
+    collector = Collector(store, [EventsFiles(str(path))])
     path.write_bytes(line(0) + line(1)[:10])  # a partial last line
     collector.poll()
     collector.flush()
@@ -231,7 +233,7 @@ def test_rotation_deletion_and_partial_lines_in_process(tmp_path: Path) -> None:
     collector.flush()
     collector.close()
     # a restart reads nothing twice
-    again = Collector(store, events=[str(path)])
+    again = Collector(store, [EventsFiles(str(path))])
     again.poll()
     again.flush()
     again.close()
@@ -270,7 +272,7 @@ def test_a_backlog_larger_than_the_ram_folder_is_still_ingested(
             fh.write(json.dumps({"request_id": f"run-20261124-big-{i:06d}", "ttft_ms": i % 97}))
             fh.write("\n")
     store = Store(tmp_path / "s.duckdb")
-    collector = Collector(store, events=[str(events)])
+    collector = Collector(store, [EventsFiles(str(events))])
     collector.poll()
     report = collector.flush()
     collector.close()
