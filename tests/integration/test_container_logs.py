@@ -1,0 +1,124 @@
+"""The collector reads vLLM's output as a container runtime keeps it, without being told: the
+same real vLLM log (tests/fixtures/gpu/vllm-h100.log: two server lifetimes, a lever flip, 40
+requests, 6 refusals), plain, CRI-wrapped with partial records and Docker-json-wrapped, gives
+the same runs, requests and refusals in the store; a pod log rotated by the kubelet between
+two reads is read as a rotated plain log is."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+
+from tests.conftest import servescope
+from tests.unit.test_container_log import Written, cri_records, docker_records
+from tests.unit.test_gpu_log import GPU_LOG
+
+_DATED = re.compile(r"^\([^)]*\) [A-Z]+ (\d\d-\d\d \d\d:\d\d:\d\d) ")
+MAX_RECORD = 256  # containerd's max_container_log_line_size, set low: long lines come split
+
+
+def written(text: str, year: int) -> list[Written]:
+    """The log's lines as the runtime received them: vLLM's own lines (`(APIServer pid=…)`) on
+    stdout, the rest (torch's C++ warnings, Python's) on stderr; each stamped a little after
+    the second vLLM stamped it, an undated line a millisecond after the line before."""
+    out: list[Written] = []
+    ts = datetime(year, 1, 1, tzinfo=UTC)
+    for line in text.removesuffix("\n").split("\n"):
+        match = _DATED.match(line)
+        if match:
+            stamped = datetime.strptime(f"{year}-{match[1]}", "%Y-%m-%d %H:%M:%S")
+            ts = max(ts, stamped.replace(tzinfo=UTC) + timedelta(seconds=0.4))
+        ts += timedelta(milliseconds=1)
+        out.append((ts, "stdout" if line.startswith("(") else "stderr", line))
+    return out
+
+
+def _write(path: Path, lines: list[str], mtime: datetime) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes("".join(line + "\n" for line in lines).encode())
+    os.utime(path, (mtime.timestamp(), mtime.timestamp()))  # a plain log's year is its mtime's
+    return path
+
+
+def _collect(store: Path, log: Path) -> None:
+    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(store),
+               env={"TZ": "UTC"}, check=True)  # fmt: skip
+
+
+def _contents(store: Path) -> dict[str, Any]:
+    """What the store holds, less what names the file it was read from: the runs (a run's
+    notes name its log), the requests, the refusals (their id is their place in the file)."""
+    with duckdb.connect(str(store), read_only=True) as con:
+        con.execute("SET TimeZone = 'UTC'")
+        runs = []
+        query = "SELECT * EXCLUDE (notes), notes FROM runs ORDER BY run_id"
+        for row in con.execute(query).fetchall():
+            notes = json.loads(row[-1])
+            notes.pop("log")
+            runs.append((*row[:-1], notes))
+        requests = con.execute(
+            "SELECT * EXCLUDE (doc) FROM events WHERE request_id NOT LIKE 'http-%' "
+            "ORDER BY request_id"
+        ).fetchall()
+        refusals = con.execute(
+            "SELECT * EXCLUDE (request_id, doc) FROM events WHERE request_id LIKE 'http-%' "
+            "ORDER BY ALL"
+        ).fetchall()
+        flips = con.execute("SELECT * FROM lever_flips ORDER BY ALL").fetchall()
+        errors = con.execute("SELECT count(*) FROM ingest_errors").fetchone()
+    return {"runs": runs, "requests": requests, "refusals": refusals, "flips": flips,
+            "errors": errors}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vllm_output() -> list[Written]:
+    with GPU_LOG.open(newline="") as log:  # its progress bars' carriage returns kept
+        return written(log.read(), datetime.now(UTC).year)
+
+
+@pytest.fixture(scope="module")
+def plain(vllm_output: list[Written], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = tmp_path_factory.mktemp("plain")
+    log = _write(folder / "vllm.log", [t for _ts, _s, t in vllm_output], vllm_output[-1][0])
+    _collect(folder / "s.duckdb", log)
+    contents = _contents(folder / "s.duckdb")
+    assert len(contents["runs"]) == 2 and len(contents["requests"]) == 40
+    assert len(contents["refusals"]) == 6 and contents["flips"] and contents["errors"] == (0,)
+    return contents
+
+
+@pytest.mark.parametrize("wrap", [cri_records, docker_records], ids=["cri", "docker-json"])
+def test_a_wrapped_log_gives_what_the_plain_log_gives(
+    wrap: Any, vllm_output: list[Written], plain: dict[str, Any], tmp_path: Path
+) -> None:
+    lines = wrap(vllm_output, max_record=MAX_RECORD)
+    assert len(lines) - len(vllm_output) > 80  # the long lines (requests' among them) came split
+    log = _write(tmp_path / "pods" / "default_vllm-0_uid" / "vllm" / "0.log", lines,
+                 vllm_output[-1][0])  # fmt: skip
+    _collect(tmp_path / "s.duckdb", log)
+    assert _contents(tmp_path / "s.duckdb") == plain
+
+
+def test_a_pod_log_rotated_by_the_kubelet_is_read_across_the_rotation(
+    vllm_output: list[Written], plain: dict[str, Any], tmp_path: Path
+) -> None:
+    """The kubelet renames `0.log` to `0.log.<time>` and the runtime opens a new `0.log`; the
+    collector, restarted in between, finishes the renamed file and reads the new one."""
+    lines = cri_records(vllm_output, max_record=MAX_RECORD)
+    cut = next(i for i in range(len(lines) // 2, len(lines)) if " F " in lines[i][:45]) + 1
+    log = tmp_path / "pods" / "default_vllm-0_uid" / "vllm" / "0.log"
+    store = tmp_path / "s.duckdb"
+    middle = vllm_output[len(vllm_output) // 2][0]
+    _write(log, lines[:cut], middle)
+    _collect(store, log)
+    log.rename(log.with_name("0.log.20261125-123800"))
+    _write(log, lines[cut:], vllm_output[-1][0])
+    _collect(store, log)
+    assert _contents(store) == plain
