@@ -152,7 +152,10 @@ CARDS = (
          "recorded here, nvidia-smi -q of an H100 80GB HBM3, driver 580: 81,559 MiB less 480 "
          "reserved (tests/fixtures/gpu/nvidia-smi-q.txt)"),
     Card("H100-94GB", ("H100-NVL", "H100NVL"), 95_830, 93.10, _PUBLISHED),
-    Card("H200", ("H200-141GB", "H200-SXM"), 143_771, 139.80, _PUBLISHED),
+    Card("H200", ("H200-141GB", "H200-SXM"), 143_771, 139.80,
+         "recorded here, nvidia-smi -q of two H200s, driver 580: 143,771 MiB less 616 reserved; "
+         "NVML's total less reserved, 150,109,880,320 B, is torch's total to the byte "
+         "(tests/fixtures/gpu2)"),
     Card("B200", ("B200-180GB",), 183_359, 178.35, _PUBLISHED),
     Card("A100-80GB", ("A100-SXM4-80GB", "A100-PCIE-80GB"), 81_920, 79.15, _PUBLISHED),
     Card("A100-40GB", ("A100", "A100-SXM4-40GB", "A100-PCIE-40GB"), 40_960, 39.39, _PUBLISHED),
@@ -185,6 +188,13 @@ def card_names() -> str:
     return ", ".join(c.name for c in CARDS)
 
 
+def cuda_total(nvml_total: int, nvml_reserved: int) -> int:
+    """The total CUDA reports, from NVML's memory statement (v2): its total less the memory the
+    driver reserves (recorded on two H200s: 150,754,820,096 − 644,939,776 B = torch's
+    150,109,880,320 B)."""
+    return nvml_total - nvml_reserved
+
+
 def nvml_cuda_total() -> tuple[int, str] | None:
     """The memory CUDA reports on the GPU this process would use (the first of
     `CUDA_VISIBLE_DEVICES`, a MIG slice's own when it names one), read through NVML: its total
@@ -209,8 +219,8 @@ def nvml_cuda_total() -> tuple[int, str] | None:
             return None  # "", "-1": no GPU visible to CUDA
         info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
         name = pynvml.nvmlDeviceGetName(handle)
-        return int(info.total) - int(info.reserved), name.decode() if isinstance(
-            name, bytes) else str(name)  # fmt: skip
+        total = cuda_total(int(info.total), int(info.reserved))
+        return total, name.decode() if isinstance(name, bytes) else str(name)
     except pynvml.NVMLError:
         return None
     finally:

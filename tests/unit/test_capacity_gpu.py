@@ -5,6 +5,7 @@ parallelism, an fp8 KV cache, a non-Llama shape), each within 1 %."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -78,6 +79,18 @@ def test_vllm_s_scheduler_defaults_spare_the_a100() -> None:
     assert gpu_memory.scheduler_defaults(44.39, "NVIDIA L40S") == (2048, 256)
 
 
+def test_nvml_s_total_less_reserved_is_cuda_s() -> None:
+    """The two-GPU recording: NVML's memory statement and what torch reported, per card."""
+    recorded = json.loads((FIXTURES / "gpu2" / "nvml-memory.json").read_text())
+    for nvml, cuda in zip(recorded["gpus"], recorded["cuda"], strict=True):
+        total = gpu_memory.cuda_total(nvml["fb_total_bytes"], nvml["fb_reserved_bytes"])
+        assert total == cuda["mem_get_info_total"] == cuda["total_memory"]
+        h200 = gpu_memory.card(nvml["name"])
+        assert h200 is not None and h200.cuda_gib == pytest.approx(total / GIB, abs=0.005)
+    smi = FIXTURES / "gpu2" / "nvidia-smi-q.txt"
+    assert gpu_memory.card("H200").cuda_gib == pytest.approx(cuda_total_gib(smi), abs=0.005)  # type: ignore[union-attr]
+
+
 def test_without_a_gpu_nvml_gives_no_total() -> None:
     """This machine has no GPU: the NVML reading is None, not an error."""
     assert gpu_memory.nvml_cuda_total() is None
@@ -86,12 +99,26 @@ def test_without_a_gpu_nvml_gives_no_total() -> None:
 # -- every recorded KV statement ----------------------------------------------------------------
 def _captures() -> list[tuple[Path, Path, Path]]:
     """(vLLM's log, the model's config.json, nvidia-smi -q of its GPUs) of every recorded start:
-    one H100 (tests/fixtures/gpu/kv: kv-SHAPE-uU-lL.log beside config-SHAPE.json)."""
+    one H100 (tests/fixtures/gpu/kv: kv-SHAPE-uU-lL.log beside config-SHAPE.json) and two H200s
+    (tests/fixtures/gpu2: TP=2, DP=2, TP=2 with an fp8 KV cache, a Qwen3 shape at TP=2, two
+    one-GPU servers; the 8B shape is the recipe's, as in tests/fixtures/gpu/kv)."""
     one = FIXTURES / "gpu" / "kv"
-    return [
+    found = [
         (log, one / f"config-{log.stem.split('-')[1]}.json", FIXTURES / "gpu" / "nvidia-smi-q.txt")
         for log in sorted(one.glob("kv-*.log"))
     ]
+    two = FIXTURES / "gpu2"
+    qwen3 = Path(__file__).parents[2] / "benchmarks" / "gpu" / "shapes" / "qwen3-8b.json"
+    for log in sorted(two.glob("vllm-*.log")):
+        config = qwen3 if "qwen3" in log.stem else one / "config-8b.json"
+        found.append((log, config, two / "nvidia-smi-q.txt"))
+    return found
+
+
+def test_every_two_gpu_recording_is_checked() -> None:
+    """A new recording in tests/fixtures/gpu2 joins the check, not only the ones known today."""
+    stems = {log.stem for log, _, _ in _captures()}
+    assert {"vllm-tp2", "vllm-dp2", "vllm-fp8", "vllm-qwen3"} <= stems
 
 
 @pytest.mark.parametrize("log, config, smi", _captures(), ids=lambda p: p.stem)
