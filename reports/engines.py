@@ -22,12 +22,13 @@ served it ran on more than one GPU; otherwise it is None.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any
 
 import duckdb
 
 from servescope.reports import sql
-from servescope.reports.coldstart import _notes
 from servescope.reports.replicas import skew
 from servescope.reports.samples import Slice
 
@@ -57,12 +58,22 @@ INDICATORS = (
 GPU_MEMORY = ("model_load_gib", "kv_cache_available_gib")
 
 
+def _notes(raw: Any) -> dict[str, Any]:
+    """A run's notes as a dict, whether the row holds them decoded or as JSON text."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return {}
+    return raw if isinstance(raw, dict) else {}
+
+
 def _order(engine: str | None) -> tuple[int, str]:
     text = engine or ""
     return (int(text) if text.isdigit() else 1 << 30, text)
 
 
-def _serving_session(con: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[str, Any]:
+def _serving_session(con: duckdb.DuckDBPyConnection, run: Mapping[str, Any]) -> dict[str, Any]:
     """The notes of the server session the run is, or of the one session that served it."""
     own = _notes(run.get("notes"))
     if own.get("kind") == "vllm-session":
@@ -122,7 +133,7 @@ def gpu_rows(gpus: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def of_run(
-    con: duckdb.DuckDBPyConnection, part: Slice, run: dict[str, Any]
+    con: duckdb.DuckDBPyConnection, part: Slice, run: Mapping[str, Any]
 ) -> dict[str, Any] | None:
     """`{"session", "parallel", "engines", "skew", "gpus"}` of a slice served by one server of
     several engines or GPUs; None otherwise."""
