@@ -53,18 +53,22 @@ class MetricsScraper:
         self.store = store
         self.interval_s = interval_s
         self.lock = lock or asyncio.Lock()  # one store writer at a time in this process
+        self.scrapes = 0
+        self.failures = 0
         self._pages: list[tuple[datetime, str]] = []
         self._task: asyncio.Task[None] | None = None
         self._flushes: set[asyncio.Task[None]] = set()
 
     async def scrape(self) -> None:
-        """One page now (a failed scrape is skipped, never raised: a dead server ends no run)."""
+        """One page now (failures are counted, never raised: a dead server ends no run)."""
         try:
             async with self.session.get(self.url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 resp.raise_for_status()
                 text = await resp.text()
         except (TimeoutError, aiohttp.ClientError):
+            self.failures += 1
             return
+        self.scrapes += 1
         self._pages.append((datetime.now(UTC).replace(tzinfo=None), text))
         if len(self._pages) >= FLUSH_EVERY:
             task = asyncio.create_task(self._flush())
@@ -101,7 +105,7 @@ class MetricsScraper:
             try:
                 rows.extend(parse_exposition(text, target=self.target, ts=ts, run_id=self.run_id))
             except ValueError:  # an unparsable page: its samples are lost, not the run's
-                continue
+                self.failures += 1
         self.store.add_metric_samples(rows)
 
     def server_numbers(self) -> dict[str, Any]:
