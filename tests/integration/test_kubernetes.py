@@ -290,6 +290,8 @@ def test_the_pod_runs_vllm_and_the_collector_side_by_side(
     claim = volumes["store"]["persistentVolumeClaim"]["claimName"]
     assert find(objects, "PersistentVolumeClaim", claim)
     assert pod["pod"]["spec"]["securityContext"]["fsGroup"] == 10001  # the image's user
+    # Kubernetes would set VLLM_PORT=tcp://… for the `vllm` Service, and vLLM reads VLLM_PORT
+    assert pod["pod"]["spec"]["enableServiceLinks"] is False
     if overlay == "multi-gpu":
         assert "--tensor-parallel-size=2" in pod["serve"]
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
