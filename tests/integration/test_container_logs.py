@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
+import time
+import urllib.request
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,7 @@ from typing import Any
 import duckdb
 import pytest
 
-from tests.conftest import servescope
+from tests.conftest import ROOT, SERVESCOPE, free_port, servescope
 from tests.unit.test_container_log import Written, cri_records, docker_records
 from tests.unit.test_gpu_log import GPU_LOG
 
@@ -121,4 +125,51 @@ def test_a_pod_log_rotated_by_the_kubelet_is_read_across_the_rotation(
     log.rename(log.with_name("0.log.20261125-123800"))
     _write(log, lines[cut:], vllm_output[-1][0])
     _collect(store, log)
+    assert _contents(store) == plain
+
+
+def _lines_read(port: int) -> float:
+    """The collector's `servescope_collector_lines_total` for the log (0 before it answers)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0.0
+    found = re.search(r'^servescope_collector_lines_total\{source="vllm-log:[^"]*"\} (\S+)$',
+                      text, re.M)  # fmt: skip
+    return float(found[1]) if found else 0.0
+
+
+def _wait_for(port: int, lines: int, process: subprocess.Popen[bytes], out: Path) -> None:
+    deadline = time.monotonic() + 120
+    while _lines_read(port) < lines:
+        assert process.poll() is None, out.read_text(errors="replace")[-3000:]
+        assert time.monotonic() < deadline, f"read {_lines_read(port)} of {lines} lines"
+        time.sleep(0.1)
+
+
+def test_a_line_split_across_two_writes_is_joined_by_a_running_collector(
+    vllm_output: list[Written], plain: dict[str, Any], tmp_path: Path
+) -> None:
+    """The runtime flushes a long line's first partial records before its last one: a running
+    collector reads the first part in one poll and the rest in a later one, and stores the
+    line whole; the store then holds what the plain log gives."""
+    lines = cri_records(vllm_output, max_record=MAX_RECORD)
+    received = next(i for i, line in enumerate(lines) if " P " in line[:45]
+                    and "Received request" in line)  # fmt: skip
+    log = _write(tmp_path / "0.log", lines[: received + 1], vllm_output[0][0])
+    store, port, out = tmp_path / "s.duckdb", free_port(), tmp_path / "collect.out"
+    process = subprocess.Popen(
+        [*SERVESCOPE, "collect", "--vllm-log", str(log), "--store", str(store),
+         "--metrics-port", str(port)],
+        cwd=ROOT, stdout=out.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "TZ": "UTC"},
+    )  # fmt: skip
+    try:
+        _wait_for(port, sum(" F " in line[:45] for line in lines[: received + 1]), process, out)
+        with log.open("ab") as f:  # the rest, the line's final record first
+            f.write("".join(line + "\n" for line in lines[received + 1 :]).encode())
+        _wait_for(port, sum(" F " in line[:45] for line in lines), process, out)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, out.read_text(errors="replace")[-3000:]
     assert _contents(store) == plain
