@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 STAMPS := .make
 MODEL := servescope-data/models/tiny
 PREDICTABLE := servescope-data/models/tiny-predictable
+SMOLLM2 := servescope-data/models/smollm2-135m-instruct
 DEBIAN_PACKAGES := prometheus chromium chromium-driver nginx-light docker-compose
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -49,13 +50,17 @@ $(STAMPS)/system-deps:
 	fi
 	touch $@
 
-model: $(MODEL)/model.safetensors $(PREDICTABLE)/model.safetensors
+model: $(MODEL)/model.safetensors $(PREDICTABLE)/model.safetensors $(SMOLLM2)/model.safetensors
 
 $(MODEL)/model.safetensors: $(STAMPS)/install loadgen/tiny_model.py
 	$(BIN)/servescope model make-tiny $(MODEL) --force
 
 $(PREDICTABLE)/model.safetensors: $(STAMPS)/install loadgen/tiny_model.py
 	$(BIN)/servescope model make-tiny --kind predictable $(PREDICTABLE) --force
+
+# the real model (SmolLM2-135M-Instruct) the e2e tests serve where output text matters
+$(SMOLLM2)/model.safetensors: $(STAMPS)/install loadgen/real_model.py
+	$(BIN)/servescope model make-smollm2 $(SMOLLM2) --force
 
 clean:
 	rm -rf $(STAMPS) servescope-data/reports
