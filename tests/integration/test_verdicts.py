@@ -15,9 +15,14 @@ from typing import Any
 import pytest
 
 from servescope import cli
+from servescope.reports import verdict
+from servescope.store import Store
+from tests.calibration import Comparison, store_comparison
 from tests.conftest import servescope
 from tests.integration.test_report import markdown_text
-from tests.unit.test_verdicts import arms
+
+A_A = 20
+EFFECTS = 5
 
 
 def test_the_pooled_report_shows_each_repeat(calibration: dict[str, Any]) -> None:
@@ -73,3 +78,107 @@ def test_bad_comparisons_are_refused_in_one_line(
     result = servescope("report", "build", *arms(c), "--fail-on", "worse", "--store", db)
     assert result.returncode == 2 and "--fail-on takes improved or regressed" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_a_comparisons_show_no_verdict_and_pass_the_gate(
+    calibration: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    quiet, passed = 0, 0
+    for c in calibration["aa"]:
+        code, brief = report_build(
+            capsys, calibration["db"], calibration["out"], *arms(c), "--fail-on", "regressed",
+            "--format", "json",
+        )  # fmt: skip
+        assert code in (0, 3), brief
+        assert brief["repeats"]["before"] == brief["repeats"]["after"] == 3
+        verdicts = set(brief["verdicts"].values())
+        quiet += not verdicts & {"improved", "regressed"}
+        passed += code == 0
+        assert (code == 3) == bool(brief["fail_on"]["rows"])
+    assert quiet >= 17, f"{A_A - quiet} of {A_A} A/A comparisons got a verdict"
+    assert passed >= 17, f"--fail-on regressed failed {A_A - passed} of {A_A} A/A comparisons"
+
+
+def test_a_true_effect_is_found_and_a_reversed_one_fails_the_gate(
+    calibration: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    found = 0
+    for c in calibration["effect"]:
+        code, brief = report_build(
+            capsys, calibration["db"], calibration["out"], *arms(c), "--format", "json"
+        )
+        assert code == 0
+        level = brief["primary"]["level"]
+        assert brief["primary"]["metric"] == "ttft_ms.p50"
+        found += brief["verdicts"][f"ttft_ms.p50@{level}"] == "improved"
+    assert found >= 4, f"a true −25 % TTFT found in {found} of {EFFECTS}"
+
+    c = calibration["effect"][0]
+    code, brief = report_build(
+        capsys, calibration["db"], calibration["out"], *arms(c, reverse=True),
+        "--fail-on", "regressed", "--format", "json",
+    )  # fmt: skip
+    assert code == 3
+    failing = brief["fail_on"]["rows"]
+    assert brief["fail_on"]["exit"] == 3
+    assert any(r["metric"] == "ttft_ms.p50" and r["verdict"] == "regressed" for r in failing)
+    assert all(r["p_adjusted"] <= 0.05 for r in failing)  # the primary at 5 %, the rest 2.5 %
+
+
+def report_build(
+    capsys: pytest.CaptureFixture[str], db: Path, out: Path, *args: str
+) -> tuple[int, dict[str, Any]]:
+    """`report build … --json` as typed, in this process (the console script's own `main`)."""
+    code = cli.main(["report", "build", *args, "--store", str(db), "--out", str(out), "--json"])
+    printed = capsys.readouterr().out.strip().splitlines()
+    return code, json.loads(printed[-1]) if printed else {}
+
+
+def arms(c: Comparison, reverse: bool = False) -> list[str]:
+    after, before = (c.before, c.after) if reverse else (c.after, c.before)
+    return [*after, "--vs", *before]
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = tmp_path_factory.mktemp("calibration")
+    db = folder / "s.duckdb"
+    store = Store(db)
+    aa = [store_comparison(store, f"aa{i}", seed=i) for i in range(A_A)]
+    effect = [
+        store_comparison(store, f"fx{i}", seed=100 + i, ttft_effect=0.75) for i in range(EFFECTS)
+    ]
+    return {"db": db, "out": folder / "reports", "aa": aa, "effect": effect}
+
+
+def test_one_run_a_side_says_it_covers_request_noise_only(
+    calibration: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    c = calibration["aa"][0]
+    out = calibration["out"]
+    code, brief = report_build(capsys, calibration["db"], out, c.after[0], "--vs", c.before[0])
+    assert code == 0
+    assert "one run a side: request noise only" in brief["headline"]
+    folder = out / f"{c.after[0]}-vs-{c.before[0]}"
+    report = json.loads((folder / "report.json").read_text())
+    assert report["repeats"]["note"] == verdict.REQUEST_NOISE_ONLY
+    tested = [d for d in report["diff"] if d["test"]]
+    assert tested and all(d["test"]["covers"] == "request noise only" for d in tested)
+    md = markdown_text((folder / "report.md").read_text())
+    html = (folder / "index.html").read_text()
+    for text in (md, html):
+        assert "the interval covers request-to-request noise only" in text
+        assert "[request noise only]" in text  # next to each verdict
+        assert "run-to-run variation is unknown" in text
+
+
+def test_primary_overrides_the_lever_s_indicator(
+    calibration: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    c = calibration["effect"][2]
+    code, brief = report_build(
+        capsys, calibration["db"], calibration["out"], *arms(c), "--primary", "tpot_ms.p50",
+        "--format", "json",
+    )  # fmt: skip
+    assert code == 0 and brief["primary"]["metric"] == "tpot_ms.p50"
+    assert "concurrency 4): TPOT p50 " in brief["headline"]

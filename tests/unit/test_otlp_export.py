@@ -5,7 +5,6 @@ the decoded protobuf carries the GenAI names and the stored values. With the end
 from __future__ import annotations
 
 import json
-import socket
 from concurrent import futures
 from datetime import datetime
 from pathlib import Path
@@ -14,7 +13,6 @@ from typing import Any
 
 import grpc
 import pytest
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
@@ -27,7 +25,6 @@ from servescope.collector.otlp_export import (
     OtlpExport,
     StoredRequestForwarder,
     current_attributes,
-    exporters,
 )
 from servescope.store import Store, import_file
 from tests.otlp_sink import otlp_http_sink
@@ -241,85 +238,6 @@ def test_grpc_export_reaches_a_grpc_endpoint(tmp_path: Path) -> None:
         if kv.key == "gen_ai.provider.name"
     ]
     assert names == ["vllm", "vllm"]
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def test_an_unreachable_endpoint_never_blocks_submit_and_counts_drops(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "2")  # the exporter's retry deadline
-    registry = CollectorRegistry()
-    export = OtlpExport(
-        f"http://127.0.0.1:{closed_port()}",
-        registry=registry,
-        max_queue=100,
-        batch_size=50,
-        schedule_delay_s=0.05,
-    )
-    record = stored_records(tmp_path)[0]
-    records = [{**record, "request_id": f"{RUN}-{i:06d}"} for i in range(5000)]
-    dropped = export.submit(records)
-    # submit returned while the worker still waits on its first export (it retries for 2 s):
-    # nothing exported, nothing failed yet, and the queue overflow is counted, not buffered
-    assert export.exported() == 0
-    assert registry.get_sample_value(
-        "servescope_collector_export_dropped_total", {"reason": "export_failed"}
-    ) in (None, 0.0)
-    assert dropped >= 5000 - 100 - 50
-    assert export.dropped() == dropped
-    # the batches in flight fail after the exporter's retries, and are counted too
-    assert export.flush(60)
-    assert export.dropped() == 5000
-    assert (
-        registry.get_sample_value(
-            "servescope_collector_export_dropped_total", {"reason": "export_failed"}
-        )
-        == 5000 - dropped
-    )
-    export.shutdown(5)
-    text = generate_latest(registry).decode()
-    assert 'servescope_collector_export_dropped_total{reason="queue_full"}' in text
-
-
-def test_a_down_endpoint_costs_one_converted_span_per_retry(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Until the endpoint takes an export, a batch is led by a one-span probe: the rest of the
-    batch is never turned into spans while the endpoint is down (that work would be taken from
-    ingestion), yet every record is still accounted for as dropped."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
-    sizes: list[int] = []
-
-    class Counting(OTLPSpanExporter):  # the real exporter, counting what it is handed
-        def export(self, spans: Any) -> Any:
-            sizes.append(len(spans))
-            return super().export(spans)
-
-    registry = CollectorRegistry()
-    export = OtlpExport(
-        registry=registry,
-        batch_size=50,
-        schedule_delay_s=0.05,
-        span_exporter=Counting(endpoint=f"http://127.0.0.1:{closed_port()}/v1/traces"),
-        metric_exporter=exporters(f"http://127.0.0.1:{closed_port()}")[1],
-    )
-    record = stored_records(tmp_path)[0]
-    export.submit([{**record, "request_id": f"{RUN}-{i:06d}"} for i in range(150)])
-    assert export.flush(60)
-    assert sizes and set(sizes) == {1}  # probes only
-    assert export.dropped() == 150 and export.exported() == 0
-    with otlp_http_sink() as sink:  # once an endpoint answers, batches go whole again
-        export = OtlpExport(sink.url, registry=CollectorRegistry(), batch_size=50,
-                            schedule_delay_s=0.05)  # fmt: skip
-        export.submit([{**record, "request_id": f"{RUN}-{i:06d}"} for i in range(150)])
-        assert export.flush(60)
-        assert export.exported() == 150
-        export.shutdown()
 
 
 def test_runtime_events_are_not_exported_as_requests(tmp_path: Path) -> None:
