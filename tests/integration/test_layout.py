@@ -1,21 +1,24 @@
 """The house's layout, as docs/architecture.md states it: one installed namespace, rooms that
-import only what the contract allows, and no import circle."""
+import only what the contract allows (the wire room nothing of ours), no import circle, and no
+room outside the store running the store's SQL."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import ModuleType
 
 from servescope.commands import NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 ROOMS = {  # folder → the rooms of ours it may import (docs/architecture.md, "Rooms")
     "store": set(),
-    "wire": {"store"},
+    "wire": set(),
     "collector": {"store", "wire"},
     "loadgen": {"store", "wire"},
     "gateway": {"store", "wire"},
@@ -69,6 +72,67 @@ def test_rooms_import_only_what_the_contract_allows() -> None:
         if room_of(target) != room_of(source) and room_of(target) not in ROOMS[room_of(source)]
     )
     assert not wrong
+
+
+# What a store statement starts with (the store writes SQL keywords upper-case).
+SQL = re.compile(r"^\s*(SELECT|WITH|INSERT|UPDATE|DELETE|CREATE|ALTER|DROP|COPY)\b")
+
+
+def store_names_used(path: Path) -> set[tuple[str, str]]:
+    """(store module, name) for every name this file takes from a store module: imported by
+    name (`from servescope.store.queries import X`), or read off an imported store module
+    (`queries.X` after `from servescope.store import queries`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    used: set[tuple[str, str]] = set()
+    aliases: dict[str, str] = {}  # local name → store module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if not node.module.startswith("servescope.store"):
+                continue
+            for alias in node.names:
+                value = getattr(importlib.import_module(node.module), alias.name, None)
+                if isinstance(value, ModuleType):
+                    aliases[alias.asname or alias.name] = value.__name__
+                else:
+                    used.add((node.module, alias.name))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("servescope.store.") and alias.asname:
+                    aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
+            continue
+        if (module := aliases.get(node.value.id)) is not None:
+            used.add((module, node.attr))
+    return used
+
+
+def test_no_room_outside_the_store_takes_its_sql() -> None:
+    """Other rooms call the store's functions (`store.reads`, `Store`, the SQL builders of
+    `store.queries`), never one of its statements: a table changes with its statements in one
+    room."""
+    wrong = []
+    for room in ROOMS:
+        if room == "store":
+            continue
+        for path in (ROOT / room).rglob("*.py"):
+            for module, name in store_names_used(path):
+                value = getattr(importlib.import_module(module), name, None)
+                if isinstance(value, str) and SQL.match(value):
+                    wrong.append(f"{path.relative_to(ROOT)}: {module}.{name}")
+    assert not wrong, wrong
+
+
+def test_the_sql_check_sees_both_ways_of_taking_a_statement(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from servescope.store import queries\n"
+        "from servescope.store.queries import GET_RUN\n"
+        "queries.LIST_RUNS\n"
+    )
+    assert {("servescope.store.queries", "GET_RUN"), ("servescope.store.queries", "LIST_RUNS")} <= (
+        store_names_used(probe)
+    )
 
 
 def test_no_import_circle() -> None:
