@@ -1,12 +1,13 @@
 """Assemble reports from the store: one run, one run against a base run (`--vs`), or one run
-split at its lever flip (`--split-at-flip`). Each opens the store once, read-only."""
+split at its lever flip (`--split-at-flip`). Each opens the store once, read-only, and returns a
+`document.Report`, every key of it written once."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,12 +34,29 @@ from servescope.reports.diff import (
     primary_level,
     workload_warnings,
 )
+from servescope.reports.document import (
+    Bootstrap,
+    Compared,
+    DiffRow,
+    Flip,
+    LeverChange,
+    Numbers,
+    Power,
+    Primary,
+    RepeatState,
+    RepeatStates,
+    Report,
+    SideReport,
+)
+from servescope.reports.document import Design as RepeatsDesign
+from servescope.reports.document import Window as WindowDoc
 from servescope.reports.samples import Samples, Slice, choose_sources
 from servescope.reports.specdecode import headline_part, spec_diff
 from servescope.reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
 from servescope.reports.windows import WHOLE, Window, resolve
 from servescope.reports.windows import label as window_label
-from servescope.store import Store, reads
+from servescope.store import Store
+from servescope.store.reads import RunRow
 
 
 class NoLeverFlip(LookupError):
@@ -55,15 +73,23 @@ class NoPreviousRun(LookupError):
 
 
 PREVIOUS = "previous"
+METHOD = (
+    "several runs a side: Student's t on the runs' values (logarithms of times and rates), the "
+    "runs' request-level bootstrap variance as a floor; one run a side: exact bootstrap "
+    "distributions over per-request samples (request noise only). Throughput, goodput and "
+    "energy resample windows of the run (1 s, or 1/20 of a shorter run), each request's tokens "
+    "counted in the windows they were generated in. The primary row is tested at 5 %, the others "
+    "corrected by Holm's procedure (docs/verdicts.md)"
+)
 
 
-def previous_run(con: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> str:
+def previous_run(con: duckdb.DuckDBPyConnection, run: RunRow) -> str:
     """The run of the same server just before `run`: what `--vs previous` compares with (a
     server session names the one it followed)."""
-    named = (run.get("notes") or {}).get("previous")
+    named = (run["notes"] or {}).get("previous")
     if isinstance(named, str) and named:
         return named
-    if run.get("target") and run.get("started_at"):
+    if run["target"] and run["started_at"]:
         params = {"target": run["target"], "started": run["started_at"], "run_id": run["run_id"]}
         row = con.execute(sql.PREVIOUS_RUN, params).fetchone()
         if row:
@@ -73,16 +99,14 @@ def previous_run(con: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> str:
     )
 
 
-def _slice(
-    con: duckdb.DuckDBPyConnection, run: dict[str, Any], window: Window, label: str = ""
-) -> Slice:
+def _slice(con: duckdb.DuckDBPyConnection, run: RunRow, window: Window, label: str = "") -> Slice:
     """The part of `run` a window selects (the whole run without one)."""
     if not window:
         return Slice(run["run_id"], label=label)
     span = con.execute(sql.RUN_SPAN, {"run_id": run["run_id"]}).fetchone()
     first, last = span if span else (None, None)
-    start = run.get("started_at") or first
-    end = run.get("ended_at") or last
+    start = run["started_at"] or first
+    end = run["ended_at"] or last
     since = resolve(window.since, start, end) if window.since else None
     until = resolve(window.until, start, end) if window.until else None
     name = f"{label or run['run_id']} {window_label(since, until)}"
@@ -97,17 +121,14 @@ def _report_id(part: Slice) -> str:
     return f"{part.run_id}@{since}-{until}"
 
 
-def _side(
-    con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions
-) -> tuple[Side, dict[str, Any]]:
+def _side(con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions) -> Side:
     """One side alone (from its own sources); its samples stay readable on `con` (the caller
     keeps it open until the report is built)."""
     samples = Samples(con, part)
     samples.use(choose_sources(samples))
-    summary = summarize(con, part, options, samples)
-    side = Side(part.name, summary, samples)
+    side = Side(part.name, summarize(con, part, options, samples), samples)
     attach_gpu(con, side)
-    return side, summary
+    return side
 
 
 def _sides(
@@ -122,15 +143,15 @@ def _sides(
     cursors = [stack.enter_context(closing(con.cursor())) for _ in parts]
     samples = [Samples(cur, part) for cur, part in zip(cursors, parts, strict=True)]
     sources = choose_sources(*samples)
-    for side in samples:
-        side.use(sources)
+    for each in samples:
+        each.use(sources)
     with ThreadPoolExecutor(max_workers=min(len(parts), 4)) as pool:
         summaries = list(
             pool.map(lambda c, p, s: summarize(c, p, options, s), cursors, parts, samples)
         )
     sides = [
-        Side(part.name, summary, side)
-        for part, summary, side in zip(parts, summaries, samples, strict=True)
+        Side(part.name, summary, each)
+        for part, summary, each in zip(parts, summaries, samples, strict=True)
     ]
     for side in sides:
         attach_gpu(con, side)
@@ -149,29 +170,35 @@ def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
     )
 
 
-def _flips(con: duckdb.DuckDBPyConnection, run_ids: list[str], sides: list[Side]) -> list[dict]:
+def _flips(con: duckdb.DuckDBPyConnection, run_ids: list[str], sides: list[Side]) -> list[Flip]:
     start, end = _span(sides)
     params = {"run_ids": run_ids, "start": start, "end": end}
-    flips = reads.rows(con.execute(sql.REPORT_LEVER_FLIPS, params))
-    for flip in flips:
-        flip["ts"] = flip["ts"].isoformat() + "Z"
-    return flips
+    return [
+        Flip(
+            ts=ts.isoformat() + "Z",
+            t=t,
+            lever=lever,
+            before=before,
+            after=after,
+            note=note,
+            run_id=run_id,
+        )  # fmt: skip
+        for ts, t, lever, before, after, note, run_id in con.execute(
+            sql.REPORT_LEVER_FLIPS, params
+        ).fetchall()
+    ]
 
 
-def _window_of(part: Slice) -> dict[str, str | None] | None:
+def _window_of(part: Slice) -> WindowDoc | None:
     if part.since is None and part.until is None:
         return None
-    return {
-        "since": part.since.isoformat() + "Z" if part.since else None,
-        "until": part.until.isoformat() + "Z" if part.until else None,
-    }
+    return WindowDoc(
+        since=part.since.isoformat() + "Z" if part.since else None,
+        until=part.until.isoformat() + "Z" if part.until else None,
+    )
 
 
-def _public(summary: dict[str, Any]) -> dict[str, Any]:
-    return {k: summary[k] for k in ("overall", "groups", "server", "admission", "gpu")}
-
-
-def _with_slo(options: ReportOptions | None, run: dict[str, Any]) -> ReportOptions:
+def _with_slo(options: ReportOptions | None, run: RunRow) -> ReportOptions:
     """The SLOs given on the command line, else those the (after) run was benchmarked with."""
     options = options or ReportOptions()
     if options.slo:
@@ -179,174 +206,212 @@ def _with_slo(options: ReportOptions | None, run: dict[str, Any]) -> ReportOptio
     return replace(options, slo=recorded_slo(run))
 
 
+def _numbers(
+    con: duckdb.DuckDBPyConnection, part: Slice, run: RunRow, side: Side, options: ReportOptions
+) -> Numbers:
+    """A slice's numbers as a report shows them: its summary, a fleet's replicas and a
+    data-parallel server's engines."""
+    return Numbers(
+        **side.summary,
+        **replicas.fleet(con, part, run, options.prometheus),
+        engines=engines.of_run(con, part, run),
+    )
+
+
+def _side_report(
+    con: duckdb.DuckDBPyConnection, part: Slice, run: RunRow, side: Side, options: ReportOptions
+) -> SideReport:
+    """One run (or window) of a report, with what its `runs` row says."""
+    meta = run_meta(run, side.summary["overall"]["models"], cold_start_of(con, run))
+    return SideReport(
+        name=part.name,
+        run_id=part.run_id,
+        levers=run["levers"] or {},
+        run=meta,
+        **_numbers(con, part, run, side, options),
+    )
+
+
+def _diagnosis(side: SideReport, slo: dict[str, float] | None) -> dict[str, Any]:
+    """reports/diagnosis.py's findings for one side (it reads the side's numbers and SLOs)."""
+    return diagnose({**side, "slo": slo})
+
+
 def build_summary(
     store: Store, run_id: str, options: ReportOptions | None = None, window: Window = WHOLE
-) -> dict[str, Any]:
+) -> Report:
     """The report of one run (or of a window of it): metadata, overall and per-level numbers,
     server-side deltas, admission evidence, the seeds' checklist and charts."""
     with store.read() as con:
         run = require_run(con, run_id)
         part = _slice(con, run, window)
         options = _with_slo(options, run)
-        side, summary = _side(con, part, options)
-        meta = run_meta(run, summary["overall"]["models"])
-        meta["cold_start"] = cold_start_of(con, run)
-        checks = checklist(con, part, meta, summary, options)
+        side = _side(con, part, options)
+        shown = _side_report(con, part, run, side, options)
+        checks = checklist(con, part, shown["run"], side.summary, options)
         flips = _flips(con, [run_id], [side])
         drawn = charts([side], flips) if options.charts else {}
-        by_replica = replicas.fleet(con, part, run, options.prometheus)
-        by_engine = engines.of_run(con, part, run)
-    report = {
-        "report_id": _report_id(part),
-        "kind": "run",
-        "run_id": run_id,
-        "window": _window_of(part),
-        "levers": run.get("levers") or {},
-        "run": meta,
-        **_public(summary),
-        **by_replica,
-        "engines": by_engine,
-        "slo": options.slo or None,
-        "checklist": checks,
-        "flips": flips,
-        "charts": drawn,
-        "cold_start": coldstart.rows(meta["cold_start"]),
-    }
-    report["diagnosis"] = diagnose(report)
-    return report
+    slo = options.slo or None
+    return Report(
+        report_id=_report_id(part),
+        kind="run",
+        run_id=run_id,
+        window=_window_of(part),
+        levers=shown["levers"],
+        run=shown["run"],
+        **_only_numbers(shown),
+        slo=slo,
+        checklist=checks,
+        flips=flips,
+        charts=drawn,
+        cold_start=coldstart.rows(shown["run"]["cold_start"]),
+        diagnosis=_diagnosis(shown, slo),
+    )
 
 
-def _compared_diagnosis(
-    compared: dict[str, Any], changes: list[dict[str, Any]], slo: dict[str, float] | None
-) -> dict[str, Any]:
-    """The after side's diagnosis, the before side's first finding, and whether each lever
-    change moved the symptom it was meant to move."""
-    before = diagnose({**compared["before"], "slo": slo})
-    after = diagnose({**compared["after"], "slo": slo})
-    return {**after, "before_first": before["first"], "flip": assess_flip(before, after, changes)}
+def _only_numbers(side: SideReport) -> Numbers:
+    """A side's numbers without its name, run id, levers and run (what a report's top level
+    repeats of its after side)."""
+    return Numbers(
+        overall=side["overall"],
+        groups=side["groups"],
+        server=side["server"],
+        admission=side["admission"],
+        gpu=side["gpu"],
+        replicas=side["replicas"],
+        skew=side["skew"],
+        replicas_server=side["replicas_server"],
+        engines=side["engines"],
+    )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What `--vs` and `--split-at-flip` share: both arms (each a run, or several repeats of one
+    configuration), each arm's first run as the report shows it, the diff rows judged as a
+    family, the warnings and the charts."""
+
+    arms: tuple[Arm, Arm]
+    before: SideReport
+    after: SideReport
+    changes: list[LeverChange]
+    diff: list[DiffRow]
+    primary: Primary
+    repeats: RepeatsDesign
+    repeat_states: RepeatStates
+    power: Power | None
+    cold_start: list[dict[str, Any]]
+    replicas_diff: list[dict[str, Any]] | None
+    spec_decode: dict[str, Any] | None
+    warnings: list[str]
+    flips: list[Flip]
+    bootstrap: Bootstrap
+    charts: dict[str, str]
+
+    def headline(self, change: str) -> str:
+        """The diff's headline, with TPOT and draft acceptance when speculation ran on a side."""
+        line = headline(change, self.diff, *self.arms, self.primary)
+        shown = list(at_level(self.diff, self.primary["level"]).values())
+        spec = headline_part(self.spec_decode, shown)
+        return f"{line}; {spec}" if spec else line
+
+    def diagnosis(self, slo: dict[str, float] | None) -> dict[str, Any]:
+        """The after side's diagnosis, the before side's first finding, and whether each lever
+        change moved the symptom it was meant to move."""
+        before, after = _diagnosis(self.before, slo), _diagnosis(self.after, slo)
+        return {
+            **after,
+            "before_first": before["first"],
+            "flip": assess_flip(before, after, self.changes),
+        }
 
 
 def _compare(
     con: duckdb.DuckDBPyConnection,
     before: list[Slice],
     after: list[Slice],
-    runs: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+    runs: tuple[list[RunRow], list[RunRow]],
+    changes: list[LeverChange],
     options: ReportOptions,
     stack: ExitStack,
     primary: str | None = None,
-) -> dict[str, Any]:
-    """What `--vs` and `--split-at-flip` share: both arms (each a run, or several repeats of one
-    configuration), the diff rows judged as a family, the warnings and the charts (the sides'
-    cursors are closed by `stack`). `before` and `after` describe each arm's first run."""
+) -> Comparison:
+    """Both arms compared (the sides' cursors are closed by `stack`); `changes`: the levers
+    that differ between them."""
     seed = bootstrap.DEFAULT_SEED if options.seed is None else options.seed
     sides = _sides(con, [*before, *after], options, stack)
     b_arm = Arm(before[0].name, sides[: len(before)])
     a_arm = Arm(after[0].name, sides[len(before) :])
     b_side, a_side = b_arm.repeats[0], a_arm.repeats[0]
-    b_summary, a_summary = b_side.summary, a_side.summary
-    b_meta = run_meta(runs[0][0], b_summary["overall"]["models"])
-    a_meta = run_meta(runs[1][0], a_summary["overall"]["models"])
-    b_meta["cold_start"] = cold_start_of(con, runs[0][0])
-    a_meta["cold_start"] = cold_start_of(con, runs[1][0])
+    b_shown = _side_report(con, before[0], runs[0][0], b_side, options)
+    a_shown = _side_report(con, after[0], runs[1][0], a_side, options)
     same_run = before[0].run_id == after[0].run_id
-    rows = diff_rows(b_arm, a_arm, seed)
-    changes = lever_changes(runs[0][0].get("levers") or {}, runs[1][0].get("levers") or {})
+    rows, directions = diff_rows(b_arm, a_arm, seed)
     metric, why = primary_indicator(changes)
     if primary is not None:
         metric, why = primary, "chosen with --primary"
-    chosen = judge(rows, (metric, primary_level(b_arm, a_arm)))
-    chosen["why"] = why
-    if chosen["metric"] != metric:
-        chosen["why"] += f"; {metric} is not tested on both sides, so {chosen['metric']} leads"
+    chosen = judge(rows, directions, (metric, primary_level(b_arm, a_arm)), why)
     run_ids = sorted({p.run_id for p in (*before, *after)})
     flips = _flips(con, run_ids, sides)
-    b_fleet = replicas.fleet(con, before[0], runs[0][0], options.prometheus)
-    a_fleet = replicas.fleet(con, after[0], runs[1][0], options.prometheus)
     shown = list(at_level(rows, chosen["level"]).values())
-    return {
-        "sides": (b_arm, a_arm),
-        "before": {
-            "name": before[0].name,
-            "run_id": before[0].run_id,
-            "levers": runs[0][0].get("levers") or {},
-            "run": b_meta,
-            **_public(b_summary),
-            **b_fleet,
-            "engines": engines.of_run(con, before[0], runs[0][0]),
-        },
-        "after": {
-            "name": after[0].name,
-            "run_id": after[0].run_id,
-            "levers": runs[1][0].get("levers") or {},
-            "run": a_meta,
-            **_public(a_summary),
-            **a_fleet,
-            "engines": engines.of_run(con, after[0], runs[1][0]),
-        },
-        "diff": rows,
-        "primary": chosen,
-        "repeats": design(b_arm, a_arm),
-        "repeat_states": _repeat_states(runs),
-        "power": power(rows, chosen),
-        "cold_start": []
+    b_run, a_run = b_shown["run"], a_shown["run"]
+    return Comparison(
+        arms=(b_arm, a_arm),
+        before=b_shown,
+        after=a_shown,
+        changes=changes,
+        diff=rows,
+        primary=chosen,
+        repeats=design(b_arm, a_arm),
+        repeat_states=_repeat_states(runs),
+        power=power(rows, chosen),
+        cold_start=[]
         if same_run
-        else coldstart.diff_rows(b_meta["cold_start"], a_meta["cold_start"]),
-        "replicas_diff": replicas.replicas_diff(b_fleet["replicas"], a_fleet["replicas"]),
-        "spec_decode": spec_diff(con, (before[0], after[0]), (b_summary, a_summary), shown, seed),
-        "warnings": workload_warnings(
-            b_side, a_side, b_meta["workload"], a_meta["workload"], same_run
-        )
+        else coldstart.diff_rows(b_run["cold_start"], a_run["cold_start"]),
+        replicas_diff=replicas.replicas_diff(b_shown["replicas"], a_shown["replicas"]),
+        spec_decode=spec_diff(
+            con, (before[0], after[0]), (b_side.summary, a_side.summary), shown, seed
+        ),
+        warnings=workload_warnings(b_side, a_side, b_run["workload"], a_run["workload"], same_run)
         + _repeat_warnings(runs),
-        "flips": flips,
-        "bootstrap": {
-            "draws": bootstrap.DRAWS,
-            "seed": seed,
-            "method": "several runs a side: Student's t on the runs' values (logarithms of "
-            "times and rates), the runs' request-level bootstrap variance as a floor; one run a "
-            "side: exact bootstrap distributions over per-request samples (request noise only). "
-            "Throughput, goodput and energy resample windows of the run (1 s, or 1/20 of a "
-            "shorter run), each request's tokens counted in the windows they were generated in. "
-            "The primary row is tested at 5 %, the others corrected by Holm's procedure "
-            "(docs/verdicts.md)",
-        },
-        "slo": options.slo or None,
-        "charts": charts([b_side, a_side], flips) if options.charts else {},
-    }
+        flips=flips,
+        bootstrap=Bootstrap(draws=bootstrap.DRAWS, seed=seed, method=METHOD),
+        charts=charts([b_side, a_side], flips) if options.charts else {},
+    )
 
 
-def _repeat_states(runs: tuple[list[dict[str, Any]], list[dict[str, Any]]]) -> dict[str, Any]:
+def _repeat_states(runs: tuple[list[RunRow], list[RunRow]]) -> RepeatStates:
     """How each repeat started (experiments record it in the run's notes), per arm."""
-    keys = ("repeat_state", "repeat_design")
-    return {
-        arm: [
-            {"run_id": r["run_id"], **{k: (r.get("notes") or {}).get(k) for k in keys}}
-            for r in arm_runs
-        ]
-        for arm, arm_runs in zip(("before", "after"), runs, strict=True)
-    }
+
+    def state(run: RunRow) -> RepeatState:
+        notes = run["notes"] or {}
+        return RepeatState(
+            run_id=run["run_id"],
+            repeat_state=_text(notes.get("repeat_state")),
+            repeat_design=_text(notes.get("repeat_design")),
+        )
+
+    before, after = runs
+    return RepeatStates(before=[state(r) for r in before], after=[state(r) for r in after])
 
 
-def _repeat_warnings(runs: tuple[list[dict[str, Any]], list[dict[str, Any]]]) -> list[str]:
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _repeat_warnings(runs: tuple[list[RunRow], list[RunRow]]) -> list[str]:
     """Repeats of one arm that did not run one configuration."""
     warnings = []
     for arm, arm_runs in zip(("before", "after"), runs, strict=True):
-        first = arm_runs[0].get("levers") or {}
+        first = arm_runs[0]["levers"] or {}
         for run in arm_runs[1:]:
-            if changed := lever_changes(first, run.get("levers") or {}):
+            if changed := lever_changes(first, run["levers"] or {}):
                 warnings.append(
                     f"the {arm} repeats differ in levers: {run['run_id']} has "
                     + describe_change(changed, "")
                     + f" against {arm_runs[0]['run_id']}"
                 )
     return warnings
-
-
-def _headline(change: str, compared: dict[str, Any], before: Arm, after: Arm) -> str:
-    """The diff's headline, with TPOT and draft acceptance when speculation ran on a side."""
-    line = headline(change, compared["diff"], before, after, compared["primary"])
-    shown = list(at_level(compared["diff"], compared["primary"]["level"]).values())
-    spec = headline_part(compared["spec_decode"], shown)
-    return f"{line}; {spec}" if spec else line
 
 
 def _ids(run_ids: str | Sequence[str]) -> list[str]:
@@ -358,9 +423,9 @@ def _ids(run_ids: str | Sequence[str]) -> list[str]:
     return ids
 
 
-def _arm_name(runs: list[dict[str, Any]]) -> str:
+def _arm_name(runs: list[RunRow]) -> str:
     """An arm as people say it: the experiment's arm name its runs recorded, else the run."""
-    arm = (runs[0].get("notes") or {}).get("arm")
+    arm = (runs[0]["notes"] or {}).get("arm")
     if isinstance(arm, str) and arm and len(runs) > 1:
         return arm
     return str(runs[0]["run_id"])
@@ -371,6 +436,11 @@ def _arm_id(parts: list[Slice]) -> str:
     return first if len(parts) == 1 else f"{first}-x{len(parts)}"
 
 
+def _check_primary(primary: str | None) -> None:
+    if primary is not None and primary not in BY_METRIC:
+        raise BadComparison(f"unknown --primary {primary!r}; choose from {', '.join(BY_METRIC)}")
+
+
 def build_diff(
     store: Store,
     run_ids: str | Sequence[str],
@@ -379,7 +449,7 @@ def build_diff(
     window: Window = WHOLE,
     base_window: Window = WHOLE,
     primary: str | None = None,
-) -> dict[str, Any]:
+) -> Report:
     """`run_ids` (after) against `base_run_ids` (before; `previous` = the run its server ran
     before), each a run (whole or a window of it) or several runs of one configuration (its
     repeats, pooled): the first after run's own report keys plus `before`, `after` (each arm's
@@ -391,8 +461,7 @@ def build_diff(
         raise BadComparison(
             f"run {sorted(both)[0]!r} is on both sides: an arm's repeats are its own"
         )
-    if primary is not None and primary not in BY_METRIC:
-        raise BadComparison(f"unknown --primary {primary!r}; choose from {', '.join(BY_METRIC)}")
+    _check_primary(primary)
     with store.read() as con, ExitStack() as stack:
         after_runs = [require_run(con, r) for r in after_ids]
         if before_ids == [PREVIOUS]:
@@ -403,51 +472,60 @@ def build_diff(
         after = [_slice(con, r, window, "after" if same else "") for r in after_runs]
         run = after_runs[0]
         options = _with_slo(options, run)
-        compared = _compare(con, before, after, (before_runs, after_runs), options, stack, primary)
-        meta = compared["after"]["run"]
-        checks = checklist(con, after[0], meta, compared["after"], options)
-    b_arm, a_arm = compared.pop("sides")
-    drawn = compared.pop("charts")
-    changes = lever_changes(before_runs[0].get("levers") or {}, run.get("levers") or {})
+        changes = lever_changes(before_runs[0]["levers"] or {}, run["levers"] or {})
+        compared = _compare(
+            con, before, after, (before_runs, after_runs), changes, options, stack, primary
+        )
+        checks = checklist(
+            con, after[0], compared.after["run"], compared.arms[1].repeats[0].summary, options
+        )
     change = describe_change(changes, f"no lever changed: {_arm_name(after_runs)} vs "
                              f"{_arm_name(before_runs)}")  # fmt: skip
-    diagnosis = _compared_diagnosis(compared, changes, options.slo or None)
-    return {
-        "diagnosis": diagnosis,
-        "report_id": f"{_arm_id(after)}-vs-{_arm_id(before)}",
-        "kind": "diff",
-        "run_id": after_ids[0],
-        "base_run_id": before_ids[0],
-        "window": _window_of(after[0]),
-        "base_window": _window_of(before[0]),
-        "levers": run.get("levers") or {},
-        "run": meta,
-        **{
-            k: compared["after"][k]
-            for k in (
-                "overall",
-                "groups",
-                "server",
-                "admission",
-                "gpu",
-                "replicas",
-                "skew",
-                "replicas_server",
-            )
-        },
-        "headline": _headline(change, compared, b_arm, a_arm),
-        "lever_changes": changes,
-        **compared,
-        "checklist": checks,
-        "charts": drawn,
-    }
+    slo = options.slo or None
+    return Report(
+        report_id=f"{_arm_id(after)}-vs-{_arm_id(before)}",
+        kind="diff",
+        run_id=after_ids[0],
+        base_run_id=before_ids[0],
+        window=_window_of(after[0]),
+        base_window=_window_of(before[0]),
+        levers=compared.after["levers"],
+        run=compared.after["run"],
+        **_only_numbers(compared.after),
+        **_compared(compared, change),
+        slo=slo,
+        checklist=checks,
+        flips=compared.flips,
+        charts=compared.charts,
+        cold_start=compared.cold_start,
+        diagnosis=compared.diagnosis(slo),
+    )
 
 
-def _require_flip_inside(run: dict[str, Any], at: datetime) -> None:
+def _compared(compared: Comparison, change: str) -> Compared:
+    """The keys a diff and a split add to a report."""
+    return Compared(
+        headline=compared.headline(change),
+        lever_changes=compared.changes,
+        warnings=compared.warnings,
+        before=compared.before,
+        after=compared.after,
+        diff=compared.diff,
+        primary=compared.primary,
+        repeats=compared.repeats,
+        repeat_states=compared.repeat_states,
+        power=compared.power,
+        replicas_diff=compared.replicas_diff,
+        spec_decode=compared.spec_decode,
+        bootstrap=compared.bootstrap,
+    )
+
+
+def _require_flip_inside(run: RunRow, at: datetime) -> None:
     """A server session's flip is its own start (the restart from the session before it): all
     of its requests are after it, so splitting there compares nothing; say which command does."""
-    previous = (run.get("notes") or {}).get("previous")
-    started = run.get("started_at")
+    previous = (run["notes"] or {}).get("previous")
+    started = run["started_at"]
     if isinstance(previous, str) and previous and isinstance(started, datetime) and at <= started:
         raise NoLeverFlip(
             f"the lever flip of run {run['run_id']!r} is its server's restart from run "
@@ -458,10 +536,10 @@ def _require_flip_inside(run: dict[str, Any], at: datetime) -> None:
 
 def build_split(
     store: Store, run_id: str, options: ReportOptions | None = None, primary: str | None = None
-) -> dict[str, Any]:
-    """One run, before and after its (first) `lever_flips` row."""
-    if primary is not None and primary not in BY_METRIC:
-        raise BadComparison(f"unknown --primary {primary!r}; choose from {', '.join(BY_METRIC)}")
+) -> Report:
+    """One run, before and after its (first) `lever_flips` row; the report's own numbers are
+    the whole run's."""
+    _check_primary(primary)
     with store.read() as con, ExitStack() as stack:
         run = require_run(con, run_id)
         options = _with_slo(options, run)
@@ -471,41 +549,39 @@ def build_split(
         at = flips[0][0]
         _require_flip_inside(run, at)
         first = [f for f in flips if f[0] == at]
-        changes = [{"lever": f[1], "before": f[2], "after": f[3]} for f in first]
+        changes = [LeverChange(lever=f[1], before=f[2], after=f[3]) for f in first]
         before = Slice(run_id, until=at, label="before flip")
         after = Slice(run_id, since=at, label="after flip")
         whole = Slice(run_id)
-        _whole_side, summary = _side(con, whole, options)
-        by_replica = replicas.fleet(con, whole, run, options.prometheus)
-        meta = run_meta(run, summary["overall"]["models"])
-        compared = _compare(con, [before], [after], ([run], [run]), options, stack, primary)
-        checks = checklist(con, whole, meta, summary, options)
-    b_arm, a_arm = compared.pop("sides")
-    drawn = compared.pop("charts")
-    warnings = compared.pop("warnings")
-    parts = compared["before"]["overall"]["requests"] + compared["after"]["overall"]["requests"]
-    if (unplaced := summary["overall"]["requests"] - parts) > 0:
+        whole_side = _side(con, whole, options)
+        shown = _side_report(con, whole, run, whole_side, options)
+        compared = _compare(
+            con, [before], [after], ([run], [run]), changes, options, stack, primary
+        )
+        checks = checklist(con, whole, shown["run"], whole_side.summary, options)
+    warnings = list(compared.warnings)
+    parts = compared.before["overall"]["requests"] + compared.after["overall"]["requests"]
+    if (unplaced := shown["overall"]["requests"] - parts) > 0:
         warnings.insert(0, f"{unplaced} events have no timestamp: in neither part")
     if len(flips) > len(first):
         warnings.insert(
             0, f"the run has {len(flips)} lever flips; split at the first ({at.isoformat()}Z)"
         )
     change = describe_change(changes, f"{run_id} at {at.isoformat()}Z")
-    diagnosis = _compared_diagnosis(compared, changes, options.slo or None)
-    return {
-        "diagnosis": diagnosis,
-        "report_id": f"{run_id}-at-flip",
-        "kind": "split",
-        "run_id": run_id,
-        "levers": run.get("levers") or {},
-        "run": meta,
-        **_public(summary),
-        **by_replica,
-        "split_at": at.isoformat() + "Z",
-        "headline": _headline(change, compared, b_arm, a_arm),
-        "lever_changes": changes,
-        "warnings": warnings,
-        **compared,
-        "checklist": checks,
-        "charts": drawn,
-    }
+    slo = options.slo or None
+    return Report(
+        report_id=f"{run_id}-at-flip",
+        kind="split",
+        run_id=run_id,
+        split_at=at.isoformat() + "Z",
+        levers=shown["levers"],
+        run=shown["run"],
+        **_only_numbers(shown),
+        **_compared(replace(compared, warnings=warnings), change),
+        slo=slo,
+        checklist=checks,
+        flips=compared.flips,
+        charts=compared.charts,
+        cold_start=compared.cold_start,
+        diagnosis=compared.diagnosis(slo),
+    )

@@ -3,8 +3,9 @@ markers, and TTFT p95 and throughput against the load level (concurrency or requ
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -72,7 +73,7 @@ class _Timeline:
         return f"seconds of measurement ({self.folded:,.0f} s between the runs not drawn)"
 
 
-def _over_time(sides: list[Side], flips: list[dict[str, Any]]) -> dict[str, str]:
+def _over_time(sides: list[Side], flips: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     spans = [span for s in sides if (span := s.samples.span) is not None]
     if not spans:
         return {}
@@ -102,7 +103,11 @@ def _over_time(sides: list[Side], flips: list[dict[str, Any]]) -> dict[str, str]
 
 def _by_level(sides: list[Side]) -> dict[str, str]:
     out: dict[str, str] = {}
-    for key, axis in (("concurrency", "concurrency"), ("target_rate", "target rate (req/s)")):
+    axes: tuple[tuple[Literal["concurrency", "target_rate"], str], ...] = (
+        ("concurrency", "concurrency"),
+        ("target_rate", "target rate (req/s)"),
+    )
+    for key, axis in axes:
         ttft, tput = [], []
         for side in sides:
             workloads = sorted({g["workload"] or "" for g in side.summary["groups"]})
@@ -113,12 +118,12 @@ def _by_level(sides: list[Side]) -> dict[str, str]:
                         for g in side.summary["groups"]
                         if (g["workload"] or "") == workload and g[key] is not None
                     ),
-                    key=lambda g: g[key],
+                    key=lambda g: float(g[key] or 0.0),
                 )
                 if len(rows) < 2:
                     continue
                 label = f"{side.name} · {workload}" if workload else side.name
-                xs = np.array([float(g[key]) for g in rows])
+                xs = np.array([float(g[key] or 0.0) for g in rows])
                 p95 = [g["ttft_ms"]["p95"] for g in rows]
                 tok = [g["throughput"]["output_tokens_per_s"] for g in rows]
                 ttft.append(Series(label, xs, np.array(p95, dtype=float)))
@@ -132,6 +137,6 @@ def _by_level(sides: list[Side]) -> dict[str, str]:
     return out
 
 
-def charts(sides: list[Side], flips: list[dict[str, Any]]) -> dict[str, str]:
+def charts(sides: list[Side], flips: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     """SVG documents by name, in the order the report shows them."""
     return {**_cdfs(sides), **_over_time(sides, flips), **_by_level(sides)}

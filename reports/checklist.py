@@ -8,11 +8,13 @@ logged), security, admission control (per-team queue isolated, rejection events 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import duckdb
 
 from servescope.reports import sql
+from servescope.reports.document import ChecklistItem
 from servescope.reports.samples import Slice
 from servescope.reports.summary import ReportOptions
 from servescope.store import reads
@@ -21,8 +23,8 @@ PASS, FAIL, NOT_MEASURED = "pass", "fail", "not measured"
 STABILITY_LIMIT_PER_100 = 2.0
 
 
-def _item(item: str, criterion: str, status: str, evidence: str) -> dict[str, str]:
-    return {"item": item, "criterion": criterion, "status": status, "evidence": evidence}
+def _item(item: str, criterion: str, status: str, evidence: str) -> ChecklistItem:
+    return ChecklistItem(item=item, criterion=criterion, status=status, evidence=evidence)
 
 
 def _chat_workloads(workload: Any) -> list[str]:
@@ -36,7 +38,7 @@ def _chat_workloads(workload: Any) -> list[str]:
     ]
 
 
-def _loading(meta: dict[str, Any]) -> dict[str, str]:
+def _loading(meta: Mapping[str, Any]) -> ChecklistItem:
     notes = meta.get("notes") or {}
     cold, warm = notes.get("cold_start_s"), notes.get("warm_restart_s")
     ready = meta.get("server_ready_s")
@@ -61,7 +63,7 @@ def _loading(meta: dict[str, Any]) -> dict[str, str]:
     )
 
 
-def _compatibility(checks: dict[str, Any]) -> dict[str, str]:
+def _compatibility(checks: dict[str, Any]) -> ChecklistItem:
     criterion = "an OpenAI client completes a chat call"
     if not checks["chat_requests"]:
         return _item("API compatibility", criterion, NOT_MEASURED, "no chat requests in this run")
@@ -74,7 +76,7 @@ def _compatibility(checks: dict[str, Any]) -> dict[str, str]:
     )
 
 
-def _stability(checks: dict[str, Any]) -> dict[str, str]:
+def _stability(checks: dict[str, Any]) -> ChecklistItem:
     criterion = f"≤ {STABILITY_LIMIT_PER_100:g} timeouts/OOMs per 100 requests"
     n = checks["requests"]
     if not n:
@@ -91,7 +93,7 @@ def _stability(checks: dict[str, Any]) -> dict[str, str]:
     )
 
 
-def _cost(overall: dict[str, Any], options: ReportOptions) -> dict[str, str]:
+def _cost(overall: Mapping[str, Any], options: ReportOptions) -> ChecklistItem:
     criterion = "GPU-hour cost vs API cost per 1K tokens"
     gpu, api = options.gpu_hour_usd, options.api_usd_per_1k_tokens
     tput = overall["throughput"]
@@ -118,7 +120,7 @@ def _cost(overall: dict[str, Any], options: ReportOptions) -> dict[str, str]:
     )
 
 
-def _observability(checks: dict[str, Any]) -> dict[str, str]:
+def _observability(checks: dict[str, Any]) -> ChecklistItem:
     criterion = "request_id, model, tokens and latency on every event"
     if not checks["ok"]:
         return _item("Observability", criterion, NOT_MEASURED, "no successful requests")
@@ -132,7 +134,7 @@ def _observability(checks: dict[str, Any]) -> dict[str, str]:
     )
 
 
-def _admission(admission: dict[str, Any]) -> dict[str, str]:
+def _admission(admission: Mapping[str, Any]) -> ChecklistItem:
     criterion = "per-team queue isolated, rejection events logged"
     teams = admission["teams"]
     if not teams:
@@ -160,10 +162,10 @@ def _admission(admission: dict[str, Any]) -> dict[str, str]:
 def checklist(
     con: duckdb.DuckDBPyConnection,
     part: Slice,
-    meta: dict[str, Any],
-    summary: dict[str, Any],
+    meta: Mapping[str, Any],
+    summary: Mapping[str, Any],
     options: ReportOptions,
-) -> list[dict[str, str]]:
+) -> list[ChecklistItem]:
     params = {**part.params(), "chat_workloads": _chat_workloads(meta.get("workload"))}
     checks = reads.row(con.execute(sql.SLICE_CHECKS, params)) or {}
     row = con.execute(sql.SLICE_OOMS, part.params()).fetchone()

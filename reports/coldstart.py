@@ -11,6 +11,7 @@ interval and no verdict.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import duckdb
@@ -50,7 +51,7 @@ def _notes(raw: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def cold_start_of(con: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[str, Any] | None:
+def cold_start_of(con: duckdb.DuckDBPyConnection, run: Mapping[str, Any]) -> dict[str, Any] | None:
     """{`session`: the run the phases were logged in, `phases`: the numbers}; None when neither
     the run nor the one session that served it recorded a start-up."""
     own = _notes(run.get("notes")).get("cold_start")

@@ -14,7 +14,7 @@ was meant to move.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -169,7 +169,7 @@ def _phase_share(
     return _ratio(means.get(part), means.get(whole))
 
 
-def indicators(report: dict[str, Any]) -> dict[str, Any]:
+def indicators(report: Mapping[str, Any]) -> dict[str, Any]:
     """Every indicator the rules read, measured from one report (side); None = not measured."""
     overall, server = report["overall"], report.get("server") or {}
     shape = overall.get("shape") or {}
@@ -232,7 +232,7 @@ def indicators(report: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def _fleet(report: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+def _fleet(report: Mapping[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     """The fleet indicators (reports/replicas.py): None for a run of one server."""
     rows = [r for r in report.get("replicas") or [] if r.get("replica") is not None]
     skew = report.get("skew") or {}
@@ -322,7 +322,7 @@ def _check(
     return ok, f"{INDICATORS[name].label} {show(name, value)} ({SHOWN_OPS[cond['op']]} {shown})"
 
 
-def _targets(report: dict[str, Any], rules: dict[str, Any]) -> dict[str, float]:
+def _targets(report: Mapping[str, Any], rules: dict[str, Any]) -> dict[str, float]:
     """The rules' targets, replaced by the run's SLOs where it has them."""
     targets = dict(rules["targets"])
     slo = report.get("slo") or {}
@@ -349,7 +349,7 @@ def classify(values: dict[str, Any], rules: dict[str, Any]) -> dict[str, Any]:
     return {"shape": "unclassified", "why": "no shape's conditions held", "evidence": []}
 
 
-def diagnose(report: dict[str, Any], rules: dict[str, Any] | None = None) -> dict[str, Any]:
+def diagnose(report: Mapping[str, Any], rules: dict[str, Any] | None = None) -> dict[str, Any]:
     """Findings, withheld recommendations and unjudged rules of one report (or diff side)."""
     rules = rules or load_rules()
     values = indicators(report)
@@ -463,7 +463,7 @@ def _moves_as_wanted(entry: dict[str, Any], before: Any, after: Any) -> bool | N
 
 
 def primary_indicator(
-    changes: list[dict[str, Any]], rules: dict[str, Any] | None = None
+    changes: Sequence[Mapping[str, Any]], rules: dict[str, Any] | None = None
 ) -> tuple[str, str]:
     """The diff metric a lever flip is judged by, and why: the symptom of the first rule that
     names a changed lever and wants it moved that way (`primary` in diagnosis.yaml)."""
@@ -488,7 +488,7 @@ def primary_indicator(
 def assess_flip(
     before: dict[str, Any],
     after: dict[str, Any],
-    changes: list[dict[str, Any]],
+    changes: Sequence[Mapping[str, Any]],
     rules: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """For each lever change of a diff: the finding of the before side it was meant to fix, and

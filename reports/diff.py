@@ -20,16 +20,28 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import duckdb
 import numpy as np
 
 from servescope.reports import bootstrap, gpu, sql, verdict
 from servescope.reports.bootstrap import Draws, Floats
+from servescope.reports.document import (
+    Better,
+    Design,
+    DiffRow,
+    Group,
+    LeverChange,
+    Power,
+    PowerLine,
+    Primary,
+    Summary,
+)
 from servescope.reports.samples import FIXED_SOURCES, SERVER, TESTED, Samples, Sorted
 
-LOWER, HIGHER = "lower", "higher"
+LOWER: Better = "lower"
+HIGHER: Better = "higher"
 IMPROVED, REGRESSED, UNCHANGED = "improved", "regressed", "unchanged"
 NOT_MEASURED, NOT_TESTED = "not measured", "not tested"
 TOO_FEW = "too few samples"
@@ -45,9 +57,9 @@ class Side:
     per-request samples."""
 
     name: str
-    summary: dict[str, Any]
+    summary: Summary
     samples: Samples
-    cache: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, dict[str, Draws | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -61,16 +73,16 @@ class Arm:
 # A load level as a report names it (`level_name`), and the group of a side's summary it is;
 # WHOLE_RUN: the run with every level it held (server counters and the GPU are not per level).
 WHOLE_RUN = "whole run"
-Group = dict[str, Any] | None
-Estimator = Callable[[Side, Group], tuple[float | None, Draws | None]]
+Level = Group | None  # a load level of the side's summary, or the whole run
+Estimator = Callable[[Side, Level], tuple[float | None, Draws | None]]
 
 
-def _group_counts(group: dict[str, Any]) -> tuple[int, int]:
+def _group_counts(group: Group) -> tuple[int, int]:
     return int(group["requests"]), int(group["errors"])
 
 
 def _quantile(metric: str, q: float) -> Estimator:
-    def estimate(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+    def estimate(side: Side, group: Level) -> tuple[float | None, Draws | None]:
         values = _values(side, metric, group)
         if values is None:
             return None, None
@@ -79,7 +91,7 @@ def _quantile(metric: str, q: float) -> Estimator:
     return estimate
 
 
-def _values(side: Side, metric: str, group: Group) -> Sorted | None:
+def _values(side: Side, metric: str, group: Level) -> Sorted | None:
     """The metric's sorted values over the side's successful requests, at one level or all."""
     if group is None:
         return side.samples.successful(metric)
@@ -87,7 +99,7 @@ def _values(side: Side, metric: str, group: Group) -> Sorted | None:
     return None if key is None else side.samples.level_successful(metric).get(key)
 
 
-def _error_rate(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+def _error_rate(side: Side, group: Level) -> tuple[float | None, Draws | None]:
     if group is not None:
         n, failed = _group_counts(group)
     else:
@@ -96,7 +108,7 @@ def _error_rate(side: Side, group: Group) -> tuple[float | None, Draws | None]:
     return (failed / n if n else None), bootstrap.proportion_draws(failed, n)
 
 
-def _cache_hit_share(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+def _cache_hit_share(side: Side, group: Level) -> tuple[float | None, Draws | None]:
     if group is not None:
         return group["cache_hit_request_ratio"], None
     counts = side.samples.counts
@@ -151,16 +163,19 @@ def _gpu(metric: str) -> Estimator:
     """A GPU figure of the side (reports/gpu.py) and its window-bootstrap draws."""
     key = metric.partition(".")[2]
 
-    def estimate(side: Side, group: Group) -> tuple[float | None, Draws | None]:
-        return (side.summary.get("gpu") or {}).get(key), side.cache.get("gpu", {}).get(metric)
+    def estimate(side: Side, group: Level) -> tuple[float | None, Draws | None]:
+        figures = side.summary["gpu"]
+        return (figures.get(key) if figures else None), side.cache.get("gpu", {}).get(metric)
 
     return estimate
 
 
 _TOTALS = {None: ("ok", "ok"), "prompt_tokens": ("input_tokens", "input_known"),
            "completion_tokens": ("output_tokens", "output_known")}  # fmt: skip
-_LEVEL_RATES = {None: "requests_per_s", "prompt_tokens": "input_tokens_per_s",
-                "completion_tokens": "output_tokens_per_s"}  # fmt: skip
+Rate = Literal["requests_per_s", "input_tokens_per_s", "output_tokens_per_s"]
+_LEVEL_RATES: dict[str | None, Rate] = {None: "requests_per_s",
+                                        "prompt_tokens": "input_tokens_per_s",
+                                        "completion_tokens": "output_tokens_per_s"}  # fmt: skip
 
 
 def _per_second(column: str | None) -> Estimator:
@@ -168,7 +183,7 @@ def _per_second(column: str | None) -> Estimator:
     (of the level's own span, at a level of several: its rate has no draws of its own)."""
     total, known = _TOTALS[column]
 
-    def estimate(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+    def estimate(side: Side, group: Level) -> tuple[float | None, Draws | None]:
         if group is not None:
             return group["throughput"][_LEVEL_RATES[column]], None
         seconds = side.summary["overall"]["throughput"]["duration_s"]
@@ -184,9 +199,10 @@ def _per_second(column: str | None) -> Estimator:
     return estimate
 
 
-def _goodput(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+def _goodput(side: Side, group: Level) -> tuple[float | None, Draws | None]:
     if group is not None:
-        return (group["goodput"] or {}).get("requests_per_s"), None
+        level_good = group["goodput"]
+        return (level_good["requests_per_s"] if level_good else None), None
     good = side.summary["overall"]["goodput"]
     seconds = side.summary["overall"]["throughput"]["duration_s"]
     if good is None or not seconds:
@@ -196,15 +212,15 @@ def _goodput(side: Side, group: Group) -> tuple[float | None, Draws | None]:
     return good["good_requests"] / seconds, draws
 
 
-def _server_ratio(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+def _server_ratio(side: Side, group: Level) -> tuple[float | None, Draws | None]:
     return side.summary["server"]["prefix_cache_hit_ratio"], None
 
 
-def _cached_token_ratio(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+def _cached_token_ratio(side: Side, group: Level) -> tuple[float | None, Draws | None]:
     return (group or side.summary["overall"])["cached_token_ratio"], None
 
 
-def _acceptance_rate(side: Side, group: Group) -> tuple[float | None, Draws | None]:
+def _acceptance_rate(side: Side, group: Level) -> tuple[float | None, Draws | None]:
     spec = side.summary["server"].get("spec_decode")
     return (spec or {}).get("acceptance_rate"), None
 
@@ -219,7 +235,7 @@ class Indicator:
     works on (log: a lever scales it; as is: a share that sits at 0)."""
 
     metric: str
-    better: str
+    better: Better
     estimate: Estimator
     per_level: bool = True
     scale: str = LOG
@@ -272,14 +288,14 @@ def _too_few(metric: str, counts: list[int]) -> bool:
     return min(counts, default=0) * min(q, 1 - q) < MIN_TAIL_SAMPLES
 
 
-def level_name(group: dict[str, Any]) -> str:
+def level_name(group: Group) -> str:
     level = [f"concurrency {group['concurrency']}"] if group["concurrency"] is not None else []
     if group["target_rate"] is not None:
         level.append(f"rate {group['target_rate']:g}/s")
     return " · ".join([str(group["workload"] or "(no workload)"), *level])
 
 
-def _groups(side: Side) -> dict[str, dict[str, Any]]:
+def _groups(side: Side) -> dict[str, Group]:
     return {level_name(g): g for g in side.summary["groups"]}
 
 
@@ -290,7 +306,9 @@ def shared_levels(before: Arm, after: Arm) -> list[str]:
     return [n for n in _groups(after.repeats[0]) if n in common]
 
 
-def _pooled_quantile(sides: list[Side], metric: str, group_of: Callable[[Side], Group], q: float):
+def _pooled_quantile(
+    sides: list[Side], metric: str, group_of: Callable[[Side], Level], q: float
+) -> float | None:
     parts = []
     for side in sides:
         values = _values(side, metric, group_of(side))
@@ -314,7 +332,7 @@ class Estimates:
 
 
 def _estimate(arm: Arm, indicator: Indicator, level: str | None) -> Estimates:
-    def group_of(side: Side) -> Group:
+    def group_of(side: Side) -> Level:
         return None if level is None else _groups(side).get(level)
 
     values, draws, counts = [], [], []
@@ -345,45 +363,51 @@ def _on_scale(values: list[float], scale: str) -> Floats:
 
 
 def _row(
-    indicator: Indicator, level: str, before: Estimates, after: Estimates, seed: int, source: Any
-) -> dict[str, Any]:
+    indicator: Indicator,
+    level: str,
+    before: Estimates,
+    after: Estimates,
+    seed: int,
+    source: str | None,
+) -> tuple[DiffRow, float]:
+    """The row, and the sign of its estimated change (0 untested): what `judge` reads of a
+    significant row to call it improved or regressed."""
     b, a = before.pooled, after.pooled
-    measured = a is not None and b is not None
-    delta = a - b if measured else None
-    row: dict[str, Any] = {
-        "metric": indicator.metric,
-        "level": level,
-        "source": source,
-        "better": indicator.better,
-        "before": b,
-        "after": a,
-        "delta": delta,
-        "delta_pct": (delta / b * 100.0) if delta is not None and b else None,
-        "ci95": None,
-        "ci95_pct": None,
-        "verdict": NOT_MEASURED if not measured else NOT_TESTED,
-        "test": None,
-        "p_value": None,
-        "role": None,
-        "detectable": None,
-        "detectable_pct": None,
-        "repeats": {"before": before.values, "after": after.values},
-    }
-    if not measured:
-        return row
+    delta = a - b if a is not None and b is not None else None
+    row = DiffRow(
+        metric=indicator.metric,
+        level=level,
+        source=source,
+        better=indicator.better,
+        before=b,
+        after=a,
+        delta=delta,
+        delta_pct=(delta / b * 100.0) if delta is not None and b else None,
+        ci95=None,
+        ci95_pct=None,
+        verdict=NOT_MEASURED if delta is None else NOT_TESTED,
+        test=None,
+        p_value=None,
+        role=None,
+        detectable=None,
+        detectable_pct=None,
+        repeats={"before": before.values, "after": after.values},
+    )
+    if delta is None:
+        return row, 0.0
     if len(before.values) + len(after.values) > 2:
-        _repeats_row(row, indicator, before, after, seed)
+        direction = _repeats_row(row, indicator, before, after, seed)
     else:
-        _requests_row(row, indicator, before, after, seed)
+        direction = _requests_row(row, indicator, before, after, seed)
     if _too_few(indicator.metric, before.counts + after.counts):
         row["verdict"] = TOO_FEW  # the interval is shown, but no test: out of the family
         row["p_value"] = None
-    return row
+    return row, direction
 
 
 def _repeats_row(
-    row: dict[str, Any], indicator: Indicator, before: Estimates, after: Estimates, seed: int
-) -> None:
+    row: DiffRow, indicator: Indicator, before: Estimates, after: Estimates, seed: int
+) -> float:
     """The row tested on the runs' values (reports/verdict.py), on the indicator's scale."""
     values = [v for v in (*before.values, *after.values) if v is not None]
     scale = indicator.scale if all(v > 0 for v in values) else AS_IS
@@ -406,15 +430,17 @@ def _repeats_row(
         scaled_draws(after),
     )
     if test is None:
-        return
+        return 0.0
     lo, hi = test.interval
     b = row["before"]
+    assert b is not None  # a tested row measured both sides
     if scale == LOG:
         pct = ((np.exp(lo) - 1.0) * 100.0, (np.exp(hi) - 1.0) * 100.0)
         row["ci95_pct"] = [float(pct[0]), float(pct[1])]
         row["ci95"] = [b * pct[0] / 100.0, b * pct[1] / 100.0]
-        row["detectable_pct"] = float((np.exp(test.detectable) - 1.0) * 100.0)
-        row["detectable"] = b * row["detectable_pct"] / 100.0
+        detectable_pct = float((np.exp(test.detectable) - 1.0) * 100.0)
+        row["detectable_pct"] = detectable_pct
+        row["detectable"] = b * detectable_pct / 100.0
     else:
         row["ci95"] = [lo, hi]
         row["ci95_pct"] = [lo / b * 100.0, hi / b * 100.0] if b else None
@@ -428,17 +454,17 @@ def _repeats_row(
         "covers": "run-to-run and request noise",
     }
     row["p_value"] = test.p_value
-    row["_direction"] = float(np.sign(test.estimate))
+    return float(np.sign(test.estimate))
 
 
 def _requests_row(
-    row: dict[str, Any], indicator: Indicator, before: Estimates, after: Estimates, seed: int
-) -> None:
+    row: DiffRow, indicator: Indicator, before: Estimates, after: Estimates, seed: int
+) -> float:
     """One run a side: the request-level bootstrap's interval (request noise only)."""
     key = indicator.metric if row["level"] == WHOLE_RUN else f"{indicator.metric}@{row['level']}"
     b_draws, a_draws = before.draws[0], after.draws[0]
     if b_draws is None or a_draws is None:
-        return
+        return 0.0
     rng = np.random.default_rng([seed, *key.encode()])
     b, a = b_draws(rng), a_draws(rng)
     delta = a - b
@@ -462,29 +488,30 @@ def _requests_row(
         "covers": "request noise only",
     }
     row["p_value"] = verdict.draws_p_value(delta)
-    row["_direction"] = float(np.sign(np.median(delta)))
+    return float(np.sign(np.median(delta)))
 
 
-def diff_rows(before: Arm, after: Arm, seed: int) -> list[dict[str, Any]]:
-    """Every indicator at every load level both arms ran (whole-run figures once), tested;
-    verdicts are given by `judge`, which corrects the rows as a family."""
+def diff_rows(before: Arm, after: Arm, seed: int) -> tuple[list[DiffRow], list[float]]:
+    """Every indicator at every load level both arms ran (whole-run figures once), tested, with
+    the sign of each row's change; verdicts are given by `judge`, which corrects the rows as a
+    family."""
     levels = shared_levels(before, after)
     several = len(levels) > 1
     sources = {**FIXED_SOURCES, **before.repeats[0].samples.sources}
-    rows = []
+    tested = []
     for indicator in INDICATORS:
         source = sources.get(indicator.metric.rpartition(".")[0])
         if indicator.per_level and several:
             for level in levels:
                 b = _estimate(before, indicator, level)
                 a = _estimate(after, indicator, level)
-                rows.append(_row(indicator, level, b, a, seed, source))
+                tested.append(_row(indicator, level, b, a, seed, source))
             continue
         name = levels[0] if len(levels) == 1 and indicator.per_level else WHOLE_RUN
         b = _estimate(before, indicator, None)
         a = _estimate(after, indicator, None)
-        rows.append(_row(indicator, name, b, a, seed, source))
-    return rows
+        tested.append(_row(indicator, name, b, a, seed, source))
+    return [row for row, _ in tested], [direction for _, direction in tested]
 
 
 def primary_level(before: Arm, after: Arm) -> str:
@@ -499,49 +526,54 @@ def primary_level(before: Arm, after: Arm) -> str:
     return max(levels, key=lambda name: sizes[name])
 
 
-def judge(rows: list[dict[str, Any]], primary: tuple[str, str]) -> dict[str, Any]:
+def judge(
+    rows: list[DiffRow], directions: list[float], primary: tuple[str, str], why: str
+) -> Primary:
     """Verdicts for the tested rows: the primary row (metric, level) at 5 %, every other tested
     row corrected as a family by Holm's step-down procedure at 2.5 % family-wise. Returns what
-    the report says about it. A row that is not significant is `unchanged`, with the smallest
-    change the design could have found beside it."""
+    the report says about it (`why`: why that metric leads). A row that is not significant is
+    `unchanged`, with the smallest change the design could have found beside it."""
     metric, level = primary
+    tested = [i for i, r in enumerate(rows) if r["p_value"] is not None]
     lead = None
     for name in dict.fromkeys((metric, DEFAULT_PRIMARY)):  # the default when it is not tested
-        found = [r for r in rows if r["metric"] == name and r["p_value"] is not None]
-        lead = next((r for r in found if r["level"] in (level, WHOLE_RUN)), None) or next(
-            iter(found), None
-        )
+        found = [i for i in tested if rows[i]["metric"] == name]
+        lead = next((i for i in found if rows[i]["level"] in (level, WHOLE_RUN)), None)
+        lead = found[0] if lead is None and found else lead
         if lead is not None:
             break
-    family = [r for r in rows if r["p_value"] is not None and r is not lead]
-    adjusted = verdict.holm_adjusted([r["p_value"] for r in family])
-    for row, p in zip(family, adjusted, strict=True):
-        row["role"] = "secondary"
-        row["p_adjusted"] = p
-        _decide(row, p, verdict.FAMILY_ALPHA)
+    family = [i for i in tested if i != lead]
+    adjusted = verdict.holm_adjusted([rows[i]["p_value"] or 0.0 for i in family])
+    for i, p in zip(family, adjusted, strict=True):
+        rows[i]["role"] = "secondary"
+        rows[i]["p_adjusted"] = p
+        _decide(rows[i], directions[i], p, verdict.FAMILY_ALPHA)
     if lead is not None:
-        lead["role"] = "primary"
-        if lead["p_value"] is not None:
-            lead["p_adjusted"] = lead["p_value"]
-            _decide(lead, lead["p_value"], verdict.ALPHA)
-    for row in rows:
-        row.pop("_direction", None)
-    return {
-        "metric": lead["metric"] if lead else metric,
-        "level": lead["level"] if lead else level,
-        "asked": metric,
-        "alpha": verdict.ALPHA,
-        "family_alpha": verdict.FAMILY_ALPHA,
-        "family": len(family),
-        "correction": "holm",
-    }
+        row, p_lead = rows[lead], rows[lead]["p_value"]
+        row["role"] = "primary"
+        if p_lead is not None:
+            row["p_adjusted"] = p_lead
+            _decide(row, directions[lead], p_lead, verdict.ALPHA)
+    chosen = rows[lead]["metric"] if lead is not None else metric
+    if chosen != metric:
+        why += f"; {metric} is not tested on both sides, so {chosen} leads"
+    return Primary(
+        metric=chosen,
+        level=rows[lead]["level"] if lead is not None else level,
+        asked=metric,
+        alpha=verdict.ALPHA,
+        family_alpha=verdict.FAMILY_ALPHA,
+        family=len(family),
+        correction="holm",
+        why=why,
+    )
 
 
 DEFAULT_PRIMARY = "ttft_ms.p50"
 POWER_CHANGES_PCT = (5.0, 10.0, 25.0)
 
 
-def power(rows: list[dict[str, Any]], primary: dict[str, Any]) -> dict[str, Any] | None:
+def power(rows: list[DiffRow], primary: Primary) -> Power | None:
     """What the design could detect on the primary row, and how many repeats a side would find
     a change of 5, 10 and 25 % (80 % power at 5 %), from the run-to-run spread observed. With
     one run a side the spread between runs is unknown: the lines are None and say so."""
@@ -552,7 +584,7 @@ def power(rows: list[dict[str, Any]], primary: dict[str, Any]) -> dict[str, Any]
     if row is None or row["test"] is None:
         return None
     test = row["test"]
-    lines = []
+    lines: list[PowerLine] = []
     for change in POWER_CHANGES_PCT:
         needed = None
         if test["method"] == verdict.REPEATS and test["spread"] is not None:
@@ -561,19 +593,19 @@ def power(rows: list[dict[str, Any]], primary: dict[str, Any]) -> dict[str, Any]
             else:
                 size = abs(row["before"] or 0.0) * change / 100.0
             needed = verdict.repeats_needed(test["spread"], size)
-        lines.append({"change_pct": change, "repeats_a_side": needed})
-    return {
-        "metric": row["metric"],
-        "level": row["level"],
-        "detectable_pct": row["detectable_pct"],
-        "detectable": row["detectable"],
-        "repeats_for": lines,
-        "known": test["method"] == verdict.REPEATS,
-        "cap": verdict.REPEATS_CAP,
-    }
+        lines.append(PowerLine(change_pct=change, repeats_a_side=needed))
+    return Power(
+        metric=row["metric"],
+        level=row["level"],
+        detectable_pct=row["detectable_pct"],
+        detectable=row["detectable"],
+        repeats_for=lines,
+        known=test["method"] == verdict.REPEATS,
+        cap=verdict.REPEATS_CAP,
+    )
 
 
-def power_lines(power: dict[str, Any] | None) -> list[str]:
+def power_lines(power: Power | None) -> list[str]:
     """The power section in words: "to detect ±5 % TTFT p50: 6 repeats a side"."""
     if power is None:
         return []
@@ -596,15 +628,15 @@ def power_lines(power: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _decide(row: dict[str, Any], p: float, alpha: float) -> None:
+def _decide(row: DiffRow, direction: float, p: float, alpha: float) -> None:
     if p > alpha:
         row["verdict"] = UNCHANGED
         return
-    lower = row["_direction"] < 0
+    lower = direction < 0
     row["verdict"] = IMPROVED if lower == (row["better"] == LOWER) else REGRESSED
 
 
-def at_level(rows: list[dict[str, Any]], level: str) -> dict[str, dict[str, Any]]:
+def at_level(rows: list[DiffRow], level: str) -> dict[str, DiffRow]:
     """The rows a headline reads, by metric: the level's own, and the whole run's."""
     found = {r["metric"]: r for r in rows if r["level"] == WHOLE_RUN}
     found.update({r["metric"]: r for r in rows if r["level"] == level})
@@ -624,13 +656,13 @@ def _share(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.0f} %"
 
 
-def _tested(name: str, row: dict[str, Any]) -> str:
+def _tested(name: str, row: DiffRow) -> str:
     """A tested change as "TTFT p95 −81 % (−84 … −78 %) [improved]": the interval says why a
     large change can still be `unchanged` (bursty traffic over a few seconds gives throughput
     a wide one); an unchanged row says what the design could have missed."""
-    ci = row["ci95_pct"]
+    ci, pct = row["ci95_pct"], row["delta_pct"]
     interval = f" ({_signed_pct(ci[0])[:-2]} … {_signed_pct(ci[1])})" if ci else ""
-    found = f"{name} {_signed_pct(row['delta_pct'])}{interval} [{row['verdict']}]"
+    found = f"{name} {_signed_pct(pct or 0.0)}{interval} [{row['verdict']}]"
     if row["verdict"] == UNCHANGED and corrected_away(row):
         found += " (not after the correction for the report's other rows)"
     elif row["verdict"] == UNCHANGED and row.get("detectable_pct") is not None:
@@ -638,7 +670,7 @@ def _tested(name: str, row: dict[str, Any]) -> str:
     return found
 
 
-def corrected_away(row: dict[str, Any]) -> bool:
+def corrected_away(row: DiffRow) -> bool:
     """A row its own 95 % test calls a change that the family's correction does not."""
     p = row.get("p_value")
     return row.get("role") == "secondary" and p is not None and p <= verdict.ALPHA
@@ -660,23 +692,21 @@ def metric_name(metric: str) -> str:
     return f"{METRIC_NAMES.get(column, column)} {q}" if column else metric
 
 
-def design(before: Arm, after: Arm) -> dict[str, Any]:
+def design(before: Arm, after: Arm) -> Design:
     """How many repeats each arm had, and what the intervals cover."""
     kb, ka = len(before.repeats), len(after.repeats)
     one = kb + ka <= 2
-    return {
-        "before": kb,
-        "after": ka,
-        "before_runs": [s.samples.part.run_id for s in before.repeats],
-        "after_runs": [s.samples.part.run_id for s in after.repeats],
-        "covers": "request noise only" if one else "run-to-run and request noise",
-        "note": verdict.REQUEST_NOISE_ONLY if one else None,
-    }
+    return Design(
+        before=kb,
+        after=ka,
+        before_runs=[s.samples.part.run_id for s in before.repeats],
+        after_runs=[s.samples.part.run_id for s in after.repeats],
+        covers="request noise only" if one else "run-to-run and request noise",
+        note=verdict.REQUEST_NOISE_ONLY if one else None,
+    )
 
 
-def headline(
-    change: str, rows: list[dict[str, Any]], before: Arm, after: Arm, primary: dict[str, Any]
-) -> str:
+def headline(change: str, rows: list[DiffRow], before: Arm, after: Arm, primary: Primary) -> str:
     """E.g. "enable_prefix_caching off → on (3 repeats a side; ralph-loop · concurrency 4): TTFT
     p50 −81 % (−84 … −78 %) [improved], prefix hit ratio 0 % → 93 %, throughput +12 % (+3 … +20
     %) [improved]": the primary indicator first, at the level the report leads with."""
@@ -770,15 +800,17 @@ def workload_warnings(
     return warnings
 
 
-def lever_changes(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+def lever_changes(before: dict[str, Any], after: dict[str, Any]) -> list[LeverChange]:
+    """Each lever whose recorded value differs between two runs (levers are free-form: the
+    server flags that define a configuration)."""
     return [
-        {"lever": k, "before": before.get(k), "after": after.get(k)}
+        LeverChange(lever=k, before=before.get(k), after=after.get(k))
         for k in sorted(set(before) | set(after), key=str)
         if before.get(k) != after.get(k)
     ]
 
 
-def describe_change(changes: list[dict[str, Any]], fallback: str) -> str:
+def describe_change(changes: list[LeverChange], fallback: str) -> str:
     if not changes:
         return fallback
     return "; ".join(

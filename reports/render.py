@@ -6,11 +6,12 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from markupsafe import Markup
 
 from servescope.reports.diff import corrected_away, power_lines
+from servescope.reports.document import DiffRow, Report
 from servescope.reports.summary import LATENCY_METRICS, SERVER_METRICS
 from servescope.store.paths import inside
 
@@ -53,7 +54,7 @@ def interval(ci: list[float] | None, digits: int = 1, unit: str = "") -> str:
     return f"{signed(ci[0], digits)} … {signed(ci[1], digits)}{unit}"
 
 
-def value_of(row: dict[str, Any], key: str) -> str:
+def value_of(row: DiffRow, key: Literal["before", "after"]) -> str:
     """A diff row's before/after value in the metric's own unit."""
     value = row[key]
     if row["metric"].endswith("ratio") or row["metric"] == "error_rate":
@@ -61,55 +62,55 @@ def value_of(row: dict[str, Any], key: str) -> str:
     return fmt(value, 2)
 
 
-def delta_of(row: dict[str, Any]) -> str:
+def delta_of(row: DiffRow) -> str:
     if row["metric"].endswith("ratio") or row["metric"] == "error_rate":
         return "n/a" if row["delta"] is None else signed(row["delta"] * 100, 1, " pt")
     return signed(row["delta"], 2)
 
 
-def ci_of(row: dict[str, Any]) -> str:
+def ci_of(row: DiffRow) -> str:
     if row["metric"].endswith("ratio") or row["metric"] == "error_rate":
         ci = row["ci95"]
         return interval([c * 100 for c in ci], 1, " pt") if ci else "n/a"
     return interval(row["ci95"], 2)
 
 
-def _is_share(row: dict[str, Any]) -> bool:
+def _is_share(row: DiffRow) -> bool:
     return row["metric"].endswith("ratio") or row["metric"] == "error_rate"
 
 
-def repeats_of(row: dict[str, Any], side: str) -> str:
+def repeats_of(row: DiffRow, side: Literal["before", "after"]) -> str:
     """Each repeat's value of a side, in the metric's unit ("" for one run a side)."""
-    values = (row.get("repeats") or {}).get(side) or []
+    values = row["repeats"][side]
     if len(values) < 2:
         return ""
     return ", ".join(pct(v) if _is_share(row) else fmt(v, 1) for v in values)
 
 
-def verdict_of(row: dict[str, Any]) -> str:
+def verdict_of(row: DiffRow) -> str:
     """The verdict with what it rests on: the primary indicator, what "unchanged" could have
     missed, and a one-run design's request noise."""
-    text = row["verdict"]
-    if row.get("role") == "primary":
+    text, detectable, detectable_pct = row["verdict"], row["detectable"], row["detectable_pct"]
+    if row["role"] == "primary":
         text += " (primary)"
     if row["verdict"] == "unchanged" and corrected_away(row):
         text += ": a change alone, not after the correction for the other rows"
-    elif row["verdict"] == "unchanged" and row.get("detectable_pct") is not None:
-        if _is_share(row) and row.get("detectable") is not None:
-            text += f": no change beyond ±{row['detectable'] * 100:.1f} pt"
+    elif row["verdict"] == "unchanged" and detectable_pct is not None:
+        if _is_share(row) and detectable is not None:
+            text += f": no change beyond ±{detectable * 100:.1f} pt"
         else:
-            text += f": no change beyond ±{row['detectable_pct']:.0f} %"
-    if (row.get("test") or {}).get("method") == "requests":
+            text += f": no change beyond ±{detectable_pct:.0f} %"
+    if (test := row["test"]) is not None and test["method"] == "requests":
         text += " [request noise only]"
     return text
 
 
-def repeat_strip(row: dict[str, Any]) -> Markup:
+def repeat_strip(row: DiffRow) -> Markup:
     """Each repeat's value as a dot on one axis, before (grey) above after (blue), the pooled
     values as ticks: the spread between repeats beside the change. Numbers only reach the SVG."""
-    repeats = row.get("repeats") or {}
-    before = [float(v) for v in repeats.get("before") or [] if v is not None]
-    after = [float(v) for v in repeats.get("after") or [] if v is not None]
+    repeats = row["repeats"]
+    before = [float(v) for v in repeats["before"] if v is not None]
+    after = [float(v) for v in repeats["after"] if v is not None]
     if len(before) + len(after) <= 2:
         return Markup("")
     pooled = [float(v) for v in (row["before"], row["after"]) if v is not None]
@@ -204,7 +205,7 @@ def _environment(fmt_name: str) -> Environment:
     return env
 
 
-def render(report: dict[str, Any], fmt_name: str) -> str:
+def render(report: Report, fmt_name: str) -> str:
     """The report as one document; JSON holds the numbers (charts are for the HTML)."""
     if fmt_name == "json":
         data = {k: v for k, v in report.items() if k != "charts"}
@@ -216,13 +217,11 @@ def render(report: dict[str, Any], fmt_name: str) -> str:
     )
 
 
-def write_report(
-    report: dict[str, Any], out: Path, formats: tuple[str, ...] = FORMATS
-) -> list[Path]:
+def write_report(report: Report, out: Path, formats: tuple[str, ...] = FORMATS) -> list[Path]:
     """Write `out/<report_id>/{index.html,report.md,report.json}`; returns the paths written.
     The folder's name is `store.paths.safe_name(report_id)`: a run id is data, never a path."""
     out.mkdir(parents=True, exist_ok=True)
-    folder = inside(out, report.get("report_id", report["run_id"]))
+    folder = inside(out, report["report_id"])
     folder.mkdir(exist_ok=True)
     paths = []
     for name in formats:

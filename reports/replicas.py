@@ -25,11 +25,13 @@ policy (`routing`, written by the gateway for pooled models): other runs pay one
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import duckdb
 
 from servescope.reports import gpu, sql
+from servescope.reports.document import Fleet
 from servescope.reports.histograms import bucket_bound, histogram_quantile
 from servescope.reports.prometheus import server_side
 from servescope.reports.samples import Slice
@@ -63,7 +65,7 @@ HISTOGRAMS = {
 }
 
 
-def is_fleet(con: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> bool:
+def is_fleet(con: duckdb.DuckDBPyConnection, run: Mapping[str, Any]) -> bool:
     """Does the run's notes name replicas, or do its events carry routing decisions?"""
     if (run.get("notes") or {}).get("replicas"):
         return True
@@ -202,9 +204,9 @@ class NotAFleet(LookupError):
 def fleet(
     con: duckdb.DuckDBPyConnection,
     part: Slice,
-    run: dict[str, Any],
+    run: Mapping[str, Any],
     prometheus: str | None = None,
-) -> dict[str, Any]:
+) -> Fleet:
     """`{"replicas": [...], "skew": {...}}` of a fleet run's slice; both None otherwise. With
     `prometheus` (a URL), the replicas' server numbers come from that Prometheus over the
     slice's window, and `replicas_server` says so."""

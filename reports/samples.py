@@ -22,6 +22,7 @@ from numpy.typing import NDArray
 
 from servescope.reports import sql
 from servescope.reports.bootstrap import Floats, quantile
+from servescope.reports.document import OneChunkStreams
 from servescope.reports.quantiles import QUANTILES, by_level
 from servescope.reports.svg import cdf_series
 from servescope.store import reads
@@ -169,15 +170,15 @@ class Samples:
         streams = int(self._measured["multi_token"])
         return int(self._measured["one_chunk"]) / streams if streams else 0.0
 
-    def one_chunk(self) -> dict[str, Any]:
+    def one_chunk(self) -> OneChunkStreams:
         """How many successful streams carry no client TPOT for arriving in one chunk."""
         self.measured("tpot_ms")
         assert self._measured is not None
-        return {
-            "streams": int(self._measured["one_chunk"]),
-            "share": self.one_chunk_share(),
-            "tpot_source": self.sources.get("tpot_ms", CLIENT),
-        }
+        return OneChunkStreams(
+            streams=int(self._measured["one_chunk"]),
+            share=self.one_chunk_share(),
+            tpot_source=self.sources.get("tpot_ms", CLIENT),
+        )
 
     def use(self, sources: dict[str, str]) -> None:
         self.sources = {**self.sources, **sources}

@@ -16,6 +16,7 @@ without speculation exports none of them, and the section is then None ("off"), 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import duckdb
@@ -86,7 +87,7 @@ def _change(before: float | None, after: float | None) -> float | None:
     return (after - before) / before * 100.0 if before and after is not None else None
 
 
-def _by_workload(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _by_workload(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Each workload's latency group (the first level of it: speculation runs at one level)."""
     groups: dict[str, dict[str, Any]] = {}
     for group in summary["groups"]:
@@ -127,8 +128,8 @@ def _tpot_test(before: np.ndarray | None, after: np.ndarray | None, seed: int, k
 def spec_diff(
     con: duckdb.DuckDBPyConnection,
     parts: tuple[Slice, Slice],
-    summaries: tuple[dict[str, Any], dict[str, Any]],
-    rows: list[dict[str, Any]],
+    summaries: tuple[Mapping[str, Any], Mapping[str, Any]],
+    rows: Sequence[Mapping[str, Any]],
     seed: int,
 ) -> dict[str, Any] | None:
     """The diff's speculative-decoding section: per workload the acceptance on each side next
@@ -187,7 +188,7 @@ def _tpot_change(before: float | None, after: float | None, pct: float | None) -
     return None
 
 
-def headline_part(section: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str | None:
+def headline_part(section: dict[str, Any] | None, rows: Sequence[Mapping[str, Any]]) -> str | None:
     """E.g. "TPOT p50 −31 % [improved], draft acceptance off → 62 %" for the headline."""
     if section is None:
         return None

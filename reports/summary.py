@@ -12,10 +12,28 @@ from typing import Any
 import duckdb
 
 from servescope.reports import sql
+from servescope.reports.document import (
+    Admission,
+    Figures,
+    Goodput,
+    Group,
+    Overall,
+    Percentiles,
+    PhaseMeans,
+    Rejection,
+    RunMeta,
+    Server,
+    ServerFigures,
+    Shape,
+    Summary,
+    Team,
+    Throughput,
+)
 from servescope.reports.quantiles import pooled_itl
 from servescope.reports.samples import CLIENT, FIXED_SOURCES, SERVER, SERVER_FIGURES, Samples, Slice
 from servescope.reports.specdecode import spec_decode
 from servescope.store import reads
+from servescope.store.reads import RunRow
 from servescope.wire.exposition import prefix_cache_hit_ratio
 
 # The report's latency rows: the per-request metrics, with the pooled ITL after TPOT.
@@ -68,19 +86,19 @@ class ReportOptions:
     prometheus: str | None = None  # a fleet's replica numbers from this Prometheus instead
 
 
-def recorded_slo(run: dict[str, Any]) -> dict[str, float]:
+def recorded_slo(run: RunRow) -> dict[str, float]:
     """The SLOs a bench run was given (`notes.client.slo`), for goodput when none are passed."""
-    notes = run.get("notes") or {}
+    notes = run["notes"] or {}
     slo = (notes.get("client") or {}).get("slo") or notes.get("slo") or {}
     return {k: float(v) for k, v in slo.items() if k in sql.SLO_METRICS and v is not None}
 
 
-def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
+def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunRow:
     """The run's `runs` row (or a bare one for runs known only from events), read on the
     caller's connection; `UnknownRun` names the runs the store does know."""
     if not reads.has_run(con, run_id):
         raise UnknownRun(run_id, reads.run_ids(con))
-    return reads.run(con, run_id) or {"run_id": run_id}
+    return reads.run(con, run_id) or reads.bare_run(run_id)
 
 
 def _level(row: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -90,41 +108,71 @@ def _level(row: dict[str, Any]) -> tuple[Any, Any, Any]:
 QUANTILES = ("p50", "p90", "p95", "p99")
 
 
-def _percentiles(q: list[float] | None, mean: float | None) -> dict[str, float | None]:
+def _percentiles(q: list[float] | None, mean: float | None) -> Percentiles:
     """A list-quantile result ([p50, p90, p95, p99] or NULL) and the mean, by name."""
-    return {**dict(zip(QUANTILES, q or [None] * 4, strict=True)), "mean": mean}
+    p50, p90, p95, p99 = q or (None, None, None, None)
+    return Percentiles(p50=p50, p90=p90, p95=p95, p99=p99, mean=mean)
 
 
 def _shape(
-    row: dict[str, Any], itl: dict[str, Any] | None, slo: dict[str, float], sources: dict
-) -> dict:
-    """One summary row of SQL into the report's nested shape; TTFT, TPOT and e2e from the
-    source `sources` names, vLLM's own figures beside them when the client's are shown."""
-    out: dict[str, Any] = {
-        "requests": row["requests"],
-        "errors": row["errors"],
-        "error_rate": row["error_rate"],
-        "rejected": row["rejected"],
-        "sources": {**FIXED_SOURCES, **sources},
-    }
-    for metric in LATENCY_METRICS:
-        if metric == "itl_ms":
-            out[metric] = _percentiles((itl or {}).get("q"), (itl or {}).get("mean"))
-            continue
+    row: dict[str, Any],
+    itl: dict[str, Any] | None,
+    slo: dict[str, float],
+    sources: dict[str, str],
+    errors: dict[str, int],
+) -> Figures:
+    """One summary row of SQL (a boundary: its columns are the statement's) into the report's
+    nested shape; TTFT, TPOT and e2e from the source `sources` names, vLLM's own figures beside
+    them when the client's are shown."""
+
+    def latency(metric: str) -> Percentiles:
         figure = SERVER_FIGURES[metric] if sources.get(metric) == SERVER else metric
-        out[metric] = _percentiles(row[f"{metric}_q"], row[f"{figure}_mean"])
-    for metric, server in SERVER_FIGURES.items():
-        if sources.get(metric) == CLIENT and row.get(f"{server}_q") is not None:
-            out[server] = _percentiles(row[f"{server}_q"], row[f"{server}_mean"])
-    out["throughput"] = _throughput(row)
-    out["goodput"] = _goodput(row, out["throughput"]["duration_s"], slo)
-    out["cache_hit_request_ratio"] = row["cache_hit_request_ratio"]
-    out["cached_token_ratio"] = row["cached_token_ratio"]
-    out["prompt_tokens_mean"] = row["prompt_tokens_mean"]
+        return _percentiles(row[f"{metric}_q"], row[f"{figure}_mean"])
+
+    throughput = _throughput(row)
+    return Figures(
+        requests=row["requests"],
+        errors=row["errors"],
+        error_rate=row["error_rate"],
+        rejected=row["rejected"],
+        sources={**FIXED_SOURCES, **sources},
+        ttft_ms=latency("ttft_ms"),
+        tpot_ms=latency("tpot_ms"),
+        itl_ms=_percentiles((itl or {}).get("q"), (itl or {}).get("mean")),
+        e2e_ms=latency("e2e_ms"),
+        queue_ms=latency("queue_ms"),
+        prefill_ms=latency("prefill_ms"),
+        decode_ms=latency("decode_ms"),
+        **_beside(row, sources),
+        throughput=throughput,
+        goodput=_goodput(row, throughput["duration_s"], slo),
+        cache_hit_request_ratio=row["cache_hit_request_ratio"],
+        cached_token_ratio=row["cached_token_ratio"],
+        prompt_tokens_mean=row["prompt_tokens_mean"],
+        errors_by_class=errors,
+    )
+
+
+def _beside(row: dict[str, Any], sources: dict[str, str]) -> ServerFigures:
+    """vLLM's TTFT, TPOT and e2e where the report shows the client's and the run has vLLM's."""
+
+    def shown(metric: str) -> Percentiles | None:
+        server = SERVER_FIGURES[metric]
+        if sources.get(metric) != CLIENT or row.get(f"{server}_q") is None:
+            return None
+        return _percentiles(row[f"{server}_q"], row[f"{server}_mean"])
+
+    out = ServerFigures()
+    if (ttft := shown("ttft_ms")) is not None:
+        out["server_ttft_ms"] = ttft
+    if (tpot := shown("tpot_ms")) is not None:
+        out["server_tpot_ms"] = tpot
+    if (e2e := shown("e2e_ms")) is not None:
+        out["server_e2e_ms"] = e2e
     return out
 
 
-def _throughput(row: dict[str, Any]) -> dict[str, float | None]:
+def _throughput(row: dict[str, Any]) -> Throughput:
     first: datetime | None = row["first_ts"]
     last: datetime | None = row["last_end_ts"]
     seconds = (last - first).total_seconds() if first and last else None
@@ -133,28 +181,28 @@ def _throughput(row: dict[str, Any]) -> dict[str, float | None]:
     def per_s(value: float | None) -> float | None:
         return value / seconds if value is not None and seconds else None
 
-    return {
-        "duration_s": seconds,
-        "requests_per_s": per_s(ok) if seconds else None,
-        "input_tokens_per_s": per_s(row["input_tokens"]),
-        "output_tokens_per_s": per_s(row["output_tokens"]),
-    }
+    return Throughput(
+        duration_s=seconds,
+        requests_per_s=per_s(ok) if seconds else None,
+        input_tokens_per_s=per_s(row["input_tokens"]),
+        output_tokens_per_s=per_s(row["output_tokens"]),
+    )
 
 
-def _goodput(row: dict[str, Any], seconds: float | None, slo: dict[str, float]) -> dict | None:
+def _goodput(row: dict[str, Any], seconds: float | None, slo: dict[str, float]) -> Goodput | None:
     """vLLM's goodput: requests meeting every SLO, per second and as a share of all requests."""
     if not slo:
         return None
     good = row["good_requests"]
-    return {
-        "slo": dict(slo),
-        "good_requests": good,
-        "ratio": good / row["requests"] if row["requests"] else None,
-        "requests_per_s": good / seconds if seconds else None,
-    }
+    return Goodput(
+        slo=dict(slo),
+        good_requests=good,
+        ratio=good / row["requests"] if row["requests"] else None,
+        requests_per_s=good / seconds if seconds else None,
+    )
 
 
-def _server(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any]:
+def _server(con: duckdb.DuckDBPyConnection, part: Slice) -> Server:
     """Server-side numbers from the slice's `/metrics` samples (None when not scraped)."""
     params = part.params()
     deltas = {
@@ -166,38 +214,47 @@ def _server(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any]:
     peaks = dict(con.execute(sql.SLICE_GAUGE_PEAKS, {**params, "names": list(GAUGES)}).fetchall())
     hits, asked, prompt = deltas.get(HITS), deltas.get(QUERIES), deltas.get(PROMPT_TOKENS)
     ratio, basis = prefix_cache_hit_ratio(hits, asked, prompt)
-    return {
-        "prefix_cache_hit_ratio": ratio,
-        "prefix_cache_hit_ratio_basis": basis,
-        "prefix_cache_hits": hits,
-        "prefix_cache_queries": asked,
-        "preemptions": deltas.get(PREEMPTIONS),
-        "admission_rejected": deltas.get(REJECTED),
-        "kv_cache_usage_peak": peaks.get(GAUGES[0]),
-        "running_peak": peaks.get(GAUGES[1]),
-        "waiting_peak": peaks.get(GAUGES[2]),
-        "phase_means_ms": _phase_means(deltas),
-    }
+    return Server(
+        prefix_cache_hit_ratio=ratio,
+        prefix_cache_hit_ratio_basis=basis,
+        prefix_cache_hits=hits,
+        prefix_cache_queries=asked,
+        preemptions=deltas.get(PREEMPTIONS),
+        admission_rejected=deltas.get(REJECTED),
+        kv_cache_usage_peak=peaks.get(GAUGES[0]),
+        running_peak=peaks.get(GAUGES[1]),
+        waiting_peak=peaks.get(GAUGES[2]),
+        phase_means_ms=_phase_means(deltas),
+        spec_decode=spec_decode(con, part),
+    )
 
 
-def _phase_means(deltas: dict[str, float | None]) -> dict[str, float | None]:
+def _phase_means(deltas: dict[str, float | None]) -> PhaseMeans:
     """Server-side mean time per phase in ms (None where not scraped or no request finished)."""
-    means: dict[str, float | None] = {}
-    for phase, histogram in PHASES.items():
+
+    def mean(phase: str) -> float | None:
+        histogram = PHASES[phase]
         total, count = deltas.get(f"{histogram}_sum"), deltas.get(f"{histogram}_count")
-        means[phase] = total / count * 1000.0 if total is not None and count else None
-    return means
+        return total / count * 1000.0 if total is not None and count else None
+
+    return PhaseMeans(
+        queue=mean("queue"),
+        prefill=mean("prefill"),
+        decode=mean("decode"),
+        ttft=mean("ttft"),
+        e2e=mean("e2e"),
+    )
 
 
-def _shape_of(con: duckdb.DuckDBPyConnection, params: dict[str, Any]) -> dict[str, Any]:
+def _shape_of(con: duckdb.DuckDBPyConnection, params: dict[str, Any]) -> Shape:
     """Token quantiles: what the workload looked like (t-digest estimates: a shape needs no
     exact rank, and a long-lived run's tokens are not held to sort them)."""
     row = reads.rows(con.execute(sql.SLICE_SHAPE, params))[0]
     prompt, output = row["prompt_q"] or [None, None], row["output_q"] or [None, None]
-    return {
-        "prompt_tokens": {"p50": prompt[0], "p95": prompt[1]},
-        "output_tokens": {"p50": output[0], "p95": output[1]},
-    }
+    return Shape(
+        prompt_tokens={"p50": prompt[0], "p95": prompt[1]},
+        output_tokens={"p50": output[0], "p95": output[1]},
+    )
 
 
 def _figures(samples: Samples) -> tuple[str, ...]:
@@ -225,7 +282,7 @@ def _overall_quantiles(row: dict[str, Any], samples: Samples) -> dict[str, Any]:
 
 def summarize(
     con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions, samples: Samples
-) -> dict[str, Any]:
+) -> Summary:
     """Overall and per-level numbers of one slice, server-side deltas and admission evidence."""
     params = part.params()
     slo_params = {f"slo_{m}": options.slo.get(m) for m in sql.SLO_METRICS}
@@ -243,49 +300,75 @@ def summarize(
         errors.setdefault(_level(row), {})[row["class"]] = row["n"]
         errors_all[row["class"]] = errors_all.get(row["class"], 0) + row["n"]
     errors_all = dict(sorted(errors_all.items(), key=lambda kv: (-kv[1], kv[0])))
-    return {
-        "overall": {
-            **_shape(overall, itl_all, options.slo, samples.sources),
-            "errors_by_class": errors_all,
-            "first_ts": _iso(overall["first_ts"]),
-            "models": overall["models"],
-            "shape": _shape_of(con, params),
-            "one_chunk_streams": samples.one_chunk(),
-        },
-        "groups": [
-            {
-                "workload": g["workload"],
-                "concurrency": g["concurrency"],
-                "target_rate": g["target_rate"],
-                **_shape(g, itl.get(g["level_key"]), options.slo, samples.sources),
-                "errors_by_class": errors.get(_level(g), {}),
-            }
+    return Summary(
+        overall=Overall(
+            **_shape(overall, itl_all, options.slo, samples.sources, errors_all),
+            first_ts=_iso(overall["first_ts"]),
+            models=overall["models"],
+            shape=_shape_of(con, params),
+            one_chunk_streams=samples.one_chunk(),
+        ),
+        groups=[
+            Group(
+                workload=g["workload"],
+                concurrency=g["concurrency"],
+                target_rate=g["target_rate"],
+                **_shape(
+                    g,
+                    itl.get(g["level_key"]),
+                    options.slo,
+                    samples.sources,
+                    errors.get(_level(g), {}),
+                ),  # fmt: skip
+            )
             for g in groups
         ],
-        "server": {**_server(con, part), "spec_decode": spec_decode(con, part)},
-        "admission": {
-            "rejections": reads.rows(con.execute(sql.SLICE_REJECTIONS, params)),
-            "teams": reads.rows(con.execute(sql.SLICE_TEAMS, params)),
-        },
-    }
+        server=_server(con, part),
+        admission=_admission(con, params),
+        gpu=None,  # the GPU's figures need the side's throughput windows (diff.attach_gpu)
+    )
 
 
-def run_meta(run: dict[str, Any], models: str | None) -> dict[str, Any]:
-    """What the `runs` row says about the server and the workload."""
-    notes = run.get("notes") or {}
-    return {
-        "target": run.get("target"),
-        "model": run.get("model") or models,
-        "vllm_version": run.get("vllm_version"),
-        "started_at": _iso(run.get("started_at")),
-        "ended_at": _iso(run.get("ended_at")),
-        "status": run.get("status"),
-        "workload": run.get("workload"),
-        "memory_peak_gb": notes.get("memory_peak_gb"),
-        "server_ready_s": notes.get("server_ready_s"),
-        "kv_cache": notes.get("kv_cache"),
-        "notes": notes,
-    }
+def _admission(con: duckdb.DuckDBPyConnection, params: dict[str, Any]) -> Admission:
+    """What admission control refused, by team and reason, and what each team got."""
+    return Admission(
+        rejections=[
+            Rejection(team=team, reason=reason, n=n)
+            for team, reason, n in con.execute(sql.SLICE_REJECTIONS, params).fetchall()
+        ],
+        teams=[
+            Team(
+                team=t["team"],
+                requests=t["requests"],
+                ok=t["ok"],
+                rejected=t["rejected"],
+                failed=t["failed"],
+                queue_ms_p95=t["queue_ms_p95"],
+                rejected_without_reason=t["rejected_without_reason"],
+            )
+            for t in reads.rows(con.execute(sql.SLICE_TEAMS, params))
+        ],
+    )
+
+
+def run_meta(run: RunRow, models: str | None, cold_start: dict[str, Any] | None) -> RunMeta:
+    """What the `runs` row says about the server and the workload, and its server's start-up
+    (`coldstart.cold_start_of`)."""
+    notes = run["notes"] or {}
+    return RunMeta(
+        target=run["target"],
+        model=run["model"] or models,
+        vllm_version=run["vllm_version"],
+        started_at=_iso(run["started_at"]),
+        ended_at=_iso(run["ended_at"]),
+        status=run["status"],
+        workload=run["workload"],
+        memory_peak_gb=notes.get("memory_peak_gb"),
+        server_ready_s=notes.get("server_ready_s"),
+        kv_cache=notes.get("kv_cache"),
+        notes=notes,
+        cold_start=cold_start,
+    )
 
 
 def _iso(value: datetime | None) -> str | None:

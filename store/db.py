@@ -347,7 +347,7 @@ class Store:
         with self.read() as con:
             return reads.has_run(con, run_id) or runtime.has_run(con, run_id)
 
-    def run(self, run_id: str) -> dict[str, Any] | None:
+    def run(self, run_id: str) -> reads.RunRow | None:
         with self.read() as con:
             return reads.run(con, run_id)
 

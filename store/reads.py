@@ -12,13 +12,39 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from datetime import datetime
+from typing import Any, TypedDict
 
 import duckdb
 
 from servescope.store import queries
 
 JSON_COLUMNS = ("levers", "workload", "notes")  # `runs` columns stored as JSON text
+
+
+class RunRow(TypedDict):
+    """A `runs` row (store.schema.Run) as read: its JSON columns decoded, times naive UTC.
+    `levers`, `workload` and `notes` are what the run's producer recorded, free-form."""
+
+    run_id: str
+    started_at: datetime | None
+    ended_at: datetime | None
+    label: str | None
+    target: str | None
+    model: str | None
+    vllm_version: str | None
+    levers: dict[str, Any] | None
+    workload: dict[str, Any] | None
+    status: str | None
+    notes: dict[str, Any] | None
+
+
+def bare_run(run_id: str) -> RunRow:
+    """The row of a run known only from its events: nothing but its id."""
+    return RunRow(
+        run_id=run_id, started_at=None, ended_at=None, label=None, target=None, model=None,
+        vllm_version=None, levers=None, workload=None, status=None, notes=None,
+    )  # fmt: skip
 
 
 def rows(cursor: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
@@ -58,10 +84,18 @@ def has_run(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
     return bool(found and found[0])
 
 
-def run(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any] | None:
+def run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunRow | None:
     """The run's `runs` row, its JSON columns decoded (None when it has none)."""
     found = row(con.execute(queries.GET_RUN, {"run_id": run_id}))
-    return None if found is None else _decoded(found)
+    if found is None:
+        return None
+    found = _decoded(found)
+    return RunRow(
+        run_id=found["run_id"], started_at=found["started_at"], ended_at=found["ended_at"],
+        label=found["label"], target=found["target"], model=found["model"],
+        vllm_version=found["vllm_version"], levers=found["levers"], workload=found["workload"],
+        status=found["status"], notes=found["notes"],
+    )  # fmt: skip
 
 
 def is_routed(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:

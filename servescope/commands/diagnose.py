@@ -13,6 +13,7 @@ from rich.text import Text
 from servescope.commands.common import add_window_options, console, open_store, store_command
 from servescope.commands.report import _slo
 from servescope.reports import BadWindow, ReportOptions, UnknownRun, Window, build_summary
+from servescope.reports.document import Report
 from servescope.store.lakeread import Lake
 
 DESCRIPTION = (
@@ -68,7 +69,7 @@ def _levers(levers: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
-def _print(run_id: str, report: dict[str, Any], d: dict[str, Any]) -> None:
+def _print(run_id: str, report: Report, d: dict[str, Any]) -> None:
     out = Console(width=120, soft_wrap=False)
     shape = d["workload_shape"]
     out.print(Text(f"{run_id}: workload shape {shape['shape']} — {shape['why']}"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from servescope.reports import (
     build_summary,
     write_report,
 )
+from servescope.reports.document import Report
 from servescope.store import Store, settings
 
 
@@ -325,7 +327,7 @@ def plan_line(experiment: Experiment | FleetExperiment) -> str:
 class Built:
     """One written report: the dict, its HTML page, and the runs it compares or summarises."""
 
-    report: dict[str, Any]
+    report: Report
     page: Path
     before: list[str] = field(default_factory=list)
     after: list[str] = field(default_factory=list)
@@ -363,7 +365,7 @@ class ExperimentReports:
         }
 
 
-def _write(report: dict[str, Any], out: Path) -> Path:
+def _write(report: Report, out: Path) -> Path:
     written = write_report(report, out)
     return next(p for p in written if p.name == "index.html")
 
@@ -426,24 +428,23 @@ def build_reports(store: Store, result: ExperimentResult, out: Path) -> Experime
 # -- the console: one computation with the reports ------------------------------------------
 
 
-def _run_sides(reports: ExperimentReports | None) -> dict[str, dict[str, Any]]:
+def _run_sides(reports: ExperimentReports | None) -> dict[str, Mapping[str, Any]]:
     """Each run's own summary (overall, groups, server) as the reports computed it: a plain
     diff's before and after, a summary report."""
-    sides: dict[str, dict[str, Any]] = {}
+    sides: dict[str, Mapping[str, Any]] = {}
     if reports is None:
         return sides
     for built in reports.pooled + reports.repeats:
         if len(built.before) == len(built.after) == 1:
-            for key in ("before", "after"):
-                side = built.report.get(key) or {}
-                if isinstance(side.get("run_id"), str) and "overall" in side:
+            for side in (built.report.get("before"), built.report.get("after")):
+                if side is not None:
                     sides[side["run_id"]] = side
     for built in reports.summaries:
         sides[built.report["run_id"]] = built.report
     return sides
 
 
-def _probe(groups: list[dict[str, Any]]) -> float | None:
+def _probe(groups: Sequence[Mapping[str, Any]]) -> float | None:
     """The probes' TTFT p50 (a workload with a `probe` request class stores them as
     `<workload>:probe`); None where the workload has no probes."""
     probes = [g for g in groups if str(g.get("workload") or "").endswith(":probe")]
@@ -618,12 +619,12 @@ def _is_probe_level(level: Any) -> bool:
     return ":probe" in str(level or "")
 
 
-def primary_level(report: dict[str, Any]) -> str:
+def primary_level(report: Mapping[str, Any]) -> str:
     """The load level the pooled report's verdict is gated on (its primary indicator's)."""
     return str((report.get("primary") or {}).get("level") or WHOLE_RUN)
 
 
-def verdict_rows(report: dict[str, Any], keys: list[str] | None = None) -> list[dict[str, Any]]:
+def verdict_rows(report: Mapping[str, Any], keys: list[str] | None = None) -> list[dict[str, Any]]:
     """The pooled report's own diff rows for the outcome table's indicators (the same numbers
     the report shows): at the primary indicator's load level, a whole-run row where the
     indicator has no per-level one (a server counter), the probes' level for the probe TTFT.
@@ -664,9 +665,9 @@ def _change(row: dict[str, Any]) -> str:
 def verdict_table(built: Built, indicators: list[tuple[str, str, str]]) -> Table:
     """One pooled comparison at its primary level: before and after (the repeats pooled),
     Δ % with its 95 % interval and the verdict, row by row from the pooled report."""
-    repeats = built.report.get("repeats") or {}
-    k_before = repeats.get("before", len(built.before))
-    k_after = repeats.get("after", len(built.after))
+    repeats = built.report.get("repeats")
+    k_before = repeats["before"] if repeats else len(built.before)
+    k_after = repeats["after"] if repeats else len(built.after)
     table = Table(
         "indicator",
         "before",

@@ -38,6 +38,7 @@ from servescope.reports import (
 )
 from servescope.reports.build import PREVIOUS, BadComparison, previous_run
 from servescope.reports.diff import WHOLE_RUN
+from servescope.reports.document import DiffRow, Report
 from servescope.reports.summary import require_run
 from servescope.store import reads, settings
 from servescope.store.lakeread import Lake
@@ -291,7 +292,7 @@ def _arms_problem(args: argparse.Namespace, window: Window, base_window: Window)
 
 
 def _brief(
-    report: dict[str, Any], paths: list[Path], fail_on: tuple[str, ...], failing: list[dict]
+    report: Report, paths: list[Path], fail_on: tuple[str, ...], failing: list[DiffRow]
 ) -> dict[str, Any]:
     rows = report.get("diff", [])
     several = len({r["level"] for r in rows if r["level"] != WHOLE_RUN}) > 1

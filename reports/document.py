@@ -1,0 +1,385 @@
+"""report.json as types: one TypedDict per part of a report, from which the published JSON Schema
+(docs/report.schema.json) is generated.
+
+TypedDicts rather than classes because a report is a document: the templates, the JSON writer and
+every script that reads report.json index it by key, and a TypedDict is that dict at run time
+while a type checker holds each key to its type, and a builder that writes a key twice or leaves
+one out does not pass. A part another module fills with numbers of its own (the diagnosis, the
+GPU, speculative decoding, the fleet's replicas, the cold start) is an open object here; its
+module documents its keys. reports/schema.py publishes the schema (docs/report.schema.json).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NotRequired, TypedDict
+
+Kind = Literal["run", "diff", "split"]
+Better = Literal["lower", "higher"]
+
+
+class Percentiles(TypedDict):
+    """A per-request figure over the successful requests that measured it (null: none did)."""
+
+    p50: float | None
+    p90: float | None
+    p95: float | None
+    p99: float | None
+    mean: float | None
+
+
+class Throughput(TypedDict):
+    """Per second of the slice's span, first request sent to last one finished."""
+
+    duration_s: float | None
+    requests_per_s: float | None
+    input_tokens_per_s: float | None
+    output_tokens_per_s: float | None
+
+
+class Goodput(TypedDict):
+    """Requests that met every SLO (vLLM's goodput); null in a report without SLOs."""
+
+    slo: dict[str, float]
+    good_requests: int
+    ratio: float | None
+    requests_per_s: float | None
+
+
+class ServerFigures(TypedDict, total=False):
+    """vLLM's own TTFT, TPOT and e2e, beside the client's when the report shows the client's
+    and the run has both."""
+
+    server_ttft_ms: Percentiles
+    server_tpot_ms: Percentiles
+    server_e2e_ms: Percentiles
+
+
+class Figures(ServerFigures):
+    """What the whole slice and each of its load levels report alike. TTFT, TPOT and e2e come
+    from the source `sources` names (`client` or `server`)."""
+
+    requests: int
+    errors: int
+    error_rate: float | None
+    rejected: int
+    sources: dict[str, str]
+    ttft_ms: Percentiles
+    tpot_ms: Percentiles
+    itl_ms: Percentiles
+    e2e_ms: Percentiles
+    queue_ms: Percentiles
+    prefill_ms: Percentiles
+    decode_ms: Percentiles
+    throughput: Throughput
+    goodput: Goodput | None
+    cache_hit_request_ratio: float | None
+    cached_token_ratio: float | None
+    prompt_tokens_mean: float | None
+    errors_by_class: dict[str, int]
+
+
+class TokenQuantiles(TypedDict):
+    p50: float | None
+    p95: float | None
+
+
+class Shape(TypedDict):
+    """What the workload looked like: token quantiles (t-digest estimates)."""
+
+    prompt_tokens: TokenQuantiles
+    output_tokens: TokenQuantiles
+
+
+class OneChunkStreams(TypedDict):
+    """Successful streams whose tokens all arrived in one read: they carry no client TPOT."""
+
+    streams: int
+    share: float
+    tpot_source: str
+
+
+class Overall(Figures):
+    first_ts: str | None
+    models: str | None
+    shape: Shape
+    one_chunk_streams: OneChunkStreams
+
+
+class Group(Figures):
+    """One load level: a workload at a concurrency (closed loop) or a target rate (open loop)."""
+
+    workload: str | None
+    concurrency: int | None
+    target_rate: float | None
+
+
+class PhaseMeans(TypedDict):
+    """vLLM's mean time per phase over the slice (Δ sum / Δ count of its histograms), in ms."""
+
+    queue: float | None
+    prefill: float | None
+    decode: float | None
+    ttft: float | None
+    e2e: float | None
+
+
+class Server(TypedDict):
+    """The slice's scraped `/metrics`: counter growth and gauge peaks (null: not scraped)."""
+
+    prefix_cache_hit_ratio: float | None
+    prefix_cache_hit_ratio_basis: str | None
+    prefix_cache_hits: float | None
+    prefix_cache_queries: float | None
+    preemptions: float | None
+    admission_rejected: float | None
+    kv_cache_usage_peak: float | None
+    running_peak: float | None
+    waiting_peak: float | None
+    phase_means_ms: PhaseMeans
+    spec_decode: dict[str, Any] | None  # reports/specdecode.py; null without speculation
+
+
+class Rejection(TypedDict):
+    team: str | None
+    reason: str
+    n: int
+
+
+class Team(TypedDict):
+    """What admission control did to one tenant."""
+
+    team: str
+    requests: int
+    ok: int
+    rejected: int
+    failed: int
+    queue_ms_p95: float | None
+    rejected_without_reason: int
+
+
+class Admission(TypedDict):
+    rejections: list[Rejection]
+    teams: list[Team]
+
+
+class Summary(TypedDict):
+    """One slice's numbers (reports/summary.py); `gpu` is reports/gpu.py's."""
+
+    overall: Overall
+    groups: list[Group]
+    server: Server
+    admission: Admission
+    gpu: dict[str, Any] | None
+
+
+class RunMeta(TypedDict):
+    """What the `runs` row says about the server and the workload."""
+
+    target: str | None
+    model: str | None
+    vllm_version: str | None
+    started_at: str | None
+    ended_at: str | None
+    status: str | None
+    workload: dict[str, Any] | None  # the workload spec as run (loadgen/workload.py)
+    memory_peak_gb: float | None
+    server_ready_s: float | None
+    kv_cache: dict[str, Any] | None
+    notes: dict[str, Any]  # free-form: what the run's producer noted
+    cold_start: dict[str, Any] | None  # reports/coldstart.py
+
+
+class Window(TypedDict):
+    """The part of a run a report covers (`--since`/`--until`), UTC."""
+
+    since: str | None
+    until: str | None
+
+
+class Flip(TypedDict):
+    """A `lever_flips` row inside the report's span."""
+
+    ts: str
+    t: float
+    lever: str
+    before: str | None
+    after: str | None
+    note: str | None
+    run_id: str | None
+
+
+class ChecklistItem(TypedDict):
+    item: str
+    criterion: str
+    status: str  # pass | fail | not measured
+    evidence: str
+
+
+class LeverChange(TypedDict):
+    lever: str
+    before: Any
+    after: Any
+
+
+class RowTest(TypedDict):
+    """How a diff row was tested: on the runs' values (`repeats`) or per-request draws."""
+
+    method: str
+    scale: str
+    df: int | None
+    spread: float | None
+    covers: str
+
+
+class RowRepeats(TypedDict):
+    """Each run's own value, per arm."""
+
+    before: list[float | None]
+    after: list[float | None]
+
+
+class DiffRow(TypedDict):
+    """One indicator at one load level, before against after (docs/verdicts.md)."""
+
+    metric: str
+    level: str
+    source: str | None
+    better: Better
+    before: float | None
+    after: float | None
+    delta: float | None
+    delta_pct: float | None
+    ci95: list[float] | None
+    ci95_pct: list[float] | None
+    verdict: str
+    test: RowTest | None
+    p_value: float | None
+    p_adjusted: NotRequired[float]  # rows of the family
+    role: str | None
+    detectable: float | None
+    detectable_pct: float | None
+    repeats: RowRepeats
+
+
+class Primary(TypedDict):
+    """The indicator the flip is judged by and the family the other rows are corrected as."""
+
+    metric: str
+    level: str
+    asked: str
+    alpha: float
+    family_alpha: float
+    family: int
+    correction: str
+    why: str
+
+
+class PowerLine(TypedDict):
+    change_pct: float
+    repeats_a_side: int | None
+
+
+class Power(TypedDict):
+    """What the design detects on the primary row, and the repeats that would find more."""
+
+    metric: str
+    level: str
+    detectable_pct: float | None
+    detectable: float | None
+    repeats_for: list[PowerLine]
+    known: bool
+    cap: int
+
+
+class Design(TypedDict):
+    """How many runs each arm had and what the intervals cover."""
+
+    before: int
+    after: int
+    before_runs: list[str]
+    after_runs: list[str]
+    covers: str
+    note: str | None
+
+
+class RepeatState(TypedDict):
+    """How a repeat started, as the experiment noted it."""
+
+    run_id: str
+    repeat_state: str | None
+    repeat_design: str | None
+
+
+class RepeatStates(TypedDict):
+    before: list[RepeatState]
+    after: list[RepeatState]
+
+
+class Bootstrap(TypedDict):
+    draws: int
+    seed: int
+    method: str
+
+
+class Fleet(TypedDict):
+    """A fleet run's replicas (reports/replicas.py): null for a run of one server."""
+
+    replicas: list[dict[str, Any]] | None
+    skew: dict[str, Any] | None
+    replicas_server: dict[str, Any] | None
+
+
+class Numbers(Summary, Fleet):
+    """A slice's numbers as a report shows them; `engines`: a data-parallel server's engines
+    and GPUs (reports/engines.py), null for a server of one engine on one GPU."""
+
+    engines: dict[str, Any] | None
+
+
+class SideReport(Numbers):
+    """One arm of a comparison, as its first run reports it."""
+
+    name: str
+    run_id: str
+    levers: dict[str, Any]
+    run: RunMeta
+
+
+class Compared(TypedDict, total=False):
+    """What a diff (`--vs`) and a split (`--split-at-flip`) add to a report."""
+
+    headline: str
+    lever_changes: list[LeverChange]
+    warnings: list[str]
+    before: SideReport
+    after: SideReport
+    diff: list[DiffRow]
+    primary: Primary
+    repeats: Design
+    repeat_states: RepeatStates
+    power: Power | None
+    replicas_diff: list[dict[str, Any]] | None
+    spec_decode: dict[str, Any] | None  # reports/specdecode.py; null without speculation
+    bootstrap: Bootstrap
+
+
+class Report(Numbers, Compared):
+    """report.json. A run's report, and a diff's or a split's with the keys of `Compared`;
+    their top-level numbers are the after side's (a split's: the whole run's). `charts` (inline
+    SVG) is the HTML's and never in report.json."""
+
+    report_id: str
+    kind: Kind
+    run_id: str
+    window: NotRequired[Window | None]  # a run's and a diff's (after side)
+    base_run_id: NotRequired[str]
+    base_window: NotRequired[Window | None]
+    split_at: NotRequired[str]
+    levers: dict[str, Any]
+    run: RunMeta
+    slo: dict[str, float] | None
+    checklist: list[ChecklistItem]
+    flips: list[Flip]
+    cold_start: list[dict[str, Any]]  # reports/coldstart.py: a run's phases, a diff's changes
+    diagnosis: dict[str, Any]  # reports/diagnosis.py
+    charts: NotRequired[dict[str, str]]
