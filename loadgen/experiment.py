@@ -74,10 +74,12 @@ class ExperimentError(WorkloadError):
 
 @dataclass(frozen=True)
 class FleetSpec:
-    """Replicas behind the gateway (loadgen/fleet.py): how many, and their server profile."""
+    """Replicas behind the gateway (loadgen/fleet.py): how many, their server profile and, for
+    one replica a GPU, the `CUDA_VISIBLE_DEVICES` of each (`gpus`, one entry a replica)."""
 
     replicas: int
     profile: str
+    gpus: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -185,8 +187,14 @@ def _spec(name: str, raw: Any, source: Path) -> ExperimentSpec:
     if fleet is not None:
         if not isinstance(fleet, dict) or not {"replicas", "profile"} <= set(fleet):
             raise ExperimentError(f"{where}: `fleet` is {{replicas: N, profile: PROFILE}}")
-        fleet = FleetSpec(_positive_int(where, "fleet.replicas", fleet["replicas"]),
-                          str(fleet["profile"]))  # fmt: skip
+        replicas = _positive_int(where, "fleet.replicas", fleet["replicas"])
+        gpus = fleet.get("gpus", [])
+        if not isinstance(gpus, list) or (gpus and len(gpus) != replicas):
+            raise ExperimentError(
+                f"{where}: `fleet.gpus` is one CUDA_VISIBLE_DEVICES value a replica "
+                f'({replicas}), e.g. ["0", "1"]'
+            )
+        fleet = FleetSpec(replicas, str(fleet["profile"]), tuple(str(g) for g in gpus))
     workload, model = str(raw["workload"]), str(raw.get("model", "random"))
     if source != EXPERIMENTS_FILE:  # an operator's paths are relative to their file
         workload = _beside(source, workload)

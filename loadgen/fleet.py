@@ -142,6 +142,17 @@ class GatewayProcess:
             self.process.wait(timeout=5)
 
 
+def _overlap(gpus: tuple[str, ...]) -> bool:
+    """Whether two replicas' CUDA_VISIBLE_DEVICES values name a GPU in common."""
+    seen: set[str] = set()
+    for value in gpus:
+        names = {g.strip() for g in value.split(",") if g.strip()}
+        if names & seen:
+            return True
+        seen |= names
+    return False
+
+
 class FleetExperiment:
     """The spec's workload through the gateway to `fleet.replicas` replicas, once per routing
     policy in `profiles`, `repeats` times interleaved (A B B A …)."""
@@ -236,24 +247,28 @@ class FleetExperiment:
             if self.hooks.sidecar is not None:
                 sidecar = self.hooks.sidecar(log, f"http://127.0.0.1:{port}")
                 self._sidecars.append(sidecar)
+            gpu = {"CUDA_VISIBLE_DEVICES": self.spec.fleet.gpus[i]} if self.spec.fleet.gpus else {}
             replicas[name] = VllmServer(
                 self.model,
                 profile=self.profile,
                 port=port,
                 served_name=Path(self.model).name,
                 extra_flags=sidecar.flags if sidecar else None,
-                env={**DEV_MODE, **(sidecar.env if sidecar else {})},
+                env={**DEV_MODE, **gpu, **(sidecar.env if sidecar else {})},
                 log_path=log,
             )
         return replicas
 
     def _start(self, replicas: dict[str, VllmServer]) -> None:
-        """CPU replicas at once (each waits for its own /health); GPU replicas one after the
-        other, since they may share a device: vLLM sizes its KV cache from the device memory it
-        sees in use while it profiles, and would count a neighbour's start-up as its own."""
+        """CPU replicas at once (each waits for its own /health), and GPU replicas that each
+        have their own GPUs (`fleet.gpus`); GPU replicas that may share a device one after the
+        other: vLLM sizes its KV cache from the device memory it sees in use while it profiles,
+        and would count a neighbour's start-up as its own."""
         for name, server in replicas.items():
             self.hooks.starting(f"{name} ({server.profile.name})", server)
-        if any(server.profile.device == "gpu" for server in replicas.values()):
+        gpus = self.spec.fleet.gpus if self.spec.fleet else ()
+        own_gpus = bool(gpus) and not _overlap(gpus)
+        if any(server.profile.device == "gpu" for server in replicas.values()) and not own_gpus:
             for server in replicas.values():
                 server.start()
         else:

@@ -6,13 +6,17 @@
 #   routing         servescope experiment run routing-gpu --repeats 2 (2 replicas on one GPU)
 #   overhead        benchmarks/bench_sidecar_overhead.py           (1 traced start + 1 untraced)
 #   capacity        benchmarks/bench_capacity_gpu.py               (two shapes × two settings)
+#   spec-real       servescope experiment run speculative-decoding-real (experiments.yaml here):
+#                   n-gram speculation off → on, a real model (MODEL: SmolLM2, make-smollm2)
+#   routing-2gpu    servescope experiment run routing-two-gpus (experiments.yaml here): one
+#                   replica a GPU on a server of two GPUs, 3 repeats (REQUESTS: per tenant)
 # Everything the job made — vLLM's logs, the store, the reports, the NVML samples of the whole
 # job (1 s), nvidia-smi -q, the job's JSON and console — goes into ONE tarball OUT/gpu-JOB.tar.gz
 # (what a GPU server command brings back: 16 MiB at most; the script says if it is larger).
 # Each job ends within ~9 minutes on an H100 (vLLM starts in ~150 s cold, ~92 s warm).
 # Env: SITE=/tmp/site MODEL=<repo>/.gpu/c/model SERVESCOPE=$SITE/bin/servescope
 set -u
-usage="usage: run.sh {prefix-caching|max-num-seqs|routing|overhead|capacity} OUT"
+usage="usage: run.sh {prefix-caching|max-num-seqs|routing|spec-real|routing-2gpu|overhead|capacity} OUT"
 JOB=${1:?$usage}
 OUT=${2:?$usage}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -22,6 +26,9 @@ SERVESCOPE=${SERVESCOPE:-$SITE/bin/servescope}
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PATH=$SITE/bin:$PATH
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
+# NVLink multicast stays off on a shared host of several GPUs (a program that uses it can take
+# the host's GPUs down); harmless on one GPU
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd)
 W=$(mktemp -d "/tmp/gpu-$JOB.XXXX")
 cd "$W" || exit 2  # servescope-data/ (the servers' logs, the bench events) lands here
@@ -40,6 +47,12 @@ case "$JOB" in
   routing)
     "$SERVESCOPE" experiment run routing-gpu --repeats 2 --model "$MODEL" --store store.duckdb \
       --out reports --json > result.json 2> console.txt
+    ;;
+  spec-real | routing-2gpu)
+    name=speculative-decoding-real; [ "$JOB" = routing-2gpu ] && name=routing-two-gpus
+    "$SERVESCOPE" experiment run $name --file "$ROOT/benchmarks/gpu/experiments.yaml" \
+      --profiles "$ROOT/benchmarks/gpu/profiles.yaml" --model "$MODEL" ${REQUESTS:+--requests $REQUESTS} \
+      --store store.duckdb --out reports --json > result.json 2> console.txt
     ;;
   overhead)
     python3 "$ROOT/benchmarks/bench_sidecar_overhead.py" --model "$MODEL" --profile gpu-bench \
