@@ -17,33 +17,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_sidecar_overhead import NullSink  # noqa: E402  (this folder: sys.path[0])
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from servescope.collector.otlp_export import OtlpExport  # noqa: E402
 from servescope.store import Store  # noqa: E402
-
-
-class Accept(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:  # noqa: N802 - the http.server API
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
+from servescope.store.settings import free_port  # noqa: E402
 
 
 def records(n: int) -> list[dict[str, Any]]:
@@ -91,11 +80,9 @@ def main() -> int:
     os.environ.setdefault("OTEL_EXPORTER_OTLP_TIMEOUT", "5")
     docs = records(args.records)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Accept)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NullSink)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead_port = sock.getsockname()[1]
+    dead_port = free_port()
 
     urls = {
         "reference": None,

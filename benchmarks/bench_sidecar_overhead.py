@@ -33,7 +33,6 @@ import http.server
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,15 +44,7 @@ from typing import Any
 
 from servescope.loadgen.launcher import VllmServer
 from servescope.store import Store
-from servescope.store.settings import free_port
-
-
-def listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
+from servescope.store.settings import free_port, listening
 
 
 class NullSink(http.server.BaseHTTPRequestHandler):

@@ -6,7 +6,6 @@ runs it next to their vLLM, so what an experiment measures is what production wo
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -48,7 +47,7 @@ class CollectorSidecar:
         with self.output.open("ab") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
-        while not _listening(otlp_port):
+        while not settings.listening(otlp_port):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the collector did not start: see {self.output}")
             time.sleep(0.2)
@@ -71,11 +70,3 @@ class CollectorSidecar:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False

@@ -33,6 +33,16 @@ OTLP_PORT = 4318  # the collector's OTLP/HTTP trace receiver, where vLLM sends i
 COLLECTOR_METRICS_PORT = 9469  # the collector's own /metrics (9400 is dcgm-exporter's)
 
 
+def listening(port: int) -> bool:
+    """Whether something accepts connections on this loopback port now (a server that has
+    bound its port is up as far as its clients can tell)."""
+    try:
+        with socket.create_connection((HOST, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     """A loopback port no one listens on now, for a server started next to others (an
     experiment's vLLMs and sidecars, a test's receivers), where a default port may be taken."""
