@@ -29,10 +29,10 @@ from typing import TypeVar
 import msgspec
 
 # `2026-11-27T00:01:02.123456789Z stdout F text`: RFC 3339 with any fraction (RFC3339Nano
-# drops trailing zeros) and a zone; tags are `P` or `F`, possibly with more after a colon.
+# drops trailing zeros) and a zone; the tag is `P` or `F`, possibly with more after a colon.
 _CRI = re.compile(
     rb"^(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d)) "
-    rb"(?P<stream>stdout|stderr) (?P<tags>[A-Z](?::[A-Za-z0-9]+)*)(?: (?P<text>.*))?$",
+    rb"(?P<stream>stdout|stderr) (?P<tags>[PF](?::[A-Za-z0-9]+)*)(?: (?P<text>.*))?$",
     re.DOTALL,
 )
 _FRACTION = re.compile(r"\.(\d{6})\d+")
@@ -112,7 +112,7 @@ class Unwrapper:
         elif line.startswith(_DOCKER_PREFIX):
             try:
                 record = _DOCKER.decode(line)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
                 return Record(line)  # the log parser says why the line is bad
             text = record.log.encode("utf-8", "surrogatepass")
             partial = not text.endswith(b"\n")

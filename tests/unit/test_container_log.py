@@ -131,6 +131,20 @@ def test_broken_docker_json_goes_to_the_log_parser_which_says_why() -> None:
     assert "invalid JSON" in parse_line(record.text, year=2026).reason  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"log":"x\\n","deep":' + "[" * 200_000 + "]" * 200_000 + "}",  # past any recursion limit
+        '{"log":' + "[" * 200_000,
+        '{"log":5,"stream":"stdout"}',
+        "2026-13-45T99:99:99Z stdout F not a time",
+        "2026-11-27T00:01:02Z stdout X not a CRI tag",
+    ],
+)
+def test_a_hostile_record_is_a_plain_line_for_the_log_parser(line: str) -> None:
+    assert _unwrap([line]) == [Record(line.encode())]
+
+
 def test_a_split_line_waits_for_its_final_record() -> None:
     unwrap = Unwrapper(1024 * 1024)
     first, last = cri_records([(T0, "stdout", RECEIVED)], max_record=20_000)
