@@ -64,6 +64,21 @@ TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                     40.96, 81.92]  # fmt: skip
 TOKEN_BUCKETS = [float(4**i) for i in range(14)]  # 1, 4, 16, …, 67108864
+# The GenAI metrics: name → (unit, description, buckets).
+HISTOGRAMS: dict[str, tuple[str, str, list[float]]] = {
+    "gen_ai.server.time_to_first_token": (
+        "s", "Time to generate the first token, for successful responses.", TTFT_BUCKETS,
+    ),
+    "gen_ai.server.time_per_output_token": (
+        "s", "Time per output token after the first, for successful responses.", TPOT_BUCKETS,
+    ),
+    "gen_ai.server.request.duration": (
+        "s", "Time from the request's start to its last token (or failure).", DURATION_BUCKETS,
+    ),
+    "gen_ai.client.token.usage": (
+        "{token}", "Input and output tokens used per request.", TOKEN_BUCKETS,
+    ),
+}  # fmt: skip
 
 # vLLM's legacy `llm_request` span keys → (current key, factor). Latencies are seconds there;
 # servescope's phases are milliseconds like every time of the event.
@@ -333,29 +348,11 @@ class OtlpExport:
         )
         self._meter_provider = MeterProvider(resource=resource, metric_readers=[self._reader])
         meter = self._meter_provider.get_meter("servescope.collector")
-        self._ttft = meter.create_histogram(
-            "gen_ai.server.time_to_first_token",
-            unit="s",
-            description="Time to generate the first token, for successful responses.",
-            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
-        )
-        self._tpot = meter.create_histogram(
-            "gen_ai.server.time_per_output_token",
-            unit="s",
-            description="Time per output token after the first, for successful responses.",
-            explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
-        )
-        self._duration = meter.create_histogram(
-            "gen_ai.server.request.duration",
-            unit="s",
-            description="Time from the request's start to its last token (or failure).",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
-        )
-        self._tokens = meter.create_histogram(
-            "gen_ai.client.token.usage",
-            unit="{token}",
-            description="Input and output tokens used per request.",
-            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
+        self._ttft, self._tpot, self._duration, self._tokens = (
+            meter.create_histogram(
+                name, unit=unit, description=text, explicit_bucket_boundaries_advisory=buckets
+            )
+            for name, (unit, text, buckets) in HISTOGRAMS.items()
         )
         self._worker = threading.Thread(target=self._run, name="otlp-export", daemon=True)
         self._worker.start()

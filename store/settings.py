@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 DATA_DIR_ENV = "SERVESCOPE_DATA_DIR"
@@ -61,36 +62,21 @@ def store_path() -> Path:
     return Path(os.environ.get(STORE_ENV) or data_dir() / "servescope.duckdb")
 
 
-def events_dir() -> Path:
-    """`.events.jsonl` files the load generator and the gateway write."""
-    return data_dir() / "events"
+def _under_data_dir(name: str, holds: str) -> Callable[[], Path]:
+    """A function giving the data folder's `name` folder, as it is when called."""
+
+    def folder() -> Path:
+        return data_dir() / name
+
+    folder.__name__ = folder.__qualname__ = f"{name}_dir"
+    folder.__doc__ = f"`{name}/` in the data folder: {holds}."
+    return folder
 
 
-def logs_dir() -> Path:
-    """vLLM's logs, for the servers servescope starts."""
-    return data_dir() / "logs"
-
-
-def servers_dir() -> Path:
-    """One state file per running server (`<port>.json`), read by other servescope processes."""
-    return data_dir() / "servers"
-
-
-def fleet_dir() -> Path:
-    """A fleet experiment's gateway configurations and logs, one folder per experiment."""
-    return data_dir() / "fleet"
-
-
-def reports_dir() -> Path:
-    """Reports, one folder each (`index.html`, `report.md`, `report.json`)."""
-    return data_dir() / "reports"
-
-
-def dashboards_dir() -> Path:
-    """Grafana dashboards and their provisioning files."""
-    return data_dir() / "dashboards"
-
-
-def models_dir() -> Path:
-    """The tiny local models (`servescope model build`), one folder per kind."""
-    return data_dir() / "models"
+events_dir = _under_data_dir("events", "`.events.jsonl` files the load generator and gateway write")
+logs_dir = _under_data_dir("logs", "vLLM's logs, for the servers servescope starts")
+servers_dir = _under_data_dir("servers", "one state file per running server (`<port>.json`)")
+fleet_dir = _under_data_dir("fleet", "a fleet experiment's gateway files, one folder each")
+reports_dir = _under_data_dir("reports", "reports, one folder each (index.html, report.md, …)")
+dashboards_dir = _under_data_dir("dashboards", "Grafana dashboards and their provisioning")
+models_dir = _under_data_dir("models", "the tiny local models, one folder per kind")
