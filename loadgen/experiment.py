@@ -317,6 +317,24 @@ class ExperimentRun:
         self.arm = self.arm or self.profile
 
 
+def record_flips(
+    store: Store, experiment: str, run: ExperimentRun, previous: ExperimentRun | None
+) -> None:
+    """A `lever_flips` row for each lever the run changes from the run before it (none for
+    an experiment's first run): what reports split on and dashboards annotate."""
+    if previous is None:
+        return
+    for lever, before, after in lever_flips(previous.levers, run.levers):
+        store.add_lever_flip(
+            lever,
+            before,
+            after,
+            run_id=run.run_id,
+            before_run_id=previous.run_id,
+            note=f"experiment {experiment}: {previous.arm} -> {run.arm}",
+        )
+
+
 class Sidecar(Protocol):
     """Something that watches the experiment's servers from outside: the vLLM flags and
     environment it needs, told when a run's requests are all answered, closed at the end."""
@@ -613,7 +631,7 @@ class Experiment:
     def _execute(
         self, run: ExperimentRun, previous: ExperimentRun | None, sidecar: Sidecar | None
     ) -> None:
-        self._flip(run, previous)
+        record_flips(self.store, self.spec.name, run, previous)
         options: dict[str, Any] = {
             "run_id": run.run_id,
             "label": run.arm,
@@ -626,16 +644,3 @@ class Experiment:
 
     def _profile_levers(self, profile: str) -> dict[str, Any]:
         return levers_of(ALWAYS_FLAGS + self.profiles[profile].flags)
-
-    def _flip(self, run: ExperimentRun, previous: ExperimentRun | None) -> None:
-        if previous is None:
-            return
-        for lever, before, after in lever_flips(previous.levers, run.levers):
-            self.store.add_lever_flip(
-                lever,
-                before,
-                after,
-                run_id=run.run_id,
-                before_run_id=previous.run_id,
-                note=f"experiment {self.spec.name}: {previous.arm} -> {run.arm}",
-            )

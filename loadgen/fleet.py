@@ -44,8 +44,8 @@ from servescope.loadgen.experiment import (
     ExperimentSpec,
     Sidecar,
     interleaved,
-    lever_flips,
     order_letters,
+    record_flips,
     reset_prefix_cache,
     run_notes,
     start_together,
@@ -308,16 +308,7 @@ class FleetExperiment:
         gateway = GatewayProcess(config, self.folder / run.run_id, self.store).start()
         try:
             run.target = gateway.url
-            if previous is not None:
-                for lever, before, after in lever_flips(previous.levers, run.levers):
-                    self.store.add_lever_flip(
-                        lever,
-                        before,
-                        after,
-                        run_id=run.run_id,
-                        before_run_id=previous.run_id,
-                        note=f"experiment {self.spec.name}: {previous.profile} -> {run.profile}",
-                    )
+            record_flips(self.store, self.spec.name, run, previous)
             options: dict[str, Any] = {
                 "run_id": run.run_id,
                 "label": run.profile,
