@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from servescope.collector.scrape import Scrape
+from servescope.store import settings
 from servescope.wire import vllm_log
 from servescope.wire.exposition import Sample
 from servescope.wire.ids import UNATTRIBUTED_RUN, is_generated
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
     from servescope.store import Store
 
-DEFAULT_PORT = 8000
+DEFAULT_PORT = settings.VLLM_PORT
 LABEL = "vLLM server session"
 KIND = "vllm-session"
 # `vllm:cache_config_info` labels that are server flags (label → flag name); the other labels

@@ -23,6 +23,7 @@ from servescope.collector.sources.logs import VllmLog
 from servescope.collector.sources.metrics import MetricsTarget
 from servescope.collector.sources.otlp import OtlpTraces
 from servescope.commands.common import add_store_option, byte_progress, console, open_store
+from servescope.store import settings
 from servescope.store.lake import LakeWriter
 
 DESCRIPTION = (
@@ -77,17 +78,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="PORT",
         help="receive OTLP/HTTP traces on this port (vLLM: --otlp-traces-endpoint "
-        "http://HOST:PORT/v1/traces; the usual port is 4318)",
+        f"http://HOST:PORT/v1/traces; the usual port is {settings.OTLP_PORT})",
     )
     parser.add_argument(
         "--metrics-port",
         type=int,
-        default=9400,
+        default=settings.COLLECTOR_METRICS_PORT,
         metavar="PORT",
-        help="serve the collector's own /metrics here (default 9400; 0 = any free port)",
+        help="serve the collector's own /metrics here "
+        f"(default {settings.COLLECTOR_METRICS_PORT}; 0 = any free port)",
     )
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address the receivers bind (default 127.0.0.1)"
+        "--host",
+        default=settings.HOST,
+        help=f"address the receivers bind (default {settings.HOST})",
     )
     parser.add_argument(
         "--otlp-export",
