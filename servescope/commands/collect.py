@@ -49,7 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="PATH",
-        help="a vLLM server log to tail (repeatable); start it with --enable-log-requests",
+        help="a vLLM server log to tail (repeatable); start it with --enable-log-requests. "
+        "vLLM's own file, or its container's stdout as the runtime keeps it: a pod's log "
+        "(/var/log/pods/…/0.log, CRI) or Docker's json-file log, recognized by themselves",
     )
     parser.add_argument(
         "--events",
