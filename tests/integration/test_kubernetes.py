@@ -348,6 +348,8 @@ def check_gateway(objects: list[Object], vllm_pod: dict[str, Any]) -> None:
     (collector,) = pod["spec"]["initContainers"]
     collect = build_parser().parse_args(collector["args"])
     assert collect.events == [f"{gateway['events_dir']}/*.events.jsonl"]
+    assert collect.host == "0.0.0.0" and collect.metrics_port == _port(collector, "metrics")
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(collect.metrics_port)
     (container,) = pod["spec"]["containers"]
     assert _port(container, "http") == gateway["listen"]["port"]
 
