@@ -503,7 +503,7 @@ class OtlpExport:
         return self._ended.ended.pop()
 
     def _record_metrics(self, doc: dict[str, Any], attrs: dict[str, Any], e2e: float) -> None:
-        common = {
+        common: dict[str, Any] = {
             k: attrs[k]
             for k in ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model")
             if k in attrs

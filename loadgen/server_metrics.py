@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from servescope.store import Store
-from servescope.wire.exposition import parse_exposition, prefix_cache_hit_ratio
+from servescope.wire.exposition import Sample, parse_exposition, prefix_cache_hit_ratio
 
 INTERVAL_S = 1.0
 FLUSH_EVERY = 5
@@ -100,7 +100,7 @@ class MetricsScraper:
                 await asyncio.to_thread(self._write, pages)
 
     def _write(self, pages: list[tuple[datetime, str]]) -> None:
-        rows = []
+        rows: list[Sample] = []
         for ts, text in pages:
             try:
                 rows.extend(parse_exposition(text, target=self.target, ts=ts, run_id=self.run_id))

@@ -48,13 +48,14 @@ def shape(rows: list[tuple[str, str | None, float, int]]) -> dict[str, Any] | No
     drafts = totals[DRAFTS]
     draft_tokens = totals.get(DRAFT_TOKENS)
     accepted = totals.get(ACCEPTED)
-    measured = accepted is not None
     return {
         "drafts": drafts,
         "draft_tokens": draft_tokens,
         "accepted_tokens": accepted,
-        "acceptance_rate": accepted / draft_tokens if measured and draft_tokens else None,
-        "accepted_per_draft": accepted / drafts if measured and drafts else None,
+        "acceptance_rate": (
+            accepted / draft_tokens if accepted is not None and draft_tokens else None
+        ),
+        "accepted_per_draft": accepted / drafts if accepted is not None and drafts else None,
         "per_position": [
             {"position": p, "accepted": n, "rate": n / drafts if drafts else None}
             for p, n in sorted(positions.items())
@@ -70,7 +71,7 @@ def spec_decode(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any] |
         return None
     by_workload: dict[str, list[tuple[str, str | None, float, int]]] = {}
     for workload, *row in con.execute(sql.SLICE_SPEC_DECODE_BY_WORKLOAD, params).fetchall():
-        by_workload.setdefault(workload, []).append(tuple(row))  # type: ignore[arg-type]
+        by_workload.setdefault(workload, []).append(tuple(row))
     workloads = [
         {"workload": name, **numbers}
         for name, rows in by_workload.items()

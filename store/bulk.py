@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import duckdb
 import msgspec
@@ -191,7 +191,7 @@ def ingest_lines(
         if suspects:
             _write(fd, kept)
         screened = _judge(suspects)
-        inserted, rest = 0, set()
+        inserted, rest = 0, set[bytes]()
         if kept:
             todo = result.lines - len(suspects)
             inserted, rest, new_keys = _insert(con, path, pieces, flat, todo, screened, want_keys)
@@ -290,7 +290,7 @@ def _insert(
     return inserted, rest, new_keys
 
 
-def _is_request(doc: dict[str, Any] | str) -> bool:
+def _is_request(doc: dict[str, Any] | str) -> TypeGuard[dict[str, Any]]:
     return isinstance(doc, dict) and "request_id" in doc and not is_runtime_event(doc)
 
 
@@ -311,7 +311,7 @@ def _screen(
     spans = _bad_utf8(piece)
     view = memoryview(piece)
     i = 0
-    decoder = _OBJECTS
+    decoder: msgspec.json.Decoder[Any] = _OBJECTS
     objects = None
     while i < len(piece):
         try:

@@ -357,8 +357,9 @@ class Store:
         None for a counter the run's samples cannot measure (`queries.counter_step`): not zero.
         """
         with self.read() as con:
-            rows = con.execute(queries.COUNTER_DELTAS, {"run_id": run_id, "names": list(names)})
-            rows = rows.fetchall()
+            rows = con.execute(
+                queries.COUNTER_DELTAS, {"run_id": run_id, "names": list(names)}
+            ).fetchall()
         found = {name: (delta if steps else None) for name, delta, steps in rows}
         return {name: found.get(name) for name in names}
 
@@ -395,7 +396,7 @@ class Store:
 
 def _stamped(con: duckdb.DuckDBPyConnection) -> bool:
     row = con.execute(queries.SCHEMA_STAMP).fetchone()
-    return bool(row) and row[0] == schema_stamp()
+    return row is not None and row[0] == schema_stamp()
 
 
 def _matches_schema(con: duckdb.DuckDBPyConnection) -> bool:

@@ -9,6 +9,8 @@ from a cache (`store.schema_sql`); they import it only to bring an older store's
 
 from __future__ import annotations
 
+from typing import Any
+
 import duckdb
 from duckdb_engine import Dialect
 from sqlalchemy import Column, Table
@@ -22,7 +24,8 @@ _DIALECT = Dialect()
 
 
 def table_of(model: type[SQLModel]) -> Table:
-    return SQLModel.metadata.tables[model.__tablename__]  # type: ignore[attr-defined]
+    # a table class's name is a str (SQLModel's type also allows the function computing it)
+    return SQLModel.metadata.tables[str(model.__tablename__)]
 
 
 def create_statements() -> list[str]:
@@ -33,12 +36,12 @@ def create_statements() -> list[str]:
     ]
 
 
-def column_spec(column: Column) -> str:  # type: ignore[type-arg]
+def column_spec(column: Column[Any]) -> str:
     """The column's type as its DDL says it (with its storage options)."""
     return column.type.compile(dialect=_DIALECT)
 
 
-def column_type(column: Column) -> str:  # type: ignore[type-arg]
+def column_type(column: Column[Any]) -> str:
     """The column's type as DuckDB names it (`DOUBLE`, `VARCHAR`, `DOUBLE[]`…): what
     `duckdb_columns()` shows for it and what a cast to it says."""
     return str(duckdb.sqltype(column_spec(column).partition(" USING ")[0]))

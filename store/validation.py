@@ -31,6 +31,7 @@ import math
 import re
 import secrets
 import sys
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
 import msgspec
@@ -155,7 +156,7 @@ def run_id_of(doc: dict[str, Any]) -> str:
     return _RUN_SUFFIX.sub(r"\1", doc["request_id"])
 
 
-def is_runtime_event(doc: dict[str, Any]) -> bool:
+def is_runtime_event(doc: Mapping[str, Any]) -> bool:
     """An agent-runtime line (tool call, approval, test result…), not a request record.
 
     The agent runtime writes `{"type": "tool_call", …}` lines into the same `.events.jsonl`

@@ -217,9 +217,10 @@ def parse_line(raw: bytes, *, year: int) -> Item:
         item = _message(match["msg"], ts)
         if isinstance(item, KvCache | Phase) and match["proc"]:
             engine, rank = process_of(match["proc"])
-            if engine is not None or rank is not None:
-                item = replace(item, engine=engine, **({"rank": rank} if isinstance(
-                    item, Phase) else {}))  # fmt: skip
+            if isinstance(item, Phase) and (engine is not None or rank is not None):
+                item = replace(item, engine=engine, rank=rank)
+            elif engine is not None:
+                item = replace(item, engine=engine)
         return item
     access = _ACCESS.match(line)
     if access:

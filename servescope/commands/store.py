@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -58,20 +59,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_import(args: argparse.Namespace) -> int:
     store = open_store(args, create=True)
-    totals = {"events": 0, "runtime_events": 0, "errors": 0, "runs": set()}
+    events = runtime_events = errors = 0
+    runs: set[str] = set()
     for path in args.files:
         if not path.is_file():
             console.print(f"no such file: {path}", style="red")
             return 2
         with byte_progress(f"importing {path.name}") as progress:
             task = progress.add_task("import", total=path.stat().st_size or 1)
-            result = import_file(
-                store, path, on_read=lambda n, task=task: progress.advance(task, n)
-            )
-        totals["events"] += result.events
-        totals["errors"] += result.errors
-        totals["runs"] |= result.runs
-        totals["runtime_events"] += result.runtime_events
+            result = import_file(store, path, on_read=functools.partial(progress.advance, task))
+        events += result.events
+        errors += result.errors
+        runs |= result.runs
+        runtime_events += result.runtime_events
         console.print(
             f"{path}: {result.events} records, {result.runtime_events} runtime events, "
             f"{result.errors} quarantined"
@@ -81,32 +81,32 @@ def run_import(args: argparse.Namespace) -> int:
         if result.errors > len(result.examples):
             console.print("  … every refused line is in the store's ingest_errors table")
     if args.json:
-        print(json.dumps({**totals, "runs": sorted(totals["runs"])}))
+        print(json.dumps({"events": events, "runtime_events": runtime_events, "errors": errors,
+                          "runs": sorted(runs)}))  # fmt: skip
     return 0
 
 
 def run_export(args: argparse.Namespace) -> int:
     store = open_store(args)
-    if args.run_id is not None:
-        args.run_id = run_arg(store, args.run_id)
-    if args.run_id is None and args.format == "jsonl":
-        console.print("jsonl export needs a RUN (see `servescope store runs`)", style="red")
-        return 2
-    if args.run_id is not None and not store.has_run(args.run_id):
+    run_id = None if args.run_id is None else run_arg(store, args.run_id)
+    if run_id is not None and not store.has_run(run_id):
         console.print(
-            f"unknown run {args.run_id!r}; known runs: {', '.join(store.run_ids()) or 'none'}",
+            f"unknown run {run_id!r}; known runs: {', '.join(store.run_ids()) or 'none'}",
             style="red",
         )
         return 2
     if args.format == "parquet":
-        written = export_parquet(store, args.out, args.run_id)
+        written = export_parquet(store, args.out, run_id)
         read_back = {table: count_parquet(args.out / table) for table in written}
         for table, rows in written.items():
             console.print(f"{rows} {table} rows written to {args.out / table}")
         if args.json:
             print(json.dumps({"written": written, "read_back": read_back}))
         return 0 if read_back == written else 1
-    count = export_run(store, args.run_id, args.out)
+    if run_id is None:
+        console.print("jsonl export needs a RUN (see `servescope store runs`)", style="red")
+        return 2
+    count = export_run(store, run_id, args.out)
     console.print(f"{count} records written to {args.out}")
     if args.json:
         print(json.dumps({"written": {"lines": count}}))
