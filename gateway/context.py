@@ -14,7 +14,8 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.trace import Tracer
@@ -34,15 +35,18 @@ PASSED_HEADERS = ("traceparent", "tracestate")  # the client's trace, when the g
 
 @dataclass(slots=True, eq=False)
 class RequestContext:
+    """What one request carries between the gateway's steps (see the module docstring)."""
+
     endpoint: Endpoint
     start: float  # `perf_counter` at arrival: the origin of TTFT and e2e
+    request_id: str
     event: dict[str, Any]  # the event being built, written once when the request ends
     span: RequestSpan | None = None
     team: Team | None = None
     route: Route | None = None
-    body: dict[str, Any] = field(default_factory=dict)
-    picks: list[Pick] = field(default_factory=list)  # the routing plan, in order of trial
-    upstreams: list[Upstream] = field(default_factory=list)  # the picks' upstreams
+    body: dict[str, Any] | None = None
+    picks: Sequence[Pick] = ()  # the routing plan, in order of trial
+    upstreams: Sequence[Upstream] = ()  # the picks' upstreams
     slot: Slot | None = None
     held: str | None = None  # the replica this request counts against in the router
 
@@ -58,7 +62,7 @@ class RequestContext:
         event: dict[str, Any] = {"request_id": rid, "ts": utc_now_iso(), "source": "gateway"}
         if not given:
             event["run_id"] = run_id
-        ctx = cls(endpoint, start, event)
+        ctx = cls(endpoint, start, rid, event)
         if tracer is not None:
             ctx.span = RequestSpan(tracer, request.headers, endpoint, rid)
             event["trace_id"] = ctx.span.trace_id
@@ -67,10 +71,6 @@ class RequestContext:
         ):  # untraced clients skip the propagator's work
             event["trace_id"] = trace_id
         return ctx
-
-    @property
-    def request_id(self) -> str:
-        return str(self.event["request_id"])
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.start) * 1000.0

@@ -16,7 +16,6 @@ chunk, `decode_timeout_s` from the first content chunk to the end of the stream.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -79,23 +78,13 @@ async def forward(a: Attempt, event: dict[str, Any]) -> Response | Reply:
     Raises `UpstreamFailed` only while nothing has reached the client.
     """
     state = _Relay()
-    loop = asyncio.get_running_loop()
-    prefill_deadline = loop.time() + a.prefill_timeout_s + TICK_S if a.prefill_timeout_s else None
-    timed = a.prefill_timeout_s is not None or a.decode_timeout_s is not None
-    try:  # untimed teams skip the timeout's set-up and tear-down (1 % of a request's CPU)
-        async with asyncio.timeout_at(prefill_deadline) if timed else _UNTIMED as deadline:
-            try:
-                state.upstream = upstream = await a.pool.post(a.endpoint.path, a.body, a.headers)
-                if upstream.status >= 500:
-                    text = (await upstream.read())[:500].decode(errors="replace")
-                    raise UpstreamFailed("http_5xx", text, upstream.status)
-                if upstream.status != 200 or not a.stream:
-                    return await _whole(a, upstream, event)
-                await _relay(a, state, deadline, event)
-            except UpstreamError as exc:
-                if state.response is None:
-                    raise UpstreamFailed(exc.kind, str(exc), 502) from exc
-                return await _fail(a, state, event, "error", "disconnect", f"upstream: {exc}", 502)
+    try:
+        if a.prefill_timeout_s is None and a.decode_timeout_s is None:
+            return await _exchange(a, state, None, event)  # no timeout to set up and tear down
+        loop = asyncio.get_running_loop()
+        limit = a.prefill_timeout_s
+        async with asyncio.timeout_at(loop.time() + limit + TICK_S if limit else None) as deadline:
+            return await _exchange(a, state, deadline, event)
     except TimeoutError:
         phase = "decode" if a.timing.first is not None else "prefill"
         limit = a.decode_timeout_s if phase == "decode" else a.prefill_timeout_s
@@ -106,11 +95,26 @@ async def forward(a: Attempt, event: dict[str, Any]) -> Response | Reply:
     finally:
         if state.upstream is not None:
             _finish_upstream(state.upstream, a.timing.done)
+
+
+async def _exchange(
+    a: Attempt, state: _Relay, deadline: asyncio.Timeout | None, event: dict[str, Any]
+) -> Response | Reply:
+    """The request sent and its answer relayed, under `deadline` (the phase timeouts) if any."""
+    try:
+        state.upstream = upstream = await a.pool.post(a.endpoint.path, a.body, a.headers)
+        if upstream.status >= 500:
+            text = (await upstream.read())[:500].decode(errors="replace")
+            raise UpstreamFailed("http_5xx", text, upstream.status)
+        if upstream.status != 200 or not a.stream:
+            return await _whole(a, upstream, event)
+        await _relay(a, state, deadline, event)
+    except UpstreamError as exc:
+        if state.response is None:
+            raise UpstreamFailed(exc.kind, str(exc), 502) from exc
+        return await _fail(a, state, event, "error", "disconnect", f"upstream: {exc}", 502)
     assert state.response is not None
     return state.response
-
-
-_UNTIMED = contextlib.nullcontext()
 
 
 def _finish_upstream(upstream: UpstreamResponse, done: bool) -> None:
@@ -206,7 +210,12 @@ async def _relay(
                 await _to_client(reply.write_eof())
             state.end = now
             break
-    await _conclude(a, state, event)
+    if state.response is None:
+        raise UpstreamFailed("disconnect", "upstream closed before sending anything", 502)
+    if not timing.done:
+        await _fail(a, state, event, "error", "disconnect", "upstream ended before [DONE]", 502)
+        return
+    _complete(a, state, event)
 
 
 def _start_reply(a: Attempt, upstream: UpstreamResponse) -> Reply:
@@ -222,13 +231,8 @@ def _start_reply(a: Attempt, upstream: UpstreamResponse) -> Reply:
     return a.reply
 
 
-async def _conclude(a: Attempt, state: _Relay, event: dict[str, Any]) -> None:
-    """The event of a stream the upstream ended: complete, cut short, or failed inside."""
-    if state.response is None:
-        raise UpstreamFailed("disconnect", "upstream closed before sending anything", 502)
-    if not a.timing.done:
-        await _fail(a, state, event, "error", "disconnect", "upstream ended before [DONE]", 502)
-        return
+def _complete(a: Attempt, state: _Relay, event: dict[str, Any]) -> None:
+    """The event of a stream the upstream ended with `[DONE]`: ok, or failed inside."""
     event["http_status"] = 200
     a.timing.finish(event, state.end)
     if state.stream_error is not None:  # the upstream reported a failure inside the stream

@@ -20,6 +20,7 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -141,14 +142,6 @@ class Gateway:
             pool = self.pools[url] = UpstreamPool(url)
         return pool
 
-    def _hold(self, ctx: RequestContext, upstream: str) -> None:
-        """Count the request against `upstream` in the router (and no longer against the one
-        it held before)."""
-        if ctx.held is not None:
-            self.router.let_go(ctx.held)
-        self.router.hold(upstream)
-        ctx.held = upstream
-
     # --- the OpenAI routes ------------------------------------------------------------------
 
     async def completions(self, request: Request, reply: Reply) -> Response | Reply:
@@ -197,11 +190,12 @@ class Gateway:
             raise Rejected("model_not_allowed", f"team {team.name!r} may not use {model!r}")
         event["stream"] = bool(body.get("stream"))
         route = ctx.route = config.routes[model]
-        ctx.picks = self.plan(route, body, ctx.endpoint.chat)
+        picks = ctx.picks = self.plan(route, body, ctx.endpoint.chat)
         if len(route.pool) > 1:
             event["routing"] = route.routing
-        self._hold(ctx, ctx.picks[0].upstream)
-        ctx.upstreams = [config.upstreams[p.upstream] for p in ctx.picks]
+        ctx.held = picks[0].upstream  # counted against it in the router from now on
+        self.router.hold(ctx.held)
+        ctx.upstreams = [config.upstreams[p.upstream] for p in picks]
         since_ns = time.time_ns() if ctx.span is not None else 0
         prompt_tokens = await self._prompt_tokens(team, ctx.upstreams, body, ctx.endpoint)
         slot = ctx.slot = await self.scheduler.admit(
@@ -212,7 +206,7 @@ class Gateway:
             ctx.span.admitted(model, team.name, slot.queue_ms, since_ns)
 
     async def _prompt_tokens(
-        self, team: Team, upstreams: list[Upstream], body: dict[str, Any], endpoint: Endpoint
+        self, team: Team, upstreams: Sequence[Upstream], body: dict[str, Any], endpoint: Endpoint
     ) -> int:
         """The prompt's length as the first upstream that answers counts it; 0 for a team with
         no rule on it, which then pays for no count."""
@@ -245,14 +239,18 @@ class Gateway:
         """The plan's upstreams in turn until one answers: one that fails before sending a byte
         is replaced by the next, on the same slot. When all fail, the client gets the last
         failure (a refused connection everywhere is `upstream_unavailable`)."""
-        assert ctx.slot is not None and ctx.route is not None
+        assert ctx.slot is not None and ctx.route is not None and ctx.body is not None
         headers = ctx.upstream_headers(request)
         as_sent = _unchanged_body(request, ctx.body)
         failure: UpstreamFailed | None = None
-        for i, (pick, upstream) in enumerate(zip(ctx.picks, ctx.upstreams, strict=True)):
-            if i > 0:
+        for i, pick in enumerate(ctx.picks):
+            upstream = ctx.upstreams[i]
+            if i > 0:  # the request now counts against this upstream, not the last one
                 ctx.slot.move_to(upstream.name)
-                self._hold(ctx, upstream.name)
+                if ctx.held is not None:
+                    self.router.let_go(ctx.held)
+                ctx.held = upstream.name
+                self.router.hold(upstream.name)
             ctx.routed(pick)
             self.metrics.route(ctx.route.model, upstream.name, pick.reason)
             attempt = self._attempt(ctx, reply, upstream, headers, as_sent)
@@ -290,8 +288,9 @@ class Gateway:
         as_sent: bytes | None,
     ) -> Attempt:
         """One try of the request on `upstream`, under the team's phase timeouts."""
-        assert ctx.team is not None
-        body, model = ctx.body, ctx.body["model"]
+        assert ctx.team is not None and ctx.body is not None
+        body = ctx.body
+        model = body["model"]
         served = upstream.model or model
         if as_sent is not None and served == model:
             payload = as_sent
