@@ -130,7 +130,7 @@ def arm_names(profiles: list[str]) -> list[str]:
 def interleaved(arms: list[str], repeats: int) -> list[tuple[int, str]]:
     """(repeat, arm) in run order: A B, B A, A B, … (three arms: A B C, C B A, …). Reversing
     every other repeat cancels a linear drift, which A B A B would hand to B every time."""
-    order = []
+    order: list[tuple[int, str]] = []
     for repeat in range(1, repeats + 1):
         round_arms = arms if repeat % 2 else list(reversed(arms))
         order.extend((repeat, arm) for arm in round_arms)

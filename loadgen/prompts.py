@@ -173,10 +173,10 @@ class PromptMaker:
             words *= 2
         keep = n - specials
         for _ in range(8):
-            text = await self.detokenize(ids[:keep])
-            counted = len(await self.count(text))
+            decoded = await self.detokenize(ids[:keep])
+            counted = len(await self.count(decoded))
             if counted == n:
-                return text
+                return decoded
             keep += n - counted
             if not 0 < keep <= len(ids):
                 break

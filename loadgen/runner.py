@@ -526,7 +526,8 @@ class BenchRun:
             stats["goodput_per_s"] = good / duration if duration > 0 else None
             stats["good_fraction"] = good / len(events) if events else None
         classes: dict[str, dict[str, Any]] = {}
-        for cls in sorted({e.get("request_class") for e in events} - {None}):
+        named = {e["request_class"] for e in events if e.get("request_class") is not None}
+        for cls in sorted(named):
             mine = [e for e in ok if e.get("request_class") == cls]
             ttft = [e["ttft_ms"] for e in mine if e.get("ttft_ms") is not None]
             classes[cls] = {

@@ -51,7 +51,7 @@ class CollectorSidecar:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the collector did not start: see {self.output}")
             time.sleep(0.2)
-        self.notice(f"collector sidecar (pid {self.process.pid}) → {self.output}")
+        self.notice(f"collector sidecar (pid {self.process.pid}) → {self.output}", False)
 
     def settle(self, run_id: str) -> None:
         """Wait until vLLM's trace of every successful request of the run is stored."""

@@ -109,7 +109,7 @@ def make_tiny_model(out_dir: Path | None = None, *, seed: int = SEED, kind: str 
         bos_token_id=tok.token_to_id("<s>"),
         eos_token_id=tok.token_to_id("</s>"),
         pad_token_id=tok.token_to_id("<pad>"),
-        torch_dtype="float32",
+        dtype="float32",
     )
     model = LlamaForCausalLM(config)
     if kind == "predictable":

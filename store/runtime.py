@@ -88,7 +88,8 @@ def insert(con: duckdb.DuckDBPyConnection, rows: list[RuntimeRow]) -> int:
 
 def table_exists(con: duckdb.DuckDBPyConnection) -> bool:
     """A store file written before runtime events existed has no table until its next write."""
-    return bool(con.execute(queries.RUNTIME_TABLE_EXISTS).fetchone()[0])  # type: ignore[index]
+    row = con.execute(queries.RUNTIME_TABLE_EXISTS).fetchone()
+    return row is not None and bool(row[0])
 
 
 def interleave(
@@ -152,4 +153,5 @@ def joined(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
 def has_run(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
     if not table_exists(con):
         return False
-    return bool(con.execute(queries.RUNTIME_RUN_EXISTS, {"run_id": run_id}).fetchone()[0])  # type: ignore[index]
+    row = con.execute(queries.RUNTIME_RUN_EXISTS, {"run_id": run_id}).fetchone()
+    return row is not None and bool(row[0])

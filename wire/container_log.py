@@ -152,6 +152,8 @@ def dated(item: T, ts: datetime | None) -> T:
     is cut to whole seconds, the precision of vLLM's own text stamps: the times a run's lines
     give are compared with each other (a start-up's length, a refusal within its run), and a
     runtime's stamp is a little later than the one vLLM put on the line it wrote just before."""
-    if ts is None or not dataclasses.is_dataclass(item) or getattr(item, "ts", ts) is not None:
+    if ts is None or getattr(item, "ts", ts) is not None:
         return item
-    return dataclasses.replace(item, ts=ts.replace(microsecond=0))  # type: ignore[type-var]
+    if not dataclasses.is_dataclass(item) or isinstance(item, type):
+        return item
+    return dataclasses.replace(item, ts=ts.replace(microsecond=0))
