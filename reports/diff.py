@@ -18,7 +18,7 @@ smallest change the design could have found (80 % power). A metric one side did 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -357,7 +357,8 @@ def _estimate(arm: Arm, indicator: Indicator, level: str | None) -> Estimates:
     return Estimates(values, draws, pooled, counts)
 
 
-def _on_scale(values: list[float], scale: str) -> Floats:
+def _on_scale(values: Sequence[float | None], scale: str) -> Floats:
+    """The values on the test's scale; a run without the value is NaN (numpy reads None so)."""
     array = np.asarray(values, dtype=np.float64)
     return np.log(array) if scale == LOG else array
 
@@ -424,8 +425,8 @@ def _repeats_row(
         return out
 
     test = verdict.repeats_test(
-        _on_scale(before.values, scale),  # type: ignore[arg-type]
-        _on_scale(after.values, scale),  # type: ignore[arg-type]
+        _on_scale(before.values, scale),
+        _on_scale(after.values, scale),
         scaled_draws(before),
         scaled_draws(after),
     )

@@ -134,8 +134,8 @@ class Test:
 
 
 def repeats_test(
-    before: Sequence[float],
-    after: Sequence[float],
+    before: Sequence[float] | Floats,
+    after: Sequence[float] | Floats,
     before_draws: Sequence[Floats | None] = (),
     after_draws: Sequence[Floats | None] = (),
 ) -> Test | None:
