@@ -11,22 +11,38 @@ SMOLLM2 := servescope-data/models/smollm2-135m-instruct
 DEBIAN_PACKAGES := prometheus chromium chromium-driver nginx-light docker-compose
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test lint install system-deps model clean help
+.PHONY: demo test lint typecheck install system-deps model clean help
 
 help:
 	@echo "make demo   - real vLLM on the CPU + tiny model, bench, store, report (prints paths)"
 	@echo "make test   - the whole test suite (what CI runs)"
-	@echo "make lint   - ruff"
+	@echo "make lint   - ruff and mypy"
 
 demo: install model
 	$(BIN)/servescope demo
 
 test: install system-deps model
 	$(BIN)/ruff check .
+	$(MAKE) --no-print-directory typecheck
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 lint: install
 	$(BIN)/ruff check .
+	$(MAKE) --no-print-directory typecheck
+
+# The package maps its rooms from top-level folders (pyproject's package-dir), which mypy and
+# editors cannot follow: they read `servescope.<room>` through build/typecheck/servescope, a tree
+# of links to those folders (pyproject's [tool.mypy] mypy_path and [tool.pyright] extraPaths).
+# It is laid anew on every run, so that a module added or removed is seen at once.
+ROOMS := store wire collector loadgen gateway reports dashboards
+TYPECHECK := build/typecheck/servescope
+
+typecheck: install
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)
+	for entry in servescope/*.py servescope/*/ $(ROOMS); do \
+		name=$${entry%/}; name=$${name##*/}; [ "$$name" = __pycache__ ] || ln -s "../../../$${entry%/}" "$(TYPECHECK)/$$name"; \
+	done
+	$(BIN)/mypy
 
 install: $(STAMPS)/install
 
