@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 import httptools
 
@@ -158,7 +158,9 @@ class _Connection(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        # a stream connection's transport: asyncio's is a Transport, uvloop's has the same methods
+        # without subclassing it, so it is declared rather than checked
+        self.transport = cast(asyncio.Transport, transport)
         self.idle_since = asyncio.get_running_loop().time()
         self.server.connections.add(self)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -43,7 +44,9 @@ class _Connection(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        # a stream connection's transport: asyncio's is a Transport, uvloop's has the same methods
+        # without subclassing it, so it is declared rather than checked
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         try:
