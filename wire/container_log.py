@@ -13,9 +13,10 @@ without being told which it has. Both streams are kept: vLLM logs to stdout and 
 warnings and tracebacks go to stderr. Partial records are joined per stream, since the runtime
 may interleave the two streams' records.
 
-A line the runtime split is held in memory until its final record comes; the collector's
-checkpoint covers the records read, so a collector restarted between a line's partial records
-and its final one has lost the line's head, and reads the rest as a line of its own.
+A line the runtime split is held in memory until its final record comes. The collector's
+checkpoint covers the records it read, partial ones too, so a collector restarted between a
+line's partial records and its final one reads the bytes before its checkpoint again
+(`Unwrapper.resume`): the split line waits for its final record as if nothing had stopped.
 """
 
 from __future__ import annotations
@@ -91,6 +92,22 @@ class Unwrapper:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._pending: dict[str, _Pending] = {}
+
+    @property
+    def lookback(self) -> int:
+        """How far before a place in the file the partial records of a line split there may
+        start: a line within the bound, in records with the runtime's prefixes."""
+        return self.max_bytes + HEAD_BYTES
+
+    def resume(self, before: bytes, *, whole: bool) -> None:
+        """Reading resumes after `before`, the `lookback` bytes before that place in the file
+        (from the file's start when `whole`): the lines split there, whose partial records a
+        restarted collector had read and checkpointed, wait again for their final records."""
+        self._pending.clear()
+        lines = before.split(b"\n")[:-1]  # the last: what follows the last newline
+        for line in lines if whole else lines[1:]:  # the window's first line may be cut
+            if line.strip():
+                self.feed(line)
 
     @property
     def pending(self) -> bool:

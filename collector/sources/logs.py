@@ -59,6 +59,15 @@ def _later(written: datetime | None, session: Session | None) -> str | None:
     return (max(written, floor) if floor is not None else written).isoformat()
 
 
+def _read_before(chunk: Chunk, size: int) -> tuple[bytes, bool]:
+    """Up to `size` bytes of the chunk's file just before it, and whether they start the file
+    (the tailer seeks before every read of its own)."""
+    assert chunk.file.fh is not None
+    start = max(0, chunk.start - size)
+    chunk.file.fh.seek(start)
+    return chunk.file.fh.read(chunk.start - start), start == 0
+
+
 class VllmLog(Tailed):
     """One vLLM log file (rotated copies followed) and the server sessions it holds."""
 
@@ -72,6 +81,7 @@ class VllmLog(Tailed):
         self._written: datetime | None = None
         # CRI and Docker json-file records to vLLM's lines, by file (a split line may span chunks)
         self._unwrap: dict[str, container_log.Unwrapper] = {}
+        self._resumed: set[str] = set()  # files read again before their checkpoint, once
 
     def resume(self, saved: list[dict[str, Any]]) -> None:
         self.server = self.intake.attribution.follow_log(self.name, checkpoints.state_of(saved))
@@ -95,9 +105,13 @@ class VllmLog(Tailed):
         server = self.server
         before = server.snapshot()
         access: Counter[tuple[str, str, str]] = Counter()
-        unwrap = self._unwrap.setdefault(
-            chunk.file.key, container_log.Unwrapper(self.tailer.max_line)
-        )
+        unwrap = self._unwrap.get(chunk.file.key)
+        if unwrap is None:
+            unwrap = self._unwrap[chunk.file.key] = container_log.Unwrapper(self.tailer.max_line)
+            if chunk.start and chunk.file.key not in self._resumed:  # a restart: read on
+                read, whole = _read_before(chunk, unwrap.lookback)
+                unwrap.resume(read, whole=whole)
+        self._resumed.add(chunk.file.key)
         for line in lines:
             here, offset = offset, offset + len(line) + 1
             if not line.strip():

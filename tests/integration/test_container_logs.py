@@ -128,6 +128,23 @@ def test_a_pod_log_rotated_by_the_kubelet_is_read_across_the_rotation(
     assert _contents(store) == plain
 
 
+def test_a_collector_restarted_between_a_lines_records_reads_it_whole(
+    vllm_output: list[Written], plain: dict[str, Any], tmp_path: Path
+) -> None:
+    """The first run reads up to a line's partial records and checkpoints past them; the
+    next, started once the final record is there, reads the line whole."""
+    lines = cri_records(vllm_output, max_record=MAX_RECORD)
+    split = [i for i, line in enumerate(lines) if " P " in line[:45] and "Received request" in line]
+    cut = split[len(split) // 2] + 1  # a request's line, its first record read, the rest not
+    log, store = tmp_path / "0.log", tmp_path / "s.duckdb"
+    _write(log, lines[:cut], vllm_output[0][0])
+    _collect(store, log)
+    with log.open("ab") as f:
+        f.write("".join(line + "\n" for line in lines[cut:]).encode())
+    _collect(store, log)
+    assert _contents(store) == plain
+
+
 def _lines_read(port: int) -> float:
     """The collector's `servescope_collector_lines_total` for the log (0 before it answers)."""
     try:

@@ -155,6 +155,23 @@ def test_a_split_line_waits_for_its_final_record() -> None:
     assert not unwrap.pending
 
 
+@pytest.mark.parametrize("wrap", [cri_records, docker_records])
+def test_reading_resumed_between_a_lines_records_joins_it_whole(wrap) -> None:
+    """A restarted collector reads on from its checkpoint, past partial records it had read:
+    the bytes before that place give them back, and the line comes whole with its final
+    record; a window that starts mid-line skips its cut first line."""
+    lines = wrap([(T0, "stdout", ACCESS), (T0, "stdout", RECEIVED)], max_record=4000)
+    data = "".join(line + "\n" for line in lines).encode()
+    cut = data.index(lines[3].encode())  # three records read: the access line, two partials
+    for size in (cut, cut - 10):  # the file from its start; a window cut inside the first line
+        unwrap = Unwrapper(1024 * 1024)
+        unwrap.resume(data[cut - size : cut], whole=size == cut)
+        assert unwrap.pending
+        records = [unwrap.feed(line) for line in data[cut:].split(b"\n")[:-1]]
+        (record,) = [r for r in records if r is not None]
+        assert record.text.decode() == RECEIVED and record.ts == T0
+
+
 def test_an_undated_line_takes_the_runtimes_time_to_the_second() -> None:
     access = parse_line(ACCESS.encode(), year=2026)
     assert isinstance(access, Access) and access.ts is None
