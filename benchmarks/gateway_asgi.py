@@ -1,6 +1,7 @@
 """The gateway's routes served by uvicorn (httptools parser, uvloop) through a raw ASGI adapter,
 for comparison with its own server (`gateway/httpserver.py`): `bench_gateway.py --server uvicorn`
-measures its cost, tests/test_gateway_hostile.py compares how each refuses hostile clients.
+measures its cost, tests/integration/test_gateway_hostile.py compares how each refuses hostile
+clients.
 Not for users: the gateway serves on `gateway/httpserver.py`.
 
     .venv/bin/python benchmarks/gateway_asgi.py --config gateway.yaml --port 8080

@@ -17,9 +17,10 @@ What the protocol keeps:
 - bounds: a request head over 64 KiB is refused (431), a body over 64 MiB too (413, at once
   when its Content-Length says so, before any 100-continue), and a connection idle (or stuck in
   a request's head or body) for `KEEPALIVE_S` is closed by a sweep, not a timer per request;
-- hostile framing is refused before anything reaches a handler (tests/test_gateway_hostile.py):
-  llhttp refuses Content-Length with Transfer-Encoding, repeated or malformed Content-Lengths,
-  bad chunk sizes and CR, LF or NUL in a header; here a Transfer-Encoding other than exactly
+- hostile framing is refused before anything reaches a handler
+  (tests/integration/test_gateway_hostile.py): llhttp refuses Content-Length with
+  Transfer-Encoding, repeated or malformed Content-Lengths, bad chunk sizes and CR, LF or NUL in
+  a header; here a Transfer-Encoding other than exactly
   `chunked` is 501, one in an HTTP/1.0 request 400, an Upgrade or CONNECT 400, and trailer
   fields never join the headers (a trailer cannot set the X-Request-Id sent upstream);
 - a stream's status line and headers leave with its first body bytes, in one write.

@@ -12,8 +12,8 @@ value become a template. A later message made of the same prefix, a non-empty mi
 with another plain string in that one place: it is a token message that sets no finish reason,
 no usage and no error, exactly what decoding it would have concluded. Anything else (the first
 token, escapes, the finish reason, usage, errors, `n > 1`, a changed id) is decoded as before.
-The rules stay `StreamTiming`'s; tests/test_gateway.py checks the two give equal results on
-generated streams, and the gateway's numbers keep meaning what the bench client's mean.
+The rules stay `StreamTiming`'s; tests/integration/test_gateway.py checks the two give equal
+results on generated streams, and the gateway's numbers keep meaning what the bench client's mean.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Synthetic repeats with run-level drift, for calibrating verdicts (tests/test_verdicts.py and
-benchmarks/bench_verdicts.py).
+"""Synthetic repeats with run-level drift, for calibrating verdicts
+(tests/integration/test_verdicts.py and benchmarks/bench_verdicts.py).
 
 Each run is a seeded set of requests at two load levels, shifted as a whole by its own factors,
 the drift restarts and rounds show between runs of one configuration (issue 31's A/A trial):

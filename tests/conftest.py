@@ -189,7 +189,7 @@ def vllm_server(
 ) -> Iterator[RunningServer]:
     """A real vLLM for the session, via `servescope serve`. At the end it is stopped with SIGTERM
     and the teardown asserts that the launcher exits 0 and leaves no engine process behind."""
-    otlp_port = free_port()  # the collector's OTLP receiver binds it in tests/test_collector_e2e.py
+    otlp_port = free_port()  # tests/e2e/test_collector_e2e.py's collector receives it
     yield from _served(
         tiny_model,
         "tiny",
@@ -207,7 +207,7 @@ def predictable_model() -> Path:
 @pytest.fixture(scope="session")
 def predictable_otlp_port() -> int:
     """Where both servers of the predictable model send their traces (a collector listening
-    there, as in tests/test_collector_e2e.py, receives both), and how they log (JSON): the same
+    there, as in tests/e2e/test_collector_e2e.py, receives both), and how they log (JSON): the same
     flags on both, so that speculation is the one lever between them."""
     return free_port()
 

@@ -1,5 +1,5 @@
 """The collector's parts on real files, a real DuckDB store, the real OTel SDK exporter and the
-CLI as a user runs it (the end-to-end test with vLLM is test_collector_e2e.py)."""
+CLI as a user runs it (the end-to-end test with vLLM is tests/e2e/test_collector_e2e.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Reports of a fleet run (reports/replicas.py): the per-replica table, the skew lines, the
 per-replica change of a diff and the diagnosis's routing rules — each checked against a plain
 computation over the stored events and samples. The same reports over real replicas behind
-the gateway are built by tests/test_fleet_vllm.py and the `routing` experiment."""
+the gateway are built by tests/e2e/test_fleet_vllm.py and the `routing` experiment."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Replica pools and routing policies (gateway/routing.py, gateway/config.py) on their own: the
 decisions are pure functions of the request, the ring and the outstanding counts. The routing
 of real requests over two real vLLM replicas, one killed mid-run, is in
-tests/test_fleet_vllm.py."""
+tests/e2e/test_fleet_vllm.py."""
 
 from __future__ import annotations
 
