@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RunningServer, bench_args, read_events, servescope
+from tests.conftest import bench_args, read_events, servescope
+from tests.e2e.conftest import RunningServer
 
 WORKLOAD = """
 workloads:

@@ -18,7 +18,8 @@ import duckdb
 import pytest
 
 from servescope.store import Store, reads
-from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, servescope
+from tests.conftest import ROOT, SERVESCOPE, free_port, servescope
+from tests.e2e.conftest import RunningServer
 
 pytestmark = pytest.mark.vllm
 

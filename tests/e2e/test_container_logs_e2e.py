@@ -9,7 +9,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tests.conftest import RunningServer
+from tests.e2e.conftest import RunningServer
 from tests.e2e.test_sessions_e2e import _complete
 from tests.integration.test_container_logs import (
     MAX_RECORD,

@@ -31,7 +31,8 @@ import yaml
 
 from servescope.dashboards import DASHBOARDS, RULES_DIR, dashboard_json
 from servescope.dashboards.lint import PanelQuery, annotation_queries, queries, substitute
-from tests.conftest import ROOT, SERVESCOPE, RunningServer, bench_args, free_port, servescope
+from tests.conftest import ROOT, SERVESCOPE, bench_args, free_port, servescope
+from tests.e2e.conftest import RunningServer
 
 pytestmark = pytest.mark.vllm
 

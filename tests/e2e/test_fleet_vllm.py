@@ -33,7 +33,8 @@ from servescope.loadgen.fleet import GatewayProcess, gateway_config
 from servescope.loadgen.launcher import VllmServer
 from servescope.reports.histograms import bucket_bound
 from servescope.store import Store
-from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, read_events, servescope
+from tests.conftest import ROOT, SERVESCOPE, free_port, read_events, servescope
+from tests.e2e.conftest import RunningServer
 
 pytestmark = pytest.mark.vllm
 

@@ -28,7 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from servescope.loadgen.client import stream_request
 from servescope.wire.stream import CHAT, COMPLETIONS
-from tests.conftest import ROOT, SERVESCOPE, RunningServer, free_port, read_events, servescope
+from tests.conftest import ROOT, SERVESCOPE, free_port, read_events, servescope
+from tests.e2e.conftest import RunningServer
 
 pytestmark = pytest.mark.vllm
 

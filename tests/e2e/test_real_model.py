@@ -19,7 +19,8 @@ import pytest
 
 from servescope.loadgen import real_model
 from servescope.store import Store, reads
-from tests.conftest import MODELS, ROOT, SERVESCOPE, RunningServer, _served, free_port
+from tests.conftest import MODELS, ROOT, SERVESCOPE, free_port
+from tests.e2e.conftest import RunningServer, _served
 
 pytestmark = pytest.mark.vllm
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from servescope.store import Store
-from tests.conftest import RunningServer, servescope
+from tests.conftest import servescope
+from tests.e2e.conftest import RunningServer
 
 pytestmark = pytest.mark.vllm
 

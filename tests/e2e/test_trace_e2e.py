@@ -21,7 +21,8 @@ import yaml
 
 from servescope.loadgen.client import stream_request
 from servescope.wire.stream import COMPLETIONS
-from tests.conftest import ROOT, SERVESCOPE, RunningServer, bench_args, free_port
+from tests.conftest import ROOT, SERVESCOPE, bench_args, free_port
+from tests.e2e.conftest import RunningServer
 from tests.otlp_sink import otlp_http_sink
 
 RUN = "run-20261122-traced"
