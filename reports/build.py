@@ -241,7 +241,7 @@ def build_summary(
     store: Store, run_id: str, options: ReportOptions | None = None, window: Window = WHOLE
 ) -> Report:
     """The report of one run (or of a window of it): metadata, overall and per-level numbers,
-    server-side deltas, admission evidence, the seeds' checklist and charts."""
+    server-side deltas, admission evidence, the pass-criteria checklist and charts."""
     with store.read() as con:
         run = require_run(con, run_id)
         part = _slice(con, run, window)

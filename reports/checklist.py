@@ -1,9 +1,13 @@
-"""The seeds' lab pass criteria, each filled from the run's data or marked "not measured".
+"""The pass criteria of a vLLM deployment, each filled from the run's data or marked.
 
-The lecture's table: model loading (cold start and warm restart times recorded), API
-compatibility (an OpenAI client completes a chat call), stability (0–2 timeouts/OOMs per 100
-requests), cost (GPU-hour vs API cost), observability (request_id, model, tokens and latency
-logged), security, admission control (per-team queue isolated, rejection events logged).
+The checklist: model loading (cold start and warm restart times recorded), API compatibility
+(an OpenAI client completes a chat call), stability (0–2 timeouts/OOMs per 100 requests), cost
+(GPU-hour vs API cost), observability (request_id, model, tokens and latency logged), security,
+admission control (per-team queue isolated, rejection events logged).
+
+A criterion the run could have shown and did not is "not measured", with what would measure
+it; one no run can show (security: access permissions are the deployment's, not the traffic's)
+is "not measurable here", so an operator does not look for a run that would fill it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from servescope.reports.summary import ReportOptions
 from servescope.store import reads
 
 PASS, FAIL, NOT_MEASURED = "pass", "fail", "not measured"
+NOT_MEASURABLE = "not measurable here"
 STABILITY_LIMIT_PER_100 = 2.0
 
 
@@ -179,8 +184,9 @@ def checklist(
         _item(
             "Security",
             "external network/file access permissions separated",
-            NOT_MEASURED,
-            "outside what a run records",
+            NOT_MEASURABLE,
+            "a run records traffic, not access permissions: review the server's network "
+            "policy, volume mounts and API keys",
         ),
         _admission(summary["admission"]),
     ]

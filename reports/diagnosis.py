@@ -1,7 +1,7 @@
-"""From a run's indicators to the lever to flip first: the seeds' decision tables as data.
+"""From a run's indicators to the lever to flip first: vLLM's tuning tables as data.
 
-The rules are rows of `diagnosis.yaml` (the vLLM Tuning Matrix, the Tuning Decision Tree, the
-Week 11 workload table, split by symptom as the Serving Incident Flow does), each with its
+The rules are rows of `diagnosis.yaml` (the vLLM tuning matrix, the tuning decision tree, the
+workload table, split by symptom as the Serving Incident Flow does), each with its
 thresholds and its source; this engine only measures indicators and checks conditions, so a rule
 is audited and changed in the YAML without reading code. `diagnose(report)` reads a report dict
 (`build_summary`'s, or one side of a diff) and returns the workload's shape, findings in the

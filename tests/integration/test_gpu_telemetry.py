@@ -154,4 +154,5 @@ def test_without_gpu_samples_the_report_says_so_in_one_line(tmp_path: Path) -> N
     report = json.loads(next(p for p in paths if p.suffix == ".json").read_text())
     assert report["gpu"] == {"measured": False, "gpus": 0}
     markdown = next(p for p in paths if p.suffix == ".md").read_text()
-    assert [line for line in markdown.splitlines() if line.startswith("GPU: not measured")]
+    assert [line for line in markdown.splitlines()
+            if line.startswith("GPU: no samples in this run's window")]  # fmt: skip
