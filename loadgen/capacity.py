@@ -1,4 +1,4 @@
-"""The seeds' capacity worksheet and KV-cache memory math, from a model's `config.json`.
+"""The capacity worksheet and KV-cache memory math, from a model's `config.json`.
 
 KV bytes per token = 2 (K, V) × layers × KV heads (per GPU) × head dim × bytes per value. vLLM
 then cuts its KV space into blocks of `block_size` tokens (one page per layer), and states its
@@ -376,7 +376,7 @@ def worksheet(
     measured: dict[str, Any] | None,
     tuning: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The seeds' worksheet (model, parameters, dtype, max_model_len, traffic, targets, tuning)
+    """The capacity worksheet (model, parameters, dtype, max_model_len, traffic, targets, tuning)
     filled in, plus the capacity it implies."""
     model, settings = result["model"], result["settings"]
     tuning = tuning or {}

@@ -1,5 +1,6 @@
-"""Workload files: Lab 10's `benchmark_config.yaml` format, read verbatim, plus the keys that
-describe the seeds' scenarios (shared prefixes, request classes, multi-turn agents, open loops).
+"""Workload files: the `benchmark_config.yaml` format (workloads of input and output tokens at
+concurrency levels, the metrics to report), read verbatim, plus the keys that describe serving
+scenarios (shared prefixes, request classes, multi-turn agents, open loops).
 
 ```yaml
 workloads:
@@ -14,7 +15,7 @@ workloads:
     warmup: 2                            # requests sent before measuring, not stored
     endpoint: completions                # or chat
     text: words                          # or passage | decoy (loadgen/prompts.py)
-    team: lab10
+    team: search
     seed: 7
 metrics: [ttft_ms, tpot_ms, qps, tokens_per_second, memory_peak_gb]
 ```
@@ -110,9 +111,10 @@ class RequestClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
 
 class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One workload of a file, as written there (Lab 10's keys and the scenarios'); its load
-    levels are `concurrency` (closed loop) or `rate` (open loop), never both. A workload of
-    request `classes` takes its sizes from them (the first class's stand for the workload)."""
+    """One workload of a file, as written there (the benchmark config's keys and the
+    scenarios'); its load levels are `concurrency` (closed loop) or `rate` (open loop), never
+    both. A workload of request `classes` takes its sizes from them (the first class's stand for
+    the workload)."""
 
     name: str
     input_tokens: Tokens = 0  # 0: not given, which only a workload of `classes` may do

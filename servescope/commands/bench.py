@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     benches = parser.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
     run = benches.add_parser(
         "run",
-        help="run a workload file (Lab 10 benchmark_config.yaml format, plus scenario keys)",
+        help="run a workload file: a benchmark config (name, model, input_tokens, output_tokens, "
+        "concurrency, requests_per_level, metrics) plus scenario keys",
         description="For each workload and load level: closed loop (`concurrency`: keep that "
         "many streaming requests in flight) or open loop (`rate` with constant/poisson/gamma "
         "arrivals: intended and actual send times recorded, a client that cannot keep up is "
@@ -93,7 +94,7 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
         "--scale",
         type=float,
         default=1.0,
-        help="multiply every prompt size (0.25 runs a seed's 8K-token prefix as 2K on a CPU)",
+        help="multiply every prompt size (0.25 runs a workload's 8K-token prefix as 2K on a CPU)",
     )
     parser.add_argument(
         "--requests",

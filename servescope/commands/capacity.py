@@ -1,4 +1,4 @@
-"""`servescope capacity MODEL`: the seeds' capacity worksheet, filled from the model's config."""
+"""`servescope capacity MODEL`: the capacity worksheet, filled from the model's config."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from servescope.loadgen.capacity import (
 )
 
 DESCRIPTION = (
-    "Fill the seeds' capacity worksheet for a model: weight bytes, KV bytes per token (per GPU "
+    "Fill the capacity worksheet for a model: weight bytes, KV bytes per token (per GPU "
     "with tensor parallelism), KV blocks and tokens that fit, the largest concurrency at "
     "max_model_len (as vLLM states it at start-up) and at the p50/p95 request shape, whether "
     "max_model_len fits at all, and the cost per 1K tokens at a stored run's measured "

@@ -1,6 +1,6 @@
 """`servescope demo`: the whole path on real parts, what `make demo` runs.
 
-The demo is the seeds' first practicum: the `prefix-caching` lever-flip experiment at CPU scale
+The demo is the first lever flip to try: the `prefix-caching` experiment at CPU scale
 (two real vLLMs started at once, prefix caching off and on, each with its own collector sidecar;
 the same seeded Ralph-loop workload against them in three interleaved repeats, A B B A A B, each
 run starting from an emptied prefix cache), stored, and reported before/after with the repeats

@@ -18,7 +18,7 @@ from servescope.store.lakeread import Lake
 
 DESCRIPTION = (
     "Read a stored run's indicators and say what to flip first: the workload's shape (chat, "
-    "batch, rag, agent, mixed), each finding of the seeds' tuning matrix that holds (symptom: "
+    "batch, rag, agent, mixed), each finding of the vLLM tuning matrix that holds (symptom: "
     "queue, prefill, decode, streaming, memory, api or cache; the evidence with the run's "
     "numbers; vLLM levers in order; why; the servescope experiment that tests it), levers not "
     "recommended because the run already has them, and what could not be judged. The rules "
