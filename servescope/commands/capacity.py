@@ -258,6 +258,11 @@ def _n(value: Any, digits: int = 0) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
+def _x(value: float | None) -> str:
+    """A concurrency multiplier; a missing one is "n/a" alone, never "n/ax"."""
+    return "n/a" if value is None else f"{value:,.2f}x"
+
+
 def _bytes(value: int | None) -> str:
     return "n/a" if value is None else f"{value:,} B ({value / 2**30:,.2f} GiB)"
 
@@ -281,6 +286,8 @@ def _gpu_terms(memory: dict[str, Any] | None, source: str | None) -> list[str]:
 def markdown(result: dict[str, Any], sheet: dict[str, Any]) -> str:
     """The worksheet for people: what was read, what it implies."""
     m, s = result["model"], result["settings"]
+    # vLLM-CPU splits a model over CPU workers, not GPUs: its memory is the host's
+    unit = "CPU worker" if s.get("device") == "cpu" else "GPU"
     lines = [
         f"# Capacity worksheet: {m['name']}",
         "",
@@ -291,11 +298,12 @@ def markdown(result: dict[str, Any], sheet: dict[str, Any]) -> str:
         f"{m['attention_heads']} / {m['kv_heads']} / {m['head_dim']} |",
         f"| dtype / KV-cache dtype | {s['dtype']} / {s['kv_cache_dtype']} |",
         f"| tensor parallel size | {s['tensor_parallel_size']} "
-        f"({m['kv_heads_per_gpu']} KV heads per GPU) |",
-        f"| data parallel size | {s['data_parallel_size']} (engines; {result['gpus']} GPUs in "
-        f"all) |",
-        f"| weights | {_bytes(m['weight_bytes'])}; per GPU {_bytes(m['weight_bytes_per_gpu'])} |",
-        f"| KV bytes per token (per GPU) | {_n(result['kv_bytes_per_token'])} |",
+        f"({m['kv_heads_per_gpu']} KV heads per {unit}) |",
+        f"| data parallel size | {s['data_parallel_size']} (engines; {result['gpus']} "
+        f"{unit}s in all) |",
+        f"| weights | {_bytes(m['weight_bytes'])}; per {unit} "
+        f"{_bytes(m['weight_bytes_per_gpu'])} |",
+        f"| KV bytes per token (per {unit}) | {_n(result['kv_bytes_per_token'])} |",
         f"| KV bytes per sequence at max_model_len {_n(s['max_model_len'])} | "
         f"{_bytes(result['kv_bytes_per_sequence_at_max_model_len'])} |",
         f"| KV space | {_bytes(result['kv_cache_bytes'])}: {result['kv_cache_bytes_basis']} |",
@@ -303,18 +311,18 @@ def markdown(result: dict[str, Any], sheet: dict[str, Any]) -> str:
         f"| KV blocks ({s['block_size']} tokens) | {_n(result['kv_blocks'])} |",
         f"| KV tokens | {_n(result['kv_tokens'])} |",
         f"| max concurrency at {_n(s['max_model_len'])} tokens per request | "
-        f"{_n(result['max_concurrency'], 2)}x |",
+        f"{_x(result['max_concurrency'])} |",
         f"| max_model_len fits | {_n(result['max_model_len_fits'])} |",
     ]
     if s["data_parallel_size"] > 1:
         lines.append(
             f"| all {s['data_parallel_size']} engines | {_n(result['kv_tokens_all_engines'])} KV "
-            f"tokens, {_n(result['max_concurrency_all_engines'], 2)}x at max_model_len |"
+            f"tokens, {_x(result['max_concurrency_all_engines'])} at max_model_len |"
         )
     for q, at in result["concurrency_at"].items():
         lines.append(
             f"| max concurrency at the {q} request ({_n(at['tokens_per_request'])} tokens) | "
-            f"{_n(at['max_concurrency'], 2)}x |"
+            f"{_x(at['max_concurrency'])} |"
         )
     measured = sheet.get("measured")
     if measured:

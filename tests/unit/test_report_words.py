@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import re
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from servescope.cli import build_parser
+from servescope.cli import build_parser, main
 from servescope.loadgen.workload import WORKLOADS_DIR
 from servescope.reports import build_diff, build_summary, render
 from servescope.reports.diagnosis import RULES_FILE
@@ -205,3 +206,29 @@ def test_diagnosis_rules_name_the_practice() -> None:
             text = str(rule.get(key) or "")
             assert not COURSE_WORDS.findall(text), (rule["id"], key, text)
             assert "issue " not in text.lower(), (rule["id"], key, text)
+
+
+# Llama 3 8B's config.json, enough for the capacity worksheet's arithmetic
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+             "intermediate_size": 14336, "max_position_embeddings": 8192,
+             "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+             "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+             "vocab_size": 128256}  # fmt: skip
+
+
+def test_the_capacity_worksheet_of_a_cpu_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a KV space the concurrency is "n/a" (never "n/ax"), and vLLM-CPU's share of the
+    model is a CPU worker's, never a GPU's."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA3_8B))
+    assert main(["capacity", str(config), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "| max concurrency at 8,192 tokens per request | n/a |" in out.splitlines()
+    assert "n/ax" not in out and "GPU" not in out.split("```")[0].replace("--gpu", "")
+    assert "| KV bytes per token (per CPU worker) | 131,072 |" in out.splitlines()
+    assert main(["capacity", str(config), "--gpu-memory-gib", "79.2"]) == 0
+    out = capsys.readouterr().out
+    assert "| KV bytes per token (per GPU) | 131,072 |" in out.splitlines()
+    assert "| max concurrency at 8,192 tokens per request | 53.29x |" in out.splitlines()
