@@ -8,7 +8,7 @@ checkpoints of the last commit, so what was read but not committed is read again
 committed is never read again. Pieces of one request (client file, log lines, trace) merge
 into one row in the store whatever their order, so re-reading is harmless even across sources.
 Transactions stay short (`max_flush_bytes`), so readers in other processes wait at most one
-flush; see docs/architecture.md ("Collector").
+flush; see docs/design.md ("Collector").
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from servescope.store.lake import LakeWriter
 from servescope.store.lakecompact import compact
 
 log = logging.getLogger("servescope.collector")
-MAX_FLUSH_BYTES = 256 * 1024 * 1024  # a backlog in few statements: see docs/architecture.md
+MAX_FLUSH_BYTES = 256 * 1024 * 1024  # a backlog in few statements: see docs/design.md
 COMPACT_INTERVAL_S = 30.0  # how often the lake's small files of this sidecar are merged
 
 Exporter = Callable[[FlushReport], None]

@@ -2,7 +2,7 @@
 
 Everything a batch holds — rows, refused input, samples, server sessions and their lever flips,
 and the checkpoints that cover them — commits together or not at all; that is what makes a
-restart resume exactly where the last commit ended (docs/architecture.md, "Collector").
+restart resume exactly where the last commit ended (docs/design.md, "Collector").
 """
 
 from __future__ import annotations

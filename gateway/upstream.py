@@ -1,10 +1,9 @@
 """A lean HTTP/1.1 client for the proxy path: keep-alive connections per upstream, responses
 parsed by `httptools` (the C parser uvicorn uses), body bytes handed over as they arrive.
 
-Why not aiohttp's client: the same gateway with aiohttp's client on its proxy path, on the same
-load in the same run (`benchmarks/bench_gateway.py --vs-aiohttp-client`, docs/benchmarks.md),
-spent 1.6–1.7× this client's CPU per proxied request (0.25 vs 0.15 ms) and reached 0.63–0.85×
-its closed-loop rate. Everything off the hot path (`/tokenize`, `/version`) still uses aiohttp.
+Why not aiohttp's client: on the proxy path it costs the gateway markedly more CPU per request
+(docs/decisions/0001-own-http-stack.md; `benchmarks/bench_gateway.py --vs-aiohttp-client`
+measures it). Everything off the hot path (`/tokenize`, `/version`) still uses aiohttp.
 
 Closing a response before its end drops the connection, which is how vLLM learns that the
 client went away: it aborts the request and frees its KV cache.

@@ -233,7 +233,7 @@ class BenchRun:
                     for scraper in scrapers:
                         scraper.start()
                     # What start-up made (modules, the warm-up's prompts) is frozen: a full
-                    # collection, which walked it all, held a send back 40-150 ms mid-level.
+                    # collection walks it all and would hold a send back mid-level.
                     gc.collect()
                     gc.freeze()
                     for group in self._level_groups():

@@ -180,7 +180,8 @@ ON CONFLICT (run_id) DO UPDATE SET
     notes = COALESCE(excluded.notes, r.notes)
 """
 
-# Parallel lists, one statement (executemany costs ~2 ms a row, a /metrics page has ~400).
+# Parallel lists, one statement: executemany pays a round trip a row, and a /metrics page has
+# hundreds of rows.
 INSERT_METRIC_SAMPLES = """
 INSERT OR IGNORE INTO metric_samples (ts, target, name, labels, run_id, value)
 SELECT * FROM (SELECT unnest($ts) AS ts, unnest($target) AS target, unnest($name) AS name,

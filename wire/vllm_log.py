@@ -48,7 +48,7 @@ _VERSION = re.compile(
 )
 _LISTENING = re.compile(r"^Starting vLLM (?:API )?server on (?P<url>https?://\S+)")
 _SHUTDOWN = ("[shutdown] API server: shutdown triggered", "Shutting down FastAPI HTTP server")
-# vLLM's start-up phases (0.25 on CUDA, 0.32 on CPU; see docs/architecture.md "Cold start"):
+# vLLM's start-up phases (0.25 on CUDA, 0.32 on CPU; see docs/design.md "Cold start"):
 # message → the numbers it states. Keys ending in `_s` are seconds, `_gib` GiB. A compile range
 # compiled or loaded from the compile cache is one line each: those keys add up (`SUMMED`).
 _NUM = r"(-?\d+(?:\.\d+)?)"
