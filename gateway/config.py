@@ -40,7 +40,7 @@ The file is checked once, at this boundary, by converting it into the typed stru
 (msgspec): types, ranges and unknown keys come from the declarations, and only the rules that
 span several fields (a route's upstreams exist, a key belongs to one team) are written out. Each
 entry of `upstreams`, `models` and `teams` is converted on its own, because msgspec writes a
-mapping's key as `[...]` in its paths, and an error must name the entry:
+mapping's key as `[...]` in its paths, and an error must name the entry (store/typed.py):
 `gateway.yaml: teams.demo.max_queue: expected an integer ≥ 0, got -1`.
 """
 
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -57,6 +56,7 @@ import yaml
 from msgspec import Meta, Struct
 
 from servescope.store import settings
+from servescope.store.typed import shown, typed
 from servescope.wire.routing import ROUTING_POLICIES
 
 DEFAULT_ROUTING = "round-robin"
@@ -67,8 +67,7 @@ Count = Annotated[int, Meta(ge=0)]
 AtLeastOne = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(ge=0.001)]
 Share = Annotated[float, Meta(ge=0.001)]
-HEX_DIGEST = "^[0-9a-fA-F]{64}$"
-Digest = Annotated[str, Meta(pattern=HEX_DIGEST)]
+Digest = Annotated[str, Meta(pattern="^[0-9a-fA-F]{64}$", description="a string of 64 hex digits")]
 Names = Annotated[tuple[str, ...], Meta(min_length=1)]
 
 
@@ -304,61 +303,10 @@ def _named(raw: dict[Any, Any], source: str, where: str) -> list[tuple[str, Any]
 
 def _mapping(raw: Any, source: str, where: str) -> dict[Any, Any]:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: {where}: expected a mapping, got {_shown(raw)}")
+        raise ConfigError(f"{source}: {where}: expected a mapping, got {shown(raw)}")
     return raw
 
 
 def _convert(raw: Any, kind: type[S], source: str, where: str) -> S:
     """`raw` as `kind`, or a `ConfigError` that says where and what, in the file's terms."""
-    try:
-        return msgspec.convert(raw, kind)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(_readable(str(exc), raw, kind, source, where)) from None
-
-
-_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_EXPECTED = re.compile(r"^Expected `(?P<kinds>[^`]+)`(?:, got `[^`]+`)?(?P<rule>.*)$", re.S)
-_FIELD = re.compile(r"^Object (?P<problem>contains unknown|missing required) field `(?P<f>.+)`$")
-_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
-_KINDS = {
-    "int": "an integer",
-    "float": "a number",
-    "str": "a string",
-    "bool": "true or false",
-    "object": "a mapping",
-    "array": "a list",
-}
-
-
-def _readable(message: str, raw: Any, kind: type[Struct], source: str, where: str) -> str:
-    """msgspec's `Expected `int` >= 0 - at `$.max_queue`` as
-    `gateway.yaml: teams.a.max_queue: expected an integer ≥ 0, got -1`."""
-    at = _AT.match(message)
-    what, path = (at["what"], at["path"] or "") if at else (message, "")
-    place = f"{where}{path}".lstrip(".")
-    prefix = f"{source}: {place}: " if place else f"{source}: "
-    if expected := _EXPECTED.match(what):
-        kinds = [_KINDS.get(k, k) for k in expected["kinds"].split(" | ") if k != "null"]
-        rule = expected["rule"].replace(">=", "≥").replace("<=", "≤")
-        rule = rule.replace(f" matching regex '{HEX_DIGEST}'", " of 64 hex digits")
-        return f"{prefix}expected {' or '.join(kinds)}{rule}, got {_shown(_value_at(raw, path))}"
-    if field := _FIELD.match(what):
-        if field["problem"] == "missing required":
-            return f"{prefix}missing `{field['f']}`"
-        known = "" if path else f"; known: {sorted(kind.__struct_fields__)}"
-        return f"{prefix}unknown key {field['f']!r}{known}"
-    return prefix + what
-
-
-def _value_at(raw: Any, path: str) -> Any:
-    for name, index in _STEP.findall(path):
-        try:
-            raw = raw[name] if name else raw[int(index)]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return raw
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return typed(raw, kind, source, error=ConfigError, at=where.split(".", 1) if where else ())

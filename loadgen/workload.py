@@ -27,17 +27,16 @@ requests and the same schedule every time, whatever order the requests complete 
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
-import msgspec.inspect as mi
 import yaml
+
+from servescope.store.typed import typed
 
 DEFAULT_REQUESTS_PER_LEVEL = 32
 WORKLOADS_DIR = Path(__file__).with_name("workloads")
@@ -51,7 +50,7 @@ ARRIVALS, ENDPOINTS, TEXTS = get_args(Arrival), get_args(Endpoint), get_args(Tex
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveNumber = Annotated[float, msgspec.Meta(gt=0)]
-T = TypeVar("T")
+WORKLOAD_NAMES = {"workloads": "workload"}  # a workload is named by its `name` in errors
 
 
 class WorkloadError(ValueError):
@@ -240,134 +239,18 @@ class BenchConfig:
 
 def parse_config(data: Any, *, source: str = "workload file") -> BenchConfig:
     """A workload file's content as a `BenchConfig`; WorkloadError names the file, the
-    workload and the key: `ralph.yaml: workload 'ralph-loop': turns: expected int, got "3"`."""
-    top = typed(data, WorkloadFile, source)
+    workload and the key: `ralph.yaml: workload 'ralph-loop': turns: expected an integer,
+    got "3"`."""
+    top = typed(data, WorkloadFile, source, error=WorkloadError)
     defaults = {k: v for k in TOP_LEVEL_DEFAULTS if (v := getattr(top, k)) is not None}
     raw = [{**defaults, **w} for w in top.workloads]
-    workloads = typed({"workloads": raw}, _Workloads, source).workloads
+    workloads = typed(
+        {"workloads": raw}, _Workloads, source, error=WorkloadError, names=WORKLOAD_NAMES
+    ).workloads
     names = [w.name for w in workloads]
     if len(set(names)) != len(names):
         raise WorkloadError(f"{source}: workload names must be unique, got {names}")
     return BenchConfig(workloads=workloads, metrics=top.metrics, together=top.together)
-
-
-# -- typed reading of an operator's YAML, with errors a person reads ------------------------------
-
-
-def typed(data: Any, kind: type[T], source: str, error: type[Exception] = WorkloadError) -> T:
-    """`data` (a YAML file's content) as `kind`, a msgspec Struct; `error` says what is wrong as
-    a person reads it: the file, where in it (a workload by its name) and what the key needs."""
-    try:
-        return msgspec.convert(data, kind)
-    except msgspec.ValidationError as exc:
-        raise error(readable(exc, data, kind, source)) from None
-
-
-_MESSAGE = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
-_WORDS = {"object": "a mapping", "array": "a list", "float": "a number", "str": "a string",
-          "bool": "true or false", "null": "nothing"}  # fmt: skip
-
-
-def readable(exc: msgspec.ValidationError, data: Any, kind: type, source: str) -> str:
-    """msgspec's error in the file's words: `FILE: WHERE: expected int, got "three"`."""
-    found = _MESSAGE.match(str(exc))
-    assert found is not None  # the pattern matches any text
-    what, path = found["what"], found["path"] or ""
-    steps: list[str | int] = [name if name else int(index) for name, index in _STEP.findall(path)]
-    value, declared = _walk(data, steps), _declared(kind, steps)
-    where = _where(data, steps)
-    return (
-        f"{source}: {where}: {_explain(what, value, declared)}"
-        if where
-        else (f"{source}: {_explain(what, value, declared)}")
-    )
-
-
-def _walk(data: Any, steps: list[str | int]) -> Any:
-    """The value at a path of the data (None where there is none)."""
-    for step in steps:
-        if isinstance(step, int):
-            data = data[step] if isinstance(data, list) and step < len(data) else None
-        else:
-            data = data.get(step) if isinstance(data, dict) else None
-    return data
-
-
-def _declared(kind: type, steps: list[str | int]) -> mi.Type | None:
-    """The msgspec type declared at a path of `kind` (None where the path leaves the types)."""
-    at: mi.Type | None = mi.type_info(kind)
-    for step in steps:
-        at = _inner(at)
-        if isinstance(at, mi.ListType) and isinstance(step, int):
-            at = at.item_type
-        elif isinstance(at, mi.StructType) and isinstance(step, str):
-            at = next((f.type for f in at.fields if f.name == step), None)
-        else:
-            return None
-    return _inner(at)
-
-
-def _inner(at: mi.Type | None) -> mi.Type | None:
-    """A nullable type as its value's, a token count's union as its mapping's."""
-    if isinstance(at, mi.UnionType):
-        kinds = [k for k in at.types if not isinstance(k, mi.NoneType)]
-        structs = [k for k in kinds if isinstance(k, mi.StructType)]
-        return structs[0] if structs else kinds[0] if len(kinds) == 1 else at
-    return at
-
-
-def _where(data: Any, steps: list[str | int]) -> str:
-    """`workload 'chat': classes[1].weight` for the path workloads.0.classes.1.weight."""
-    parts, rest = [], list(steps)
-    if rest[:1] == ["workloads"] and len(rest) > 1 and isinstance(rest[1], int):
-        name = _walk(data, rest[:2] + ["name"])
-        parts.append(f"workload {name!r}" if isinstance(name, str) else f"workloads[{rest[1]}]")
-        rest = rest[2:]
-    key = ""
-    for step in rest:
-        key += f"[{step}]" if isinstance(step, int) else (f".{step}" if key else step)
-    return ": ".join([*parts, key] if key else parts)
-
-
-def _shown(value: Any) -> str:
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _explain(what: str, value: Any, declared: mi.Type | None) -> str:
-    """One msgspec complaint as a person reads it."""
-    if found := re.fullmatch(r"Expected `(.+?)`, got `\w+`", what):
-        return f"expected {_type_words(found[1])}, got {_shown(value)}"
-    if found := re.fullmatch(r"Expected `(\w+)` (>=|>|<=|<) (\S+)", what):
-        kind, op, bound = found.groups()
-        noun = "integer" if kind == "int" else "number"
-        if (op, bound) in ((">=", "1"), (">", "0"), (">", "0.0")):
-            return f"expected a positive {noun}, got {_shown(value)}"
-        if (op, bound) in ((">=", "0"), (">=", "0.0")):
-            return f"expected a non-negative {noun}, got {_shown(value)}"
-        return f"expected {_type_words(kind)} {op} {bound}, got {_shown(value)}"
-    if what.startswith("Invalid enum value"):
-        choices = (
-            ", ".join(map(str, declared.values))
-            if isinstance(declared, mi.LiteralType)
-            else "the known values"
-        )
-        return f"expected one of {choices}, got {_shown(value)}"
-    if found := re.fullmatch(r"Object contains unknown field `(.+)`", what):
-        known = (
-            sorted(f.name for f in declared.fields) if isinstance(declared, mi.StructType) else []
-        )
-        return f"unknown key {found[1]!r}" + (f" (known: {', '.join(known)})" if known else "")
-    if found := re.fullmatch(r"Object missing required field `(.+)`", what):
-        return f"missing `{found[1]}`"
-    return what
-
-
-def _type_words(text: str) -> str:
-    return " or ".join(_WORDS.get(part, part) for part in text.split(" | "))
 
 
 def resolve(name_or_path: str | Path) -> Path:

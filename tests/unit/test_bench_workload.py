@@ -151,7 +151,7 @@ def test_classes_and_agent_sessions() -> None:
             {"name": "w", "input_tokens": 8, "output_tokens": 8, "concurrency": [1], "rate": [1]},
             "not both",
         ),
-        ({"name": "w", "input_tokens": 0, "output_tokens": 8, "concurrency": [1]}, "positive"),
+        ({"name": "w", "input_tokens": 0, "output_tokens": 8, "concurrency": [1]}, "≥ 1, got 0"),
         (
             {"name": "w", "input_tokens": {"dist": "zipf"}, "output_tokens": 8, "rate": [1]},
             "dist",

@@ -73,11 +73,11 @@ CHAT = {"name": "chat", "input_tokens": 8, "output_tokens": 8, "concurrency": [1
     ("data", "message"),
     [
         ({"workloads": [{**CHAT, "turns": "three"}]},
-         'workloads/chat.yaml: workload \'chat\': turns: expected int, got "three"'),
+         'workloads/chat.yaml: workload \'chat\': turns: expected an integer, got "three"'),
         ({"workloads": [{**CHAT, "classes": [{"name": "a", "input_tokens": 1,
                                               "output_tokens": 1, "weight": 0}]}]},
-         "workloads/chat.yaml: workload 'chat': classes[0].weight: expected a positive number, "
-         "got 0"),
+         "workloads/chat.yaml: workload 'chat': classes[0].weight: expected a number > 0, got "
+         "0"),
         ({"workloads": [{**CHAT, "input_tokens": {"dist": "zipf"}}]},
          "workloads/chat.yaml: workload 'chat': input_tokens.dist: expected one of lognormal, "
          'normal, uniform, got "zipf"'),
@@ -85,7 +85,7 @@ CHAT = {"name": "chat", "input_tokens": 8, "output_tokens": 8, "concurrency": [1
          "workloads/chat.yaml: workload 'chat': input_tokens: a uniform distribution needs "
          "`min` and `max`"),
         ({"workloads": [CHAT], "warmup": -1},
-         "workloads/chat.yaml: warmup: expected a non-negative integer, got -1"),
+         "workloads/chat.yaml: warmup: expected an integer ≥ 0, got -1"),
         ({"workloads": [CHAT], "model": "m"},
          "workloads/chat.yaml: unknown key 'model' (known: duration_s, endpoint, metrics, "
          "requests_per_level, seed, team, together, warmup, workloads)"),
