@@ -36,7 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
+
+import msgspec
 
 from servescope.loadgen.launcher import (
     ALWAYS_FLAGS,
@@ -50,6 +52,7 @@ from servescope.loadgen.launcher import (
 from servescope.loadgen.runner import RunResult
 from servescope.loadgen.workload import BenchConfig, WorkloadError, load_config
 from servescope.store import Store, settings
+from servescope.store.typed import Named, typed
 
 EXPERIMENTS_FILE = Path(__file__).with_name("experiments.yaml")
 DEFAULT_LEVER = "default"  # a lever a profile leaves to vLLM's own default
@@ -145,71 +148,67 @@ def order_letters(arms: list[str], repeats: int) -> str:
 
 # -- experiments files ---------------------------------------------------------------------
 
-SPEC_KEYS = {
-    "description", "workload", "profiles", "workloads", "scale", "requests", "model", "fleet",
-    "repeats",
-}  # fmt: skip
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Name = Annotated[str, msgspec.Meta(min_length=1)]
 
 
-def _positive_int(where: str, key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ExperimentError(f"{where}: `{key}` must be a positive whole number, got {value!r}")
-    return value
+class FleetEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An experiment's `fleet` as the file writes it."""
+
+    replicas: PositiveInt
+    profile: str
+    gpus: list[str] = []
+
+
+class ExperimentEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An experiment as an experiments file writes it (a key null is a key left out where
+    that has a meaning: no `requests`, no `workloads`, no `fleet`)."""
+
+    workload: Name
+    profiles: list[Name]
+    description: str = ""
+    workloads: list[str] | None = None
+    scale: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    requests: PositiveInt | None = None
+    model: str = "random"
+    fleet: FleetEntry | None = None
+    repeats: PositiveInt = DEFAULT_REPEATS
 
 
 def _spec(name: str, raw: Any, source: Path) -> ExperimentSpec:
+    entry = typed(
+        raw, ExperimentEntry, str(source), error=ExperimentError, at=[Named("experiment", name)]
+    )
     where = f"{source}: experiment {name!r}"
-    if not isinstance(raw, dict):
-        raise ExperimentError(f"{where}: expected a mapping with `workload` and `profiles`")
-    if unknown := sorted(set(map(str, raw)) - SPEC_KEYS):
-        raise ExperimentError(f"{where}: unknown keys {unknown} (known: {sorted(SPEC_KEYS)})")
-    if missing := [k for k in ("workload", "profiles") if raw.get(k) in (None, "", [])]:
-        raise ExperimentError(f"{where}: missing {', '.join(f'`{k}`' for k in missing)}")
-    profiles = raw["profiles"]
-    if not isinstance(profiles, list) or len(profiles) < 2:
+    if len(entry.profiles) < 2:
         raise ExperimentError(
             f"{where}: `profiles` must list at least two profiles (the first is the before; "
             "name one twice for an A/A run)"
         )
-    if not all(isinstance(p, str) and p for p in profiles):
-        raise ExperimentError(f"{where}: `profiles` must be profile names, got {profiles!r}")
-    workloads = raw.get("workloads") or []
-    if not isinstance(workloads, list):
-        raise ExperimentError(f"{where}: `workloads` must be a list of workload names")
-    scale = raw.get("scale", 1.0)
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0:
-        raise ExperimentError(f"{where}: `scale` must be a positive number, got {scale!r}")
-    requests = raw.get("requests")
-    if requests is not None:
-        requests = _positive_int(where, "requests", requests)
-    repeats = _positive_int(where, "repeats", raw.get("repeats", DEFAULT_REPEATS))
-    fleet = raw.get("fleet")
-    if fleet is not None:
-        if not isinstance(fleet, dict) or not {"replicas", "profile"} <= set(fleet):
-            raise ExperimentError(f"{where}: `fleet` is {{replicas: N, profile: PROFILE}}")
-        replicas = _positive_int(where, "fleet.replicas", fleet["replicas"])
-        gpus = fleet.get("gpus", [])
-        if not isinstance(gpus, list) or (gpus and len(gpus) != replicas):
+    fleet = None
+    if entry.fleet is not None:
+        replicas, gpus = entry.fleet.replicas, entry.fleet.gpus
+        if gpus and len(gpus) != replicas:
             raise ExperimentError(
                 f"{where}: `fleet.gpus` is one CUDA_VISIBLE_DEVICES value a replica "
                 f'({replicas}), e.g. ["0", "1"]'
             )
-        fleet = FleetSpec(replicas, str(fleet["profile"]), tuple(str(g) for g in gpus))
-    workload, model = str(raw["workload"]), str(raw.get("model", "random"))
+        fleet = FleetSpec(replicas, entry.fleet.profile, tuple(gpus))
+    workload, model = entry.workload, entry.model
     if source != EXPERIMENTS_FILE:  # an operator's paths are relative to their file
         workload = _beside(source, workload)
         model = _beside(source, model)
     return ExperimentSpec(
-        name=str(name),
-        description=" ".join(str(raw.get("description", "")).split()),
+        name=name,
+        description=" ".join(entry.description.split()),
         workload=workload,
-        profiles=[str(p) for p in profiles],
-        workloads=[str(w) for w in workloads],
-        scale=float(scale),
-        requests=requests,
+        profiles=list(entry.profiles),
+        workloads=list(entry.workloads or []),
+        scale=entry.scale,
+        requests=entry.requests,
         model=model,
         fleet=fleet,
-        repeats=repeats,
+        repeats=entry.repeats,
         source="built-in" if source == EXPERIMENTS_FILE else str(source),
     )
 

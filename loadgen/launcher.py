@@ -24,13 +24,15 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 import psutil
 import yaml
 
 from servescope.loadgen.capacity import from_levers
 from servescope.store import settings
+from servescope.store.typed import Named, typed
 from servescope.wire.kv_statement import kv_cache_from_log
 
 PROFILES_FILE = Path(__file__).with_name("profiles.yaml")
@@ -96,7 +98,29 @@ class ProfileError(ValueError):
     """A profiles file that cannot be used; the message names the file, the profile and why."""
 
 
-PROFILE_KEYS = {"description", "extends", "flags", "env", "device", "servers"}
+# A flag or an environment value as YAML may give it (`--max-num-seqs, 8`): kept as its text.
+Scalar = str | int | float | bool
+
+
+class ServerEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One server of a profile's `servers`, as the file writes it."""
+
+    mig_uuid: str
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    served_model_name: str
+    flags: list[Scalar] = []
+
+
+class ProfileEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A profile as a profiles file writes it, before `extends` is resolved (a key left out
+    or null is the parent's)."""
+
+    description: str = ""
+    extends: str | None = None
+    flags: list[Scalar] = []
+    env: dict[str, Scalar] | None = None
+    device: Literal["cpu", "gpu"] | None = None
+    servers: list[ServerEntry] | None = None
 
 
 def read_section(path: Path, key: str, error: type[Exception]) -> dict[Any, Any]:
@@ -116,32 +140,15 @@ def read_section(path: Path, key: str, error: type[Exception]) -> dict[Any, Any]
     return data[key]
 
 
-def read_profiles_file(path: Path) -> dict[str, dict[str, Any]]:
-    """The `profiles:` mapping of a profiles file, checked for shape (ProfileError says what is
-    wrong: a missing file, bad YAML, a profile that is not a mapping, a key it cannot have)."""
-    raw: dict[str, dict[str, Any]] = {}
-    for name, spec in read_section(path, "profiles", ProfileError).items():
-        where = f"{path}: profile {name!r}"
-        if not isinstance(spec, dict):
-            raise ProfileError(f"{where}: expected a mapping with `flags`")
-        if unknown := sorted(set(map(str, spec)) - PROFILE_KEYS):
-            raise ProfileError(f"{where}: unknown keys {unknown} (known: {sorted(PROFILE_KEYS)})")
-        if not isinstance(spec.get("flags", []), list):
-            raise ProfileError(f"{where}: `flags` must be a list of vLLM flags")
-        if not isinstance(spec.get("env") or {}, dict):
-            raise ProfileError(f"{where}: `env` must be a mapping of variables")
-        if spec.get("device", "cpu") not in ("cpu", "gpu"):
-            raise ProfileError(f"{where}: `device` is cpu or gpu, not {spec['device']!r}")
-        servers = spec.get("servers") or []
-        if not isinstance(servers, list) or not all(
-            isinstance(s, dict) and {"mig_uuid", "port", "served_model_name"} <= set(s)
-            for s in servers
-        ):
-            raise ProfileError(
-                f"{where}: `servers` is a list of {{mig_uuid, port, served_model_name, flags}}"
-            )
-        raw[str(name)] = spec
-    return raw
+def read_profiles_file(path: Path) -> dict[str, ProfileEntry]:
+    """The profiles of a profiles file, typed (ProfileError says what is wrong: a missing
+    file, bad YAML, a key a profile cannot have or a value it cannot take)."""
+    return {
+        str(name): typed(
+            spec, ProfileEntry, str(path), error=ProfileError, at=[Named("profile", str(name))]
+        )
+        for name, spec in read_section(path, "profiles", ProfileError).items()
+    }
 
 
 def load_profiles(path: Path | None = None) -> dict[str, Profile]:
@@ -158,33 +165,24 @@ def load_profiles(path: Path | None = None) -> dict[str, Profile]:
         if name not in raw:
             raise ProfileError(f"profile {seen[-1]!r} extends unknown profile {name!r}")
         spec = raw[name]
-        flags = [str(f) for f in spec.get("flags") or []]
-        env = {str(k): str(v) for k, v in (spec.get("env") or {}).items()}
-        device = spec.get("device")
+        flags = [str(f) for f in spec.flags]
+        env = {k: str(v) for k, v in (spec.env or {}).items()}
+        device: str | None = spec.device
         servers = [
-            ServerSpec(
-                mig_uuid=str(s["mig_uuid"]),
-                port=int(s["port"]),
-                served_model_name=str(s["served_model_name"]),
-                flags=[str(f) for f in s.get("flags", [])],
-            )
-            for s in spec.get("servers") or []
+            ServerSpec(s.mig_uuid, s.port, s.served_model_name, [str(f) for f in s.flags])
+            for s in spec.servers or []
         ]
-        if parent := spec.get("extends"):
-            base = resolve(str(parent), (*seen, name))
+        if spec.extends:
+            base = resolve(spec.extends, (*seen, name))
             flags = extend_flags(base.flags, flags)
             env = {**base.env, **env}
             device = device or base.device
             servers = servers or base.servers
-        description = " ".join(str(spec.get("description", "")).split())
-        return Profile(name, flags, env, description, device or "cpu", servers)
+        return Profile(
+            name, flags, env, " ".join(spec.description.split()), device or "cpu", servers
+        )
 
-    try:
-        return {name: resolve(name) for name in raw}
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ProfileError):
-            raise
-        raise ProfileError(f"{path or PROFILES_FILE}: {exc}") from exc
+    return {name: resolve(name) for name in raw}
 
 
 def with_mig_uuids(profile: Profile, uuids: list[str]) -> Profile:

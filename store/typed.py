@@ -74,16 +74,15 @@ def typed(
 
 def where(steps: Sequence[Step]) -> str:
     """A place as the file's words: keys dotted, list items `[i]`, a named item then `: `."""
-    out = ""
+    out, after_name = "", False
     for step in steps:
         if isinstance(step, Named):
             out += f"{': ' if out else ''}{step.label} {step.name!r}"
         elif isinstance(step, int):
             out += f"[{step}]"
-        elif not out:
-            out = step
         else:
-            out += f": {step}" if out.endswith("'") else f".{step}"
+            out += (": " if after_name else ".") + step if out else step
+        after_name = isinstance(step, Named)
     return out
 
 

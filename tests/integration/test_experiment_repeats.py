@@ -517,17 +517,17 @@ def test_list_shows_an_operators_experiments(
         (
             "experiments:\n  e: {workload: rag, profiles: [a, b], repets: 3}",
             None,
-            "unknown keys ['repets']",
+            "experiment 'e': unknown key 'repets' (known: description",
         ),
         (
             "experiments:\n  e: {workload: rag, profiles: [default, default], repeats: 0}",
             None,
-            "`repeats` must be a positive whole number",
+            "experiment 'e': repeats: expected an integer ≥ 1, got 0",
         ),
         (
             "experiments:\n  e: {workload: rag, profiles: [default, default], scale: big}",
             None,
-            "`scale` must be a positive number",
+            "experiment 'e': scale: expected a number, got \"big\"",
         ),
         (
             "experiments:\n  e: {workload: rag, profiles: [default, nope]}",
@@ -539,7 +539,7 @@ def test_list_shows_an_operators_experiments(
             None,
             "no such workload file",
         ),
-        ("experiments:\n  e: 3", None, "expected a mapping with `workload`"),
+        ("experiments:\n  e: 3", None, "experiment 'e': expected a mapping, got 3"),
         ("experiments:\n  e: {workload: rag, profiles: [default, mine]}", None, "unknown exp"),
         (
             "experiments:\n  e: {workload: rag, profiles: [default, mine]}",
@@ -559,7 +559,7 @@ def test_list_shows_an_operators_experiments(
         (
             "experiments:\n  e: {workload: rag, profiles: [default, mine]}",
             "profiles:\n  mine: {flags: --max-num-seqs}",
-            "`flags` must be a list",
+            "profile 'mine': flags: expected a list, got \"--max-num-seqs\"",
         ),
         (
             "experiments:\n  e: {workload: rag, profiles: [default, mine]}",
@@ -569,7 +569,7 @@ def test_list_shows_an_operators_experiments(
         (
             "experiments:\n  e: {workload: rag, profiles: [default, mine]}",
             "profiles:\n  mine: {flag: [--x]}",
-            "unknown keys ['flag']",
+            "profile 'mine': unknown key 'flag' (known: description",
         ),
         (
             "experiments:\n  e: {workload: rag, profiles: [default, mine]}",
@@ -638,7 +638,7 @@ def test_read_experiments_file_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ExperimentError, match=str(path)):
         read_experiments_file(path)
     path.write_text("profiles:\n  p: {servers: [{port: 1}]}")
-    with pytest.raises(ProfileError, match="servers"):
+    with pytest.raises(ProfileError, match=r"servers\[0\]: missing `mig_uuid`"):
         load_profiles(path)
 
 
