@@ -125,7 +125,7 @@ def unmeasured(report: Report) -> list[tuple[str, list[str]]]:
     it does not apply instead."""
     rows = [d["metric"] for d in report.get("diff", []) if d["verdict"] == "not measured"]
     names = list(dict.fromkeys(rows))
-    sides = [report.get("before") or {}, report.get("after") or {}]
+    sides: list[Any] = [report.get("before") or {}, report.get("after") or {}]
     speculating = any("speculative_config" in (side.get("levers") or {}) for side in sides)
     reasons = {
         "no SLO given (--slo)": [n for n in names if n.startswith("goodput.")]
