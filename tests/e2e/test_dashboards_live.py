@@ -195,11 +195,34 @@ def collector(
 
 
 @pytest.fixture(scope="module")
+def gpu_collector(
+    vllm_server: RunningServer, dcgm_exporter: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A collector next to the session's vLLM alone with the recorded dcgm-exporter page: the
+    one server running gets GPU 0 (`servescope_gpu_server_info`), which the per-server joules
+    per token panel joins on."""
+    folder = tmp_path_factory.mktemp("gpu-collector")
+    port = free_port()
+    log = folder / "collector.log"
+    process = _start(
+        [*SERVESCOPE, "collect", "--metrics-port", str(port), "--metrics-url",
+         f"{vllm_server.url}/metrics", "--dcgm-url", f"{dcgm_exporter}/metrics",
+         "--scrape-interval", "1", "--store", str(folder / "collector.duckdb")],
+        log,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(f"{url}/metrics", process, log, "servescope collect (GPU)")
+    yield url
+    _stop(process)
+
+
+@pytest.fixture(scope="module")
 def prometheus(
     vllm_server: RunningServer,
     spec_vllm_server: RunningServer,
     gateway: str,
     collector: Collector,
+    gpu_collector: str,
     dcgm_exporter: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Prometheus]:
@@ -211,6 +234,7 @@ def prometheus(
         "vllm-speculative": spec_vllm_server.url,
         "servescope-gateway": gateway,
         "servescope-collector": collector.url,
+        "servescope-collector-gpu": gpu_collector,
         "dcgm-exporter": dcgm_exporter,  # a page recorded on a GPU server (tests/fixtures/gpu/)
     }
     config = {
