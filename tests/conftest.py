@@ -57,7 +57,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 # are one unit, so that each server starts once; units that start a vLLM go first, and the quick
 # modules fill in around them.
 SESSION_SERVERS = {"vllm_server", "predictable_vllm_server", "spec_vllm_server"}
-STARTS_VLLM = {"tiny_model", "predictable_model"}
+STARTS_VLLM = {"tiny_model", "predictable_model", "smollm2"}
 
 
 @pytest.hookimpl(wrapper=True)  # before xdist's own hook reads the groups
