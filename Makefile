@@ -23,7 +23,6 @@ demo: install model
 
 test: install system-deps model
 	$(BIN)/ruff check .
-	$(MAKE) --no-print-directory typecheck
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 lint: install
