@@ -21,7 +21,7 @@ import duckdb
 
 from tests.conftest import ROOT, SERVESCOPE, free_port
 
-TOTAL = 100_000
+TOTAL = 50_000  # 250 lines a step: the kills and rotations fall among steps, not lines
 STEPS = 200  # the writer's steps: TOTAL / STEPS lines each
 ROTATIONS = {50: "rename", 100: "copytruncate", 150: "rename"}  # at these steps
 

@@ -132,7 +132,7 @@ def test_every_received_line_gives_its_client_id(form: str, rid: str, as_json: b
 
 
 @settings(
-    max_examples=40,
+    max_examples=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
