@@ -1,4 +1,4 @@
-"""Exactly once under faults: 100,000 events written across three rotations (rename, copytruncate,
+"""Exactly once under faults: 50,000 events written across three rotations (rename, copytruncate,
 rename) and partial lines, while `servescope collect` is killed with SIGKILL at random moments
 and restarted (each time once it is up again: a file created and rotated away while no collector
 ever ran is outside what any tailer can follow). Afterwards the store holds every event once:
