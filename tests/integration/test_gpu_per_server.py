@@ -229,7 +229,6 @@ def _get(url: str) -> Any:
         return json.loads(resp.read())
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus package")
 def test_the_dashboard_gives_each_server_its_own_joules_per_token(tmp_path: Path) -> None:
     expr = next(
         q.expr
