@@ -20,7 +20,7 @@ from servescope.collector.batch import Batch
 from servescope.collector.sessions import Attribution, Session
 from servescope.collector.tail import Chunk
 from servescope.store import Store, bulk, checkpoints, run_id_of
-from servescope.store.lake import LakeWriter, Written
+from servescope.store.lake import LakeWriter, Owed
 
 
 @dataclass
@@ -81,28 +81,19 @@ class StoreWriter:
         self.want_keys = want_keys
 
     def commit(self, batch: Batch) -> FlushReport:
-        """The batch in one store transaction; raises (and the lake drops its part) on failure."""
-        written: Written | None = None
+        """The batch in one store transaction, then (after the commit) into the lake."""
+        owed: Owed | None = None
         lake = self.lake
-        try:
-            with self.store.write() as con:
-                mark = lake.mark(con) if lake is not None else None
-                report = self._write(batch, con)
-                if lake is not None and mark is not None:
-                    # the flush's rows into the lake before the store commits them, with the
-                    # lake's flush number in the same transaction (store/lake.py)
-                    groups = [
-                        (s.run_id, s.previous)
-                        for s in batch.sessions.values()
-                        if s.run_id and s.previous
-                    ]
-                    written = lake.write(con, mark, runs=list(batch.sessions), flip_groups=groups)
-        except BaseException:
-            if lake is not None:
-                lake.failed(written)
-            raise
+        with self.store.write() as con:
+            mark = lake.mark(con) if lake is not None else None
+            report = self._write(batch, con)
+            if lake is not None and mark is not None:
+                # what the lake gets from this flush, saved with it (store/lake.py)
+                sessions = batch.sessions.values()
+                groups = [(s.run_id, s.previous) for s in sessions if s.run_id and s.previous]
+                owed = lake.owe(con, mark, runs=list(batch.sessions), flip_groups=groups)
         if lake is not None:
-            lake.committed(written)
+            lake.committed(owed)
         report.committed_at = time.time()
         report.lag_s = report.committed_at - (batch.oldest or report.committed_at)
         return report

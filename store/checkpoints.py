@@ -21,7 +21,12 @@ STATE_KEY = ""  # file_key of a source's own state row
 def load(store: Store, source: str) -> list[dict[str, Any]]:
     """Every checkpoint row of `source` (file rows and its state row)."""
     with store.read() as con:
-        rows = con.execute(queries.LIST_CHECKPOINTS, {"source": source}).fetchall()
+        return rows_in(con, source)
+
+
+def rows_in(con: duckdb.DuckDBPyConnection, source: str) -> list[dict[str, Any]]:
+    """Every checkpoint row of `source` as `con`'s transaction sees them."""
+    rows = con.execute(queries.LIST_CHECKPOINTS, {"source": source}).fetchall()
     out = []
     for src, file_key, path, offset, fp_len, fp, state, updated_at in rows:
         out.append(

@@ -1,267 +1,180 @@
-"""The shared Parquet lake: what many sidecars on many hosts write into one folder, and what
-`report build --lake`, DuckDB, ClickHouse, Spark or Trino read in place.
+"""The shared lake: one Delta Lake table per store table, which many sidecars on many hosts
+append to and every engine reads with its own Delta reader (docs/lake.md).
 
-Layout (the hive layout of `store export --format parquet`, one folder per table):
+    LAKE/events/           requests, partitioned by `run_key`
+    LAKE/runtime_events/   agent-runtime events, partitioned by `run_key`
+    LAKE/metric_samples/   scraped samples, partitioned by `run_key`
+    LAKE/runs/             one row per run
+    LAKE/lever_flips/      a restart's flips
 
-    LAKE/<table>/run_id=<run>/date=<YYYY-MM-DD>/part-<sidecar>-<seq>.parquet
-    LAKE/<table>/run_id=<run>/date=<YYYY-MM-DD>/merged-<sidecar>-<lo>-<hi>.parquet
-    LAKE/_schema/<table>/<sidecar>.<digest>.parquet   (no rows: the columns this version writes)
+Each is a Delta table (`_delta_log/` and Parquet files), written through delta-rs, so the format
+does what a shared folder needs: commits are atomic and ordered among any number of writers,
+a request completed by a later flush (its log line, then its trace) is updated in place by a
+MERGE, a request that moved to another run is deleted from the old one, and readers see each
+committed version of each request once, with no rule of ours. `LAKE` is a folder or an object
+store URI (`s3://bucket/prefix`): delta-rs writes both.
 
-`<table>` is `events`, `metric_samples`, `runs`, `lever_flips` or `runtime_events`. `<sidecar>`
-is made once per store (host name and a random 48-bit id, kept in the store's checkpoints), so
-sidecars never need to agree on anything and never write the same name; `<seq>` is the flush's
-sequence number, 12 digits. A file is written under `LAKE/.staging/` and renamed into place, so
-it is there whole or not at all. Every file also holds `run_id` and `date` as columns, so an
-engine that reads no hive partitions still has them. `<run>` is the run id percent-encoded
-(`store.paths.safe_name`); an id that encoding cannot carry (too long for a folder, empty,
-Hive's null marker) lives under a folder whose name has a `~` (`store.paths.partition_value`),
-and is read from the file's own `run_id` column. `date` is the UTC day of the row's `ts`
-(`__HIVE_DEFAULT_PARTITION__` without one); a NULL run id is `__HIVE_DEFAULT_PARTITION__` too.
+`run_key` is the run id when it is a plain name (letters, digits, `.`, `_`, `-`; 1–120 bytes),
+else `~<its head, sanitised>~<digest>`: a partition folder every file system and bucket takes.
+Readers filter on `run_id` as they would anyway; `run_key` only prunes.
 
-Exactly once with the store (`LakeWriter`): flush k writes its files *inside* the store
-transaction that commits flush k, just before the commit, and the transaction also saves
-"flush k written" in the store's checkpoints. A crash before the files are renamed leaves only
-staging files (removed at the next start); a crash between the rename and the commit leaves
-files of flush k that the store never committed: the next start removes this sidecar's files
-with a sequence above the last committed one before anything else, and flush k is written
-again from what the collector reads again. A failed flush (a full disk) removes what it wrote.
-
-Except a flush's new requests (every request it touched is new: a backlog, a bench's records),
-whose events file is the bulk of a flush's Parquet: their transaction saves "flush k's events
-pending" (which rows: the `events` rowids past the flush's start, their count and their runs,
-and their version) and commits without them; a thread writes them from the committed
-store right after, while the collector reads on, and flush k + 1's transaction waits for it
-before it commits, saying "flush k's events written" (and writes them itself when the thread
-could not, a full disk). So the store holds at most one flush the lake lacks, and only ever
-its last one: a start that finds "pending" removes that flush's events files (a crash may have
-cut them short) and writes them again from the store, which is still as flush k left it.
-(DuckDB keeps rowids and gives a commit's rows the rowids after every committed one; should the
-rows past the start not be the count saved, the pending events are written as every row of
-their runs, each marked as an update: the lake's one rule still picks one row per request.)
-
-Versions: a request's pieces can reach the store in several flushes (a log line, then its
-trace), and the store merges them into one row; the lake gets the merged row of every flush
-that touched it. Each row carries `lake_version` (`<commit µs>.<sidecar>.<seq>`: the flush
-that wrote it, ordered by time), `lake_update` (true when the request was already stored
-before that flush: an older version of it may be in the lake) and `lake_deleted` (a tombstone:
-the request left this run, as a trace's request kept under `vllm-unattributed` does when its
-session is known). **The one rule for every reader: per (run_id, request_id) the row with the
-greatest `lake_version` is the request, unless it is a tombstone.** servescope's reader applies
-it only to requests with an update (few: a bench run's client records have none), which costs
-nothing when there are none. `runs` rows are written whole (the latest version per run_id
-wins); `lever_flips` as the whole set of a restart's flips (per (run_id, before_run_id) the
-latest version's rows, a row with a NULL lever saying "none"); `metric_samples` and
-`runtime_events` are appended once.
+Exactly once with the store. A flush commits to the store first, and in the same transaction
+saves what it owes the lake (`Owed`: the rowids past which its rows lie, the requests it
+updated or moved, the runs and flips it changed). A thread then writes those rows from the
+committed store, one Delta commit per table, each carrying the Delta transaction identifier
+(`txn`: this sidecar's application id and the flush's number). The next flush waits for that
+thread before it touches the store, and writes the rows itself if the thread failed, so the
+store never runs more than one flush ahead of the lake and always still holds that flush's rows
+as they were. A start after a crash reads, per table, the last flush number the lake committed
+for this sidecar (`DeltaTable.transaction_version`) and writes what is missing: a flush is never
+lost and never written twice, whether the sidecar died before, inside or after a Delta commit.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
+import random
 import re
 import secrets
-import shutil
 import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, unquote
 
 import duckdb
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
-from servescope.store import checkpoints, queries
-from servescope.store.paths import MAX_NAME, name_of, partition_value, safe_name
+from servescope.store import checkpoints
 
 if TYPE_CHECKING:
     from servescope.store.db import Store
 
 log = logging.getLogger("servescope.lake")
 
-NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
-STAGING = ".staging"
-SCHEMA = "_schema"
-SEQ_DIGITS = 12
-# zstd at its fastest level: a flush's copy is on the collector's path (level 3, the default,
-# costs ~25 % more CPU for files 3 % smaller); compaction writes at the default level
-COMPRESSION = "zstd, COMPRESSION_LEVEL 1"
-LAKE_COLUMNS = ("lake_version", "lake_update", "lake_deleted")
+TABLES = ("events", "metric_samples", "runs", "lever_flips", "runtime_events")
+PARTITIONED = ("events", "metric_samples", "runtime_events")
+RUN_KEY = "run_key"
+COMMIT_ATTEMPTS = 12  # a commit that loses a race with another sidecar's is tried again
 
-# Each table's columns, named (as the store's inserts name theirs): a sidecar of this version
-# writes exactly these whatever columns a newer servescope has added to its store, so files of
-# one version share one schema and readers need no schema merging between them.
+# Each table's columns (as the store's inserts name theirs): a sidecar of this version writes
+# exactly these whatever columns a newer servescope has added to its store.
 _COLUMNS: dict[str, str] = {
-    "events": "",  # the schema's (store.schema_sql.event_columns), read by the writer alone
-    "metric_samples": "ts, target, name, labels, run_id, value",
-    "runs": "run_id, started_at, ended_at, label, target, model, vllm_version,"
-    " CAST(levers AS VARCHAR) AS levers, CAST(workload AS VARCHAR) AS workload, status,"
-    " CAST(notes AS VARCHAR) AS notes",
-    "lever_flips": "ts, lever, run_id, before, after, note, before_run_id",
-    "runtime_events": "run_id, event_id, type, ts, request_id, trace_id, after_request_id,"
-    " ingested_at, seq, CAST(doc AS VARCHAR) AS doc",
+    "events": "",  # the schema's (store.schema_sql.event_columns)
+    "metric_samples": "timezone('UTC', ts) AS ts, target, name, labels, run_id, value",
+    "runs": "run_id, timezone('UTC', started_at) AS started_at, timezone('UTC', ended_at) AS"
+    " ended_at, label, target, model, vllm_version, CAST(levers AS VARCHAR) AS levers,"
+    " CAST(workload AS VARCHAR) AS workload, status, CAST(notes AS VARCHAR) AS notes",
+    "lever_flips": "timezone('UTC', ts) AS ts, lever, run_id, before, after, note, before_run_id",
+    "runtime_events": "run_id, event_id, type, timezone('UTC', ts) AS ts, request_id, trace_id,"
+    " after_request_id, timezone('UTC', ingested_at) AS ingested_at, seq,"
+    " CAST(doc AS VARCHAR) AS doc",
 }
+
+# `run_key` in SQL: the id when it is a plain name, else its sanitised head and a digest.
+RUN_KEY_SQL = (
+    "CASE WHEN run_id IS NULL THEN '~' "
+    "WHEN regexp_full_match(run_id, '[A-Za-z0-9._-]{1,120}') THEN run_id "
+    "ELSE '~' || regexp_replace(left(run_id, 40), '[^A-Za-z0-9._-]', '_', 'g') || '~' "
+    "|| left(sha256(run_id), 16) END"
+)
+_PLAIN = re.compile(r"[A-Za-z0-9._-]{1,120}")
+
+
+def run_key(run_id: str | None) -> str:
+    """The `run_key` partition of a run (as RUN_KEY_SQL computes it)."""
+    if run_id is None:
+        return "~"
+    if _PLAIN.fullmatch(run_id):
+        return run_id
+    head = re.sub(r"[^A-Za-z0-9._-]", "_", run_id[:40])
+    return f"~{head}~{hashlib.sha256(run_id.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
 
 
 def table_columns(table: str) -> str:
-    """The columns the lake holds of `table`, as a SELECT list."""
+    """The columns the lake holds of `table`, as a SELECT list over the store's table."""
     if table == "events":
         from servescope.store import schema_sql  # the writer's (a reader never needs it)
 
-        return ", ".join(f'"{name}"' for name, _type in schema_sql.event_columns())
+        return ", ".join(
+            f"timezone('UTC', \"{name}\") AS \"{name}\"" if kind == "TIMESTAMP" else f'"{name}"'
+            for name, kind in schema_sql.event_columns()
+        )
     return _COLUMNS[table]
 
 
-TABLES = tuple(_COLUMNS)
-# The column a row's `date` partition is the UTC day of.
-DATE_COLUMN = {"runs": "started_at"}
-
-# `.<k>` numbers the files of one flush in one partition when DuckDB writes it in several.
-_PART = re.compile(r"^part-(?P<sidecar>.+)-(?P<lo>\d{12})(?:\.\d+)?\.parquet$")
-_MERGED = re.compile(r"^merged-(?P<sidecar>.+)-(?P<lo>\d{12})-(?P<hi>\d{12})(?:\.\d+)?\.parquet$")
+def select(table: str, where: str) -> str:
+    """A table's rows as the lake holds them (timestamps as UTC instants, `run_key`)."""
+    key = f", {RUN_KEY_SQL} AS {RUN_KEY}" if table in PARTITIONED else ""
+    return f"SELECT {table_columns(table)}{key} FROM {table} WHERE {where}"  # noqa: S608
 
 
-# -- names ---------------------------------------------------------------------------------------
+def as_delta(rows: pa.Table) -> pa.Table:
+    """Timestamps in the one time zone Delta's `timestamp` type names (DuckDB labels UTC
+    instants with its session's zone, `Etc/UTC` here)."""
+    fields = [
+        pa.field(f.name, pa.timestamp("us", "UTC"), f.nullable)
+        if pa.types.is_timestamp(f.type) else f
+        for f in rows.schema
+    ]  # fmt: skip
+    return rows.cast(pa.schema(fields))
 
 
-def run_folder(run_id: str | None) -> str:
-    """The `run_id=` folder value of a run: its percent-encoded id, which every hive reader
-    decodes back to the id; else (an id the encoding cannot carry) a name with a `~`."""
-    if run_id is None:
-        return NULL_PARTITION
-    name = safe_name(run_id)
-    if (
-        run_id
-        and run_id != NULL_PARTITION
-        and "~" not in name
-        and len(name) <= MAX_NAME - len("run_id=")
-        and name_of(name) == run_id
-        and run_id.isprintable()
-    ):
-        return name
-    value = partition_value(run_id)
-    if value != run_id:  # too long: its head, and a digest of the whole id
-        head, _, digest = value.rpartition("~")
-        return f"{safe_name(head)}~{digest}"
-    return f"{safe_name(run_id)}~"
+def is_uri(location: str | Path) -> bool:
+    return "://" in str(location)
 
 
-def hived(folder_value: str) -> bool:
-    """A `run_id=` folder whose name a hive reader decodes to the run id (no `~`)."""
-    return "~" not in folder_value
+def table_uri(location: str | Path, table: str) -> str:
+    text = str(location)
+    if is_uri(text):
+        return f"{text.rstrip('/')}/{table}"
+    return str(Path(text).resolve() / table)
 
 
-@dataclass(frozen=True)
-class LakeFile:
-    """One data file of the lake, known by its name: whose, and which flushes it holds."""
-
-    path: Path
-    table: str
-    sidecar: str
-    lo: int
-    hi: int
-    merged: bool
-
-    @property
-    def partition(self) -> Path:
-        return self.path.parent
-
-
-def parse_name(path: Path, table: str) -> LakeFile | None:
-    match = _PART.match(path.name)
-    if match:
-        seq = int(match["lo"])
-        return LakeFile(path, table, match["sidecar"], seq, seq, False)
-    match = _MERGED.match(path.name)
-    if match:
-        return LakeFile(path, table, match["sidecar"], int(match["lo"]), int(match["hi"]), True)
+def storage_options() -> dict[str, str] | None:
+    """delta-rs reads the usual variables itself (AWS_ACCESS_KEY_ID, AWS_REGION,
+    AWS_ENDPOINT_URL, GOOGLE_SERVICE_ACCOUNT, AZURE_STORAGE_ACCOUNT_NAME …); nothing to add."""
     return None
 
 
-def part_name(sidecar: str, seq: int, k: int = 0) -> str:
-    index = f".{k}" if k else ""
-    return f"part-{sidecar}-{seq:0{SEQ_DIGITS}d}{index}.parquet"
-
-
-def merged_name(sidecar: str, lo: int, hi: int, k: int = 0) -> str:
-    index = f".{k}" if k else ""
-    return f"merged-{sidecar}-{lo:0{SEQ_DIGITS}d}-{hi:0{SEQ_DIGITS}d}{index}.parquet"
-
-
-def list_files(
-    root: Path,
-    table: str,
-    run_folders: Iterable[str] | None = None,
-    date_ok: Callable[[str], bool] | None = None,
-) -> list[LakeFile]:
-    """The data files of one table (of some runs' folders, some `date=` folders, when given),
-    without those a merged file covers: a reader never sees a row twice while compaction
-    removes parts (store/lakecompact.py)."""
-    base = root / table
-    if run_folders is None:
-        folders = [p for p in subdirs(base) if p.name.startswith("run_id=")]
-    else:
-        folders = [base / f"run_id={value}" for value in run_folders]
-    found: list[LakeFile] = []
-    for folder in folders:
-        for partition in subdirs(folder):
-            if date_ok is not None and not date_ok(partition.name.partition("=")[2]):
-                continue
-            found.extend(visible(files_in(partition, table)))
-    return found
-
-
-def subdirs(path: Path) -> list[Path]:
-    try:
-        with os.scandir(path) as entries:
-            return [Path(e.path) for e in entries if e.is_dir() and not e.name.startswith(".")]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def files_in(partition: Path, table: str) -> list[LakeFile]:
-    try:
-        with os.scandir(partition) as entries:
-            names = [e.name for e in entries if e.name.endswith(".parquet")]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    files = (parse_name(partition / n, table) for n in names)
-    return [f for f in files if f is not None]
-
-
-def visible(files: Sequence[LakeFile]) -> list[LakeFile]:
-    """Files not covered by another file of the same sidecar with a wider range of flushes."""
-    merged = [f for f in files if f.merged]
-    out = []
-    for f in files:
-        covered = any(
-            m is not f and m.sidecar == f.sidecar and m.lo <= f.lo and f.hi <= m.hi
-            and (m.lo, m.hi) != (f.lo, f.hi)
-            for m in merged
-        )  # fmt: skip
-        if not covered:
-            out.append(f)
-    return out
-
-
-def schema_name(sidecar: str, table: str) -> str:
-    """`<sidecar>.<digest of the columns>.parquet`: one per sidecar and servescope version."""
-    digest = hashlib.sha256(table_columns(table).encode()).hexdigest()[:8]
-    return f"{sidecar}.{digest}.parquet"
-
-
 def new_sidecar_id() -> str:
-    """This store's name in the lake: the host (for people) and 48 random bits (for
-    uniqueness); only `[A-Za-z0-9.]` and `_`, so it never breaks a file name."""
+    """This store's name in the lake: the host (for people) and 48 random bits (uniqueness)."""
     host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:40] or "host"
     return f"{host}_{secrets.token_hex(6)}"
 
 
-# -- writing -------------------------------------------------------------------------------------
+def sql_literal(value: Any) -> str:
+    """A value inside a single-quoted SQL literal (DuckDB's and delta-rs' predicates alike)."""
+    return str(value).replace("'", "''")
+
+
+def retry_commit(action: Callable[[], Any], what: str) -> Any:
+    """Run a Delta commit, again after a conflict with another writer's (a merge or a compaction
+    that read files another commit changed), with jittered back-off."""
+    for attempt in range(COMMIT_ATTEMPTS):
+        try:
+            return action()
+        except CommitFailedError as exc:
+            if attempt == COMMIT_ATTEMPTS - 1:
+                raise
+            log.debug("lake: %s lost a commit race (%s); trying again", what, exc)
+            time.sleep(random.uniform(0.02, 0.1) * (attempt + 1))
+    return None
+
+
+class LakeUnavailable(OSError):
+    """The lake cannot be opened or created (a bucket without credentials, a folder not
+    writable, a table of another format)."""
+
+
+# -- what a flush owes the lake ------------------------------------------------------------------
 
 
 @dataclass
@@ -273,504 +186,378 @@ class Mark:
 
 
 @dataclass
-class Written:
-    """The files one flush wrote (renamed into place), and the rows per table; its events, when
-    they are written after the commit (`deferred`), and the earlier flush whose deferred events
-    its transaction said were written (`settles`)."""
+class Owed:
+    """What flush `seq` committed to the store and the lake gets from it.
+
+    Its new rows are those past these rowids (a commit gives them the rowids after every
+    committed one). Its updated requests (stored before, so a MERGE, not an append) keep their
+    rowids, and are named. A flush that moved requests to another run (deleted them from the
+    first) lets DuckDB renumber rows when it checkpoints: its `events` rows are then taken inside
+    the transaction (`held`), and should the process die before they are written, the next
+    start merges every row of the runs it touched (`touched`) instead. `since` is a little
+    below the earliest `ts` the lake's rows of its updated or moved requests have, so a MERGE
+    reads only files that may hold them. `runs` and `flips`: the runs and restarts it changed."""
 
     seq: int
-    paths: list[Path] = field(default_factory=list)
-    rows: dict[str, int] = field(default_factory=dict)
-    deferred: Deferred | None = None
-    settles: Deferred | None = None
+    after: dict[str, int]
+    updated: list[tuple[str, str]] = field(default_factory=list)
+    moved: list[tuple[str, str]] = field(default_factory=list)
+    touched: list[str | None] = field(default_factory=list)
+    since: str | None = None
+    runs: list[str] = field(default_factory=list)
+    flips: list[tuple[str, str]] = field(default_factory=list)
+    held: pa.Table | None = field(default=None, repr=False, compare=False)
+
+    def state(self) -> dict[str, Any]:
+        held, self.held = self.held, None
+        try:
+            return asdict(self)
+        finally:
+            self.held = held
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Owed:
+        return cls(
+            seq=int(state["seq"]),
+            after={k: int(v) for k, v in state.get("after", {}).items()},
+            updated=[(str(r), str(q)) for r, q in state.get("updated", [])],
+            moved=[(str(r), str(q)) for r, q in state.get("moved", [])],
+            touched=list(state.get("touched", [])),
+            since=state.get("since"),
+            runs=[str(r) for r in state.get("runs", [])],
+            flips=[(str(r), str(b)) for r, b in state.get("flips", [])],
+        )
 
 
 @dataclass
-class Deferred:
-    """A flush's events, committed in the store, written to the lake after the commit: the
-    `events` rows past rowid `after` (the flush's start; a commit gives its rows the rowids
-    after every committed one), `rows` of them, of these runs, at this version."""
-
-    seq: int
-    version: str
-    after: int
-    rows: int
-    runs: list[str | None]
+class _Pending:
+    owed: Owed
     done: threading.Event = field(default_factory=threading.Event)
-    written: bool = False  # by the thread, whole
     error: BaseException | None = None
-
-    def state(self) -> dict[str, Any]:
-        return {"seq": self.seq, "version": self.version, "after": self.after, "rows": self.rows,
-                "runs": self.runs}  # fmt: skip
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Deferred:
-        return cls(int(state["seq"]), str(state["version"]), int(state["after"]),
-                   int(state["rows"]), list(state["runs"]))  # fmt: skip
 
 
 class LakeWriter:
-    """Appends each committed flush of one store to the lake (see the module docstring).
+    """Writes each committed flush of one store to the lake (see the module docstring).
 
-    `mark(con)` at the start of the flush's transaction; `write(con, mark, …)` just before its
-    commit; `committed(written)` after the commit, `failed(written)` after a rollback.
+    In the flush's store transaction: `mark(con)` first (it settles the previous flush), then
+    `owe(con, mark, …)` just before the commit; after the commit `committed(owed)`.
     """
 
-    def __init__(self, root: str | Path, store: Store) -> None:
-        self.root = Path(root).resolve()
+    def __init__(self, location: str | Path, store: Store) -> None:
+        self.location = str(location) if is_uri(location) else str(Path(location).resolve())
         self.store = store
-        self.source = f"lake:{self.root}"
-        state = checkpoints.state_of(checkpoints.load(store, self.source))
+        self.source = f"lake:{self.location}"
+        state = self._state_of(None)
         self.sidecar: str = state.get("sidecar") or self._name_sidecar()
-        self.seq: int = int(state.get("seq") or 0)  # the last flush the store committed
-        self._clock = 0
-        self._unsettled: list[Written] = []
-        # the last flush's events, written after its commit and not yet said written
-        self._deferred = Deferred.from_state(state["deferred"]) if state.get("deferred") else None
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.remove_uncommitted()
-        self._write_schema()
-        if self._deferred is not None:  # a crash before the store said they were written
-            self._deferred.done.set()  # no thread writes them: this start does
-            self.settle_deferred()
+        self.app_id = f"servescope-{self.sidecar}"
+        self.seq: int = int(state.get("seq") or 0)
+        self._tables: dict[str, DeltaTable] = {}
+        self._pending: _Pending | None = None
+        self._whole = 0  # the last flush known whole in the lake
+        self.touched: set[str] = set()  # run keys written since the last compaction
+        try:
+            if not is_uri(self.location):
+                Path(self.location).mkdir(parents=True, exist_ok=True)
+            self._create_tables()
+            with self.store.snapshot() as con:  # a crash may have left the last flush unwritten
+                self._settle(con)
+        except DeltaError as exc:
+            raise LakeUnavailable(str(exc).splitlines()[0] if str(exc) else repr(exc)) from exc
+
+    def _state_of(self, con: duckdb.DuckDBPyConnection | None) -> dict[str, Any]:
+        if con is None:
+            return checkpoints.state_of(checkpoints.load(self.store, self.source))
+        return checkpoints.state_of(checkpoints.rows_in(con, self.source))
 
     def _name_sidecar(self) -> str:
-        """A new store's name in the lake, committed before any file carries it: a crash in its
-        first flush leaves files a restart knows as its own (`remove_uncommitted`)."""
         sidecar = new_sidecar_id()
         with self.store.write() as con:
-            row = {"file_key": checkpoints.STATE_KEY, "state": {"sidecar": sidecar, "seq": 0}}
-            checkpoints.save(con, self.source, [row])
+            self._save(con, {"sidecar": sidecar, "seq": 0})
         return sidecar
 
-    @property
-    def published(self) -> int:
-        """The last flush whose files are all in the lake and said so (compaction's bound)."""
-        return self.seq - 1 if self._deferred is not None else self.seq
+    def _save(self, con: duckdb.DuckDBPyConnection, state: dict[str, Any]) -> None:
+        checkpoints.save(con, self.source, [{"file_key": checkpoints.STATE_KEY, "state": state}])
 
-    @property
-    def staging(self) -> Path:
-        return self.root / STAGING / self.sidecar
+    # -- tables ----------------------------------------------------------------------------------
 
-    def remove_uncommitted(self) -> int:
-        """Remove this sidecar's files of flushes the store never committed (a crash between
-        the rename and the commit) and its staging files; returns how many files went."""
-        removed = 0
-        shutil.rmtree(self.staging, ignore_errors=True)
-        for table in TABLES:
-            for folder in subdirs(self.root / table):
-                for partition in subdirs(folder):
-                    for found in files_in(partition, table):
-                        if (
-                            found.sidecar == self.sidecar
-                            and not found.merged
-                            and (found.lo > self.seq or self._unwritten(found))
-                        ):
-                            found.path.unlink(missing_ok=True)
-                            removed += 1
-        if removed:
-            log.info("lake: removed %d files of flushes the store had not committed", removed)
-        return removed
-
-    def _unwritten(self, found: LakeFile) -> bool:
-        """An events file of the deferred flush, which the store does not say is whole."""
-        return (
-            self._deferred is not None
-            and found.table == "events"
-            and found.lo == self._deferred.seq
-            and not self._deferred.written
-        )
-
-    def _write_schema(self) -> None:
-        """`_schema/<table>/<sidecar>.parquet`: the columns this version writes, no rows; what a
-        reader reads a table from before any data file exists, and how it sees versions differ."""
+    def _create_tables(self) -> None:
+        """Each table, created empty with this version's columns when no sidecar has yet (two
+        sidecars racing to create one: the loser finds it made)."""
         with self.store.read() as con:
             for table in TABLES:
-                target = self.root / SCHEMA / table / schema_name(self.sidecar, table)
-                if target.exists():
+                uri = table_uri(self.location, table)
+                if DeltaTable.is_deltatable(uri, storage_options()):
                     continue
-                if not _table_exists(con, table):
-                    continue
-                select = _select(table, "FALSE")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-                con.execute(
-                    f"COPY ({select} LIMIT 0) TO '{sql_literal(tmp)}' (FORMAT parquet)"  # noqa: S608
-                )
-                os.replace(tmp, target)
+                schema = as_delta(con.sql(select(table, "FALSE")).to_arrow_table()).schema
+                with suppress(CommitFailedError):  # another sidecar created it first
+                    DeltaTable.create(
+                        uri, schema, mode="ignore",
+                        partition_by=[RUN_KEY] if table in PARTITIONED else None,
+                        name=f"servescope_{table}", storage_options=storage_options(),
+                    )  # fmt: skip
+
+    def table(self, name: str) -> DeltaTable:
+        found = self._tables.get(name)
+        if found is None:
+            found = DeltaTable(table_uri(self.location, name), storage_options=storage_options())
+            self._tables[name] = found
+        else:
+            found.update_incremental()
+        return found
+
+    def _written(self, name: str, seq: int) -> bool:
+        """Whether the lake holds flush `seq` of this sidecar in table `name`."""
+        try:
+            return (self.table(name).transaction_version(self.app_id) or 0) >= seq
+        except TableNotFoundError:
+            return False
+
+    # -- the flush's transaction -----------------------------------------------------------------
 
     def mark(self, con: duckdb.DuckDBPyConnection) -> Mark:
+        """Where the tables stand, once the previous flush is whole in the lake (first thing in
+        a flush's transaction: the store is still as that flush left it)."""
+        self._settle(con)
         rowids = {}
         for table in ("events", "metric_samples", "lever_flips", "runtime_events"):
-            if _table_exists(con, table):
-                row = con.execute(f"SELECT COALESCE(max(rowid), -1) FROM {table}").fetchone()  # noqa: S608
-                rowids[table] = int(row[0]) if row else -1
+            row = con.execute(f"SELECT COALESCE(max(rowid), -1) FROM {table}").fetchone()  # noqa: S608
+            rowids[table] = int(row[0]) if row else -1
         count = con.execute("SELECT count(*) FROM events").fetchone()
         return Mark(rowids, int(count[0]) if count else 0)
 
-    def write(
+    def owe(
         self,
         con: duckdb.DuckDBPyConnection,
         mark: Mark,
         *,
         runs: Iterable[str] = (),
         flip_groups: Iterable[tuple[str, str]] = (),
-    ) -> Written | None:
-        """Write what this transaction changed as flush `seq + 1` (its new requests' events
-        after the commit: `committed`), and save that number in the store's checkpoints (in the
-        same transaction). None when nothing changed and nothing was pending."""
-        self._settle(con)
-        seq = self.seq + 1
-        self._clock = max(self._clock + 1, time.time_ns() // 1000)
-        version = f"{self._clock:017d}.{self.sidecar}.{seq:0{SEQ_DIGITS}d}"
-        staged = self.staging / f"{seq:0{SEQ_DIGITS}d}"
-        shutil.rmtree(staged, ignore_errors=True)
-        written = Written(seq)
-        try:
-            written.settles = self._catch_up(con, written)
-            self._stage_all(con, mark, version, staged, list(runs), list(flip_groups), written)
-            if not written.rows and written.deferred is None:
-                shutil.rmtree(staged, ignore_errors=True)
-                if written.settles is None:
-                    return None
-                written.seq = self.seq  # no flush of its own: says the pending one is written
-            else:
-                self._publish(staged, seq, written)
-            state: dict[str, Any] = {"sidecar": self.sidecar, "seq": written.seq}
-            if written.deferred is not None:
-                state["deferred"] = written.deferred.state()
-            checkpoints.save(
-                con, self.source, [{"file_key": checkpoints.STATE_KEY, "state": state}]
-            )
-        except BaseException:
-            for path in written.paths:  # not committed: the store is not saying otherwise yet
-                path.unlink(missing_ok=True)
-            written.paths.clear()
-            shutil.rmtree(staged, ignore_errors=True)
-            raise
-        con.execute("DROP TABLE IF EXISTS lake_stage")
-        return written
-
-    def _catch_up(self, con: duckdb.DuckDBPyConnection, written: Written) -> Deferred | None:
-        """The previous flush's deferred events, whole in the lake before this transaction says
-        so: the thread's files, or written here when the thread could not (a full disk), from
-        the store as that flush left it (a second connection, which does not see this
-        transaction)."""
-        deferred = self._deferred
-        if deferred is None:
+    ) -> Owed | None:
+        """What this transaction changed, saved in the store with it as flush `seq + 1`; None
+        when it changed nothing the lake holds."""
+        owed = Owed(self.seq + 1, dict(mark.rowids), runs=sorted(set(runs)))
+        touched = _count(con, f"SELECT count(*) FROM events WHERE rowid > {mark.rowids['events']}")  # noqa: S608
+        if touched != _count(con, "SELECT count(*) FROM events") - mark.events:
+            self._note_updates(con, mark, owed)
+        owed.flips = _changed_flips(con, mark, list(flip_groups))
+        if not (touched or owed.moved or owed.runs or owed.flips or any(
+            _count(con, f"SELECT count(*) FROM {t} WHERE rowid > {mark.rowids[t]}")  # noqa: S608
+            for t in ("metric_samples", "runtime_events")
+        )):  # fmt: skip
             return None
-        deferred.done.wait()
-        if not deferred.written:
-            self._remove_events_of(deferred.seq)
-            with con.cursor() as before:
-                written.paths.extend(self._write_deferred(before, deferred))
-        return deferred
+        self._save(con, {"sidecar": self.sidecar, "seq": owed.seq, "owed": owed.state()})
+        return owed
 
-    def _remove_events_of(self, seq: int) -> None:
-        for folder in subdirs(self.root / "events"):
-            for partition in subdirs(folder):
-                for found in files_in(partition, "events"):
-                    if found.sidecar == self.sidecar and not found.merged and found.lo == seq:
-                        found.path.unlink(missing_ok=True)
-
-    def _write_deferred(self, con: duckdb.DuckDBPyConnection, deferred: Deferred) -> list[Path]:
-        """Write a deferred flush's events (as a flush of its own number) and publish them."""
-        where = f"rowid > {deferred.after}"
-        if _count(con, f"SELECT count(*) FROM events WHERE {where}") == deferred.rows:  # noqa: S608
-            select = _select("events", where, deferred.version)
-        else:  # the rows moved (no DuckDB does that yet): every row of their runs, as updates
-            log.warning("lake: flush %d's rows moved in the store; its runs written again whole",
-                        deferred.seq)  # fmt: skip
-            con.execute("CREATE OR REPLACE TEMP TABLE lake_keys (run_id VARCHAR)")
-            con.execute("INSERT INTO lake_keys SELECT unnest($1::VARCHAR[])", [deferred.runs])
-            where = "run_id IN (SELECT run_id FROM lake_keys)"
-            if None in deferred.runs:
-                where += " OR run_id IS NULL"
-            select = _select("events", where, deferred.version).replace(
-                "false AS lake_update", "true AS lake_update"
-            )
-        staged = self.staging / f"{deferred.seq:0{SEQ_DIGITS}d}-events"
-        shutil.rmtree(staged, ignore_errors=True)
-        done = Written(deferred.seq)
-        try:
-            self._stage(con, "events", select, staged, done)
-            self._publish(staged, deferred.seq, done)
-        except BaseException:
-            for path in done.paths:
-                path.unlink(missing_ok=True)
-            shutil.rmtree(staged, ignore_errors=True)
-            raise
-        return done.paths
-
-    def _write_after_commit(self, deferred: Deferred) -> None:
-        """The thread: a deferred flush's events from the committed store (a transaction of its
-        own, which sees the store as that flush left it: the next flush waits for this one)."""
-        try:
-            with self.store.snapshot() as con:
-                self._write_deferred(con, deferred)
-            deferred.written = True
-        except BaseException as exc:  # written again by the next transaction, which says why
-            deferred.error = exc
-            log.debug("lake: writing flush %d's events after its commit failed", deferred.seq,
-                      exc_info=exc)  # fmt: skip
-        finally:
-            deferred.done.set()
-
-    def settle_deferred(self) -> None:
-        """Make the pending deferred events whole in the lake and say so in the store (at a
-        start after a crash, and when the collector stops); a failure leaves them pending, for
-        the next flush or start."""
-        if self._deferred is None:
-            return
-        try:
-            with self.store.write() as con:
-                written = Written(self.seq)
-                written.settles = self._catch_up(con, written)
-                state = {"sidecar": self.sidecar, "seq": self.seq}
-                checkpoints.save(
-                    con, self.source, [{"file_key": checkpoints.STATE_KEY, "state": state}]
-                )
-        except Exception as exc:
-            log.warning("lake: flush %d's events are not written yet (%s); the next flush or "
-                        "start writes them", self.seq, exc)  # fmt: skip
-            self._deferred.written = False
-            return
-        self._deferred = None
-
-    def wait(self) -> None:
-        """Until the last flush's events are written after its commit (or failed to be)."""
-        deferred = self._deferred
-        if deferred is not None:
-            deferred.done.wait()
-
-    def close(self) -> None:
-        """Wait for the last flush's events and say they are written."""
-        self.settle_deferred()
-
-    def committed(self, written: Written | None) -> None:
-        if written is None:
-            return
-        self.seq = written.seq
-        if written.settles is not None:
-            self._deferred = None
-        if written.deferred is not None:
-            self._deferred = written.deferred
-            threading.Thread(
-                target=self._write_after_commit, args=(written.deferred,),
-                name="servescope-lake", daemon=True,
-            ).start()  # fmt: skip
-
-    def failed(self, written: Written | None) -> None:
-        """The flush's transaction raised. Its files stay until the next flush's transaction
-        reads whether the store did commit it (a commit can succeed and its connection still
-        fail to close): kept if so, removed if not (`_settle`)."""
-        if written is not None and written.paths:
-            self._unsettled.append(written)
-        if written is not None and written.settles is not None:
-            written.settles.written = False  # written again by the next transaction
-
-    def _settle(self, con: duckdb.DuckDBPyConnection) -> None:
-        if not self._unsettled:
-            return
-        rows = con.execute(queries.LIST_CHECKPOINTS, {"source": self.source}).fetchall()
-        stored: dict[str, Any] = {}
-        for row in rows:
-            if row[1] == checkpoints.STATE_KEY and row[6]:
-                stored = json.loads(row[6])
-        for written in self._unsettled:
-            if written.seq <= int(stored.get("seq") or 0):  # committed after all
-                self.seq = max(self.seq, written.seq)
-                if written.settles is not None:
-                    self._deferred = None
-                if written.deferred is not None and stored.get("deferred"):
-                    self._deferred = written.deferred  # not started: written by `_catch_up`
-                    self._deferred.done.set()
-            else:
-                for path in written.paths:
-                    path.unlink(missing_ok=True)
-        self._unsettled.clear()
-
-    # -- the tables ------------------------------------------------------------------------------
-
-    def _stage_all(
-        self,
-        con: duckdb.DuckDBPyConnection,
-        mark: Mark,
-        version: str,
-        staged: Path,
-        runs: list[str],
-        flip_groups: list[tuple[str, str]],
-        written: Written,
-    ) -> None:
-        self._stage_events(con, mark, version, staged, written)
-        for table in ("metric_samples", "runtime_events"):
-            if table in mark.rowids:
-                where = f"rowid > {int(mark.rowids[table])}"
-                self._stage(con, table, _select(table, where, version), staged, written)
-        if runs:
-            con.execute("CREATE OR REPLACE TEMP TABLE lake_keys (run_id VARCHAR)")
-            con.execute("INSERT INTO lake_keys SELECT unnest($1::VARCHAR[])", [runs])
-            where = "run_id IN (SELECT run_id FROM lake_keys)"
-            self._stage(con, "runs", _select("runs", where, version), staged, written)
-        if flip_groups:
-            self._stage_flips(con, mark, version, staged, flip_groups, written)
-
-    def _stage_events(
-        self,
-        con: duckdb.DuckDBPyConnection,
-        mark: Mark,
-        version: str,
-        staged: Path,
-        written: Written,
-    ) -> None:
-        after = int(mark.rowids["events"])
-        select = _select("events", f"rowid > {after}", version)
-        touched = _count(con, f"SELECT count(*) FROM events WHERE rowid > {after}")  # noqa: S608
-        now = _count(con, "SELECT count(*) FROM events")
-        if touched == now - mark.events:  # every touched request is new: written as it is,
-            if touched:  # after the commit (the module docstring)
-                runs = [r for (r,) in con.execute(
-                    f"SELECT DISTINCT run_id FROM events WHERE rowid > {after}"  # noqa: S608
-                ).fetchall()]  # fmt: skip
-                written.deferred = Deferred(written.seq, version, after, touched, runs)
-            return
-        # some touched requests were stored before this flush (updates), or left a run (moves):
-        # found in the store as it was before the flush, on a second connection whose snapshot
-        # does not see this transaction
-        con.execute(f"CREATE OR REPLACE TEMP TABLE lake_stage AS {select}")  # noqa: S608
-        self._mark_updates(con, version)
-        self._stage(con, "events", "SELECT * FROM lake_stage", staged, written)
-
-    def _mark_updates(self, con: duckdb.DuckDBPyConnection, version: str) -> None:
-        ids = [r for (r,) in con.execute("SELECT DISTINCT request_id FROM lake_stage").fetchall()]
+    def _note_updates(self, con: duckdb.DuckDBPyConnection, mark: Mark, owed: Owed) -> None:
+        """Some requests this flush touched were stored before (its trace after its log line),
+        perhaps under another run: their rows as they were, on a second connection whose
+        snapshot does not see this transaction, are the rows the lake holds of them."""
+        after = mark.rowids["events"]
+        ids = [r for (r,) in con.execute(
+            f"SELECT DISTINCT request_id FROM events WHERE rowid > {after}"  # noqa: S608
+        ).fetchall()]  # fmt: skip
         with con.cursor() as before:
             prior = before.execute(
-                "SELECT e.run_id, e.request_id FROM events e"
+                "SELECT e.run_id, e.request_id, e.ts FROM events e"
                 " JOIN (SELECT unnest($1::VARCHAR[]) AS request_id) k USING (request_id)",
                 [ids],
             ).fetchall()
         if not prior:
             return
-        runs = [r for r, _ in prior]
-        requests = [q for _, q in prior]
-        con.execute("CREATE OR REPLACE TEMP TABLE lake_prior (run_id VARCHAR, request_id VARCHAR)")
-        con.execute(
-            "INSERT INTO lake_prior SELECT unnest($1::VARCHAR[]), unnest($2::VARCHAR[])",
-            [runs, requests],
-        )
-        con.execute(
-            """UPDATE lake_stage s SET lake_update = true FROM lake_prior p
-               WHERE s.run_id = p.run_id AND s.request_id = p.request_id"""
-        )
-        # requests that were stored under a run and are no longer: a tombstone each
-        con.execute(
-            f"""INSERT INTO lake_stage BY NAME
-            SELECT p.run_id, p.request_id, CAST(NULL AS DATE) AS date, '{sql_literal(version)}' AS
-                   lake_version, true AS lake_update, true AS lake_deleted, '{{}}' AS doc
-            FROM lake_prior p
-            WHERE NOT EXISTS (SELECT 1 FROM events e
-                              WHERE e.run_id = p.run_id AND e.request_id = p.request_id)"""  # noqa: S608
-        )
-        con.execute("DROP TABLE lake_prior")
+        now = set(con.execute(
+            "SELECT e.run_id, e.request_id FROM events e"
+            " JOIN (SELECT unnest($1::VARCHAR[]) AS request_id) k USING (request_id)", [ids],
+        ).fetchall())  # fmt: skip
+        owed.updated = sorted((r, q) for r, q, _ts in prior if (r, q) in now)
+        owed.moved = sorted((r, q) for r, q, _ts in prior if (r, q) not in now)
+        times = [ts for _r, _q, ts in prior]
+        if all(isinstance(ts, datetime) for ts in times):
+            # a second below the earliest: file statistics round timestamps
+            owed.since = (min(times) - timedelta(seconds=1)).isoformat()
+        if owed.moved:
+            owed.held = self._rows(con, "events", f"rowid > {after}")
+            owed.touched = sorted(set(owed.held.column("run_id").to_pylist()), key=str)
 
-    def _stage_flips(
-        self,
-        con: duckdb.DuckDBPyConnection,
-        mark: Mark,
-        version: str,
-        staged: Path,
-        groups: list[tuple[str, str]],
-        written: Written,
+    def committed(self, owed: Owed | None) -> None:
+        """The store committed flush `owed.seq`: its rows go to the lake on a thread, while the
+        collector reads on (the next flush waits for it in `mark`)."""
+        if owed is None:
+            return
+        self.seq = owed.seq
+        pending = _Pending(owed)
+        self._pending = pending
+        threading.Thread(
+            target=self._write_after_commit, args=(pending,), name="servescope-lake", daemon=True
+        ).start()
+
+    def _write_after_commit(self, pending: _Pending) -> None:
+        try:
+            with self.store.snapshot() as con:
+                self._write(con, pending.owed)
+            self._whole = pending.owed.seq
+        except BaseException as exc:  # written again by the next flush, which says why
+            pending.error = exc
+            log.debug("lake: writing flush %d after its commit failed", pending.owed.seq,
+                      exc_info=exc)  # fmt: skip
+        finally:
+            pending.done.set()
+
+    def _settle(self, con: duckdb.DuckDBPyConnection) -> None:
+        """The flush the store last committed, whole in the lake: the thread's work, or written
+        here from `con` (which sees the store as that flush left it) when the thread failed, a
+        commit raised after it happened, or this is a start after a crash. Raises when it
+        cannot (a full disk): the flush that called it fails and is tried again."""
+        pending = self._pending
+        if pending is not None:
+            pending.done.wait()
+            if pending.error is None:
+                self._pending = None
+                return
+        state = self._state_of(con)
+        self.seq = max(self.seq, int(state.get("seq") or 0))
+        if self.seq > self._whole and state.get("owed"):
+            self._write(con, Owed.from_state(state["owed"]))
+        self._whole = self.seq
+        self._pending = None
+
+    def wait(self) -> None:
+        """Until the last flush's thread is done (written or failed)."""
+        pending = self._pending
+        if pending is not None:
+            pending.done.wait()
+
+    def close(self) -> None:
+        """The last flush whole in the lake before the collector stops (or left for the next
+        start, which writes it, when that fails)."""
+        try:
+            with self.store.snapshot() as con:
+                self._settle(con)
+        except Exception as exc:
+            log.warning("lake: flush %d is not written yet (%s); the next start writes it",
+                        self.seq, exc)  # fmt: skip
+
+    # -- writing a flush -------------------------------------------------------------------------
+
+    def _write(self, con: duckdb.DuckDBPyConnection, owed: Owed) -> None:
+        """Flush `owed.seq` into each table that does not hold it yet, one commit a table."""
+        txn = CommitProperties(app_transactions=[Transaction(self.app_id, owed.seq)])
+        for name in TABLES:
+            if self._written(name, owed.seq):
+                continue
+            write = getattr(self, f"_write_{name}")
+            retry_commit(lambda write=write, name=name: write(con, owed, txn, name), name)
+
+    def _rows(self, con: duckdb.DuckDBPyConnection, table: str, where: str,
+              params: Any = None) -> pa.Table:  # fmt: skip
+        rows = as_delta(con.sql(select(table, where), params=params).to_arrow_table())
+        if RUN_KEY in rows.column_names:
+            self.touched.update(rows.column(RUN_KEY).unique().to_pylist())
+        return rows
+
+    def _append(
+        self, con: duckdb.DuckDBPyConnection, owed: Owed, txn: CommitProperties, name: str
     ) -> None:
-        """The whole current set of each restart's flips that this flush rewrote, or a marker
-        row (NULL lever) for a set that became empty."""
-        params = [[g[0] for g in groups], [g[1] for g in groups]]
-        after = int(mark.rowids.get("lever_flips", -1))
-        changed = {
-            tuple(r) for r in con.execute(_FLIP_GROUPS + f" AND rowid > {after}", params).fetchall()
-        }
-        now = {tuple(r) for r in con.execute(_FLIP_GROUPS, params).fetchall()}
-        with con.cursor() as before:  # the store as it was before this flush
-            had = {tuple(r) for r in before.execute(_FLIP_GROUPS, params).fetchall()}
-        emptied = sorted(had - now)
-        if not changed and not emptied:
+        if self._written(name, owed.seq):  # a retry after a commit that did happen
             return
-        keys = sorted(changed)
-        where = "(run_id, before_run_id) IN (SELECT unnest($1::VARCHAR[]), unnest($2::VARCHAR[]))"
-        select = _select("lever_flips", where, version)
-        con.execute(
-            f"CREATE OR REPLACE TEMP TABLE lake_flips AS {select}",  # noqa: S608
-            [[k[0] for k in keys], [k[1] for k in keys]],
-        )
-        for run_id, before_run_id in emptied:
-            con.execute(
-                f"""INSERT INTO lake_flips BY NAME SELECT
-                    CAST(now() AS TIMESTAMP) AS ts, $1 AS run_id, $2 AS before_run_id,
-                    '{sql_literal(version)}' AS lake_version, false AS lake_update,
-                    false AS lake_deleted""",  # noqa: S608
-                [run_id, before_run_id],
-            )
-        self._stage(con, "lever_flips", "SELECT * FROM lake_flips", staged, written)
-        con.execute("DROP TABLE lake_flips")
+        rows = self._rows(con, name, f"rowid > {owed.after[name]}")
+        write_deltalake(self.table(name), rows, mode="append", schema_mode="merge",
+                        commit_properties=txn)  # fmt: skip
 
-    def _stage(
-        self,
-        con: duckdb.DuckDBPyConnection,
-        table: str,
-        select: str,
-        staged: Path,
-        written: Written,
+    _write_metric_samples = _append
+    _write_runtime_events = _append
+
+    def _write_events(
+        self, con: duckdb.DuckDBPyConnection, owed: Owed, txn: CommitProperties, name: str
     ) -> None:
-        """One table's rows into `staged/<table>/`, one file per (run folder, date)."""
-        keys = con.execute(f"SELECT DISTINCT run_id, date FROM ({select})").fetchall()  # noqa: S608
-        if not keys:
+        if not (owed.updated or owed.moved):
+            self._append(con, owed, txn, name)
             return
-        target = staged / table
-        if len(keys) == 1:  # one partition (a backlog of one run): one plain COPY, a third cheaper
-            run_id, day = keys[0]
-            folder = (
-                target
-                / f"lake_run_folder={quote(run_folder(run_id), safe='')}"
-                / f"lake_date_folder={day.isoformat() if day is not None else NULL_PARTITION}"
-            )
-            folder.mkdir(parents=True, exist_ok=True)
-            copied = con.execute(
-                f"COPY ({select}) TO '{sql_literal(folder / 'f0.parquet')}'"  # noqa: S608
-                f" (FORMAT parquet, COMPRESSION {COMPRESSION})"
-            ).fetchone()
-            written.rows[table] = written.rows.get(table, 0) + (int(copied[0]) if copied else 0)
+        if self._written(name, owed.seq):
             return
-        folders = {r: run_folder(r) for r in {k[0] for k in keys} if r is not None}
-        staged.mkdir(parents=True, exist_ok=True)
-        copied = con.execute(
-            f"""COPY (
-                SELECT s.*, COALESCE(m.folder, '{NULL_PARTITION}') AS lake_run_folder,
-                       COALESCE(CAST(s.date AS VARCHAR), '{NULL_PARTITION}') AS lake_date_folder
-                FROM ({select}) s
-                LEFT JOIN (SELECT unnest($1::VARCHAR[]) AS rid, unnest($2::VARCHAR[]) AS folder) m
-                    ON m.rid = s.run_id
-            ) TO '{sql_literal(target)}' (FORMAT parquet, COMPRESSION {COMPRESSION},
-                PARTITION_BY (lake_run_folder, lake_date_folder), FILENAME_PATTERN 'f{{i}}',
-                OVERWRITE)""",  # noqa: S608 - folder names and the version are ours
-            [list(folders), list(folders.values())],
-        ).fetchone()
-        rows = int(copied[0]) if copied else 0
-        written.rows[table] = written.rows.get(table, 0) + rows
+        if owed.held is not None:
+            rows = owed.held
+        elif owed.moved:  # taken in its transaction, and lost with the process: its runs whole
+            rows = self._rows(con, name, "list_contains($1, run_id)", [owed.touched])
+        else:
+            keys = [[r for r, _q in owed.updated], [q for _r, q in owed.updated]]
+            rows = self._rows(
+                con, name,
+                f"rowid > {owed.after[name]} OR (run_id, request_id) IN"
+                " (SELECT unnest($1::VARCHAR[]), unnest($2::VARCHAR[]))",
+                keys,
+            )  # fmt: skip
+        rows = rows.append_column("lake_delete", pa.repeat(False, rows.num_rows))
+        if owed.moved:
+            gone = pa.table({
+                "run_id": [r for r, _q in owed.moved],
+                "request_id": [q for _r, q in owed.moved],
+                RUN_KEY: [run_key(r) for r, _q in owed.moved],
+                "lake_delete": [True] * len(owed.moved),
+            })  # fmt: skip
+            rows = pa.concat_tables([rows, gone], promote_options="default")
+        on = "t.run_key = s.run_key AND t.run_id = s.run_id AND t.request_id = s.request_id"
+        if owed.since is not None:
+            on += f" AND t.ts >= '{sql_literal(owed.since)}Z'"
+        (
+            self.table(name)
+            .merge(rows, on, source_alias="s", target_alias="t", merge_schema=True,
+                   commit_properties=txn)  # fmt: skip
+            .when_matched_delete("s.lake_delete")
+            .when_matched_update_all("NOT s.lake_delete", except_cols=["lake_delete"])
+            .when_not_matched_insert_all("NOT s.lake_delete", except_cols=["lake_delete"])
+            .execute()
+        )
 
-    def _publish(self, staged: Path, seq: int, written: Written) -> None:
-        """Rename the staged files into their partitions (each whole, or not there)."""
-        for table in TABLES:
-            for folder in sorted((staged / table).glob("lake_run_folder=*/lake_date_folder=*")):
-                run_value = unquote(folder.parent.name.split("=", 1)[1])
-                date_value = unquote(folder.name.split("=", 1)[1])
-                partition = self.root / table / f"run_id={run_value}" / f"date={date_value}"
-                partition.mkdir(parents=True, exist_ok=True)
-                for k, path in enumerate(sorted(folder.glob("*.parquet"))):
-                    target = partition / part_name(self.sidecar, seq, k)
-                    os.replace(path, target)
-                    written.paths.append(target)
-        shutil.rmtree(staged, ignore_errors=True)
+    def _write_runs(
+        self, con: duckdb.DuckDBPyConnection, owed: Owed, txn: CommitProperties, name: str
+    ) -> None:
+        if not owed.runs or self._written(name, owed.seq):
+            return
+        rows = self._rows(con, name, "list_contains($1, run_id)", [owed.runs])
+        (
+            self.table(name)
+            .merge(rows, "t.run_id = s.run_id", source_alias="s", target_alias="t",
+                   merge_schema=True, commit_properties=txn)  # fmt: skip
+            .when_matched_update_all()
+            .when_not_matched_insert_all()
+            .execute()
+        )
+
+    def _write_lever_flips(
+        self, con: duckdb.DuckDBPyConnection, owed: Owed, txn: CommitProperties, name: str
+    ) -> None:
+        """Each changed restart's whole set of flips, in place of the set the lake had (an
+        empty set deletes it)."""
+        if not owed.flips or self._written(name, owed.seq):
+            return
+        keys = [[r for r, _b in owed.flips], [b for _r, b in owed.flips]]
+        rows = self._rows(
+            con, name,
+            "(run_id, before_run_id) IN (SELECT unnest($1::VARCHAR[]), unnest($2::VARCHAR[]))",
+            keys,
+        )  # fmt: skip
+        predicate = " OR ".join(
+            f"(run_id = '{sql_literal(r)}' AND before_run_id = '{sql_literal(b)}')"
+            for r, b in owed.flips
+        )
+        write_deltalake(self.table(name), rows, mode="overwrite", predicate=predicate,
+                        schema_mode="merge", commit_properties=txn)  # fmt: skip
+
+
+def _changed_flips(
+    con: duckdb.DuckDBPyConnection, mark: Mark, groups: list[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """The restarts (run, previous run) whose set of flips this transaction changed."""
+    if not groups:
+        return []
+    params = [[g[0] for g in groups], [g[1] for g in groups]]
+    after = int(mark.rowids.get("lever_flips", -1))
+    since = _FLIP_GROUPS + f" AND rowid > {after}"
+    changed = {tuple(r) for r in con.execute(since, params).fetchall()}
+    now = {tuple(r) for r in con.execute(_FLIP_GROUPS, params).fetchall()}
+    with con.cursor() as before:  # the store as it was before this flush
+        had = {tuple(r) for r in before.execute(_FLIP_GROUPS, params).fetchall()}
+    return sorted((str(r), str(b)) for r, b in changed | (had - now))
 
 
 _FLIP_GROUPS = """
@@ -779,34 +566,15 @@ WHERE (run_id, before_run_id) IN (SELECT unnest($1::VARCHAR[]), unnest($2::VARCH
 """
 
 
-def _select(table: str, where: str, version: str | None = None) -> str:
-    """A table's rows as the lake holds them: its columns, the `date` partition, the lake's
-    version columns (constants of this flush)."""
-    date = DATE_COLUMN.get(table, "ts")
-    lake = (
-        f"'{sql_literal(version)}' AS lake_version, false AS lake_update, false AS lake_deleted"
-        if version is not None
-        else "CAST(NULL AS VARCHAR) AS lake_version, CAST(NULL AS BOOLEAN) AS lake_update,"
-        " CAST(NULL AS BOOLEAN) AS lake_deleted"
-    )
-    return (
-        f"SELECT {table_columns(table)}, CAST({date} AS DATE) AS date, {lake} "  # noqa: S608
-        f"FROM {table} WHERE {where}"
-    )
-
-
 def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
     row = con.execute(sql).fetchone()
     return int(row[0]) if row else 0
 
 
-def _table_exists(con: duckdb.DuckDBPyConnection, table: str) -> bool:
-    row = con.execute(
-        "SELECT count(*) > 0 FROM duckdb_tables() WHERE table_name = $1", [table]
-    ).fetchone()
-    return bool(row and row[0])
+def exists(location: str | Path) -> bool:
+    """Whether a lake is there (its `events` table)."""
+    try:
+        return DeltaTable.is_deltatable(table_uri(location, "events"), storage_options())
+    except OSError:
+        return False
 
-
-def sql_literal(value: Any) -> str:
-    """A value inside a single-quoted SQL literal (paths in COPY … TO, which takes no parameter)."""
-    return str(value).replace("'", "''")

@@ -1,25 +1,23 @@
-"""The shared Parquet lake (`collect --lake`, `--lake` on reading commands; store/lake.py).
-
-Three sidecars (real `servescope collect` processes, each with its own store) tail their own
-`.events.jsonl` streams into one lake folder while one of them is SIGKILLed and restarted
-mid-stream; afterwards the lake holds every request exactly once, `report build --lake` equals
-the report of one store that ingested all three streams, and ClickHouse's engine (chdb,
-in-process) reads the same files to the same counts and TTFT quantiles.
+"""The lake's writer and reader in-process, on real stores and real Delta tables
+(store/lake.py, store/lakeread.py, store/lakecompact.py): a flush reaches the lake once whatever
+instant a crash picks, updates and moves resolve to the store's row, compaction and expiry keep
+every reader's view whole. tests/integration/test_lake.py runs three real sidecars.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import duckdb
 import pytest
+from deltalake import DeltaTable
 
 from servescope.store import Store
-from servescope.store.lake import LakeWriter, list_files, part_name
-from servescope.store.lakecompact import compact
+from servescope.store.lake import LakeWriter, Owed
+from servescope.store.lakecompact import compact, expire
 from servescope.store.lakeread import Lake
 
 RUNS = ("run-20261125-lake-base", "run-20261125-lake-new")
@@ -42,40 +40,43 @@ def _stored(store: Path) -> int:
         con.close()
 
 
-def _sizes(paths: list[Path]) -> list[int]:
-    return [p.stat().st_size for p in paths]
-
-
-# -- the writer's rules, in-process on real stores and files ------------------------------------
+class Crash(Exception):
+    """A fault injected at an instant a real crash cannot be timed to."""
 
 
 def _flush(
     store: Store, writer: LakeWriter, docs: list[dict[str, Any]], *, crash: bool = False
-) -> None:
-    """One flush as the collector makes it: the rows and the lake in one store transaction (new
-    requests' events written right after the commit: waited for here); `crash` raises between
-    the lake's files and the commit (a fault injected here because a real crash cannot be
-    timed to that instant)."""
-
-    class Crash(Exception):
-        pass
-
+) -> Owed | None:
+    """One flush as the collector makes it: the rows and what the lake is owed in one store
+    transaction, then the lake's commits (waited for here); `crash` raises before the store
+    commits."""
+    owed = None
     try:
         with store.write() as con:
             mark = writer.mark(con)
             store.add_events(docs, con)
-            written = writer.write(con, mark)
+            owed = writer.owe(con, mark)
             if crash:
                 raise Crash
-        writer.committed(written)
+        writer.committed(owed)
         writer.wait()
     except Crash:
-        writer.failed(written)
+        return None
+    return owed
 
 
 def _doc(run: str, i: int, **more: Any) -> dict[str, Any]:
     return {"request_id": f"{run}-{i:04d}", "run_id": run, "ts": "2026-11-25T10:00:00Z",
             "ttft_ms": float(i), "status": "ok", **more}  # fmt: skip
+
+
+def _seen(lake: Path) -> tuple[int, int, int]:
+    with Lake([lake]).read() as con:
+        row = con.execute(
+            "SELECT count(*), count(DISTINCT request_id), max(cached_tokens) FROM events"
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1]), int(row[2] or 0)
 
 
 def test_a_flush_the_store_never_committed_leaves_no_row(tmp_path: Path) -> None:
@@ -84,79 +85,90 @@ def test_a_flush_the_store_never_committed_leaves_no_row(tmp_path: Path) -> None
     _flush(store, writer, [_doc("run-a", i) for i in range(10)])
     update = [{"request_id": "run-a-0001", "run_id": "run-a", "cached_tokens": 3}]
     _flush(store, writer, update + [_doc("run-a", i) for i in range(10, 20)], crash=True)
-    assert len(list_files(lake, "events")) == 2  # flush 2's file is there, uncommitted
+    assert _seen(lake) == (10, 10, 0)
     restarted = LakeWriter(lake, store)  # a new process: same sidecar, same committed flush
     assert restarted.sidecar == writer.sidecar and restarted.seq == 1
-    assert len(list_files(lake, "events")) == 1
     _flush(store, restarted, update + [_doc("run-a", i) for i in range(10, 25)])  # read again
-    with Lake([lake]).read() as con:
-        assert con.execute(
-            "SELECT count(*), count(DISTINCT request_id), max(cached_tokens) FROM events"
-        ).fetchone() == (25, 25, 3)
+    assert _seen(lake) == (25, 25, 3)
 
 
-def test_a_crash_in_a_stores_first_flush_leaves_no_file_behind(tmp_path: Path) -> None:
-    """The sidecar's name is in the store before any file carries it: a crash in a new store's
-    first flush, between the lake's files and the commit, leaves files that the restart knows as
-    its own and removes. (A restart under a new name would leave them in the lake for good: the
-    flush's tool call twice, once the flush is read again.)"""
+@pytest.mark.parametrize("dies", ["before any table", "between two tables"])
+def test_a_crash_after_the_stores_commit_loses_and_doubles_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dies: str
+) -> None:
+    """The store committed flush 2; the process died before the lake had all of it (no table,
+    or `events` but not `runtime_events`): the next start writes what each table lacks, once."""
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
     tool = {"type": "tool_call", "run_id": "run-a", "ts": "2026-11-25T10:00:00Z", "tool": "t1"}
     writer = LakeWriter(lake, store)
-    _flush(store, writer, [tool, _doc("run-a", 1)], crash=True)
-    assert len(list_files(lake, "runtime_events")) == 1  # flush 1's file is there, uncommitted
-    restarted = LakeWriter(lake, store)  # a new process
-    assert restarted.sidecar == writer.sidecar and restarted.seq == 0
-    assert list_files(lake, "runtime_events") == []
-    _flush(store, restarted, [tool, _doc("run-a", 1)])  # read again
+    _flush(store, writer, [_doc("run-a", i) for i in range(10)])
+    if dies == "before any table":
+        monkeypatch.setattr(LakeWriter, "_write_after_commit", lambda self, pending: None)
+    else:
+        def crash(*_args: Any) -> None:
+            raise Crash
+
+        monkeypatch.setattr(LakeWriter, "_write_runtime_events", crash)
+    with store.write() as con:
+        mark = writer.mark(con)
+        store.add_events([tool, *(_doc("run-a", i) for i in range(10, 30))], con)
+        owed = writer.owe(con, mark)
+    writer.committed(owed)
+    if dies != "before any table":
+        writer.wait()
+        assert _seen(lake) == (30, 30, 0)
+    monkeypatch.undo()
+    restarted = LakeWriter(lake, store)  # a new process: writes flush 2's missing part first
+    assert restarted.seq == 2
     with Lake([lake]).read() as con:
         assert con.execute("SELECT count(*) FROM runtime_events").fetchone() == (1,)
-        assert con.execute("SELECT count(*) FROM events").fetchone() == (1,)
+    assert _seen(lake) == (30, 30, 0)
+    LakeWriter(lake, store)  # and a start after that writes nothing again
+    _flush(store, restarted, [_doc("run-a", i) for i in range(30, 35)])
+    assert _seen(lake) == (35, 35, 0)
+    events = DeltaTable(str(lake / "events"))
+    assert events.transaction_version(restarted.app_id) == 3
 
 
-@pytest.mark.parametrize("cut_short", [False, True])
-def test_a_crash_before_a_flushs_events_are_written_loses_and_doubles_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut_short: bool
+def test_a_failed_lake_write_is_made_good_by_the_next_flush(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """New requests' events are written after their flush's commit: a crash before that (the
-    thread never ran; or it left a file cut short) is made good by the next start, once."""
+    """The thread could not write flush 1 (a full disk); flush 2's transaction writes it first,
+    from the store as flush 1 left it, and then itself."""
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
     writer = LakeWriter(lake, store)
+    original = LakeWriter._write_events
+    calls = {"n": 0}
+
+    def flaky(self: LakeWriter, *args: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(28, "No space left on device")
+        original(self, *args)
+
+    monkeypatch.setattr(LakeWriter, "_write_events", flaky)
     _flush(store, writer, [_doc("run-a", i) for i in range(10)])
-    monkeypatch.setattr(LakeWriter, "_write_after_commit", lambda self, deferred: None)
-    with store.write() as con:  # flush 2 commits; the process dies before its events are out
-        mark = writer.mark(con)
-        store.add_events([_doc("run-a", i) for i in range(10, 30)], con)
-        written = writer.write(con, mark)
-    assert written is not None and written.deferred is not None
-    assert len(list_files(lake, "events")) == 1
-    if cut_short:
-        (lake / "events" / "run_id=run-a" / "date=2026-11-25" / part_name(writer.sidecar, 2)
-         ).write_bytes(b"PAR1 cut short")  # fmt: skip
-    monkeypatch.undo()
-    restarted = LakeWriter(lake, store)  # a new process: writes flush 2's events first
-    assert restarted.seq == 2 and restarted.published == 2
-    _flush(store, restarted, [_doc("run-a", i) for i in range(30, 35)])
-    with Lake([lake]).read() as con:
-        assert con.execute(
-            "SELECT count(*), count(DISTINCT request_id) FROM events"
-        ).fetchone() == (35, 35)
-    assert len(list_files(lake, "events")) == 3
+    assert _seen(lake) == (0, 0, 0)
+    _flush(store, writer, [{"request_id": "run-a-0002", "run_id": "run-a", "cached_tokens": 4}])
+    assert _seen(lake) == (10, 10, 4)
 
 
 def test_versions_and_moves_resolve_to_the_store_row(tmp_path: Path) -> None:
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
     writer = LakeWriter(lake, store)
     _flush(store, writer, [_doc("vllm-unattributed", i) for i in range(5)] + [_doc("run-b", 1)])
-    _flush(store, writer, [{"request_id": "run-b-0001", "run_id": "run-b", "cached_tokens": 9}])
+    owed = _flush(store, writer, [{"request_id": "run-b-0001", "run_id": "run-b",
+                                   "cached_tokens": 9}])  # fmt: skip
+    assert owed is not None and owed.updated == [("run-b", "run-b-0001")] and not owed.moved
     with store.write() as con:  # the collector moving requests to their session's run
         mark = writer.mark(con)
         moved = store.take_events("vllm-unattributed", ["vllm-unattributed-0001"], con)
         for doc in moved:
             doc["run_id"] = "vllm-tiny-8000-20261125T100000Z"
         store.add_events(moved, con)
-        written = writer.write(con, mark)
-    writer.committed(written)
+        owed = writer.owe(con, mark)
+    assert owed is not None and owed.moved == [("vllm-unattributed", "vllm-unattributed-0001")]
+    writer.committed(owed)
     writer.wait()
     with Store(store.path).read() as con:
         expected = con.execute(
@@ -169,39 +181,61 @@ def test_versions_and_moves_resolve_to_the_store_row(tmp_path: Path) -> None:
         json.loads(dict(((r, q), d) for r, q, d in got)[("run-b", "run-b-0001")])["cached_tokens"]
         == 9
     )
+    raw = duckdb.connect()  # what any Delta reader sees: the same rows, no rule applied
+    raw.register("events", DeltaTable(str(lake / "events")).to_pyarrow_dataset())
+    assert raw.execute("SELECT count(*) FROM events").fetchone() == (len(expected),)
 
 
-def test_compaction_merges_parts_and_readers_never_see_a_row_twice(tmp_path: Path) -> None:
+def test_compaction_and_vacuum_keep_each_row_once(tmp_path: Path) -> None:
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
     writer = LakeWriter(lake, store)
     for k in range(12):  # a trickle: one small file per flush
         _flush(store, writer, [_doc("run-c", k * 10 + i) for i in range(10)])
     _flush(store, writer, [{"request_id": "run-c-0003", "run_id": "run-c", "cached_tokens": 1}])
+    events = DeltaTable(str(lake / "events"))
+    before = events.version()
+    assert len(events.file_uris()) >= 12
+    assert _seen(lake) == (120, 120, 1)
+    assert compact(writer)["events"] >= 12
+    assert len(DeltaTable(str(lake / "events")).file_uris()) == 1
+    assert _seen(lake) == (120, 120, 1)
+    old = DeltaTable(str(lake / "events"), version=before)  # a reader of the older version
+    assert old.to_pyarrow_table().num_rows == 120
+    assert compact(writer) == {}  # nothing written since: nothing to do
+    expire(writer, None)
+    assert _seen(lake) == (120, 120, 1)
 
-    def seen() -> tuple[int, int, int]:
-        with Lake([lake]).read() as con:
-            row = con.execute(
-                "SELECT count(*), count(DISTINCT request_id), max(cached_tokens) FROM events"
-            ).fetchone()
-        return tuple(row)  # type: ignore[return-value]
 
-    assert seen() == (120, 120, 1)
-    parts = sorted((lake / "events").rglob("part-*.parquet"))
-    report = compact(lake, writer.sidecar, writer.seq, min_files=4, grace_s=3600)
-    assert report.merged == 1 and report.parts == 13
-    assert all(p.exists() for p in parts)  # kept through the grace: a reader may have listed them
-    assert seen() == (120, 120, 1)  # the merged file alone, never it and its parts
-    compact(lake, writer.sidecar, writer.seq, grace_s=0)
-    assert not any(p.exists() for p in parts)
-    assert seen() == (120, 120, 1)
+def test_expiry_drops_old_samples_and_keeps_requests(tmp_path: Path) -> None:
+    store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
+    writer = LakeWriter(lake, store)
+    now = datetime(2026, 11, 27, 12)
+    with store.write() as con:
+        mark = writer.mark(con)
+        store.add_events([_doc("run-a", i) for i in range(5)], con)
+        store.add_metric_samples(
+            [(now - timedelta(days=d), "t", "vllm:num_requests_running", {}, None, float(d))
+             for d in (0, 1, 13, 15, 30)],
+            con,
+        )  # fmt: skip
+        owed = writer.owe(con, mark)
+    writer.committed(owed)
+    writer.wait()
+    assert expire(writer, timedelta(days=14), now=now) == 2
+    with Lake([lake]).read() as con:
+        values = sorted(v for (v,) in con.execute("SELECT value FROM metric_samples").fetchall())
+    assert values == [0.0, 1.0, 13.0]
+    assert _seen(lake) == (5, 5, 0)
 
 
 def test_run_ids_that_are_no_folder_names(tmp_path: Path) -> None:
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
     writer = LakeWriter(lake, store)
-    odd = ["a/b", "../x", "run 1%", "é" * 150, "x" * 300, "__HIVE_DEFAULT_PARTITION__", "123"]
+    odd = ["a/b", "../x", "run 1%", "é" * 150, "x" * 300, "__HIVE_DEFAULT_PARTITION__", "123",
+           "~", "it's"]  # fmt: skip
     _flush(store, writer, [_doc(run, 1) for run in odd])
     assert all(".." not in p.relative_to(lake).parts for p in lake.rglob("*"))
+    assert all(len(p.name.encode()) < 255 for p in lake.rglob("*"))
     with Lake([lake]).read() as con:
         runs = {r for (r,) in con.execute("SELECT DISTINCT run_id FROM events").fetchall()}
     assert runs == set(odd)
@@ -212,11 +246,12 @@ def test_run_ids_that_are_no_folder_names(tmp_path: Path) -> None:
             assert con.execute(
                 "SELECT count(*) FROM events WHERE run_id = $1", [run]
             ).fetchone() == (1,)
+    assert not Lake([lake]).has_run("run-nope")
 
 
 def test_a_server_sessions_report_from_the_lake_equals_the_stores(tmp_path: Path) -> None:
     """A session's run holds its own requests and those it served for client runs (in other
-    runs' folders): a lake scoped to it reads the folders of its lifetime's days."""
+    runs' partitions): a lake scoped to it reads them by `vllm_session`."""
     from servescope.reports import ReportOptions, build_summary
 
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
@@ -235,8 +270,8 @@ def test_a_server_sessions_report_from_the_lake_equals_the_stores(tmp_path: Path
         mark = writer.mark(con)
         store.add_events(served + own + elsewhere, con)
         store.upsert_run(session, con, started_at=datetime(2026, 11, 25, 10), label="session")
-        written = writer.write(con, mark, runs=[session])
-    writer.committed(written)
+        owed = writer.owe(con, mark, runs=[session])
+    writer.committed(owed)
     writer.wait()
     options = ReportOptions(charts=False)
     from_store = build_summary(store, session, options)
