@@ -189,14 +189,15 @@ class Mark:
 class Owed:
     """What flush `seq` committed to the store and the lake gets from it.
 
-    Its new rows are those past these rowids (a commit gives them the rowids after every
-    committed one). Its updated requests (stored before, so a MERGE, not an append) keep their
-    rowids, and are named. A flush that moved requests to another run (deleted them from the
-    first) lets DuckDB renumber rows when it checkpoints: its `events` rows are then taken inside
-    the transaction (`held`), and should the process die before they are written, the next
-    start merges every row of the runs it touched (`touched`) instead. `since` is a little
-    below the earliest `ts` the lake's rows of its updated or moved requests have, so a MERGE
-    reads only files that may hold them. `runs` and `flips`: the runs and restarts it changed."""
+    Its `events` rows are taken inside its transaction (`held`): DuckDB may renumber rowids
+    when it checkpoints a table whose rows were deleted (a request moved to another run, an
+    update DuckDB makes as a delete and an insert), so "the rows past the start" is exact only
+    there. Should the process die before they are written, the next start merges every row of
+    the runs the flush touched (`touched`) instead. Its updated requests (a MERGE, not an
+    append) and those that left a run (deleted there) are named; `since` is a little below the
+    earliest `ts` the lake's rows of them have, so the MERGE reads only files that may hold
+    them. `metric_samples` and `runtime_events` only ever gain rows in a flush: the rows past
+    `after`. `runs` and `flips`: the runs and restarts it changed."""
 
     seq: int
     after: dict[str, int]
@@ -320,10 +321,8 @@ class LakeWriter:
         self._settle(con)
         rowids = {}
         for table in ("events", "metric_samples", "lever_flips", "runtime_events"):
-            row = con.execute(f"SELECT COALESCE(max(rowid), -1) FROM {table}").fetchone()  # noqa: S608
-            rowids[table] = int(row[0]) if row else -1
-        count = con.execute("SELECT count(*) FROM events").fetchone()
-        return Mark(rowids, int(count[0]) if count else 0)
+            rowids[table] = _count(con, f"SELECT COALESCE(max(rowid), -1) FROM {table}")  # noqa: S608
+        return Mark(rowids, _count(con, "SELECT count(*) FROM events"))
 
     def owe(
         self,
@@ -336,7 +335,11 @@ class LakeWriter:
         """What this transaction changed, saved in the store with it as flush `seq + 1`; None
         when it changed nothing the lake holds."""
         owed = Owed(self.seq + 1, dict(mark.rowids), runs=sorted(set(runs)))
-        touched = _count(con, f"SELECT count(*) FROM events WHERE rowid > {mark.rowids['events']}")  # noqa: S608
+        after = mark.rowids["events"]
+        touched = _count(con, f"SELECT count(*) FROM events WHERE rowid > {after}")  # noqa: S608
+        if touched:
+            owed.held = self._rows(con, "events", f"rowid > {after}")
+            owed.touched = sorted(set(owed.held.column("run_id").to_pylist()), key=str)
         if touched != _count(con, "SELECT count(*) FROM events") - mark.events:
             self._note_updates(con, mark, owed)
         owed.flips = _changed_flips(con, mark, list(flip_groups))
@@ -374,9 +377,6 @@ class LakeWriter:
         if all(isinstance(ts, datetime) for ts in times):
             # a second below the earliest: file statistics round timestamps
             owed.since = (min(times) - timedelta(seconds=1)).isoformat()
-        if owed.moved:
-            owed.held = self._rows(con, "events", f"rowid > {after}")
-            owed.touched = sorted(set(owed.held.column("run_id").to_pylist()), key=str)
 
     def committed(self, owed: Owed | None) -> None:
         """The store committed flush `owed.seq`: its rows go to the lake on a thread, while the
@@ -469,23 +469,20 @@ class LakeWriter:
     def _write_events(
         self, con: duckdb.DuckDBPyConnection, owed: Owed, txn: CommitProperties, name: str
     ) -> None:
-        if not (owed.updated or owed.moved):
-            self._append(con, owed, txn, name)
-            return
         if self._written(name, owed.seq):
             return
+        since = owed.since
         if owed.held is not None:
             rows = owed.held
-        elif owed.moved:  # taken in its transaction, and lost with the process: its runs whole
+            if not (owed.updated or owed.moved):
+                write_deltalake(self.table(name), rows, mode="append", schema_mode="merge",
+                                commit_properties=txn)  # fmt: skip
+                return
+        elif owed.touched or owed.moved:  # lost with the process: its runs' rows, merged whole
             rows = self._rows(con, name, "list_contains($1, run_id)", [owed.touched])
+            since = None
         else:
-            keys = [[r for r, _q in owed.updated], [q for _r, q in owed.updated]]
-            rows = self._rows(
-                con, name,
-                f"rowid > {owed.after[name]} OR (run_id, request_id) IN"
-                " (SELECT unnest($1::VARCHAR[]), unnest($2::VARCHAR[]))",
-                keys,
-            )  # fmt: skip
+            return
         rows = rows.append_column("lake_delete", pa.repeat(False, rows.num_rows))
         if owed.moved:
             gone = pa.table({
@@ -496,8 +493,8 @@ class LakeWriter:
             })  # fmt: skip
             rows = pa.concat_tables([rows, gone], promote_options="default")
         on = "t.run_key = s.run_key AND t.run_id = s.run_id AND t.request_id = s.request_id"
-        if owed.since is not None:
-            on += f" AND t.ts >= '{sql_literal(owed.since)}Z'"
+        if since is not None:
+            on += f" AND t.ts >= '{sql_literal(since)}Z'"
         (
             self.table(name)
             .merge(rows, on, source_alias="s", target_alias="t", merge_schema=True,
@@ -567,8 +564,8 @@ WHERE (run_id, before_run_id) IN (SELECT unnest($1::VARCHAR[]), unnest($2::VARCH
 
 
 def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
-    row = con.execute(sql).fetchone()
-    return int(row[0]) if row else 0
+    rows = con.execute(sql).fetchall()
+    return int(rows[0][0]) if rows else 0
 
 
 def exists(location: str | Path) -> bool:

@@ -1,10 +1,11 @@
-"""The shared Parquet lake (`collect --lake`, `--lake` on reading commands; store/lake.py).
+"""The shared lake (`collect --lake`, `--lake` on reading commands; store/lake.py), Delta tables.
 
 Three sidecars (real `servescope collect` processes, each with its own store) tail their own
-`.events.jsonl` streams into one lake folder while one of them is SIGKILLed and restarted
-mid-stream; afterwards the lake holds every request exactly once, `report build --lake` equals
-the report of one store that ingested all three streams, and ClickHouse's engine (chdb,
-in-process) reads the same files to the same counts and TTFT quantiles.
+`.events.jsonl` streams into one lake while one of them is SIGKILLed and restarted mid-stream;
+afterwards the lake holds every request exactly once, `report build --lake` equals the report
+of one store that ingested all three streams, and three engines read the same counts and TTFT
+quantiles with their own Delta readers and no rule of servescope's: DuckDB (over delta-rs'
+Arrow dataset), ClickHouse (chdb's `deltaLakeLocal`) and Polars (`scan_delta`).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from typing import Any
 
 import duckdb
 import pytest
+from deltalake import DeltaTable
 
 from servescope.store import Store
 from servescope.store.lakeread import Lake
 from tests.conftest import ROOT, SERVESCOPE, free_port
-from tests.unit.test_lake import PER_SIDECAR, RUNS, SIDECARS, STEPS
+from tests.integration.test_lake_writer import PER_SIDECAR, RUNS, SIDECARS, STEPS
 
 
 def _requests(sidecar: int) -> Iterator[bytes]:
@@ -160,15 +162,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_three_sidecars_one_killed_every_request_once(fleet: dict[str, Any]) -> None:
     lake: Path = fleet["lake"]
-    raw = duckdb.connect()
-    files = str(lake / "events" / "**" / "*.parquet")
-    # every first version once: no flush the store never committed, none written twice
-    first = raw.execute(
-        "SELECT run_id, request_id, count(*) AS n FROM read_parquet($1)"
-        " WHERE NOT lake_update GROUP BY ALL HAVING n <> 1",
-        [files],
+    raw = duckdb.connect()  # any Delta reader, no rule: the current version's rows
+    raw.register("events", DeltaTable(str(lake / "events")).to_pyarrow_dataset())
+    twice = raw.execute(
+        "SELECT run_id, request_id, count(*) AS n FROM events GROUP BY ALL HAVING n <> 1"
     ).fetchall()
-    assert first == []
+    assert twice == []
     with Lake([lake]).read() as con:
         total, distinct = con.execute(
             "SELECT count(*), count(DISTINCT (run_id, request_id)) FROM events"
@@ -187,6 +186,13 @@ def test_three_sidecars_one_killed_every_request_once(fleet: dict[str, Any]) -> 
     assert lake_tools == store_tools
     # the killed sidecar restarted from its checkpoints three times
     assert fleet["outs"][1].read_text().count("collector running") == 4
+    # each sidecar's flushes reached the lake in order, each once (Delta's txn identifiers)
+    apps = {
+        t["appId"]: t["version"]
+        for entry in DeltaTable(str(lake / "events")).history()
+        for t in [entry.get("txn") or {}] if t
+    }  # fmt: skip
+    assert len(apps) <= SIDECARS
 
 
 def _report(tmp: Path, where: list[str], name: str) -> dict[str, Any]:
@@ -238,30 +244,68 @@ def test_listing_commands_read_the_lake(fleet: dict[str, Any]) -> None:
     assert unknown.returncode == 2 and all(run in unknown.stderr for run in RUNS)
 
 
-def test_clickhouse_reads_the_same_numbers(fleet: dict[str, Any]) -> None:
-    """chdb (ClickHouse's engine, in-process) on the files as they lie, with the lake's one
-    rule (the latest version of each request, tombstones out) and `quantileExactInclusive`:
-    linear interpolation between the closest ranks, DuckDB's `quantile_cont` (R-7), so its
-    p50/p95 are servescope's to the last digit."""
+def _expected(fleet: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    report = _report(fleet["tmp"], ["--lake", str(fleet["lake"])], "for-engines")
+    out = {}
+    for side, run in (("after", RUNS[1]), ("before", RUNS[0])):
+        overall = report[side]["overall"]
+        out[run] = {"requests": overall["requests"], "errors": overall["errors"],
+                    "p50": overall["ttft_ms"]["p50"], "p95": overall["ttft_ms"]["p95"]}  # fmt: skip
+    return out
+
+
+def test_duckdb_reads_the_same_numbers(fleet: dict[str, Any]) -> None:
+    """DuckDB over the Arrow dataset delta-rs makes of the current version (DuckDB's own
+    `delta_scan` is an extension built for DuckDB 1.x only): `quantile_cont` is servescope's."""
+    con = duckdb.connect()
+    con.register("events", DeltaTable(str(fleet["lake"] / "events")).to_pyarrow_dataset())
+    rows = con.execute(
+        """SELECT run_id, count(*), count(*) FILTER (status != 'ok'),
+                  quantile_cont(ttft_ms, 0.5) FILTER (status = 'ok'),
+                  quantile_cont(ttft_ms, 0.95) FILTER (status = 'ok')
+           FROM events GROUP BY run_id"""
+    ).fetchall()
+    got = {r: {"requests": n, "errors": e, "p50": p50, "p95": p95} for r, n, e, p50, p95 in rows}
+    assert got == _expected(fleet)
+
+
+def test_clickhouse_reads_the_same_numbers(
+    fleet: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """chdb (ClickHouse's engine, in-process) with its Delta reader, `deltaLakeLocal`, and
+    `quantileExactInclusive`: linear interpolation between the closest ranks, DuckDB's
+    `quantile_cont` (R-7), so its p50/p95 are servescope's to the last digit. chdb reads only
+    under its `user_files_path`, the working directory."""
     import chdb  # the dev extra's
 
-    files = str(fleet["lake"] / "events" / "**" / "*.parquet")
+    monkeypatch.chdir("/")
     sql = f"""
     SELECT run_id, count() AS requests, countIf(status != 'ok') AS errors,
            quantileExactInclusiveIf(0.5)(ttft_ms, status = 'ok') AS p50,
            quantileExactInclusiveIf(0.95)(ttft_ms, status = 'ok') AS p95
-    FROM (SELECT * FROM file('{files}', Parquet)
-          ORDER BY lake_version DESC LIMIT 1 BY run_id, request_id)
-    WHERE NOT lake_deleted
+    FROM deltaLakeLocal('{fleet["lake"] / "events"}')
     GROUP BY run_id ORDER BY run_id FORMAT JSONEachRow
     """  # noqa: S608 - a path this test made
     rows = [json.loads(line) for line in str(chdb.query(sql)).splitlines() if line.strip()]
-    by_run = {r["run_id"]: r for r in rows}
-    assert set(by_run) == set(RUNS)
-    report = _report(fleet["tmp"], ["--lake", str(fleet["lake"])], "for-clickhouse")
-    for side, run in (("after", RUNS[1]), ("before", RUNS[0])):
-        overall = report[side]["overall"]
-        assert by_run[run]["requests"] == overall["requests"]
-        assert by_run[run]["errors"] == overall["errors"]
-        assert by_run[run]["p50"] == overall["ttft_ms"]["p50"]
-        assert by_run[run]["p95"] == overall["ttft_ms"]["p95"]
+    got = {r.pop("run_id"): r for r in rows}
+    assert got == _expected(fleet)
+
+
+def test_polars_reads_the_same_numbers(fleet: dict[str, Any]) -> None:
+    """Polars' `scan_delta`; its "linear" quantile is R-7 too."""
+    import polars as pl  # the dev extra's
+
+    ok = pl.col("status") == "ok"
+    frame = (
+        pl.scan_delta(str(fleet["lake"] / "events"))
+        .group_by("run_id")
+        .agg(
+            pl.len().alias("requests"),
+            (~ok).sum().alias("errors"),
+            pl.col("ttft_ms").filter(ok).quantile(0.5, "linear").alias("p50"),
+            pl.col("ttft_ms").filter(ok).quantile(0.95, "linear").alias("p95"),
+        )
+        .collect()
+    )
+    got = {r.pop("run_id"): r for r in frame.to_dicts()}
+    assert got == _expected(fleet)
