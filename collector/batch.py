@@ -114,13 +114,14 @@ class Intake:
         once: bool = False,
         scrape_interval: float = 5.0,
         max_bytes: int,
+        instance: str | None = None,
     ) -> None:
         self.store = store
         self.metrics = metrics
         self.once = once
         self.scrape_interval = scrape_interval
         self.max_bytes = max_bytes
-        self.attribution = Attribution()
+        self.attribution = Attribution(instance)
         self.failing: str | None = None  # why flushes fail now (None: they commit)
         self._lock = threading.Lock()
         self._pending = Batch()

@@ -18,19 +18,20 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from datetime import UTC
+from datetime import UTC, timedelta
 
 from servescope.collector.batch import Intake
 from servescope.collector.selfmetrics import SelfMetrics
 from servescope.collector.sources import Source
 from servescope.collector.writer import FlushReport, StoreWriter
-from servescope.store import Store, bulk
+from servescope.store import Store, bulk, retention
 from servescope.store.lake import LakeWriter
-from servescope.store.lakecompact import compact
+from servescope.store.lakecompact import compact, expire
 
 log = logging.getLogger("servescope.collector")
 MAX_FLUSH_BYTES = 256 * 1024 * 1024  # a backlog in few statements: see docs/design.md
-COMPACT_INTERVAL_S = 30.0  # how often the lake's small files of this sidecar are merged
+COMPACT_INTERVAL_S = 30.0  # how often the lake's small files of this sidecar are compacted
+EXPIRE_EVERY = 120  # compaction passes between two expiries and VACUUMs of the lake (an hour)
 
 Exporter = Callable[[FlushReport], None]
 
@@ -49,7 +50,9 @@ def failure_reason(exc: BaseException) -> str:
 class Collector:
     """The sources of one `servescope collect`. `poll()` reads the tailed ones, `scrape_all()`
     the periodic ones, `flush()` commits; `run()` loops until stopped, `run_once()` drains the
-    files and returns. Each source resumes from its checkpoints here, in the constructor."""
+    files and returns. Each source resumes from its checkpoints here, in the constructor.
+    `instance` names the host in the ids of the server sessions it makes (collector/sessions.py;
+    None: the older ids without it)."""
 
     def __init__(
         self,
@@ -64,9 +67,16 @@ class Collector:
         want_keys: bool = False,
         metrics: SelfMetrics | None = None,
         lake: LakeWriter | None = None,
+        instance: str | None = None,
+        retain: timedelta | None = None,
+        retain_interval_s: float = retention.INTERVAL_S,
     ) -> None:
         self.store = store
         self.lake = lake
+        self.retain = retain  # metric samples older than this are dropped (--retain)
+        # … and those older than a day downsampled, every `retain_interval_s` (store/retention.py)
+        self.retention = retention.Retention(store, retain) if retain is not None else None
+        self.retain_interval_s = retain_interval_s
         bulk.remove_stale_chunks()
         self.once = once
         self.scrape_interval = scrape_interval
@@ -82,6 +92,7 @@ class Collector:
             once=once,
             scrape_interval=scrape_interval,
             max_bytes=max_flush_bytes,
+            instance=instance,
         )
         self.writer = StoreWriter(store, self.intake.attribution, lake=lake, want_keys=want_keys)
         self.sources = list(sources)
@@ -197,6 +208,8 @@ class Collector:
                 self.flush()
             if not read:
                 break
+        while not self.apply_retention():
+            pass
         self.compact_lake()
         self.close()
 
@@ -211,7 +224,7 @@ class Collector:
         for thread, _join_s in helpers:
             thread.daemon = True
             thread.start()
-        last_flush = time.monotonic()
+        last_flush = next_retention = time.monotonic()  # retention: once at start
         while not stop.is_set():
             # bounded memory: while flushes fail, reading stops at one flush's worth pending
             # (the files keep the rest; the checkpoints have not moved)
@@ -229,6 +242,9 @@ class Collector:
             if not full and not backlog:  # a trickle: wait for more, never spin on it
                 wait = self.poll_interval if not read else self.flush_interval - since
                 stop.wait(max(0.0, min(self.poll_interval, wait)))
+            if self.retention is not None and time.monotonic() >= next_retention:
+                done = self.apply_retention()  # a backlog of it: a slice, then a flush, …
+                next_retention = time.monotonic() + (self.retain_interval_s if done else 0.0)
         while self.poll():
             if self.pending_bytes() >= self.max_flush_bytes:
                 self.flush()
@@ -236,6 +252,23 @@ class Collector:
         for thread, join_s in helpers:
             thread.join(timeout=join_s)
         self.close()
+
+    def apply_retention(self) -> bool:
+        """One retention pass over the metric samples (store/retention.py), counted on the
+        collector's /metrics; False when it stopped at its time budget with more to do. A
+        failure (the store busy, a full disk) is logged and retried at the next pass."""
+        if self.retention is None:
+            return True
+        try:
+            result = self.retention.apply()
+        except Exception as exc:
+            log.warning("metric retention failed (%s); retried later", failure_reason(exc))
+            return True
+        self.metrics.pruned.labels("expired").inc(result.dropped)
+        self.metrics.pruned.labels("downsampled").inc(result.downsampled)
+        self.totals["samples_dropped"] += result.dropped
+        self.totals["samples_downsampled"] += result.downsampled
+        return result.done
 
     def _scrape_loop(self, stop: threading.Event) -> None:
         """The periodic sources, every scrape interval; one failing never stops the others."""
@@ -251,23 +284,28 @@ class Collector:
             stop.wait(max(0.0, self.scrape_interval - (time.monotonic() - started)))
 
     def _compact_loop(self, stop: threading.Event) -> None:
-        """Merge this sidecar's small lake files in the background (store/lakecompact.py)."""
+        """The lake's upkeep in the background (store/lakecompact.py): compaction every pass,
+        expiry and VACUUM every `EXPIRE_EVERY` passes (the first one included)."""
+        passes = 0
         while not stop.wait(COMPACT_INTERVAL_S):
-            self.compact_lake()
+            self.compact_lake(expire_too=passes % EXPIRE_EVERY == 0)
+            passes += 1
 
-    def compact_lake(self) -> None:
-        """One compaction pass over the flushes committed so far; a failure (a full disk) is
-        retried at the next pass, and leaves the lake as it was."""
+    def compact_lake(self, expire_too: bool = False) -> None:
+        """One upkeep pass; a failure (a full disk, a commit race lost) is retried at the next
+        pass, and leaves the lake as it was."""
         if self.lake is None:
             return
         try:
-            compact(self.lake.root, self.lake.sidecar, self.lake.published)
+            compact(self.lake)
+            if expire_too:
+                expire(self.lake, self.retain)
         except Exception as exc:
-            log.warning("lake compaction failed (%s); retried later", failure_reason(exc))
+            log.warning("lake upkeep failed (%s); retried later", failure_reason(exc))
 
     def close(self) -> None:
         """After the last flush: the lake's last events, then the sources let go."""
         if self.lake is not None:
-            self.lake.close()  # the last flush's events, written after its commit
+            self.lake.close()  # the last flush, written after its commit
         for source in self.sources:
             source.close()

@@ -3,9 +3,14 @@
 A log file appended across restarts holds several sessions; each start is announced by the
 version banner, then `non-default args: {…}` (the levers, the served model, the port), then
 `Starting vLLM server on URL`. A session is named once its model and port are known:
-`vllm-<served model>-<port>-<UTC start>` (the port keeps two servers of one model apart, as on
-MIG slices started together). Requests vLLM gave its own id belong to the session's run; a
-restart with other levers is one `lever_flips` row per changed lever, between the two runs.
+`vllm-<served model>-<instance>-<port>-<UTC start>` (the instance, the collector's host by
+default, keeps two nodes that start the same model on the same port in the same second apart in
+a shared store or lake; the port keeps two servers of one host apart, as on MIG slices started
+together). A collector given no instance (the library's default) names sessions as servescope
+did before instances, `vllm-<served model>-<port>-<UTC start>`, and a session begun under that
+name keeps it. Requests vLLM gave its own id belong to the session's run; a restart with other
+levers is one `lever_flips` row per changed lever, between the two runs, and only between two
+sessions of one instance.
 
 Everything a session knows is plain data (`Session.state()`), checkpointed with the log offsets
 it was read up to, so a collector killed and restarted resumes the same session.
@@ -88,9 +93,30 @@ def _stamp(ts: datetime) -> str:
     return ts.astimezone(UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
-def session_run_id(model: str, port: int, started: datetime) -> str:
-    name = _UNSAFE.sub("-", model).strip("-") or "model"
-    return f"vllm-{name}-{port}-{_stamp(started)}"
+def instance_name(text: str) -> str:
+    """A host or instance name as it goes into run ids: letters, digits, `.`, `_` and `-`, any
+    other run of characters one `-` ("" when nothing is left)."""
+    return _UNSAFE.sub("-", text).strip("-")
+
+
+def default_instance() -> str:
+    """This collector's instance when none is given: `$SERVESCOPE_INSTANCE`, else the host name."""
+    return instance_name(settings.instance()) or "host"
+
+
+def session_run_id(model: str, port: int, started: datetime, instance: str | None = None) -> str:
+    """`vllm-<model>-<instance>-<port>-<UTC start>`; without an instance the older spelling,
+    `vllm-<model>-<port>-<UTC start>`."""
+    name = instance_name(model) or "model"
+    host = instance_name(instance) if instance else ""
+    return f"vllm-{name}-{host + '-' if host else ''}{port}-{_stamp(started)}"
+
+
+def same_instance(theirs: str | None, mine: str | None) -> bool:
+    """Whether a session of instance `theirs` may be the one a session of `mine` followed: the
+    same instance, or one from before instances (None: a checkpoint an older collector wrote on
+    this store for this log, taken for this host's)."""
+    return theirs is None or theirs == mine
 
 
 def served_model(args: dict[str, Any]) -> str | None:
@@ -109,6 +135,7 @@ class Session:
     """One server lifetime as far as it has been read."""
 
     run_id: str | None = None  # None until the model and port are known
+    instance: str | None = None  # the collector's host (`collect --instance`); None: before them
     started_at: str | None = None  # ISO, UTC
     last_ts: str | None = None
     ended_at: str | None = None
@@ -179,7 +206,7 @@ class Session:
             self.started_at = _iso(ts or datetime.now(UTC))
         start = self.started()
         assert start is not None
-        self.run_id = session_run_id(self.model or "model", self.port, start)
+        self.run_id = session_run_id(self.model or "model", self.port, start, self.instance)
 
     def listening(self, url: str) -> None:
         parsed = urlparse(url)
@@ -254,6 +281,8 @@ class Session:
     def run_row(self) -> dict[str, Any]:
         """The session's `runs` row."""
         notes: dict[str, Any] = {"kind": KIND, "log": self.source, "previous": self.previous}
+        if self.instance:
+            notes["instance"] = self.instance
         if self.model_path:
             notes["model_path"] = self.model_path
         if self.cache_config:
@@ -354,7 +383,9 @@ class ServerLog:
         session = self.session
         if item.version is not None:
             self._end(item.ts)
-            self.session = Session(version=item.version, source=self.name)
+            self.session = Session(
+                version=item.version, source=self.name, instance=self._attribution.instance
+            )
             self.session.seen(item.ts)
             self.session.started_at = self.session.last_ts
         elif session is None:
@@ -371,10 +402,12 @@ class ServerLog:
         session (a log without version banners) is a new session."""
         if self.session is None or self.session.args or self.session.named:
             self._end(item.ts)
-            self.session = Session(source=self.name)
+            self.session = Session(source=self.name, instance=self._attribution.instance)
         session = self.session
         previous = self.state.get("previous")
-        if previous:
+        # another instance's session on this store's checkpoint of a log of the same name (a
+        # store two hosts took turns with) is not the one this server followed
+        if previous and same_instance(previous.get("instance"), session.instance):
             session.previous, session.previous_levers = previous["run_id"], previous["levers"]
             session.previous_args = previous.get("args")
             session.previous_scraped = bool(previous.get("scraped"))
@@ -415,6 +448,7 @@ class ServerLog:
                 "levers": session.levers,
                 "args": session.args,
                 "scraped": bool(session.cache_config),
+                "instance": session.instance,
             }
         self.session = None
 
@@ -425,7 +459,8 @@ class Attribution:
     writes their `runs` rows and flips. Not thread-safe: the collector calls it under its lock,
     or from its flushing thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, instance: str | None = None) -> None:
+        self.instance = instance  # the collector's host, in the ids of the sessions it names
         self.logs: list[ServerLog] = []
         self.targets: dict[str, dict[str, Any]] = {}  # metrics URL → its checkpoint state
         self._held: list[tuple[float, Scrape]] = []  # scrapes waiting for their server's session
@@ -612,7 +647,8 @@ class Attribution:
         parsed = urlparse(result.url)
         port = parsed.port or 80
         session = Session(
-            run_id=session_run_id(model or "model", port, started),
+            run_id=session_run_id(model or "model", port, started, self.instance),
+            instance=self.instance,
             started_at=started.isoformat(),
             version=state.get("version"),
             model=model,
@@ -622,6 +658,7 @@ class Attribution:
         if current is not None:
             current.end(started)
             self.ended(current)
+        if current is not None and same_instance(current.instance, self.instance):
             session.previous, session.previous_levers = current.run_id, current.levers
             session.previous_args = current.args
             session.previous_scraped = bool(current.cache_config)

@@ -85,12 +85,15 @@ METHOD = (
 
 def previous_run(con: duckdb.DuckDBPyConnection, run: RunRow) -> str:
     """The run of the same server just before `run`: what `--vs previous` compares with (a
-    server session names the one it followed)."""
+    server session names the one it followed; else the run before it at its target, of its
+    collector instance: `sql.PREVIOUS_RUN`)."""
     named = (run["notes"] or {}).get("previous")
     if isinstance(named, str) and named:
         return named
     if run["target"] and run["started_at"]:
-        params = {"target": run["target"], "started": run["started_at"], "run_id": run["run_id"]}
+        instance = (run["notes"] or {}).get("instance")
+        params = {"target": run["target"], "started": run["started_at"], "run_id": run["run_id"],
+                  "instance": instance if isinstance(instance, str) else None}  # fmt: skip
         row = con.execute(sql.PREVIOUS_RUN, params).fetchone()
         if row:
             return str(row[0])

@@ -435,9 +435,16 @@ RUN_SPAN = """
 SELECT min(ts), max(ts) FROM events WHERE run_id = $run_id OR vllm_session = $run_id
 """
 # The run before one on the same server (a session's predecessor when its notes do not say).
+# the run before at the same target URL, of the same collector instance (`notes.instance`: two
+# hosts' servers on one port share a target such as http://127.0.0.1:8000); a run of no instance
+# (a bench run, a session named before instances) precedes only runs of none, and runs that
+# are not server sessions (bench runs against the server)
 PREVIOUS_RUN = """
 SELECT run_id FROM runs
 WHERE target = $target AND started_at < $started AND run_id <> $run_id
+  AND (json_extract_string(notes, '$.instance') IS NOT DISTINCT FROM $instance
+       OR (json_extract_string(notes, '$.instance') IS NULL
+           AND coalesce(json_extract_string(notes, '$.kind'), '') <> 'vllm-session'))
 ORDER BY started_at DESC LIMIT 1
 """
 # `report flips`: every lever flip, grouped by the change of runs it belongs to.

@@ -24,6 +24,10 @@ from pathlib import Path
 
 DATA_DIR_ENV = "SERVESCOPE_DATA_DIR"
 STORE_ENV = "SERVESCOPE_STORE"
+# The name a collector gives its host in the server-session run ids it makes (`collect
+# --instance`; default: the host name). Set it where the host name is not the host's: a container
+# whose host name is its id, new with each container.
+INSTANCE_ENV = "SERVESCOPE_INSTANCE"
 DEFAULT_DATA_DIR = Path("servescope-data")
 
 # Default ports, all bound to 127.0.0.1 unless configured (docs/architecture.md, "Ports").
@@ -50,6 +54,11 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
+
+
+def instance() -> str:
+    """The collector's instance name as given (`$SERVESCOPE_INSTANCE`), else the host name."""
+    return os.environ.get(INSTANCE_ENV) or socket.gethostname()
 
 
 def data_dir() -> Path:

@@ -16,15 +16,22 @@ from servescope.collector import Collector
 from servescope.collector.gpu import GPU_MODES, GpuSource, NoGpu, open_gpu_source
 from servescope.collector.otlp_export import OtlpExport, StoredRequestForwarder
 from servescope.collector.selfmetrics import SelfMetrics
+from servescope.collector.sessions import default_instance, instance_name
 from servescope.collector.sources import Source
 from servescope.collector.sources.events import EventsFiles
 from servescope.collector.sources.gpu import GpuTelemetry
 from servescope.collector.sources.logs import VllmLog
 from servescope.collector.sources.metrics import MetricsTarget
 from servescope.collector.sources.otlp import OtlpTraces
-from servescope.commands.common import add_store_option, byte_progress, console, open_store
-from servescope.store import settings
-from servescope.store.lake import LakeWriter
+from servescope.commands.common import (
+    UsageError,
+    add_store_option,
+    byte_progress,
+    console,
+    open_store,
+)
+from servescope.store import retention, settings
+from servescope.store.lake import LakeUnavailable, LakeWriter
 
 DESCRIPTION = (
     "Tail vLLM server logs (text or JSON format, detected per line) and .events.jsonl files, "
@@ -96,6 +103,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"address the receivers bind (default {settings.HOST})",
     )
     parser.add_argument(
+        "--instance",
+        default=None,
+        metavar="NAME",
+        help="this host's name in the run ids of the server sessions it records, "
+        "vllm-<model>-<instance>-<port>-<UTC start>, and in their runs rows (notes.instance): "
+        "two nodes that start the same model on the same port in the same second stay two "
+        f"runs in a shared store or lake (default ${settings.INSTANCE_ENV}, else the host "
+        "name; letters, digits, '.', '_' and '-', anything else becomes '-'). Keep it stable: "
+        "a restart pairs with the session before it only within one instance",
+    )
+    parser.add_argument(
         "--otlp-export",
         default=None,
         metavar="URL",
@@ -134,13 +152,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--lake",
-        type=Path,
         default=None,
-        metavar="DIR",
-        help="also append every committed flush to this shared Parquet lake (hive-partitioned "
-        "run_id=…/date=…, one folder per table): many sidecars on many hosts can write one "
-        "folder (NFS, a mounted bucket) without coordination; reports read it with --lake, as "
-        "do DuckDB, ClickHouse, Spark and Trino (docs/lake.md)",
+        metavar="DIR|URI",
+        help="also write every committed flush to this shared lake: a Delta Lake table per "
+        "store table, in a folder (local, NFS) or object storage (s3://bucket/prefix, gs://, "
+        "az://; credentials from the usual environment variables, AWS_ACCESS_KEY_ID …). Many "
+        "sidecars on many hosts write one lake; reports read it with --lake, as do DuckDB, "
+        "ClickHouse, Polars and Spark with their Delta readers (docs/lake.md)",
+    )
+    parser.add_argument(
+        "--retain",
+        default=None,
+        metavar="DURATION",
+        help="keep the /metrics samples this long (36h, 14d, 2w): at start and every 5 "
+        "minutes, samples older than that are dropped, and those older than 24 hours are "
+        "downsampled to one a minute per series (the minute's last value: right for counters' "
+        "rate(), a gauge's closing value). Requests, runs, lever flips, runtime events and "
+        "ingest errors are kept. Default: keep every sample. `servescope store prune` does the "
+        "same once",
     )
     add_store_option(parser)
     parser.set_defaults(func=run_collect)
@@ -153,6 +182,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         return "--once reads files and exits; it cannot receive traces (drop --otlp-port)"
     if args.scrape_interval <= 0:
         return "--scrape-interval must be positive"
+    if args.instance is not None and not instance_name(args.instance):
+        return f"--instance {args.instance!r}: give a name with letters or digits"
     if args.gpu not in GPU_MODES:
         names = [n.strip() for n in args.gpu.split(",")]
         bad = [n for n in names if not (n.isdigit() or n.startswith("GPU-"))]
@@ -176,6 +207,10 @@ def run_collect(args: argparse.Namespace) -> int:
     if problem:
         console.print(f"{problem}", style="red")
         return 2
+    try:
+        retain = retention.parse_duration(args.retain) if args.retain is not None else None
+    except retention.BadRetention as exc:
+        raise UsageError(f"--retain: {exc}") from None
     gpu = None
     if not args.once:
         try:
@@ -188,7 +223,7 @@ def run_collect(args: argparse.Namespace) -> int:
     store = open_store(args, create=True)
     try:
         lake = LakeWriter(args.lake, store) if args.lake is not None else None
-    except OSError as exc:
+    except (OSError, LakeUnavailable) as exc:
         console.print(f"cannot write the lake at {args.lake}: {exc}", style="red")
         return 1
     otlp = OtlpTraces(args.host, args.otlp_port) if args.otlp_port is not None else None
@@ -200,6 +235,8 @@ def run_collect(args: argparse.Namespace) -> int:
         once=args.once,
         metrics=metrics,
         want_keys=bool(args.otlp_export),
+        retain=retain,
+        instance=instance_name(args.instance) if args.instance else default_instance(),
     )
     forwarder = None
     if args.otlp_export:

@@ -23,6 +23,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from servescope.collector.sessions import default_instance
 from servescope.loadgen.prompts import seeded_text
 from tests.conftest import ROOT, SERVESCOPE, free_port, servescope
 
@@ -225,7 +226,8 @@ def test_two_server_sessions_are_two_runs_with_one_flip(live: Sessions) -> None:
     before, after = live.runs
     for run in live.runs:
         assert run["model"] == "tiny"
-        assert run["run_id"].startswith(f"vllm-tiny-{live.port}-")
+        # the collector runs with no --instance: its host's name is in the id
+        assert run["run_id"].startswith(f"vllm-tiny-{default_instance()}-{live.port}-")
         assert run["events"] == GOOD + REFUSED
     assert before["levers"]["enable_prefix_caching"] is False
     assert after["levers"]["enable_prefix_caching"] is True

@@ -44,6 +44,11 @@ def _server_log(port: int, minute: int, caching: bool, requests: list[str]) -> l
     return lines
 
 
+def _collect(*args: str, env: dict[str, str] | None = None) -> None:
+    """`collect --once` as the sidecar of host `gpu-1`: its sessions' ids name it."""
+    servescope("collect", "--once", "--instance", "gpu-1", *args, env=env, check=True)
+
+
 def _rows(store: Path, sql: str) -> list[tuple]:
     with duckdb.connect(str(store), read_only=True) as con:
         return con.execute(sql).fetchall()
@@ -57,14 +62,13 @@ def test_a_log_across_a_restart_and_two_slices_give_their_sessions(tmp_path: Pat
     ) + "\n")  # fmt: skip
     slice_b.write_text("\n".join(_server_log(8002, 10, True, ["3b2c3d4e5f6a7b8c"])) + "\n")
     store = tmp_path / "s.duckdb"
-    servescope("collect", "--once", "--vllm-log", str(slice_a), "--vllm-log", str(slice_b),
-               "--store", str(store), check=True)  # fmt: skip
+    _collect("--vllm-log", str(slice_a), "--vllm-log", str(slice_b), "--store", str(store))
     runs = _rows(store, "SELECT run_id, target, model, vllm_version, status, levers FROM runs "
                         "ORDER BY run_id")  # fmt: skip
     first, second, other = (
-        "vllm-tiny-8001-20261124T201001Z",
-        "vllm-tiny-8001-20261124T202001Z",
-        "vllm-tiny-8002-20261124T201001Z",
+        "vllm-tiny-gpu-1-8001-20261124T201001Z",
+        "vllm-tiny-gpu-1-8001-20261124T202001Z",
+        "vllm-tiny-gpu-1-8002-20261124T201001Z",
     )
     assert [r[:5] for r in runs] == [
         (first, "http://127.0.0.1:8001", "tiny", "0.32.0", "ended"),
@@ -91,8 +95,7 @@ def test_a_log_across_a_restart_and_two_slices_give_their_sessions(tmp_path: Pat
     assert flips == [("enable_prefix_caching", "false", "true", first, second)]
 
     # reading again changes nothing; the reports of the sessions
-    servescope("collect", "--once", "--vllm-log", str(slice_a), "--vllm-log", str(slice_b),
-               "--store", str(store), check=True)  # fmt: skip
+    _collect("--vllm-log", str(slice_a), "--vllm-log", str(slice_b), "--store", str(store))
     assert len(_rows(store, "SELECT * FROM events")) == len(events)
     listing = servescope("report", "flips", "--json", "--store", str(store), check=True)
     (flip,) = json.loads(listing.stdout)
@@ -104,7 +107,8 @@ def test_a_log_across_a_restart_and_two_slices_give_their_sessions(tmp_path: Pat
     assert report["base_run_id"] == first
     # the flip is the restart itself: splitting the new session there compares nothing
     split = servescope("report", "build", second, "--split-at-flip", "--store", str(store))
-    assert split.returncode == 2 and f"report build {second} --vs previous" in split.stderr
+    said = " ".join(split.stderr.split())  # the console wraps at its width
+    assert split.returncode == 2 and f"report build {second} --vs previous" in said
     assert report["before"]["overall"]["requests"] == 3  # its own 2 + the client's 1 it served
     assert report["before"]["overall"]["errors_by_class"] == {"http_4xx": 1}
     assert report["after"]["overall"]["error_rate"] == 0.5
@@ -115,8 +119,8 @@ def test_windows_of_a_session(tmp_path: Path) -> None:
     ids = [f"{i:016x}" for i in range(1, 11)]
     log.write_text("\n".join(_server_log(8001, 10, True, ids)) + "\n")
     store = tmp_path / "s.duckdb"
-    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(store), check=True)
-    run = "vllm-tiny-8001-20261124T201001Z"
+    _collect("--vllm-log", str(log), "--store", str(store))
+    run = "vllm-tiny-gpu-1-8001-20261124T201001Z"
 
     def requests(*window: str) -> int:
         built = servescope(
@@ -282,7 +286,7 @@ def test_a_refusal_read_live_is_dated_when_it_was_written_not_at_the_last_dated_
     ((ts, status),) = _rows(store.path, "SELECT ts, status FROM events")
     assert status == "error" and abs((ts - sent).total_seconds()) < 5, ts
     once = tmp_path / "once.duckdb"
-    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(once), check=True)
+    _collect("--vllm-log", str(log), "--store", str(once))
     assert _rows(once, "SELECT count(*), min(status) FROM events") == [(1, "error")]
 
 
@@ -325,8 +329,8 @@ def test_parallel_samples_and_responses_calls_are_one_request_each_in_their_sess
     log = tmp_path / "vllm.log"
     log.write_text("\n".join(SAMPLED_AND_RESPONSES_LOG) + "\n")
     store = tmp_path / "s.duckdb"
-    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(store), check=True)
-    session = "vllm-tiny-18123-20261125T002249Z"
+    _collect("--vllm-log", str(log), "--store", str(store))
+    session = "vllm-tiny-gpu-1-18123-20261125T002249Z"
     assert _rows(store, "SELECT run_id, request_id FROM events ORDER BY request_id") == [
         (session, "8d338686ca4c395a"),
         (session, "aba708d7335bfac1"),
@@ -343,11 +347,10 @@ def test_a_server_logging_local_time_is_read_in_utc(tmp_path: Path) -> None:
     lines = _server_log(8001, 10, True, ["1b2c3d4e5f6a7b8c"])
     log.write_text("\n".join(line.replace("11-24 20:", "11-24 21:") for line in lines) + "\n")
     store = tmp_path / "s.duckdb"
-    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(store),
-               env={"TZ": "Europe/Berlin"}, check=True)  # fmt: skip
+    _collect("--vllm-log", str(log), "--store", str(store), env={"TZ": "Europe/Berlin"})
     assert _rows(store, "SELECT run_id, started_at, ended_at FROM runs") == [
         (
-            "vllm-tiny-8001-20261124T201001Z",
+            "vllm-tiny-gpu-1-8001-20261124T201001Z",
             datetime(2026, 11, 24, 20, 10, 1),
             datetime(2026, 11, 24, 20, 10, 59),
         )
