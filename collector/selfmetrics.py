@@ -55,6 +55,13 @@ class SelfMetrics:
             "Input read and not committed yet (bounded: reading pauses at one flush's worth).",
             registry=self.registry,
         )
+        self.pruned = Counter(
+            "servescope_collector_samples_pruned",
+            "Metric samples deleted by --retain: expired (older than the retention) or "
+            "downsampled (older than a day, not the last of their minute in their series).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.flips = Gauge(
             "servescope_lever_flip_info",
             "A lever flip seen by the collector (value: unix time of the flip).",

@@ -501,3 +501,30 @@ SELECT count(*) AS requests,
            - epoch(min(ts)) AS seconds
 FROM events WHERE run_id = $run_id AND status = 'ok'
 """
+
+# -- retention of `/metrics` samples (store/retention.py) --------------------------------------
+# Samples older than the cutoff are dropped. In [$start, $end) each series (target, name, labels,
+# run_id) keeps one sample a minute, the minute's last: the others are "superseded" (the primary
+# key makes `ts` unique within a series, so the last one is never a tie). Both filter on `ts`
+# first, which DuckDB answers from each row group's zone map: a pass with nothing to do reads
+# almost nothing.
+# Both are done in slices of time holding about the same number of rows (SAMPLES_IN_WINDOW
+# tells), one transaction each.
+SAMPLES_IN_WINDOW = """
+SELECT min(ts), count(*) FROM metric_samples WHERE ts >= $start AND ts < $end
+"""
+DROP_SAMPLES = "DELETE FROM metric_samples WHERE ts >= $start AND ts < $end"
+_SUPERSEDED_SAMPLES = """
+SELECT rowid FROM (
+    SELECT rowid, row_number() OVER (
+        PARTITION BY target, name, labels, run_id, date_trunc('minute', ts) ORDER BY ts DESC
+    ) AS newer
+    FROM metric_samples WHERE ts >= $start AND ts < $end
+) WHERE newer > 1
+"""
+COUNT_SUPERSEDED_SAMPLES = f"SELECT count(*) FROM ({_SUPERSEDED_SAMPLES})"
+DOWNSAMPLE_SAMPLES = f"""
+DELETE FROM metric_samples
+WHERE ts >= $start AND ts < $end AND rowid IN ({_SUPERSEDED_SAMPLES})
+"""
+COUNT_SAMPLES = "SELECT count(*) FROM metric_samples"

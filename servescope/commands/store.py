@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import time
 from pathlib import Path
 
 from servescope.commands.common import (
+    UsageError,
     byte_progress,
     console,
     list_runs,
@@ -15,7 +17,7 @@ from servescope.commands.common import (
     run_arg,
     store_command,
 )
-from servescope.store import export_run, import_file
+from servescope.store import export_run, import_file, retention
 from servescope.store.parquet import count_parquet, export_parquet
 
 
@@ -55,6 +57,29 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     runs = stores.add_parser("runs", help="list runs with their event counts (as `report list`)")
     store_command(runs, list_runs, json_help="print the runs as JSON", lake=True)
+
+    prune = stores.add_parser(
+        "prune",
+        help="drop /metrics samples older than a date, downsample those older than a day",
+        description="What `servescope collect --retain` does, once: /metrics samples older than "
+        "--before are dropped; those from --before to 24 hours ago are downsampled to one a "
+        "minute per series (target, name, labels, run), the minute's last sample kept as it is "
+        "(right for counters' rate(); a gauge keeps its closing value). Samples of the last 24 "
+        "hours, requests, runs, lever flips, runtime events and ingest errors are kept. Runs in "
+        "short transactions, so a collector writing the same store goes on; the file keeps its "
+        "size (DuckDB reuses the space).",
+    )
+    prune.add_argument(
+        "--before",
+        required=True,
+        metavar="DATE",
+        help="drop samples older than this: an ISO date or date and time, UTC unless it says "
+        "otherwise (2026-11-13, 2026-11-13T06:00:00Z)",
+    )
+    prune.add_argument(
+        "--dry-run", action="store_true", help="count what would be dropped and downsampled"
+    )
+    store_command(prune, run_prune, json_help="print the counts as JSON")
 
 
 def run_import(args: argparse.Namespace) -> int:
@@ -110,4 +135,36 @@ def run_export(args: argparse.Namespace) -> int:
     console.print(f"{count} records written to {args.out}")
     if args.json:
         print(json.dumps({"written": {"lines": count}}))
+    return 0
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    try:
+        before = retention.parse_before(args.before)
+    except retention.BadRetention as exc:
+        raise UsageError(f"--before: {exc}") from None
+    now = retention.utcnow()
+    if before > now:
+        raise UsageError(f"--before {args.before}: that is in the future; nothing would be kept")
+    store = open_store(args)
+    samples_before = retention.sample_count(store)
+    started = time.monotonic()
+    result = retention.prune(store, before, now=now, dry_run=args.dry_run)
+    seconds = round(time.monotonic() - started, 3)
+    samples_after = retention.sample_count(store)
+    would = "would be " if args.dry_run else ""
+    console.print(f"{result.dropped} metric samples older than {before:%F %T} UTC {would}dropped")
+    if result.downsample_from is not None and result.downsample_until is not None:
+        console.print(
+            f"{result.downsampled} {would}removed by downsampling {result.downsample_from:%F %T}"
+            f" to {result.downsample_until:%F %T} UTC to one sample a minute per series"
+        )
+    else:
+        console.print("nothing to downsample: --before is within the last 24 hours")
+    console.print(f"metric samples: {samples_before} before, {samples_after} after ({seconds} s)")
+    if args.json:
+        out = result.as_json() | {
+            "samples_before": samples_before, "samples_after": samples_after, "seconds": seconds
+        }  # fmt: skip
+        print(json.dumps(out))
     return 0
