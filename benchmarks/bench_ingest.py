@@ -128,7 +128,7 @@ def ours(path: Path, folder: Path, n: int, lake: bool = False) -> tuple[float, f
         row = con.execute("SELECT count(*) FROM events").fetchone()
     assert row is not None and row[0] == n, row
     if writer is not None:
-        with Lake([writer.root]).read() as con:
+        with Lake([writer.location]).read() as con:
             row = con.execute("SELECT count(*) FROM events").fetchone()
         assert row is not None and row[0] == n, row
     return elapsed, in_lake
@@ -359,7 +359,7 @@ def main() -> int:
     parser.add_argument(
         "--lake",
         action="store_true",
-        help="the collector also appends every flush to a Parquet lake (`collect --lake`)",
+        help="the collector also writes every flush to a Delta lake (`collect --lake`)",
     )
     parser.add_argument("--measure-once", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--code-root", help=argparse.SUPPRESS)

@@ -260,6 +260,8 @@ class Collector:
         if self.retention is None:
             return True
         try:
+            if self.lake is not None:  # its unwritten flushes count on the samples' rowids
+                self.lake.drain()
             result = self.retention.apply()
         except Exception as exc:
             log.warning("metric retention failed (%s); retried later", failure_reason(exc))

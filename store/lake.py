@@ -19,15 +19,16 @@ else `~<its head, sanitised>~<digest>`: a partition folder every file system and
 Readers filter on `run_id` as they would anyway; `run_key` only prunes.
 
 Exactly once with the store. A flush commits to the store first, and in the same transaction
-saves what it owes the lake (`Owed`: the rowids past which its rows lie, the requests it
-updated or moved, the runs and flips it changed). A thread then writes those rows from the
-committed store, one Delta commit per table, each carrying the Delta transaction identifier
-(`txn`: this sidecar's application id and the flush's number). The next flush waits for that
-thread before it touches the store, and writes the rows itself if the thread failed, so the
-store never runs more than one flush ahead of the lake and always still holds that flush's rows
-as they were. A start after a crash reads, per table, the last flush number the lake committed
-for this sidecar (`DeltaTable.transaction_version`) and writes what is missing: a flush is never
-lost and never written twice, whether the sidecar died before, inside or after a Delta commit.
+saves what it owes the lake (`Owed`: its requests' rows, taken in the transaction; the rowids
+past which its samples and runtime events lie; the requests it updated or moved; the runs and
+flips it changed), together with what earlier flushes still owe (a trickle's flushes reach the
+lake together, every `INTERVAL_S`). A thread then writes them, one Delta commit per table, each
+carrying Delta's transaction identifier (`txn`: this sidecar's application id and the last
+flush's number). The next flush waits for a thread in flight before it touches the store, and
+writes the rows itself if the thread failed. A start after a crash reads, per table, the last
+flush the lake committed for this sidecar (`DeltaTable.transaction_version`) and writes what is
+missing: a flush is never lost and never written twice, whether the sidecar died before, inside
+or after a Delta commit.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ TABLES = ("events", "metric_samples", "runs", "lever_flips", "runtime_events")
 PARTITIONED = ("events", "metric_samples", "runtime_events")
 RUN_KEY = "run_key"
 COMMIT_ATTEMPTS = 12  # a commit that loses a race with another sidecar's is tried again
+# A trickle commits to the store every 0.25 s; the lake gets its flushes together at most this
+# often (a Delta commit per table each time: its log, listed at each commit, stays short).
+INTERVAL_S = 5.0
+HELD_ROWS = 250_000  # or sooner, once the flushes not yet written hold this many requests
 
 # Each table's columns (as the store's inserts name theirs): a sidecar of this version writes
 # exactly these whatever columns a newer servescope has added to its store.
@@ -216,6 +221,35 @@ class Owed:
         finally:
             self.held = held
 
+    def then(self, later: Owed) -> Owed:
+        """This unwritten flush and a later one as one write: the later flush's rows win where
+        both hold a request, and a request the later one moved away is only a deletion."""
+        gone = set(later.moved)
+        if self.held is not None and later.held is not None:
+            held: pa.Table | None = _latest(pa.concat_tables([self.held, later.held]), gone)
+        elif self.held is None and not self.touched:
+            held = later.held
+        elif later.held is None and not later.touched and self.held is not None:
+            held = _latest(self.held, gone)
+        else:  # a flush whose rows were not taken (adopted from the store): its runs whole
+            held = None
+        times = [o.since for o in (self, later) if o.updated or o.moved]
+        return Owed(
+            seq=later.seq,
+            after=self.after,
+            updated=sorted((set(self.updated) | set(later.updated)) - gone),
+            moved=sorted(set(self.moved) | gone),
+            touched=sorted(set(self.touched) | set(later.touched), key=str),
+            since=None if None in times else min(times, default=None),  # type: ignore[type-var]
+            runs=sorted(set(self.runs) | set(later.runs)),
+            flips=sorted(set(self.flips) | set(later.flips)),
+            held=held,
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.held.num_rows if self.held is not None else 0
+
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Owed:
         return cls(
@@ -230,6 +264,22 @@ class Owed:
         )
 
 
+def _latest(rows: pa.Table, gone: set[tuple[str, str]]) -> pa.Table:
+    """One row per request, the last one, none of the requests in `gone`."""
+    order = pa.array(range(rows.num_rows), pa.int64())
+    last = (
+        rows.select(["run_id", "request_id"]).append_column("lake_order", order)
+        .group_by(["run_id", "request_id"]).aggregate([("lake_order", "max")])
+    )  # fmt: skip
+    keep = last.column("lake_order_max")
+    if gone:
+        keys = zip(last.column("run_id").to_pylist(), last.column("request_id").to_pylist(),
+                   strict=True)  # fmt: skip
+        keep = pa.array([k for k, key in zip(keep.to_pylist(), keys, strict=True)
+                         if key not in gone], pa.int64())  # fmt: skip
+    return rows.take(pa.array(sorted(keep.to_pylist()), pa.int64()))
+
+
 @dataclass
 class _Pending:
     owed: Owed
@@ -240,11 +290,14 @@ class _Pending:
 class LakeWriter:
     """Writes each committed flush of one store to the lake (see the module docstring).
 
-    In the flush's store transaction: `mark(con)` first (it settles the previous flush), then
+    In the flush's store transaction: `mark(con)` first (it settles a write in flight), then
     `owe(con, mark, …)` just before the commit; after the commit `committed(owed)`.
     """
 
-    def __init__(self, location: str | Path, store: Store) -> None:
+    def __init__(
+        self, location: str | Path, store: Store, *, interval_s: float = INTERVAL_S
+    ) -> None:
+        self.interval_s = interval_s
         self.location = str(location) if is_uri(location) else str(Path(location).resolve())
         self.store = store
         self.source = f"lake:{self.location}"
@@ -253,15 +306,17 @@ class LakeWriter:
         self.app_id = f"servescope-{self.sidecar}"
         self.seq: int = int(state.get("seq") or 0)
         self._tables: dict[str, DeltaTable] = {}
-        self._pending: _Pending | None = None
-        self._whole = 0  # the last flush known whole in the lake
+        self._pending: _Pending | None = None  # a write on its thread
+        self._owed: Owed | None = None  # committed flushes not yet written, as one
+        self._last_write = 0.0
         self.touched: set[str] = set()  # run keys written since the last compaction
         try:
             if not is_uri(self.location):
                 Path(self.location).mkdir(parents=True, exist_ok=True)
             self._create_tables()
-            with self.store.snapshot() as con:  # a crash may have left the last flush unwritten
-                self._settle(con)
+            with self.store.snapshot() as con:  # a crash may have left flushes unwritten
+                self._adopt(con)
+                self._drain(con)
         except DeltaError as exc:
             raise LakeUnavailable(str(exc).splitlines()[0] if str(exc) else repr(exc)) from exc
 
@@ -316,8 +371,8 @@ class LakeWriter:
     # -- the flush's transaction -----------------------------------------------------------------
 
     def mark(self, con: duckdb.DuckDBPyConnection) -> Mark:
-        """Where the tables stand, once the previous flush is whole in the lake (first thing in
-        a flush's transaction: the store is still as that flush left it)."""
+        """Where the tables stand (first thing in a flush's transaction, which still sees the
+        store as the last flush left it), once a write in flight is done or made good."""
         self._settle(con)
         rowids = {}
         for table in ("events", "metric_samples", "lever_flips", "runtime_events"):
@@ -332,8 +387,8 @@ class LakeWriter:
         runs: Iterable[str] = (),
         flip_groups: Iterable[tuple[str, str]] = (),
     ) -> Owed | None:
-        """What this transaction changed, saved in the store with it as flush `seq + 1`; None
-        when it changed nothing the lake holds."""
+        """What this transaction changed, with the flushes not yet written, saved in the store
+        with it as flush `seq + 1`; None when it changed nothing the lake holds."""
         owed = Owed(self.seq + 1, dict(mark.rowids), runs=sorted(set(runs)))
         after = mark.rowids["events"]
         touched = _count(con, f"SELECT count(*) FROM events WHERE rowid > {after}")  # noqa: S608
@@ -348,6 +403,8 @@ class LakeWriter:
             for t in ("metric_samples", "runtime_events")
         )):  # fmt: skip
             return None
+        if self._owed is not None:
+            owed = self._owed.then(owed)
         self._save(con, {"sidecar": self.sidecar, "seq": owed.seq, "owed": owed.state()})
         return owed
 
@@ -379,11 +436,17 @@ class LakeWriter:
             owed.since = (min(times) - timedelta(seconds=1)).isoformat()
 
     def committed(self, owed: Owed | None) -> None:
-        """The store committed flush `owed.seq`: its rows go to the lake on a thread, while the
-        collector reads on (the next flush waits for it in `mark`)."""
+        """The store committed flush `owed.seq` (with those before it not yet written): they go
+        to the lake on a thread, while the collector reads on, once `interval_s` has passed
+        since the last write or they hold `HELD_ROWS` requests (the next flush waits for the
+        thread in `mark`)."""
         if owed is None:
             return
         self.seq = owed.seq
+        self._owed = owed
+        due = time.monotonic() - self._last_write >= self.interval_s
+        if not (due or owed.rows >= HELD_ROWS):
+            return
         pending = _Pending(owed)
         self._pending = pending
         threading.Thread(
@@ -394,7 +457,6 @@ class LakeWriter:
         try:
             with self.store.snapshot() as con:
                 self._write(con, pending.owed)
-            self._whole = pending.owed.seq
         except BaseException as exc:  # written again by the next flush, which says why
             pending.error = exc
             log.debug("lake: writing flush %d after its commit failed", pending.owed.seq,
@@ -403,35 +465,57 @@ class LakeWriter:
             pending.done.set()
 
     def _settle(self, con: duckdb.DuckDBPyConnection) -> None:
-        """The flush the store last committed, whole in the lake: the thread's work, or written
-        here from `con` (which sees the store as that flush left it) when the thread failed, a
-        commit raised after it happened, or this is a start after a crash. Raises when it
-        cannot (a full disk): the flush that called it fails and is tried again."""
-        pending = self._pending
+        """The write in flight done, or made good from `con` (which sees the store as the last
+        flush left it) when the thread failed; raises when it cannot (a full disk): the flush
+        that called it fails and is tried again. A commit that raised after it happened (the
+        store says a later flush than this writer knows) is adopted here."""
+        pending, self._pending = self._pending, None
         if pending is not None:
             pending.done.wait()
             if pending.error is None:
-                self._pending = None
-                return
+                self._written_up_to(pending.owed)
+            else:
+                self._drain(con)
+        if int(self._state_of(con).get("seq") or 0) != self.seq:
+            self._adopt(con)
+
+    def _written_up_to(self, owed: Owed) -> None:
+        self._last_write = time.monotonic()
+        if self._owed is not None and self._owed.seq == owed.seq:
+            self._owed = None
+
+    def _adopt(self, con: duckdb.DuckDBPyConnection) -> None:
+        """The store's word on what the lake is owed (at a start, or after a commit raised)."""
         state = self._state_of(con)
-        self.seq = max(self.seq, int(state.get("seq") or 0))
-        if self.seq > self._whole and state.get("owed"):
-            self._write(con, Owed.from_state(state["owed"]))
-        self._whole = self.seq
-        self._pending = None
+        self.seq = int(state.get("seq") or 0)
+        self._owed = Owed.from_state(state["owed"]) if state.get("owed") else None
+
+    def _drain(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Every committed flush whole in the lake now, from `con`; raises when it cannot."""
+        self.wait()
+        owed = self._owed
+        if owed is not None:
+            self._write(con, owed)
+            self._written_up_to(owed)
+
+    def drain(self) -> None:
+        """Every committed flush whole in the lake (before retention deletes store rows whose
+        rowids an unwritten flush counts on; when the collector stops)."""
+        with self.store.snapshot() as con:
+            self._settle(con)
+            self._drain(con)
 
     def wait(self) -> None:
-        """Until the last flush's thread is done (written or failed)."""
+        """Until the write in flight is done (written or failed)."""
         pending = self._pending
         if pending is not None:
             pending.done.wait()
 
     def close(self) -> None:
-        """The last flush whole in the lake before the collector stops (or left for the next
+        """Every committed flush written before the collector stops (or left for the next
         start, which writes it, when that fails)."""
         try:
-            with self.store.snapshot() as con:
-                self._settle(con)
+            self.drain()
         except Exception as exc:
             log.warning("lake: flush %d is not written yet (%s); the next start writes it",
                         self.seq, exc)  # fmt: skip
