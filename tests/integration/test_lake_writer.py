@@ -40,6 +40,11 @@ def _stored(store: Path) -> int:
         con.close()
 
 
+def _writer(lake: Path, store: Store) -> LakeWriter:
+    """A writer that writes each flush at once (a collector's waits `INTERVAL_S` between)."""
+    return LakeWriter(lake, store, interval_s=0)
+
+
 class Crash(Exception):
     """A fault injected at an instant a real crash cannot be timed to."""
 
@@ -81,12 +86,12 @@ def _seen(lake: Path) -> tuple[int, int, int]:
 
 def test_a_flush_the_store_never_committed_leaves_no_row(tmp_path: Path) -> None:
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
-    writer = LakeWriter(lake, store, interval_s=0)
+    writer = _writer(lake, store)
     _flush(store, writer, [_doc("run-a", i) for i in range(10)])
     update = [{"request_id": "run-a-0001", "run_id": "run-a", "cached_tokens": 3}]
     _flush(store, writer, update + [_doc("run-a", i) for i in range(10, 20)], crash=True)
     assert _seen(lake) == (10, 10, 0)
-    restarted = LakeWriter(lake, store, interval_s=0)  # a new process: same sidecar, same committed flush
+    restarted = _writer(lake, store)  # a new process: same sidecar, same committed flush
     assert restarted.sidecar == writer.sidecar and restarted.seq == 1
     _flush(store, restarted, update + [_doc("run-a", i) for i in range(10, 25)])  # read again
     assert _seen(lake) == (25, 25, 3)
@@ -100,7 +105,7 @@ def test_a_crash_after_the_stores_commit_loses_and_doubles_nothing(
     or `events` but not `runtime_events`): the next start writes what each table lacks, once."""
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
     tool = {"type": "tool_call", "run_id": "run-a", "ts": "2026-11-25T10:00:00Z", "tool": "t1"}
-    writer = LakeWriter(lake, store, interval_s=0)
+    writer = _writer(lake, store)
     _flush(store, writer, [_doc("run-a", i) for i in range(10)])
     if dies == "before any table":
         monkeypatch.setattr(LakeWriter, "_write_after_commit", lambda self, pending: None)
@@ -118,12 +123,12 @@ def test_a_crash_after_the_stores_commit_loses_and_doubles_nothing(
         writer.wait()
         assert _seen(lake) == (30, 30, 0)
     monkeypatch.undo()
-    restarted = LakeWriter(lake, store, interval_s=0)  # a new process: writes flush 2's missing part first
+    restarted = _writer(lake, store)  # a new process: writes flush 2's missing part first
     assert restarted.seq == 2
     with Lake([lake]).read() as con:
         assert con.execute("SELECT count(*) FROM runtime_events").fetchone() == (1,)
     assert _seen(lake) == (30, 30, 0)
-    LakeWriter(lake, store, interval_s=0)  # and a start after that writes nothing again
+    _writer(lake, store)  # and a start after that writes nothing again
     _flush(store, restarted, [_doc("run-a", i) for i in range(30, 35)])
     assert _seen(lake) == (35, 35, 0)
     events = DeltaTable(str(lake / "events"))
@@ -136,7 +141,7 @@ def test_a_failed_lake_write_is_made_good_by_the_next_flush(
     """The thread could not write flush 1 (a full disk); flush 2's transaction writes it first,
     from the store as flush 1 left it, and then itself."""
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
-    writer = LakeWriter(lake, store, interval_s=0)
+    writer = _writer(lake, store)
     original = LakeWriter._write_events
     calls = {"n": 0}
 
@@ -192,7 +197,7 @@ def test_a_trickles_flushes_reach_the_lake_together(tmp_path: Path, then: str) -
 
 def test_versions_and_moves_resolve_to_the_store_row(tmp_path: Path) -> None:
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
-    writer = LakeWriter(lake, store, interval_s=0)
+    writer = _writer(lake, store)
     _flush(store, writer, [_doc("vllm-unattributed", i) for i in range(5)] + [_doc("run-b", 1)])
     owed = _flush(store, writer, [{"request_id": "run-b-0001", "run_id": "run-b",
                                    "cached_tokens": 9}])  # fmt: skip
@@ -225,7 +230,7 @@ def test_versions_and_moves_resolve_to_the_store_row(tmp_path: Path) -> None:
 
 def test_compaction_and_vacuum_keep_each_row_once(tmp_path: Path) -> None:
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
-    writer = LakeWriter(lake, store, interval_s=0)
+    writer = _writer(lake, store)
     for k in range(12):  # a trickle: one small file per flush
         _flush(store, writer, [_doc("run-c", k * 10 + i) for i in range(10)])
     _flush(store, writer, [{"request_id": "run-c-0003", "run_id": "run-c", "cached_tokens": 1}])
@@ -245,7 +250,7 @@ def test_compaction_and_vacuum_keep_each_row_once(tmp_path: Path) -> None:
 
 def test_expiry_drops_old_samples_and_keeps_requests(tmp_path: Path) -> None:
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
-    writer = LakeWriter(lake, store, interval_s=0)
+    writer = _writer(lake, store)
     now = datetime(2026, 11, 27, 12)
     with store.write() as con:
         mark = writer.mark(con)
@@ -267,7 +272,7 @@ def test_expiry_drops_old_samples_and_keeps_requests(tmp_path: Path) -> None:
 
 def test_run_ids_that_are_no_folder_names(tmp_path: Path) -> None:
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
-    writer = LakeWriter(lake, store, interval_s=0)
+    writer = _writer(lake, store)
     odd = ["a/b", "../x", "run 1%", "é" * 150, "x" * 300, "__HIVE_DEFAULT_PARTITION__", "123",
            "~", "it's"]  # fmt: skip
     _flush(store, writer, [_doc(run, 1) for run in odd])
@@ -292,7 +297,7 @@ def test_a_server_sessions_report_from_the_lake_equals_the_stores(tmp_path: Path
     from servescope.reports import ReportOptions, build_summary
 
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
-    writer = LakeWriter(lake, store, interval_s=0)
+    writer = _writer(lake, store)
     session = "vllm-tiny-8000-20261125T100000Z"
     served = [
         _doc("run-client", i, vllm_session=session, server_ttft_ms=float(i) / 3, source="client")
@@ -323,7 +328,7 @@ def test_a_fleet_runs_report_from_the_lake_equals_the_stores(tmp_path: Path) -> 
     from servescope.reports import ReportOptions, build_diff
 
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
-    writer = LakeWriter(lake, store, interval_s=0)
+    writer = _writer(lake, store)
     docs = [
         _doc(run, i, upstream=f"r{i % 2}", routing="least-loaded", route_reason="least-loaded",
              ttft_ms=float(i % 7) + (i % 2) * 10, tpot_ms=3.0, itl_ms=[1.0, 2.0 + i % 3])
