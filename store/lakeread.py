@@ -93,13 +93,19 @@ class Lake(Store):
         yield  # pragma: no cover - a generator for contextmanager
 
     def has_run(self, run_id: str) -> bool:
-        """A run with requests or runtime events in the lake, or a `runs` row (its partition
-        alone is read)."""
-        with self.scoped([run_id]).read() as con:
+        """A run with requests or runtime events in the lake, or a `runs` row: its partition
+        alone is listed, and one row of it read."""
+        con = quiet(duckdb.connect())
+        try:
             for table in ("events", "runtime_events", "runs"):
-                sql = f"SELECT count(*) FROM (SELECT 1 FROM {table} WHERE run_id = $1 LIMIT 1)"  # noqa: S608
-                if _count(con, sql, [run_id]):
-                    return True
+                keys = [run_key(run_id)] if table in PARTITIONED else None
+                for k, root in enumerate(self.roots):
+                    rows = _source(con, root, table, keys, k)
+                    sql = f"SELECT count(*) FROM (SELECT 1 FROM ({rows}) WHERE run_id = $1 LIMIT 1)"  # noqa: S608
+                    if _count(con, sql, [run_id]):
+                        return True
+        finally:
+            con.close()
         return False
 
     @contextmanager
