@@ -179,6 +179,15 @@ class LakeUnavailable(OSError):
     writable, a table of another format)."""
 
 
+def _brief(exc: BaseException) -> str:
+    """An object store's error chain (a dozen indented `↳` lines) as its first and last line."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # delta-rs colours its chain
+    lines = [line.strip(" ↳") for line in text.splitlines() if line.strip(" ↳")]
+    if not lines:
+        return repr(exc)
+    return lines[0] if len(lines) == 1 else f"{lines[0]} … {lines[-1]}"
+
+
 # -- what a flush owes the lake ------------------------------------------------------------------
 
 
@@ -317,8 +326,8 @@ class LakeWriter:
             with self.store.snapshot() as con:  # a crash may have left flushes unwritten
                 self._adopt(con)
                 self._drain(con)
-        except DeltaError as exc:
-            raise LakeUnavailable(str(exc).splitlines()[0] if str(exc) else repr(exc)) from exc
+        except (DeltaError, OSError) as exc:
+            raise LakeUnavailable(_brief(exc)) from exc
 
     def _state_of(self, con: duckdb.DuckDBPyConnection | None) -> dict[str, Any]:
         if con is None:

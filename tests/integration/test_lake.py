@@ -11,6 +11,7 @@ Arrow dataset), ClickHouse (chdb's `deltaLakeLocal`) and Polars (`scan_delta`).
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -309,3 +310,23 @@ def test_polars_reads_the_same_numbers(fleet: dict[str, Any]) -> None:
     )
     got = {r.pop("run_id"): r for r in frame.to_dicts()}
     assert got == _expected(fleet)
+
+
+def test_an_object_store_lake_goes_through_delta_rs(tmp_path: Path) -> None:
+    """`--lake s3://bucket/prefix` is written by delta-rs' object store, with the credentials
+    and endpoint from AWS's usual variables: here an endpoint nothing listens on, so the
+    collector says where it could not write, and why, in one line (no S3 here to write to)."""
+    events = tmp_path / "run.events.jsonl"
+    events.write_text(json.dumps({"request_id": "run-s3-1", "ttft_ms": 1.0}) + "\n")
+    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+           "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+           "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}  # fmt: skip
+    done = subprocess.run(
+        [*SERVESCOPE, "collect", "--once", "--events", str(events), "--store",
+         str(tmp_path / "s.duckdb"), "--lake", "s3://bucket/prefix"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    said = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 1, said
+    assert "cannot write the lake at s3://bucket/prefix" in said
+    assert "Connection refused" in said and "Traceback" not in said
