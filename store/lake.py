@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -280,13 +281,11 @@ def _latest(rows: pa.Table, gone: set[tuple[str, str]]) -> pa.Table:
         rows.select(["run_id", "request_id"]).append_column("lake_order", order)
         .group_by(["run_id", "request_id"]).aggregate([("lake_order", "max")])
     )  # fmt: skip
-    keep = last.column("lake_order_max")
-    if gone:
-        keys = zip(last.column("run_id").to_pylist(), last.column("request_id").to_pylist(),
-                   strict=True)  # fmt: skip
-        keep = pa.array([k for k, key in zip(keep.to_pylist(), keys, strict=True)
-                         if key not in gone], pa.int64())  # fmt: skip
-    return rows.take(pa.array(sorted(keep.to_pylist()), pa.int64()))
+    keys = zip(last.column("run_id").to_pylist(), last.column("request_id").to_pylist(),
+               strict=True)  # fmt: skip
+    keep = [int(k) for k, key in zip(last.column("lake_order_max").to_pylist(), keys, strict=True)
+            if key not in gone and k is not None]  # fmt: skip
+    return rows.take(pa.array(sorted(keep), pa.int64()))
 
 
 @dataclass
@@ -537,14 +536,15 @@ class LakeWriter:
         for name in TABLES:
             if self._written(name, owed.seq):
                 continue
+            write: Callable[[duckdb.DuckDBPyConnection, Owed, CommitProperties, str], None]
             write = getattr(self, f"_write_{name}")
-            retry_commit(lambda write=write, name=name: write(con, owed, txn, name), name)
+            retry_commit(partial(write, con, owed, txn, name), name)
 
     def _rows(self, con: duckdb.DuckDBPyConnection, table: str, where: str,
               params: Any = None) -> pa.Table:  # fmt: skip
         rows = as_delta(con.sql(select(table, where), params=params).to_arrow_table())
         if RUN_KEY in rows.column_names:
-            self.touched.update(rows.column(RUN_KEY).unique().to_pylist())
+            self.touched.update(str(k) for k in rows.column(RUN_KEY).unique().to_pylist())
         return rows
 
     def _append(

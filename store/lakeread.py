@@ -195,7 +195,7 @@ def _source(
         if files:
             rows = delta.to_pyarrow_dataset(file_pruning_predicate=pruning).to_table()
         else:
-            rows = pa.schema(delta.schema().to_arrow()).empty_table()
+            rows = delta.to_pyarrow_dataset().schema.empty_table()
         con.register(f"{name}_arrow", rows)
         con.execute(f"CREATE TABLE {name} AS SELECT * FROM {name}_arrow")  # noqa: S608
         con.unregister(f"{name}_arrow")
