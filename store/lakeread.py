@@ -93,17 +93,20 @@ class Lake(Store):
         yield  # pragma: no cover - a generator for contextmanager
 
     def has_run(self, run_id: str) -> bool:
-        """A run with requests or runtime events in the lake, or a `runs` row: its partition
-        alone is listed, and one row of it read."""
+        """A run with requests or runtime events in the lake (a file in its partition: Delta
+        adds no file without rows), or a `runs` row; nothing else is read."""
+        key = [(RUN_KEY, "=", run_key(run_id))]
+        for root in self.roots:
+            for table in ("events", "runtime_events"):
+                if _table(root, table).file_uris(file_pruning_predicate=key):
+                    return True
         con = quiet(duckdb.connect())
         try:
-            for table in ("events", "runtime_events", "runs"):
-                keys = [run_key(run_id)] if table in PARTITIONED else None
-                for k, root in enumerate(self.roots):
-                    rows = _source(con, root, table, keys, k)
-                    sql = f"SELECT count(*) FROM (SELECT 1 FROM ({rows}) WHERE run_id = $1 LIMIT 1)"  # noqa: S608
-                    if _count(con, sql, [run_id]):
-                        return True
+            for k, root in enumerate(self.roots):
+                rows = _source(con, root, "runs", None, k)
+                sql = f"SELECT count(*) FROM ({rows}) WHERE run_id = $1"  # noqa: S608
+                if _count(con, sql, [run_id]):
+                    return True
         finally:
             con.close()
         return False
