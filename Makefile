@@ -79,3 +79,18 @@ $(SMOLLM2)/model.safetensors: $(STAMPS)/install loadgen/real_model.py
 
 clean:
 	rm -rf $(STAMPS) servescope-data/reports
+
+# the side virtualenv benchmarks/bench_lake_formats.py runs in (docs/lake-comparison.md): DuckDB
+# 1.5.5 and its ducklake, delta, iceberg (+ avro) and sqlite extension wheels, which the index has
+# for no DuckDB 2.x, beside deltalake, pyiceberg, polars and chdb; the project's .venv is untouched
+LAKEFORMATS := .lakeformats
+.PHONY: lake-formats-env
+lake-formats-env: $(LAKEFORMATS)/.built
+
+$(LAKEFORMATS)/.built:
+	$(PYTHON) -m venv $(LAKEFORMATS)
+	$(LAKEFORMATS)/bin/pip install -q duckdb==1.5.5 duckdb-extension-ducklake==1.5.5 \
+		duckdb-extension-delta==1.5.5 duckdb-extension-iceberg==1.5.5 \
+		duckdb-extension-avro==1.5.5 duckdb-extension-sqlite-scanner==1.5.5 deltalake==1.6.6 \
+		'pyiceberg[sql-sqlite,pyarrow]==0.12.0' polars==2.1.0 chdb==4.4.0 pyarrow
+	touch $@
