@@ -137,6 +137,8 @@ class Collector:
         """
         batch = self.intake.take()
         if batch.empty():
+            if self.lake is not None and self.lake.behind():
+                self._catch_up_lake()
             return None
         try:
             report = self.writer.commit(batch)
@@ -154,6 +156,17 @@ class Collector:
             except Exception:  # an exporter must never stop ingestion
                 log.exception("exporter %r failed", exporter)
         return report
+
+    def _catch_up_lake(self) -> None:
+        """The lake's unwritten flushes, written with nothing new read (a failure counts as a
+        failed flush: a full disk says so even when the input has stopped)."""
+        assert self.lake is not None
+        try:
+            self.lake.drain()
+        except BaseException as exc:
+            self._flush_failed(exc)
+            raise
+        self._flush_recovered()
 
     def _flush_failed(self, exc: BaseException) -> None:
         """Count the failure; say it once, in one log line, when flushes start failing."""
@@ -245,10 +258,14 @@ class Collector:
             if self.retention is not None and time.monotonic() >= next_retention:
                 done = self.apply_retention()  # a backlog of it: a slice, then a flush, …
                 next_retention = time.monotonic() + (self.retain_interval_s if done else 0.0)
-        while self.poll():
-            if self.pending_bytes() >= self.max_flush_bytes:
-                self.flush()
-        self.flush()
+        try:
+            while self.poll():
+                if self.pending_bytes() >= self.max_flush_bytes:
+                    self.flush()
+            self.flush()
+        except Exception:  # said by flush; what was not committed is read again at the next start
+            log.warning("stopping with %d bytes read but not committed: the next start reads "
+                        "them again from the checkpoints", self.pending_bytes())  # fmt: skip
         for thread, join_s in helpers:
             thread.join(timeout=join_s)
         self.close()

@@ -69,6 +69,7 @@ COMMIT_ATTEMPTS = 12  # a commit that loses a race with another sidecar's is tri
 # often (a Delta commit per table each time: its log, listed at each commit, stays short).
 INTERVAL_S = 5.0
 HELD_ROWS = 250_000  # or sooner, once the flushes not yet written hold this many requests
+FRESH_ROWS = 10_000  # a flush of this many new requests and nothing else is read after its commit
 
 # Each table's columns (as the store's inserts name theirs): a sidecar of this version writes
 # exactly these whatever columns a newer servescope has added to its store.
@@ -207,8 +208,11 @@ class Owed:
     Its `events` rows are taken inside its transaction (`held`): DuckDB may renumber rowids
     when it checkpoints a table whose rows were deleted (a request moved to another run, an
     update DuckDB makes as a delete and an insert), so "the rows past the start" is exact only
-    there. Should the process die before they are written, the next start merges every row of
-    the runs the flush touched (`touched`) instead. Its updated requests (a MERGE, not an
+    there. Except a backlog's flush whose every request is new (`fresh`, their count): its rows
+    are read after the commit, off the collector's path, and written at once; had a rowid moved
+    meanwhile, fewer rows than `fresh` lie past the start, and its runs are merged whole. Should
+    the process die before held rows are written, the next start merges every row of the runs
+    the flush touched (`touched`) instead. Its updated requests (a MERGE, not an
     append) and those that left a run (deleted there) are named; `since` is a little below the
     earliest `ts` the lake's rows of them have, so the MERGE reads only files that may hold
     them. `metric_samples` and `runtime_events` only ever gain rows in a flush: the rows past
@@ -219,6 +223,7 @@ class Owed:
     updated: list[tuple[str, str]] = field(default_factory=list)
     moved: list[tuple[str, str]] = field(default_factory=list)
     touched: list[str | None] = field(default_factory=list)
+    fresh: int = 0
     since: str | None = None
     runs: list[str] = field(default_factory=list)
     flips: list[tuple[str, str]] = field(default_factory=list)
@@ -237,9 +242,9 @@ class Owed:
         gone = set(later.moved)
         if self.held is not None and later.held is not None:
             held: pa.Table | None = _latest(pa.concat_tables([self.held, later.held]), gone)
-        elif self.held is None and not self.touched:
+        elif self.held is None and not self.touched and not later.fresh:
             held = later.held
-        elif later.held is None and not later.touched and self.held is not None:
+        elif later.held is None and not later.touched and self.held is not None and not self.fresh:
             held = _latest(self.held, gone)
         else:  # a flush whose rows were not taken (adopted from the store): its runs whole
             held = None
@@ -268,6 +273,7 @@ class Owed:
             updated=[(str(r), str(q)) for r, q in state.get("updated", [])],
             moved=[(str(r), str(q)) for r, q in state.get("moved", [])],
             touched=list(state.get("touched", [])),
+            fresh=int(state.get("fresh") or 0),
             since=state.get("since"),
             runs=[str(r) for r in state.get("runs", [])],
             flips=[(str(r), str(b)) for r, b in state.get("flips", [])],
@@ -316,6 +322,7 @@ class LakeWriter:
         self._tables: dict[str, DeltaTable] = {}
         self._pending: _Pending | None = None  # a write on its thread
         self._owed: Owed | None = None  # committed flushes not yet written, as one
+        self._failed = False  # a write of `_owed` failed: it is written as it is before more
         self._last_write = 0.0
         self.touched: set[str] = set()  # run keys written since the last compaction
         try:
@@ -400,10 +407,18 @@ class LakeWriter:
         owed = Owed(self.seq + 1, dict(mark.rowids), runs=sorted(set(runs)))
         after = mark.rowids["events"]
         touched = _count(con, f"SELECT count(*) FROM events WHERE rowid > {after}")  # noqa: S608
-        if touched:
+        new = _count(con, "SELECT count(*) FROM events") - mark.events
+        if touched >= FRESH_ROWS and touched == new and self._owed is None:
+            # a backlog's flush, every request new: read after the commit, off the collector's
+            # path, and written at once (before the next flush can move a rowid)
+            owed.fresh = touched
+            owed.touched = [r for (r,) in con.execute(
+                f"SELECT DISTINCT run_id FROM events WHERE rowid > {after}"  # noqa: S608
+            ).fetchall()]  # fmt: skip
+        elif touched:
             owed.held = self._rows(con, "events", f"rowid > {after}")
             owed.touched = sorted(set(owed.held.column("run_id").to_pylist()), key=str)
-        if touched != _count(con, "SELECT count(*) FROM events") - mark.events:
+        if touched != new:
             self._note_updates(con, mark, owed)
         owed.flips = _changed_flips(con, mark, list(flip_groups))
         if not (touched or owed.moved or owed.runs or owed.flips or any(
@@ -453,7 +468,7 @@ class LakeWriter:
         self.seq = owed.seq
         self._owed = owed
         due = time.monotonic() - self._last_write >= self.interval_s
-        if not (due or owed.rows >= HELD_ROWS):
+        if not (due or owed.fresh or owed.rows >= HELD_ROWS):
             return
         pending = _Pending(owed)
         self._pending = pending
@@ -483,11 +498,16 @@ class LakeWriter:
             if pending.error is None:
                 self._written_up_to(pending.owed)
             else:
-                self._drain(con)
+                self._failed = True
+        if self._failed:  # written as it was tried, never with later flushes: a table may have it
+            self._drain(con)
         if int(self._state_of(con).get("seq") or 0) != self.seq:
             self._adopt(con)
 
-    def _written_up_to(self, owed: Owed) -> None:
+    def _written_up_to(self, owed: Owed | None) -> None:
+        self._failed = False
+        if owed is None:
+            return
         self._last_write = time.monotonic()
         if self._owed is not None and self._owed.seq == owed.seq:
             self._owed = None
@@ -504,7 +524,16 @@ class LakeWriter:
         owed = self._owed
         if owed is not None:
             self._write(con, owed)
-            self._written_up_to(owed)
+        self._written_up_to(owed)
+
+    def behind(self) -> bool:
+        """Whether the lake needs a write with no new flush to carry it: a write failed, or
+        committed flushes have waited past the interval (a trickle that stopped)."""
+        pending = self._pending
+        if pending is not None:
+            return pending.done.is_set() and pending.error is not None
+        waited = time.monotonic() - self._last_write >= self.interval_s
+        return self._failed or (self._owed is not None and waited)
 
     def drain(self) -> None:
         """Every committed flush whole in the lake (before retention deletes store rows whose
@@ -553,8 +582,9 @@ class LakeWriter:
         if self._written(name, owed.seq):  # a retry after a commit that did happen
             return
         rows = self._rows(con, name, f"rowid > {owed.after[name]}")
-        write_deltalake(self.table(name), rows, mode="append", schema_mode="merge",
-                        commit_properties=txn)  # fmt: skip
+        if rows.num_rows:  # no commit for nothing (a start finds nothing to write either)
+            write_deltalake(self.table(name), rows, mode="append", schema_mode="merge",
+                            commit_properties=txn)  # fmt: skip
 
     _write_metric_samples = _append
     _write_runtime_events = _append
@@ -565,7 +595,17 @@ class LakeWriter:
         if self._written(name, owed.seq):
             return
         since = owed.since
-        if owed.held is not None:
+        if owed.fresh:
+            rows = self._rows(con, name, f"rowid > {owed.after[name]}")
+            if rows.num_rows == owed.fresh:  # no rowid moved since the flush (nothing deleted)
+                write_deltalake(self.table(name), rows, mode="append", schema_mode="merge",
+                                commit_properties=txn)  # fmt: skip
+                return
+            log.warning("lake: flush %d's rows moved in the store; its runs are merged whole",
+                        owed.seq)  # fmt: skip
+            rows = self._rows(con, name, "list_contains($1, run_id)", [owed.touched])
+            since = None
+        elif owed.held is not None:
             rows = owed.held
             if not (owed.updated or owed.moved):
                 write_deltalake(self.table(name), rows, mode="append", schema_mode="merge",

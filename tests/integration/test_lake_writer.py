@@ -16,6 +16,7 @@ import pytest
 from deltalake import DeltaTable
 
 from servescope.store import Store
+from servescope.store import lake as lake_module
 from servescope.store.lake import LakeWriter, Owed
 from servescope.store.lakecompact import compact, expire
 from servescope.store.lakeread import Lake
@@ -97,12 +98,18 @@ def test_a_flush_the_store_never_committed_leaves_no_row(tmp_path: Path) -> None
     assert _seen(lake) == (25, 25, 3)
 
 
-@pytest.mark.parametrize("dies", ["before any table", "between two tables"])
+@pytest.mark.parametrize(
+    ("dies", "fresh"),
+    [("before any table", False), ("before any table", True), ("between two tables", False)],
+)
 def test_a_crash_after_the_stores_commit_loses_and_doubles_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dies: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dies: str, fresh: bool
 ) -> None:
     """The store committed flush 2; the process died before the lake had all of it (no table,
-    or `events` but not `runtime_events`): the next start writes what each table lacks, once."""
+    or `events` but not `runtime_events`): the next start writes what each table lacks, once.
+    `fresh`: flush 2 is a backlog's (every request new), read after its commit."""
+    monkeypatch.setattr(lake_module, "FRESH_ROWS", 15 if fresh else 10**9)
+    originals = (LakeWriter._write_after_commit, LakeWriter._write_runtime_events)
     store, lake = Store(tmp_path / "s.duckdb"), tmp_path / "lake"
     tool = {"type": "tool_call", "run_id": "run-a", "ts": "2026-11-25T10:00:00Z", "tool": "t1"}
     writer = _writer(lake, store)
@@ -118,11 +125,13 @@ def test_a_crash_after_the_stores_commit_loses_and_doubles_nothing(
         mark = writer.mark(con)
         store.add_events([tool, *(_doc("run-a", i) for i in range(10, 30))], con)
         owed = writer.owe(con, mark)
+    assert owed is not None and bool(owed.fresh) == fresh and (owed.held is None) == fresh
     writer.committed(owed)
     if dies != "before any table":
         writer.wait()
         assert _seen(lake) == (30, 30, 0)
-    monkeypatch.undo()
+    monkeypatch.setattr(LakeWriter, "_write_after_commit", originals[0])
+    monkeypatch.setattr(LakeWriter, "_write_runtime_events", originals[1])
     restarted = _writer(lake, store)  # a new process: writes flush 2's missing part first
     assert restarted.seq == 2
     with Lake([lake]).read() as con:
