@@ -80,7 +80,7 @@ $(SMOLLM2)/model.safetensors: $(STAMPS)/install loadgen/real_model.py
 clean:
 	rm -rf $(STAMPS) servescope-data/reports
 
-# the side virtualenv benchmarks/bench_lake_formats.py runs in (docs/lake-comparison.md): DuckDB
+# the side virtualenv benchmarks/lake_formats/bench_lake_formats.py runs in (docs/lake.md, "The comparison"): DuckDB
 # 1.5.5 and its ducklake, delta, iceberg (+ avro) and sqlite extension wheels, which the index has
 # for no DuckDB 2.x, beside deltalake, pyiceberg, polars and chdb; the project's .venv is untouched
 LAKEFORMATS := .lakeformats

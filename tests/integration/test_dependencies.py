@@ -2,7 +2,8 @@
 benchmarks run here (which tests import) import comes from a distribution named in pyproject's
 dependencies or one of its extras. A fresh `pip install -e .[dev]` then runs every test that
 does not need vLLM, without anything arriving by chance through vLLM's own requirements.
-`benchmarks/gpu/` is left out: its scripts run on a GPU server, in that server's environment."""
+`benchmarks/gpu/` and `benchmarks/lake_formats/` are left out: their scripts run in environments
+of their own (a GPU server's; `make lake-formats-env`'s DuckDB 1.5 with its extensions)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ no delta/iceberg/ducklake extension wheels on the index (they stop at 1.5.5), so
 pins DuckDB 1.5.5 and its extension wheels next to deltalake, pyiceberg, polars and chdb:
 
     make lake-formats-env                        # builds .lakeformats/
-    .lakeformats/bin/python benchmarks/bench_lake_formats.py [--rows N] [--json]
+    .lakeformats/bin/python benchmarks/lake_formats/bench_lake_formats.py [--rows N] [--json]
 
 The same synthetic request events for every format (run_id, request_id, ts, status, ttft_ms,
 tpot_ms, e2e_ms, model and a ~200-byte doc), each criterion measured in this run:
