@@ -87,6 +87,7 @@ def test_a_full_disk_loses_nothing_and_catches_up(
     lake = (small_disk if full == "lake" else tmp_path) / "lake"
     out = tmp_path / "collector.out"
     port = free_port()
+    written = 6  # batches of 2,000 lines written: five before the failure, one at first
     proc = subprocess.Popen(
         [*SERVESCOPE, "collect", "--events", str(events), "--store", str(store), "--lake",
          str(lake), "--metrics-port", str(port)],
@@ -106,13 +107,15 @@ def test_a_full_disk_loses_nothing_and_catches_up(
                 time.sleep(0.3)
         _until(lambda: _gauge(port, "servescope_collector_flush_failing") == 1, "the failure")
         _fill(small_disk)  # a failed write gives back what it had taken: the disk stays full
-        with events.open("ab") as fh:  # (the store may have taken the first lines: the lake
-            for k in range(6, 11):  # lags it by up to 5 s, and fails once it is written)
-                fh.write(_lines(2000 * k, 2000))
-                fh.flush()
-                time.sleep(0.3)
-        _until(lambda: (_gauge(port, "servescope_collector_pending_bytes") or 0) > 1_000_000,
-               "tailing on while failing")  # fmt: skip
+        # the store may have taken the first lines (the lake lags it by up to 5 s, and fails
+        # once it is written); from then on flushes wait for the lake, and lines pile up
+        deadline = time.monotonic() + 90
+        while (_gauge(port, "servescope_collector_pending_bytes") or 0) <= 1_000_000:
+            assert time.monotonic() < deadline, "timed out waiting for tailing on while failing"
+            with events.open("ab") as fh:
+                fh.write(_lines(2000 * written, 2000))
+            written += 1
+            time.sleep(0.5)
         text = _metrics(port)
         assert 'servescope_collector_flush_failures_total{reason="disk_full"}' in text
         time.sleep(2.0)  # retried meanwhile: one log line a failing spell (a write that fits
@@ -122,13 +125,13 @@ def test_a_full_disk_loses_nothing_and_catches_up(
         assert proc.poll() is None
         filler.unlink()  # space is back
         _until(lambda: _gauge(port, "servescope_collector_flush_failing") == 0, "the recovery")
-        _until(lambda: (_gauge(port, "servescope_collector_events_written_total") or 0) >= 22000,
-               "catching up")  # fmt: skip
+        _until(lambda: (_gauge(port, "servescope_collector_events_written_total") or 0)
+               >= 2000 * written, "catching up")  # fmt: skip
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
     assert code == 0, out.read_text()[-3000:]
-    expected = {f"{RUN}-{i:06d}" for i in range(22000)}
+    expected = {f"{RUN}-{i:06d}" for i in range(2000 * written)}
     with Store(store).read() as con:
         ids = [r for (r,) in con.execute("SELECT request_id FROM events").fetchall()]
     assert sorted(ids) == sorted(expected)
