@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from contextlib import suppress
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from functools import partial
 from pathlib import Path
@@ -230,11 +230,8 @@ class Owed:
     held: pa.Table | None = field(default=None, repr=False, compare=False)
 
     def state(self) -> dict[str, Any]:
-        held, self.held = self.held, None
-        try:
-            return asdict(self)
-        finally:
-            self.held = held
+        """What the store keeps (not the rows held in memory)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "held"}
 
     def then(self, later: Owed) -> Owed:
         """This unwritten flush and a later one as one write: the later flush's rows win where
@@ -391,8 +388,8 @@ class LakeWriter:
         self._settle(con)
         rowids = {}
         for table in ("events", "metric_samples", "lever_flips", "runtime_events"):
-            rowids[table] = _count(con, f"SELECT COALESCE(max(rowid), -1) FROM {table}")  # noqa: S608
-        return Mark(rowids, _count(con, "SELECT count(*) FROM events"))
+            rowids[table] = count(con, f"SELECT COALESCE(max(rowid), -1) FROM {table}")  # noqa: S608
+        return Mark(rowids, count(con, "SELECT count(*) FROM events"))
 
     def owe(
         self,
@@ -406,8 +403,8 @@ class LakeWriter:
         with it as flush `seq + 1`; None when it changed nothing the lake holds."""
         owed = Owed(self.seq + 1, dict(mark.rowids), runs=sorted(set(runs)))
         after = mark.rowids["events"]
-        touched = _count(con, f"SELECT count(*) FROM events WHERE rowid > {after}")  # noqa: S608
-        new = _count(con, "SELECT count(*) FROM events") - mark.events
+        touched = count(con, f"SELECT count(*) FROM events WHERE rowid > {after}")  # noqa: S608
+        new = count(con, "SELECT count(*) FROM events") - mark.events
         if touched >= FRESH_ROWS and touched == new and self._owed is None:
             # a backlog's flush, every request new: read after the commit, off the collector's
             # path, and written at once (before the next flush can move a rowid)
@@ -422,7 +419,7 @@ class LakeWriter:
             self._note_updates(con, mark, owed)
         owed.flips = _changed_flips(con, mark, list(flip_groups))
         if not (touched or owed.moved or owed.runs or owed.flips or any(
-            _count(con, f"SELECT count(*) FROM {t} WHERE rowid > {mark.rowids[t]}")  # noqa: S608
+            count(con, f"SELECT count(*) FROM {t} WHERE rowid > {mark.rowids[t]}")  # noqa: S608
             for t in ("metric_samples", "runtime_events")
         )):  # fmt: skip
             return None
@@ -562,9 +559,7 @@ class LakeWriter:
     def _write(self, con: duckdb.DuckDBPyConnection, owed: Owed) -> None:
         """Flush `owed.seq` into each table that does not hold it yet, one commit a table."""
         txn = CommitProperties(app_transactions=[Transaction(self.app_id, owed.seq)])
-        for name in TABLES:
-            if self._written(name, owed.seq):
-                continue
+        for name in TABLES:  # each writer skips a table that holds it (`_written`)
             write: Callable[[duckdb.DuckDBPyConnection, Owed, CommitProperties, str], None]
             write = getattr(self, f"_write_{name}")
             retry_commit(partial(write, con, owed, txn, name), name)
@@ -696,8 +691,10 @@ WHERE (run_id, before_run_id) IN (SELECT unnest($1::VARCHAR[]), unnest($2::VARCH
 """
 
 
-def _count(con: duckdb.DuckDBPyConnection, sql: str) -> int:
-    rows = con.execute(sql).fetchall()
+def count(con: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> int:
+    """The one number a `SELECT count(*) …` returns (fetched whole: DuckDB 2 refuses more work
+    on a connection with a result left open)."""
+    rows = con.execute(sql, params).fetchall()
     return int(rows[0][0]) if rows else 0
 
 

@@ -19,7 +19,6 @@ import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -31,6 +30,7 @@ from servescope.store.lake import (
     PARTITIONED,
     RUN_KEY,
     TABLES,
+    count,
     exists,
     is_uri,
     run_key,
@@ -105,7 +105,7 @@ class Lake(Store):
             for k, root in enumerate(self.roots):
                 rows = _source(con, root, "runs", None, k)
                 sql = f"SELECT count(*) FROM ({rows}) WHERE run_id = $1"  # noqa: S608
-                if _count(con, sql, [run_id]):
+                if count(con, sql, [run_id]):
                     return True
         finally:
             con.close()
@@ -132,7 +132,7 @@ class Lake(Store):
             scoped = keys if table in PARTITIONED else None
             sources = [_source(con, root, table, scoped, k) for k, root in enumerate(self.roots)]
             con.execute(f"CREATE VIEW {table} AS " + " UNION ALL BY NAME ".join(sources))
-        if self.scope is not None and _count(con, "SELECT count(*) FROM events") <= COPY_ROWS:
+        if self.scope is not None and count(con, "SELECT count(*) FROM events") <= COPY_ROWS:
             self._copy_events(con, keys, sessions)
 
     def _copy_events(
@@ -212,11 +212,6 @@ def _source(
     return f"SELECT {', '.join(out)} FROM {name}"  # noqa: S608
 
 
-def _count(con: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> int:
-    rows = con.execute(sql, params).fetchall()
-    return int(rows[0][0]) if rows else 0
-
-
 def _empty_columns(root: str, keys: list[str] | None) -> set[str]:
     """The columns no file of these partitions holds a value of, by the Delta log's statistics
     (a file without them: none is empty)."""
@@ -248,4 +243,4 @@ def _fleet(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
     if isinstance(notes, dict) and notes.get("replicas"):
         return True
     params = {"run_id": run_id, "rows": ROUTED_SAMPLE_ROWS}
-    return bool(_count(con, ROUTED_SAMPLE, params))  # `events` still the lake's view
+    return bool(count(con, ROUTED_SAMPLE, params))  # `events` still the lake's view
