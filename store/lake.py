@@ -320,7 +320,7 @@ class LakeWriter:
         self._pending: _Pending | None = None  # a write on its thread
         self._owed: Owed | None = None  # committed flushes not yet written, as one
         self._failed = False  # a write of `_owed` failed: it is written as it is before more
-        self._last_write = 0.0
+        self._last_write: float | None = None  # none yet: the first flush is due at once
         self.touched: set[str] = set()  # run keys written since the last compaction
         try:
             if not is_uri(self.location):
@@ -464,8 +464,7 @@ class LakeWriter:
             return
         self.seq = owed.seq
         self._owed = owed
-        due = time.monotonic() - self._last_write >= self.interval_s
-        if not (due or owed.fresh or owed.rows >= HELD_ROWS):
+        if not (self._waited() or owed.fresh or owed.rows >= HELD_ROWS):
             return
         pending = _Pending(owed)
         self._pending = pending
@@ -529,8 +528,13 @@ class LakeWriter:
         pending = self._pending
         if pending is not None:
             return pending.done.is_set() and pending.error is not None
-        waited = time.monotonic() - self._last_write >= self.interval_s
-        return self._failed or (self._owed is not None and waited)
+        return self._failed or (self._owed is not None and self._waited())
+
+    def _waited(self) -> bool:
+        """Whether `interval_s` has passed since the last write (or none was made yet: the
+        monotonic clock counts from boot, so a zero would hold a young machine's first flush)."""
+        last = self._last_write
+        return last is None or time.monotonic() - last >= self.interval_s
 
     def drain(self) -> None:
         """Every committed flush whole in the lake (before retention deletes store rows whose
