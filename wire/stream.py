@@ -142,11 +142,11 @@ class StreamTiming:
         if self.usage:
             usage_into(event, self.usage)
         completion = event.get("completion_tokens")
-        # A stream whose tokens all arrived at once (one chunk, or chunks of one read: a busy
-        # server flushing a whole answer) shows the client nothing of the decode: it gets no
-        # TPOT, rather than a 0.
-        if self.first is not None and completion and completion > 1 and any(self.gaps):
-            event["tpot_ms"] = (e2e - event["ttft_ms"]) / (completion - 1)
+        # Every ok stream carries `tpot_ms`: null when the client saw nothing of the decode (one
+        # token, or every token at once: one chunk, or chunks of one read, as a busy server
+        # flushes a whole answer), rather than a 0 or a missing key (docs/design.md, "TPOT").
+        seen = self.first is not None and completion and completion > 1 and any(self.gaps)
+        event["tpot_ms"] = (e2e - event["ttft_ms"]) / (completion - 1) if seen else None
         event["status"] = "ok"
         return event
 

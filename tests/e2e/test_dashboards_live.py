@@ -268,7 +268,9 @@ def prometheus(
 
 
 def _through_gateway(gateway: str, team: str, prompt: str) -> int | str:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True, "ignore_eos": True}
+    # 48 tokens: enough that a busy vLLM, which can send a short answer in one chunk, shows the
+    # gateway the decode of some streams (their TPOT feeds the per-team TPOT panel)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 48, "stream": True, "ignore_eos": True}
     request = urllib.request.Request(
         f"{gateway}/v1/completions",
         data=json.dumps(body).encode(),

@@ -5,11 +5,12 @@ a real Prometheus (Debian's) scraping both.
 - `report build --prometheus` reads each replica's counters and histograms from Prometheus and
   finds what servescope's own scrapes found, histogram quantiles within their bucket.
 - One replica SIGKILLed mid-run (its whole process group, as a crashed replica; this test runs
-  last, r2 is not restarted): every request is accounted for, per replica — those in flight on
-  the dead replica failed with a reason (tokens had reached the client) or went to the other
-  replica (none had), the gateway stopped sending to it at once, the rest of the run went on on
-  the other replica. One collector then follows both replicas' logs and counts no request
-  twice."""
+  last, r2 is not restarted) while the test's own stream is provably open on it (tokens seen,
+  thousands to go): that stream ends with an error message, every bench request is accounted
+  for, per replica — those in flight on the dead replica failed with a reason (tokens had
+  reached the client) or went to the other replica (none had), the gateway stopped sending to
+  it, the rest of the run went on on the other replica. One collector then follows both
+  replicas' logs and counts no request twice."""
 
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -49,7 +52,11 @@ WORKLOAD = {
 # The kill test's streams last long enough (~1 s on a quiet machine) that the one running on the
 # replica when it dies is still running when the kill lands: 48 tokens took ~0.3 s, and a quick
 # machine finished it in the moment between seeing it in flight and the SIGKILL.
-KILL_WORKLOAD = {"workloads": [{**WORKLOAD["workloads"][0], "output_tokens": 192}]}
+# The kill test's bench is open loop at a constant 2 requests/s: its schedule, not the machine's
+# speed, keeps it running for 20 s, so the requests after the kill are still to come at the kill.
+KILL_WORKLOAD = {"workloads": [{"name": "fleet-kill", "team": "fleet", "input_tokens": 64,
+                                "output_tokens": 48, "rate": [2], "arrival": "constant",
+                                "requests_per_level": REQUESTS, "seed": 5}]}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -187,27 +194,49 @@ def test_prometheus_reports_equal_the_collectors_own(
     assert "Traceback" not in single.stderr + gone.stderr
 
 
-OUT = KILL_WORKLOAD["workloads"][0]["output_tokens"]
-MARGIN = OUT // 3  # tokens a stream still has to go when it is killed: ~0.2 s on two cores
+PROBE_TOKENS = 12000  # the probe's stream: 20 s of decode or more, killed a few tokens in
 
 
-def _counts(url: str) -> tuple[float, float]:
-    """vLLM's requests finished and tokens generated so far (one scrape: counted together)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
-        families = list(text_string_to_metric_families(resp.read().decode()))
-    samples = [s for family in families for s in family.samples]
-    finished = sum(s.value for s in samples if s.name == "vllm:request_success_total")
-    return finished, sum(s.value for s in samples if s.name == "vllm:generation_tokens_total")
+class Probe(threading.Thread):
+    """The test's own stream through the gateway, with the OpenAI SDK as an operator's client
+    would: sent again until the gateway routes it to r2 (the `X-Servescope-Upstream` header),
+    then read to its end, recording what arrived. It makes the kill catch a stream provably
+    open: tokens seen, the end ([DONE]) not yet, thousands of tokens still to go."""
 
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        self.request_ids: list[str] = []  # every try; the last is r2's
+        self.tokens = 0
+        self.lines: list[str] = []
+        self.on_r2 = threading.Event()  # r2 serves it and its first tokens have arrived
+        self.ended = threading.Event()
+        self.error: BaseException | None = None
 
-def _part_way(unfinished: int, tokens: float) -> bool:
-    """Whether `unfinished` requests of OUT tokens each, holding `tokens` generated among them,
-    must include one with tokens generated and MARGIN or more to go. They need not when each has
-    none or is within MARGIN of its end: k nearly finished ones sum to (k(OUT - MARGIN), k OUT],
-    so any other sum but 0 proves one part-way."""
-    return tokens > 0 and not any(
-        k * (OUT - MARGIN) < tokens <= k * OUT for k in range(1, unfinished + 1)
-    )
+    def run(self) -> None:
+        try:
+            for attempt in range(20):
+                request_id = f"probe-{attempt:02d}"
+                self.request_ids.append(request_id)
+                with self.client.completions.with_streaming_response.create(
+                    model="tiny", prompt="the fleet keeps serving", max_tokens=PROBE_TOKENS,
+                    stream=True, extra_body={"ignore_eos": True},
+                    extra_headers={"X-Request-Id": request_id},
+                ) as response:  # fmt: skip
+                    if response.headers["x-servescope-upstream"] != "r2":
+                        continue  # closed: the gateway aborts it upstream
+                    for line in response.iter_lines():
+                        self.lines.append(line)
+                        if line.startswith("data: {") and '"text"' in line:
+                            self.tokens += 1
+                            if self.tokens == 3:
+                                self.on_r2.set()
+                    return
+            raise AssertionError("the gateway never routed the probe to r2")
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.ended.set()
 
 
 def test_a_replica_killed_mid_run_every_request_accounted_for(
@@ -219,7 +248,7 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
     workload = tmp_path / "fleet.yaml"
     workload.write_text(json.dumps(KILL_WORKLOAD))
     run_id = "run-fleet-kill"
-    before = _counts(replicas["r2"].url)  # r2 served the module's first test
+    probe = Probe(gateway.url)
     bench = subprocess.Popen(
         [*SERVESCOPE, "bench", "run", "--config", str(workload), "--target", gateway.url,
          "--run-id", run_id, "--store", str(store.path),
@@ -230,40 +259,48 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
         text=True,
         env={**os.environ, "SERVESCOPE_KEY_FLEET": KEY},
     )
-    try:
-        # a quarter of the run served, and a request of it part-way on r2, as vLLM's own
-        # counters say (the gateway's gauges also count a request not sent yet, which a kill
-        # merely reroutes, and a nearly finished one may end before the kill lands)
-        deadline = time.monotonic() + 600
+
+    def bench_routed() -> float:
+        """The bench's routing decisions so far (the probe's tries left out)."""
+        deadline = time.monotonic() + 120
         while True:
             try:
                 routed = metric(gateway.url, "servescope_gateway_route_decisions_total")
-                now = _counts(replicas["r2"].url)
             except OSError:  # a busy server on two cores can be slow to answer: ask again
-                routed, now = {}, before
-            on_r2 = sum(n for labels, n in routed.items() if ("upstream", "r2") in labels)
-            finished = now[0] - before[0]
-            if sum(routed.values()) >= REQUESTS // 4 and _part_way(
-                unfinished=int(on_r2 - finished), tokens=now[1] - before[1] - OUT * finished
-            ):
-                break
+                assert time.monotonic() < deadline, "the gateway stopped answering /metrics"
+                continue
+            return sum(routed.values()) - len(probe.request_ids)
+
+    try:
+        # a quarter of the run routed, then the probe's stream open on r2, its first tokens in hand
+        deadline = time.monotonic() + 600
+        while bench_routed() < REQUESTS // 4:
             assert bench.poll() is None and time.monotonic() < deadline, "the run never got going"
             time.sleep(0.02)
+        probe.start()
+        while not probe.on_r2.wait(0.1):
+            assert not probe.ended.is_set(), f"the probe ended before reaching r2: {probe.error!r}"
         killed = replicas["r2"]
         assert killed.process is not None
         os.killpg(killed.process.pid, signal.SIGKILL)
+        assert bench_routed() < REQUESTS, "the bench had sent its whole schedule before the kill"
         killed.process.wait(timeout=60)  # its sockets close as it exits (after its memory goes)
-        killed_at = datetime.now(UTC).replace(tzinfo=None)
-        # the gateway stops using it within a second of its death
-        stop_by = time.monotonic() + 1.0
+        # the gateway stops using it: the probe's dropped stream marks it down
+        deadline = time.monotonic() + 60
         while metric(gateway.url, "servescope_gateway_upstream_up")[(("upstream", "r2"),)] != 0:
-            assert time.monotonic() < stop_by, "r2 still marked up a second after it died"
+            assert time.monotonic() < deadline, "r2 still marked up a minute after it died"
             time.sleep(0.02)
+        marked_down = datetime.now(UTC).replace(tzinfo=None)
         output, _ = bench.communicate(timeout=900)
+        assert probe.ended.wait(60) and probe.error is None, probe.error
     finally:
         if bench.poll() is None:
             bench.kill()
         gateway.stop()
+
+    # the probe: cut part-way, told so in the stream (OpenAI's error message), never [DONE]
+    assert 3 <= probe.tokens < PROBE_TOKENS and "data: [DONE]" not in probe.lines
+    assert any(line.startswith('data: {"error"') for line in probe.lines), probe.lines[-3:]
 
     # every request accounted for, per replica
     events = {e["request_id"]: e for e in store.export_events(run_id)}
@@ -282,23 +319,24 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
     assert rows["r1"]["server_requests_finished"] == rows["r1"]["ok"]  # vLLM's own count agrees
     assert report["skew"]["requests"]["max_over_mean"] > 1
 
-    # the gateway's own events: after the death plus a second, nothing served or failed on r2
+    # the gateway's own events: the probe's tries (those sent to r1 closed by the client) and
+    # the bench's; a request that came after r2 was seen marked down was not served on it
     gateway_events = [e for f in sorted((tmp_path / "events").glob("*.jsonl"))
                       for e in read_events(f)]  # fmt: skip
-    assert len(gateway_events) == REQUESTS
-    a_second_after = killed_at + timedelta(seconds=1)
-    late = [e for e in gateway_events if datetime.fromisoformat(e["ts"][:-1]) > a_second_after]
-    assert late and all(e["upstream"] == "r1" and e["status"] == "ok" for e in late)
+    probes = {e["request_id"]: e for e in gateway_events if e["request_id"] in probe.request_ids}
+    cut_probe = probes.pop(probe.request_ids[-1])
+    assert cut_probe["upstream"] == "r2" and cut_probe["status"] == "error", cut_probe
+    assert cut_probe["error"] == "disconnect" and "upstream" in cut_probe["error_detail"]
+    assert all(e["upstream"] == "r1" and e["finish_reason"] == "abort" for e in probes.values())
+    bench_events = [e for e in gateway_events if e["request_id"] not in probe.request_ids]
+    assert len(bench_events) == REQUESTS
+    late = [e for e in bench_events if datetime.fromisoformat(e["ts"][:-1]) > marked_down]
+    assert all(e["upstream"] == "r1" and e["status"] == "ok" for e in late), late
     # a request r2 had not answered yet, or one planned on it later, went to r1 instead
-    retried = [e for e in gateway_events if e.get("failed_upstreams")]
+    retried = [e for e in bench_events if e.get("failed_upstreams")]
     for e in retried:
         assert e["failed_upstreams"] in (["r2:connect"], ["r2:disconnect"]), e
         assert e["route_reason"] == "retry" and e["upstream"] == "r1", e
-    # the kill caught r2 part-way through a request: it failed, when tokens of it had reached the
-    # client, or it went to r1 (vLLM on a busy machine can send a whole stream as one chunk at
-    # its end: the client had nothing yet)
-    cut = [e for e in retried if e["failed_upstreams"] == ["r2:disconnect"]]
-    assert failed or cut, retried
 
     # one collector following both replicas' logs counts no request twice
     logs = [a for s in replicas.values() for a in ("--vllm-log", str(log_of(s)))]

@@ -210,7 +210,10 @@ def test_streams_pass_through_with_one_event_per_request(
             e = events[rid]
             assert e["source"] == "gateway" and e["team"] == "a" and e["status"] == "ok"
             assert e["completion_tokens"] == 8 and isinstance(e["itl_ms"], list)  # vLLM may merge
-            assert 0 < e["ttft_ms"] <= e["e2e_ms"] and e["tpot_ms"] >= 0 and e["queue_ms"] >= 0
+            assert 0 < e["ttft_ms"] <= e["e2e_ms"] and e["queue_ms"] >= 0
+            # TPOT null exactly when the whole answer reached the gateway at once (docs/design.md)
+            assert (e["tpot_ms"] is not None) == any(e["itl_ms"]), e
+            assert e["tpot_ms"] is None or e["tpot_ms"] >= 0
         assert events["pt-000003"]["stream"] is False and events["pt-000003"]["status"] == "ok"
         assert events["pt-000004"]["error"] == "rejected:unknown_key"
         assert gw.samples("admission_rejected_total") == {
@@ -347,6 +350,9 @@ def test_prompt_length_and_token_budget_limits(vllm_server: RunningServer, tmp_p
         assert used[(("team", "b"),)] > 0.5 and (("team", "a"),) not in used
 
 
+DECODE_TOKENS = 12000
+
+
 def test_prefill_and_decode_timeouts_are_logged_apart(
     vllm_server: RunningServer, tmp_path: Path
 ) -> None:
@@ -363,8 +369,10 @@ def test_prefill_and_decode_timeouts_are_logged_apart(
                 prefill = await stream_request(s, gw.url, COMPLETIONS,
                                                short(8, prompt=long_prompt), "to-000001",
                                                headers=auth("a"))  # fmt: skip
-                decode = await stream_request(s, gw.url, COMPLETIONS, short(3000), "to-000002",
-                                              headers=auth("b"))  # fmt: skip
+                # a minute of decode: its tokens cannot all reach the gateway within 0.3 s of
+                # the first, however far vLLM's API server lags its engine on a busy machine
+                decode = await stream_request(s, gw.url, COMPLETIONS, short(DECODE_TOKENS),
+                                              "to-000002", headers=auth("b"))  # fmt: skip
                 return prefill, decode
 
         prefill, decode = asyncio.run(scenario())
@@ -377,7 +385,7 @@ def test_prefill_and_decode_timeouts_are_logged_apart(
         assert events["to-000002"]["timeout_phase"] == "decode"
         cut = events["to-000002"]
         assert cut["e2e_ms"] - cut["ttft_ms"] >= 300  # not cut before the limit...
-        assert len(cut["itl_ms"]) < 3000 - 1  # ...but cut: not all 3,000 tokens reached the client
+        assert len(cut["itl_ms"]) < DECODE_TOKENS - 1  # ...but cut: not all reached the client
 
 
 def vllm_running(vllm: RunningServer) -> float:
