@@ -24,7 +24,7 @@ demo: install model
 
 test: install system-deps model
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=15
 
 # The suite as CI meets it beside other work: one core kept busy by another process throughout.
 test-busy: install system-deps model
