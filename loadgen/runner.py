@@ -229,7 +229,8 @@ class BenchRun:
                 with self.events_path.open("w", encoding="utf-8") as sink:
                     self._sink = sink
                     await self._warm_up(books)
-                    await asyncio.gather(*(s.scrape() for s in scrapers))
+                    # the run's first page: its deltas start here (a key page, see the scraper)
+                    await asyncio.gather(*(s.scrape(key=True) for s in scrapers))
                     for scraper in scrapers:
                         scraper.start()
                     # What start-up made (modules, the warm-up's prompts) is frozen: a full
@@ -250,7 +251,7 @@ class BenchRun:
                         result.levels.extend(self._level_stats(s) for s in states)
                         # a page at each level's end: counters (speculative-decoding drafts…)
                         # split exactly between levels that run one after another
-                        await asyncio.gather(*(s.scrape() for s in scrapers))
+                        await asyncio.gather(*(s.scrape(key=True) for s in scrapers))
             except (asyncio.CancelledError, KeyboardInterrupt):
                 result.status = "partial"
             except (TimeoutError, aiohttp.ClientError) as exc:

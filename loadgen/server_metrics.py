@@ -4,6 +4,12 @@ The server's counters are cumulative since it started; stored per run, the store
 run-scoped deltas (`Store.counter_deltas`) and peaks (`Store.gauge_peaks`). Pages are fetched in
 the event loop (one small GET) but parsed and written in a worker thread, a few at a time, so
 the scrape never sits inside a measured request's timing.
+
+A server busy serving can take seconds to answer `/metrics`, so every page may take up to
+`TIMEOUT_S`. The deltas are differences between the run's first page and its last (and, between
+levels, the page at each level's end): a key page lost would take requests out of the run's
+numbers, so those are asked for again after a timeout or a lost connection. A periodic page gets
+one try: the next one is a second away.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from servescope.wire.exposition import Sample, parse_exposition, prefix_cache_hi
 
 INTERVAL_S = 1.0
 FLUSH_EVERY = 5
+TIMEOUT_S = 30.0  # one try at a page (a periodic page waits that long at most, then is dropped)
+KEY_TRIES = 3  # tries at a key page: the run's first, each level's end, its last
+KEY_RETRY_S = 1.0  # between a key page's tries
 
 COUNTERS = (
     "vllm:prefix_cache_hits_total",
@@ -59,13 +68,13 @@ class MetricsScraper:
         self._task: asyncio.Task[None] | None = None
         self._flushes: set[asyncio.Task[None]] = set()
 
-    async def scrape(self) -> None:
-        """One page now (failures are counted, never raised: a dead server ends no run)."""
-        try:
-            async with self.session.get(self.url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                resp.raise_for_status()
-                text = await resp.text()
-        except (TimeoutError, aiohttp.ClientError):
+    async def scrape(self, *, key: bool = False) -> None:
+        """One page now. A periodic page gets one try; a `key` page (one the run's deltas are
+        taken between) up to `KEY_TRIES`, tried again after a timeout or a lost connection. A
+        scrape that ends with no page is one failure, counted, never raised: a dead server ends
+        no run."""
+        text = await self._page(key)
+        if text is None:
             self.failures += 1
             return
         self.scrapes += 1
@@ -74,6 +83,22 @@ class MetricsScraper:
             task = asyncio.create_task(self._flush())
             self._flushes.add(task)
             task.add_done_callback(self._flushes.discard)
+
+    async def _page(self, key: bool) -> str | None:
+        """The page's text, or None when every try failed."""
+        tries = KEY_TRIES if key else 1
+        timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
+        for attempt in range(1, tries + 1):
+            try:
+                async with self.session.get(self.url, timeout=timeout) as resp:
+                    resp.raise_for_status()
+                    return await resp.text()
+            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
+                if attempt < tries:
+                    await asyncio.sleep(KEY_RETRY_S)
+            except aiohttp.ClientError:  # an error status: asking again gets the same answer
+                return None
+        return None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -84,12 +109,13 @@ class MetricsScraper:
             await self.scrape()
 
     async def stop(self) -> None:
-        """Take a last page, and write everything scraped."""
+        """Take a last page (a key page: the run's deltas end there), and write everything
+        scraped."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self.scrape()
+        await self.scrape(key=True)
         await asyncio.gather(*self._flushes)
         await self._flush()
 
@@ -138,5 +164,7 @@ class MetricsScraper:
             "peak_waiting": peaks["vllm:num_requests_waiting"],
             "kv_cache_usage_peak": peaks["vllm:kv_cache_usage_perc"],
             "scrapes": self.scrapes,
+            # scrapes that ended with no page (a key page after all its tries), and pages that
+            # could not be parsed
             "scrape_failures": self.failures,
         }

@@ -21,7 +21,10 @@ def _quiet(message: str, warning: bool = False) -> None:
     pass
 
 
-SETTLE_S = 30.0  # vLLM exports a request's span within seconds of its end
+# vLLM exports a request's span within seconds of its end on a quiet machine; on a busy one its
+# exporter (a batch every 5 s) and the collector's flush can fall far behind. `settle` returns the
+# moment every trace is in: this is only how long it waits for stragglers before going on.
+SETTLE_S = 90.0
 
 
 class CollectorSidecar:

@@ -183,14 +183,15 @@ def _pct(value: float) -> str:
     return f"{'±' if change == 0 else ('−' if change < 0 else '+')}{abs(change)} %"
 
 
-def _tpot_change(before: float | None, after: float | None, pct: float | None) -> str | None:
+def _tpot_change(before: float | None, after: float | None, pct: float | None) -> str:
     """A change as "−31 %", or as "0.00 → 2.14 ms" from a zero: a burst of tokens in one chunk
-    has TPOT 0, and a change from 0 is no percentage. None unless both sides were measured."""
+    has TPOT 0, and a change from 0 is no percentage. "n/a" unless both sides were measured (the
+    verdict beside it says why: not measured)."""
     if pct is not None:
         return _pct(pct)
     if before is not None and after is not None:
         return f"{before:.2f} → {after:.2f} ms"
-    return None
+    return "n/a"
 
 
 def headline_part(section: dict[str, Any] | None, rows: Sequence[Mapping[str, Any]]) -> str | None:
@@ -200,13 +201,14 @@ def headline_part(section: dict[str, Any] | None, rows: Sequence[Mapping[str, An
     by = {r["metric"]: r for r in rows}
     parts = []
     tpot = by.get("tpot_ms.p50")
-    if tpot and (change := _tpot_change(tpot["before"], tpot["after"], tpot["delta_pct"])):
+    if tpot:
+        change = _tpot_change(tpot["before"], tpot["after"], tpot["delta_pct"])
         parts.append(f"TPOT p50 {change} [{tpot['verdict']}]")
     for w in section["workloads"]:
         change = _tpot_change(
             w["tpot_ms_p50_before"], w["tpot_ms_p50_after"], w["tpot_ms_p50_change_pct"]
         )
-        if change and w["acceptance_after"] is not None:
+        if w["acceptance_after"] is not None:
             parts.append(
                 f"{w['workload']}: TPOT p50 {change} [{w['tpot_verdict']}] "
                 f"at {w['acceptance_after'] * 100:.0f} % acceptance"

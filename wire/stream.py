@@ -145,8 +145,10 @@ class StreamTiming:
         # Every ok stream carries `tpot_ms`: null when the client saw nothing of the decode (one
         # token, or every token at once: one chunk, or chunks of one read, as a busy server
         # flushes a whole answer), rather than a 0 or a missing key (docs/design.md, "TPOT").
-        seen = self.first is not None and completion and completion > 1 and any(self.gaps)
-        event["tpot_ms"] = (e2e - event["ttft_ms"]) / (completion - 1) if seen else None
+        tpot = None
+        if self.first is not None and completion and completion > 1 and any(self.gaps):
+            tpot = (e2e - event["ttft_ms"]) / (completion - 1)
+        event["tpot_ms"] = tpot
         event["status"] = "ok"
         return event
 

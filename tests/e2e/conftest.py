@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -41,6 +42,21 @@ class RunningServer:
     process: subprocess.Popen[str]
     served_name: str = "tiny"
     otlp_port: int = 0  # vLLM exports its traces to 127.0.0.1:otlp_port (a collector may listen)
+
+
+def wait_port(port: int, process: subprocess.Popen[bytes], out: Path) -> None:
+    """Wait until `process` (a collector, whose output goes to `out`) listens on `port`: from
+    then on the kernel queues what is sent there, whether or not the process is scheduled."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"collector exited {process.returncode}:\n{out.read_text()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    pytest.fail(f"collector did not listen on {port}:\n{out.read_text()}")
 
 
 def _healthy(url: str) -> bool:

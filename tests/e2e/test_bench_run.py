@@ -40,6 +40,7 @@ workloads:
     team: lab
     seed: 5
 """
+SLO_TTFT_MS = 5000.0
 
 
 async def _bodies(url: str, name: str, scale: float, count: int) -> list[dict]:
@@ -76,7 +77,7 @@ def open_loop(vllm_server: RunningServer, tmp_path_factory: pytest.TempPathFacto
         result = servescope(
             *bench_args(config, vllm_server.url, run_id, store),
             "--slo",
-            "ttft_ms=5000",
+            f"ttft_ms={SLO_TTFT_MS:g}",
             "--json",
         )
         assert result.returncode == 0, result.stderr
@@ -105,7 +106,10 @@ def test_open_loop_records_intended_and_actual_send_times(open_loop: dict) -> No
         level["achieved_rate"] < 0.9 * level["scheduled_rate"]
     )
     assert level["client_saturated"] is saturated
-    assert level["good_fraction"] == 1.0 and level["goodput_per_s"] > 0
+    # goodput against the SLO, as the events say: how many meet it is the machine's business
+    good = sum(e.get("ttft_ms") is None or e["ttft_ms"] <= SLO_TTFT_MS for e in events)
+    assert level["good_fraction"] == good / 16
+    assert level["goodput_per_s"] == pytest.approx(good / level["duration_s"])
     stored = open_loop["store"].run("run-20261122-open-a")
     assert stored["status"] == "complete"
     assert stored["notes"]["levels"][0]["achieved_rate"] == level["achieved_rate"]
@@ -175,13 +179,21 @@ def test_ctrl_c_stores_what_was_measured_as_a_partial_run(
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if events_file.exists() and len(events_file.read_text().splitlines()) >= 6:
-            break
+    # Ctrl-C mid-run, provably: 6 requests measured, the run still going (400 requests at
+    # concurrency 2 take a minute or more, so 2 are in flight at any moment)
+    deadline = time.monotonic() + 600
+    while not (events_file.exists() and len(events_file.read_text().splitlines()) >= 6):
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before its 6th request:\n{process.communicate()[1]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail("the run measured fewer than 6 requests in 600 s")
         time.sleep(0.2)
+    assert process.poll() is None, "the run ended before the Ctrl-C"
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
+    # it winds down: requests cancelled, a last /metrics page (tried for up to 30 s at a time on
+    # a busy server), what was measured stored
+    _, stderr = process.communicate(timeout=300)
     assert process.returncode == 1, stderr
     assert "interrupted" in stderr and "partial" in stderr
     run = Store(store).run("run-20261122-ctrlc")
@@ -238,7 +250,18 @@ workloads:
 """
     result = _run(vllm_server, tmp_path, spec, "run-20261122-timed")
     (level,) = result["levels"]
-    assert 3.0 <= level["duration_s"] < 6.0
-    assert level["requests"] == result["events"] >= 4
     events = read_events(Path(result["events_path"]))
+    # Each of the 2 workers sends until the 3 s are up, then finishes the request it has begun.
+    # How many fit in 3 s, and how long the last ones run past them, is the machine's speed:
+    # what is bounded is the number of requests sent after the deadline, not seconds.
+    assert level["duration_s"] >= 3.0
+    assert level["requests"] == result["events"] == len(events) >= 2  # one per worker at least
+    sends = sorted(_epoch(e["ts"]) for e in events)
+    # the deadline falls at most 3 s after the first send; past it, a worker sends only the
+    # request it was preparing when the deadline came: at most one per worker
+    assert sum(t > sends[0] + 3.0 for t in sends) <= 2, sends
+    # the level's duration covers its requests, first send to last answer (wall and monotonic
+    # clocks are mixed here: 50 ms covers their drift over a few seconds)
+    span = max(_epoch(e["ts"]) + e["e2e_ms"] / 1000 for e in events) - sends[0]
+    assert level["duration_s"] >= span - 0.05, (level["duration_s"], span)
     assert len({e["plan_index"] for e in events}) == len(events)

@@ -23,6 +23,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from tests.e2e.conftest import RunningServer
 pytestmark = pytest.mark.vllm
 
 SCRAPE = "1s"
+SCRAPE_S = 1.0
 RATE_INTERVAL = "1m"
 WORKLOAD = """
 workloads:
@@ -352,8 +354,31 @@ def scraped_run(
         *bench_args(spec_config, spec_vllm_server.url, "run-20261122-spec", folder / "s.duckdb")
     )
     assert spec_run.returncode == 0, spec_run.stderr[-3000:]
-    time.sleep(5)  # a few more scrapes, so the last requests are in every rate window
+    _settle(prometheus, time.time())  # every target scraped, every rule evaluated, after it
     return prometheus, start, time.time()
+
+
+def _unix(rfc3339: str) -> float:
+    return datetime.fromisoformat(rfc3339).timestamp()
+
+
+def _settle(prom: Prometheus, traffic_end: float, timeout_s: float = 60.0) -> None:
+    """Wait until every target's latest scrape succeeded and began a scrape interval or more
+    after the traffic ended (so it holds what a producer recorded just after its last answer),
+    and every rule group was evaluated after those scrapes: a window ending now holds the whole
+    traffic, however late a busy machine let Prometheus scrape."""
+    deadline = time.monotonic() + timeout_s
+    targets: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        targets = prom.get("/api/v1/targets", state="active")["activeTargets"]
+        scraped = [_unix(t["lastScrape"]) for t in targets if t["health"] == "up"]
+        if len(scraped) == len(targets) and min(scraped) >= traffic_end + SCRAPE_S:
+            groups = prom.get("/api/v1/rules")["groups"]
+            if all(_unix(g["lastEvaluation"]) >= max(scraped) for g in groups):
+                return
+        time.sleep(0.3)
+    pytest.fail(f"Prometheus did not scrape every target after the traffic in {timeout_s:.0f} s: "
+                f"{[(t['scrapeUrl'], t['health'], t['lastScrape']) for t in targets]}")  # fmt: skip
 
 
 def _has_data(prom: Prometheus, query: PanelQuery, start: float, end: float) -> bool:

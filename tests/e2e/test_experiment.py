@@ -6,6 +6,7 @@ with levers and notes, lever flips, the pooled report and one per repeat."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,11 @@ def experiment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> di
         "2",
         "--requests",
         "4",
+        # A TTFT target no answered request can miss (the bench's request timeout): on a slow
+        # machine the latency rules that come before the prefix-cache rule (queue-bound: TTFT
+        # p95 over the 1 s default target, half of it queued) would fire on timing alone.
+        "--slo",
+        "ttft_ms=600000",
         "--store",
         str(store),
         "--out",
@@ -100,13 +106,20 @@ def test_four_runs_interleaved_with_the_profiles_levers(experiment: dict) -> Non
 
 def test_server_side_hit_ratio_and_ttft_move_as_expected(experiment: dict) -> None:
     offs, ons = _sides(experiment)
-    for off, on in zip(offs, ons, strict=True):  # in every repeat
+    for off, on in zip(offs, ons, strict=True):  # the mechanism, in every repeat
         assert off["server_prefix_cache_hit_ratio"] == pytest.approx(0.0, abs=0.01)
         assert on["server_prefix_cache_hit_ratio"] > 0.5
         assert (off["client_cached_token_ratio"] or 0.0) < 0.01
         assert on["client_cached_token_ratio"] > 0.5
-        assert on["ttft_ms_p50"] < off["ttft_ms_p50"]
         assert off["ttft_source"] == on["ttft_source"] == "client"
+    # its effect on TTFT, over both repeats' requests: one run of 8 requests can meet a stall of
+    # the machine (another process, another server starting) that the other arm's run did not
+    store: Store = experiment["store"]
+
+    def ttfts(runs: list[dict]) -> list[float]:
+        return [e["ttft_ms"] for r in runs for e in store.export_events(r["run_id"])]
+
+    assert statistics.median(ttfts(ons)) < statistics.median(ttfts(offs))
 
 
 def test_every_run_sent_the_same_prompts(experiment: dict) -> None:

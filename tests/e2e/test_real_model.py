@@ -21,7 +21,7 @@ import pytest
 from servescope.loadgen import real_model
 from servescope.store import Store, reads
 from tests.conftest import MODELS, ROOT, SERVESCOPE, free_port
-from tests.e2e.conftest import RunningServer, _served
+from tests.e2e.conftest import RunningServer, _served, wait_port
 
 pytestmark = pytest.mark.vllm
 
@@ -86,7 +86,7 @@ def answered(served: RunningServer, tmp_path_factory: pytest.TempPathFactory) ->
         cwd=ROOT, stdout=out.open("w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        time.sleep(3)  # the receiver binds before the first span is exported
+        wait_port(served.otlp_port, collector, out)  # the receiver listens before a span is sent
         with ThreadPoolExecutor(len(QUESTIONS)) as pool:  # one batch: lengths still differ
             asked = {f"smol-{i}": pool.submit(_ask, served.url, q, f"smol-{i}")
                      for i, q in enumerate(QUESTIONS)}  # fmt: skip

@@ -1,8 +1,10 @@
 """Exactly once under faults: 50,000 events written across three rotations (rename, copytruncate,
 rename) and partial lines, while `servescope collect` is killed with SIGKILL at random moments
-and restarted (each time once it is up again: a file created and rotated away while no collector
-ever ran is outside what any tailer can follow). Afterwards the store holds every event once:
-no duplicates, no gaps."""
+and restarted (each time once it is up again). A file created and rotated away while no collector
+ever read from it is outside what any tailer can follow, so the writer rotates a file only once
+some collector has committed a line of it, however slow the restarts: the rotation may still
+come while that collector lags or is dead. Afterwards the store holds every event once: no
+duplicates, no gaps."""
 
 from __future__ import annotations
 
@@ -26,9 +28,13 @@ STEPS = 200  # the writer's steps: TOTAL / STEPS lines each
 ROTATIONS = {50: "rename", 100: "copytruncate", 150: "rename"}  # at these steps
 
 
+def _id(i: int) -> str:
+    return f"run-20261122-faults-{i:06d}"  # zero-padded: ids sort as their numbers
+
+
 def _line(i: int) -> bytes:
     doc = {
-        "request_id": f"run-20261122-faults-{i:06d}",
+        "request_id": _id(i),
         "model": "local-coder",
         "prompt_tokens": 100 + i % 900,
         "completion_tokens": 1 + i % 400,
@@ -86,13 +92,40 @@ def _count(store: Path) -> int:
         con.close()
 
 
-def _write(events: Path, rng: random.Random, done: threading.Event) -> None:
-    """The producer: TOTAL lines in STEPS steps, partial lines, three rotations."""
+def _committed_from(store: Path, first: int) -> bool:
+    """Whether the store holds an event numbered `first` or later (committed with the checkpoint
+    of the file it came from)."""
+    try:
+        con = duckdb.connect(str(store), read_only=True)
+    except duckdb.Error:
+        return False  # the collector holds it this instant
+    try:
+        row = con.execute(
+            "SELECT count(*) FROM events WHERE request_id >= ?", [_id(first)]
+        ).fetchone()
+        return bool(row and row[0])
+    except duckdb.Error:
+        return False
+    finally:
+        con.close()
+
+
+def _write(events: Path, store: Path, rng: random.Random, failed: list[str]) -> None:
+    """The producer: TOTAL lines in STEPS steps, partial lines, three rotations. A file is
+    rotated only once a line of it is committed, so its checkpoint names it."""
     per_step = TOTAL // STEPS
     fh = events.open("ab")
     written = 0
+    generation = 0  # the number of the first line of the file at the path
     for step in range(STEPS):
         if step in ROTATIONS:
+            deadline = time.monotonic() + 240
+            while not _committed_from(store, generation):
+                if time.monotonic() > deadline:
+                    failed.append(f"no line from {generation} committed before step {step}")
+                    break
+                time.sleep(0.1)
+            generation = written
             fh.close()
             rotated = events.with_name(f"events.jsonl.{step // 50}")
             if ROTATIONS[step] == "rename":
@@ -111,7 +144,6 @@ def _write(events: Path, rng: random.Random, done: threading.Event) -> None:
         fh.flush()
         written += per_step
     fh.close()
-    done.set()
 
 
 def test_sigkill_and_rotation_lose_and_duplicate_nothing(tmp_path: Path) -> None:
@@ -122,11 +154,13 @@ def test_sigkill_and_rotation_lose_and_duplicate_nothing(tmp_path: Path) -> None
     events.touch()
     collector, port = _start(events, store, out)
     _wait_up(collector, port, out)
-    done = threading.Event()
-    writer = threading.Thread(target=_write, args=(events, random.Random(7), done), daemon=True)
+    failed: list[str] = []
+    writer = threading.Thread(
+        target=_write, args=(events, store, random.Random(7), failed), daemon=True
+    )
     writer.start()
     kills = 0
-    while not done.is_set() or kills < 10:
+    while writer.is_alive() or kills < 10:
         time.sleep(rng.uniform(0.2, 2.5))  # anywhere: between flushes or inside one
         collector.send_signal(signal.SIGKILL)
         collector.wait(timeout=30)
@@ -134,6 +168,7 @@ def test_sigkill_and_rotation_lose_and_duplicate_nothing(tmp_path: Path) -> None
         collector, port = _start(events, store, out)
         _wait_up(collector, port, out)
     writer.join()
+    assert not failed, failed
 
     deadline = time.monotonic() + 240
     while _count(store) < TOTAL and time.monotonic() < deadline:
@@ -154,5 +189,5 @@ def test_sigkill_and_rotation_lose_and_duplicate_nothing(tmp_path: Path) -> None
     )
     assert kills >= 10
     assert (total, distinct) == (TOTAL, TOTAL), log[-4000:]
-    assert ids == {f"run-20261122-faults-{i:06d}" for i in range(TOTAL)}
+    assert ids == {_id(i) for i in range(TOTAL)}
     assert errors == (0,)

@@ -89,7 +89,7 @@ def files(draw: st.DrawFn) -> list[bytes]:
     return lines
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=3000))
 def test_log_parser_never_raises_on_bytes(raw: bytes) -> None:
     parse_line(raw, year=2026)
@@ -106,7 +106,7 @@ log_messages = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(log_messages, st.booleans())
 def test_log_parser_never_raises_on_messages(message: str, as_json: bool) -> None:
     line = (
@@ -117,7 +117,7 @@ def test_log_parser_never_raises_on_messages(message: str, as_json: bool) -> Non
     parse_line(line.encode("utf-8", errors="surrogatepass"), year=2026)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(["cmpl-{}-0", "chatcmpl-{}"]), ids, st.booleans())
 def test_every_received_line_gives_its_client_id(form: str, rid: str, as_json: bool) -> None:
     rid = f"{rid}-000001"

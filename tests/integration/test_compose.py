@@ -47,7 +47,7 @@ def compose_config(profile: str, *extra: str, env: dict[str, str] | None = None)
         [binary, *extra, "-f", str(COMPOSE_FILE), "--profile", profile, "config"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=180,
         env={
             **{k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")},
             **(env or {}),
@@ -236,7 +236,7 @@ def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:
         [promtool, "check", "config", str(tmp_path / "prometheus.yml")],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=180,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     config = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())

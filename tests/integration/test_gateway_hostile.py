@@ -122,6 +122,8 @@ UVICORN_DIFFERS: dict[str, tuple[int | None, bytes | None]] = {
 }  # and a trailer joins the headers (see the test below)
 
 Runner = Callable[[Callable[[], Awaitable[None]]], None]
+REFUSED = (400, 413, 431, 501)  # answers after which the server closes the connection
+ANSWER_S = 30.0  # a deadline for an answer or a close that is due: a busy machine is slow
 
 
 @pytest.fixture(params=["asyncio", "uvloop"])
@@ -187,27 +189,27 @@ async def uvicorn_server(server: Server) -> AsyncIterator[int]:
 
 
 async def outcome(port: int, data: bytes) -> tuple[int | None, bool]:
-    """(status of the first answer or None, whether the server closed the connection)."""
+    """(status of the first answer or None, whether the server closed the connection). After a
+    refusal the close is due, and awaited; otherwise a short look only tells whether it came."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(data)
+    first = await asyncio.wait_for(reader.read(65536), ANSWER_S)  # an answer, or b"": closed
+    status = int(first.split(b" ", 2)[1]) if first.startswith(b"HTTP/1.") else None
     try:
-        first = await asyncio.wait_for(reader.read(65536), 2.0)
-    except TimeoutError:
-        first = b""
-    try:
-        closed = not first or await asyncio.wait_for(reader.read(), 0.5) == b""
+        closed = not first or (
+            await asyncio.wait_for(reader.read(), ANSWER_S if status in REFUSED else 0.5) == b""
+        )
     except TimeoutError:
         closed = False
     writer.close()
-    status = int(first.split(b" ", 2)[1]) if first.startswith(b"HTTP/1.") else None
     return status, closed
 
 
 async def tenant_ok(port: int) -> None:
-    """Another client, on its own connection: answered at once."""
+    """Another client, on its own connection: answered."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2.0)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), ANSWER_S)
     assert head.startswith(b"HTTP/1.1 200"), head
     writer.close()
 
@@ -219,7 +221,7 @@ async def run_corpus(port: int, recorder: Recorder) -> dict[str, tuple[int | Non
         status, closed = await outcome(port, data)
         bodies = [r.body for r in recorder.seen]
         assert len(bodies) <= 1, (name, bodies)  # never a smuggled second request
-        if status in (400, 413, 431, 501):
+        if status in REFUSED:
             assert closed, name  # a refused request's connection is never reused
         results[name] = (status, bodies[0] if bodies else None)
         await tenant_ok(port)
@@ -251,12 +253,13 @@ def test_a_trailer_never_sets_a_header() -> None:
 def test_slowloris_heads_and_endless_bodies_are_closed_and_others_served(
     run: Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(httpserver, "KEEPALIVE_S", 1.0)
+    monkeypatch.setattr(httpserver, "KEEPALIVE_S", 3600.0)  # none is swept while tenants ask
     monkeypatch.setattr(httpserver, "SWEEP_S", 0.2)
 
     async def main() -> None:
         recorder = Recorder()
-        async with own_server(recorder.server()) as port:
+        server = recorder.server()
+        async with own_server(server) as port:
             hostile = []
             for start, drip in [
                 (b"POST /echo HTTP/1.1\r\nHost: x\r\nX-A: ", b"a"),  # a head never ended
@@ -266,16 +269,22 @@ def test_slowloris_heads_and_endless_bodies_are_closed_and_others_served(
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 writer.write(start)
                 hostile.append((reader, writer, drip))
+            deadline = asyncio.get_running_loop().time() + ANSWER_S
+            while len(server.connections) < len(hostile):  # all accepted
+                assert asyncio.get_running_loop().time() < deadline, len(server.connections)
+                await asyncio.sleep(0.01)
+            held = set(server.connections)
             for _ in range(8):  # they keep dripping; other clients are served meanwhile
                 for _reader, writer, drip in hostile:
                     writer.write(drip)
-                loop = asyncio.get_running_loop()
-                started = loop.time()
                 await tenant_ok(port)
-                assert loop.time() - started < 0.5
+                # answered while every hostile request is still open and unfinished: none of
+                # them holds up another client, however long it drips
+                assert not [conn for conn in held if conn.closed]
                 await asyncio.sleep(0.1)
+            monkeypatch.setattr(httpserver, "KEEPALIVE_S", 1.0)  # now the sweep closes them
             for reader, writer, _drip in hostile:  # closed by the sweep, never answered
-                assert await asyncio.wait_for(reader.read(), 5) == b""
+                assert await asyncio.wait_for(reader.read(), ANSWER_S) == b""
                 writer.close()
         assert recorder.seen == []
 

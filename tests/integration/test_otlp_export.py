@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -71,25 +72,37 @@ def test_an_unreachable_endpoint_never_blocks_submit_and_counts_drops(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "2")  # the exporter's retry deadline
+    url = f"http://127.0.0.1:{closed_port()}"
+    looked = threading.Event()
+
+    class Held(OTLPSpanExporter):  # the real exporter, held until the test has looked
+        def export(self, spans: Any) -> Any:
+            looked.wait(120)
+            return super().export(spans)
+
     registry = CollectorRegistry()
     export = OtlpExport(
-        f"http://127.0.0.1:{closed_port()}",
+        url,
         registry=registry,
         max_queue=100,
         batch_size=50,
         schedule_delay_s=0.05,
+        span_exporter=Held(endpoint=f"{url}/v1/traces"),
+        metric_exporter=exporters(url)[1],
     )
     record = stored_records(tmp_path)[0]
     records = [{**record, "request_id": f"{RUN}-{i:06d}"} for i in range(5000)]
     dropped = export.submit(records)
-    # submit returned while the worker still waits on its first export (it retries for 2 s):
-    # nothing exported, nothing failed yet, and the queue overflow is counted, not buffered
+    # submit returned while the worker still waits on its first export (held, then retried
+    # for 2 s): nothing exported, nothing failed yet, and the queue overflow is counted, not
+    # buffered
     assert export.exported() == 0
     assert registry.get_sample_value(
         "servescope_collector_export_dropped_total", {"reason": "export_failed"}
     ) in (None, 0.0)
     assert dropped >= 5000 - 100 - 50
     assert export.dropped() == dropped
+    looked.set()
     # the batches in flight fail after the exporter's retries, and are counted too
     assert export.flush(60)
     assert export.dropped() == 5000

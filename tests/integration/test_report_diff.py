@@ -526,8 +526,9 @@ def test_speculation_headline_names_a_workload_whose_tpot_was_zero_before() -> N
 
 def test_streams_in_one_chunk_carry_no_client_tpot(tmp_path: Path) -> None:
     """A stream whose whole answer came in one chunk shows the client no decode: the client
-    writes no TPOT for it, a report leaves such samples out of TPOT and counts them, and reads
-    TPOT from vLLM's own record when more than a tenth of the streams are like that."""
+    writes a null TPOT for it (never a 0), a report leaves such samples out of TPOT and counts
+    them, and reads TPOT from vLLM's own record when more than a tenth of the streams are like
+    that."""
     from servescope.wire.stream import COMPLETIONS, StreamTiming
 
     def chunk(text: str) -> bytes:
@@ -541,13 +542,13 @@ def test_streams_in_one_chunk_carry_no_client_tpot(tmp_path: Path) -> None:
         timing.feed_line(b"data: " + json.dumps(usage).encode(), now=0.2)
         return timing.finish({}, end=0.2)
 
-    assert "tpot_ms" not in timed(1) and timed(1)["itl_ms"] == []
+    assert timed(1)["tpot_ms"] is None and timed(1)["itl_ms"] == []
     assert timed(4)["tpot_ms"] == pytest.approx((200 - 100) / 15)
     together = StreamTiming(COMPLETIONS, start=0.0)  # four chunks in one read: one timestamp
     for _ in range(4):
         together.feed_line(chunk("word word word word "), now=0.1)
     together.feed_line(b'data: {"choices": [], "usage": {"completion_tokens": 16}}', now=0.1)
-    assert "tpot_ms" not in together.finish({}, end=0.1)
+    assert together.finish({}, end=0.1)["tpot_ms"] is None
 
     db = tmp_path / "s.duckdb"
     store = Store(db)

@@ -121,9 +121,16 @@ def chromium() -> Iterator[str]:
 async def visit(devtools: str, url: str) -> dict[str, Any]:
     """Open `url` in a page, record its requests and dialogs, then screenshot and inspect it."""
     async with aiohttp.ClientSession() as session:
-        async with session.get(f"{devtools}/json/list") as resp:
-            targets = await resp.json()
-        page = next(t for t in targets if t["type"] == "page")
+        # The DevTools port opens before Chromium has made its first page: wait for the page.
+        deadline = time.monotonic() + 30
+        while True:
+            async with session.get(f"{devtools}/json/list") as resp:
+                targets = await resp.json()
+            page = next((t for t in targets if t["type"] == "page"), None)
+            if page is not None:
+                break
+            assert time.monotonic() < deadline, f"Chromium made no page: {targets}"
+            await asyncio.sleep(0.1)
         async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
             ids = iter(range(1, 10_000))
             requests: list[str] = []

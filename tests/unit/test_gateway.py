@@ -111,7 +111,10 @@ def test_a_team_at_its_own_limit_never_delays_another() -> None:
             await scheduler.admit("a", "u")
         assert excinfo.value.reason == "queue_full" and excinfo.value.http_status == 429
         assert excinfo.value.retry_after_s is not None
-        b_slot = await asyncio.wait_for(scheduler.admit("b", "u"), 0.1)
+        b_admit = asyncio.create_task(scheduler.admit("b", "u"))
+        await asyncio.sleep(0)  # one turn of the loop: the task's first step
+        assert b_admit.done()  # admitted without ever waiting behind a's queue
+        b_slot = await asyncio.wait_for(b_admit, 10)
         queue_ms = b_slot.queue_ms
         b_slot.release()
         held.release()
@@ -120,7 +123,7 @@ def test_a_team_at_its_own_limit_never_delays_another() -> None:
         return queue_ms, scheduler.inflight["u"]
 
     queue_ms, inflight = asyncio.run(scenario())
-    assert queue_ms < 5
+    assert queue_ms < 1000  # not queued: only the admission's own work, however slow the machine
     assert inflight == 0
 
 
@@ -169,8 +172,9 @@ def test_reload_keeps_live_counts_and_applies_new_limits() -> None:
         await asyncio.sleep(0)
         assert not waiter.done()
         scheduler.configure({"a": team("a", max_concurrent=2, max_queue=4)}, {"u": 8})
-        slot = await asyncio.wait_for(waiter, 0.1)  # the raised limit admits it at once
-        assert scheduler.teams["a"].active == 2
+        # the raised limit admits it at once: in the reload itself, before the loop turns
+        assert scheduler.queue_depth("a") == 0 and scheduler.teams["a"].active == 2
+        slot = await asyncio.wait_for(waiter, 10)
         slot.release()
         held.release()
         assert scheduler.teams["a"].active == 0

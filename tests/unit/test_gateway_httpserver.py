@@ -123,9 +123,11 @@ def test_pipelined_requests_are_answered_in_order(
 def test_a_client_that_leaves_cancels_its_handler(
     run: Runner,
 ) -> None:
+    started = asyncio.Event()
     cancelled = asyncio.Event()
 
     async def wait_forever(request: Request, reply: Reply) -> Response:
+        started.set()
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
@@ -137,9 +139,9 @@ def test_a_client_that_leaves_cancels_its_handler(
         async with serving(routed(("GET", "/wait", wait_forever))) as port:
             _reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
-            await asyncio.sleep(0.1)
+            await asyncio.wait_for(started.wait(), 10)  # in its handler before the client goes
             writer.close()
-            await asyncio.wait_for(cancelled.wait(), 5)
+            await asyncio.wait_for(cancelled.wait(), 10)
 
     run(main)
 
@@ -246,19 +248,24 @@ def test_a_client_pipelining_without_reading_is_not_buffered_for(run: Runner) ->
 def test_shutdown_waits_then_cancels_what_is_left_before_returning(run: Runner) -> None:
     finished: list[str] = []
 
-    async def quick(request: Request, reply: Reply) -> Response:
-        await asyncio.sleep(0.05)
-        finished.append("quick")
-        return json_response({})
-
-    async def slow(request: Request, reply: Reply) -> Response:
-        try:
-            await asyncio.sleep(3600)
-        finally:
-            finished.append("slow cancelled")  # the gateway writes its event here
-        return json_response({})
-
     async def main() -> None:
+        started = {b"/quick": asyncio.Event(), b"/slow": asyncio.Event()}
+        release = asyncio.Event()
+
+        async def quick(request: Request, reply: Reply) -> Response:
+            started[b"/quick"].set()
+            await release.wait()  # set once shutdown is under way: it finishes while waited on
+            finished.append("quick")
+            return json_response({})
+
+        async def slow(request: Request, reply: Reply) -> Response:
+            started[b"/slow"].set()
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                finished.append("slow cancelled")  # the gateway writes its event here
+            return json_response({})
+
         server = routed(("GET", "/quick", quick), ("GET", "/slow", slow))
         await server.serve("127.0.0.1", 0)
         assert server._server is not None
@@ -266,8 +273,14 @@ def test_shutdown_waits_then_cancels_what_is_left_before_returning(run: Runner) 
         clients = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         for (_reader, writer), path in zip(clients, (b"/quick", b"/slow"), strict=True):
             writer.write(b"GET %b HTTP/1.1\r\n\r\n" % path)
-        await asyncio.sleep(0.02)
-        await server.shutdown(timeout_s=0.2)
+        for event in started.values():  # both requests in their handlers
+            await asyncio.wait_for(event.wait(), 10)
+        # timeout_s: the slow one's wait; the quick one needs a few turns of the loop of it
+        stopping = asyncio.create_task(server.shutdown(timeout_s=5.0))
+        while server._server.is_serving():  # shutdown has begun
+            await asyncio.sleep(0)
+        release.set()
+        await stopping
         assert finished == ["quick", "slow cancelled"]
         head, _body = await read_response(clients[0][0])
         assert head.startswith(b"HTTP/1.1 200")

@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import yaml
 
+from servescope.gateway import health
 from servescope.gateway.config import parse_config
 from servescope.gateway.server import Gateway, build_server
 from tests.conftest import free_port
@@ -40,8 +42,12 @@ def _events(tmp_path: Path) -> list[dict[str, Any]]:
 
 
 def test_refusals_and_dead_upstreams_each_answer_once_and_leave_one_event(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The fallback is not probed: it reads down at /health only while its mark lasts, which
+    # must outlast however long the requests before it take.
+    monkeypatch.setattr(health, "DOWN_FOR_S", 3600.0)
+
     async def main() -> list[tuple[int, dict[str, str], dict[str, Any]]]:
         gateway = Gateway(parse_config(_config(tmp_path)))
         await gateway.start()

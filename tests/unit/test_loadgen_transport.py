@@ -9,15 +9,18 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any, ClassVar
 
 import pytest
 
+from servescope.loadgen import transport
 from servescope.loadgen.client import stream_request
 from servescope.loadgen.transport import Http1Pool
 from servescope.wire.stream import COMPLETIONS
 
-GAP_S = 0.3  # between the first SSE message and the rest, on the server
-BLOCK_S = 0.4  # how long the client's loop is kept busy, from half-way through the gap
+WAIT_S = 30.0  # a deadline for each handshake between the server, the loop and the test
+HOLD_S = 0.2  # the loop stays blocked this long after the rest is sent: read times come later
+EPS_S = 1e-6  # float rounding of the wire clock's seconds, nothing more
 
 
 def sse(data: str) -> bytes:
@@ -35,22 +38,34 @@ REST = (
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
+def wire(ns: int) -> float:
+    """A `time.time_ns()` reading on the transport's clock (seconds since its import)."""
+    return (ns - transport._EPOCH_NS) * 1e-9
+
+
 class SlowServer:
-    """Answers each request with the head and the first token at once (then sets `first_sent`),
-    the rest `GAP_S` later (then notes the clock in `answered_ns`)."""
+    """Answers the first request whole. Answers the next with the head and the first token,
+    then the rest once the client's loop is blocked (`blocked`), then sets `rest_sent`; each
+    `sendall` is bracketed by the clock (`first_ns`, `rest_ns`: before, after), so the kernel's
+    receive stamps of what it sends fall inside those windows."""
 
     def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.first_sent = threading.Event()
-        self.answered_ns = 0
+        self.blocked = threading.Event()
+        self.rest_sent = threading.Event()
+        self.first_ns = (0, 0)
+        self.rest_ns = (0, 0)
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         conn, _ = self.listener.accept()
+        # No Nagle: a small send must not wait for the client's (delayed) ACK of the one before.
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
             buffer = b""
+            warm = True
             while True:
                 while b"\r\n\r\n" not in buffer:
                     if not (data := conn.recv(65536)):
@@ -61,14 +76,42 @@ class SlowServer:
                 while len(buffer) < length:
                     buffer += conn.recv(65536)
                 buffer = buffer[length:]
+                if warm:
+                    conn.sendall(HEAD + FIRST + REST)
+                    warm = False
+                    continue
+                before = time.time_ns()
                 conn.sendall(HEAD + FIRST)
-                self.first_sent.set()
-                time.sleep(GAP_S)
+                self.first_ns = (before, time.time_ns())
+                if not self.blocked.wait(WAIT_S):
+                    return  # the client never blocked its loop: the test fails on its own
+                before = time.time_ns()
                 conn.sendall(REST)
-                self.answered_ns = time.time_ns()
+                self.rest_ns = (before, time.time_ns())
+                self.rest_sent.set()
 
     def close(self) -> None:
         self.listener.close()
+
+
+class Recorded(transport._Stream):
+    """The transport's listener, noting the send time and each read's (stamp, read time)."""
+
+    made: ClassVar[list[Recorded]] = []  # this test's streams, in order
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.sent_at = 0.0
+        self.reads: list[tuple[float, float, bytes]] = []
+        Recorded.made.append(self)
+
+    def sent(self, at: float) -> None:
+        self.sent_at = at
+        super().sent(at)
+
+    def data(self, data: bytes, at: float) -> None:
+        self.reads.append((at, transport.wire_now(), data))
+        super().data(data, at)
 
 
 @pytest.fixture
@@ -78,42 +121,52 @@ def server() -> Iterator[SlowServer]:
     server.close()
 
 
-async def _exchange(server: SlowServer) -> tuple[dict, int, float]:
-    """Warm a connection, then stream one request; once its first token is in, the loop is kept
-    busy for `BLOCK_S` from half-way through the server's `GAP_S`, so the rest of the response
-    waits in the kernel. Returns the event, the clock before the call, and the call's wall time."""
+async def _exchange(server: SlowServer) -> tuple[dict, Recorded, int]:
+    """Warm a connection, then stream one request; once the loop has read its first token, the
+    loop is blocked until the server has sent the rest and `HOLD_S` more, so the rest waits in
+    the kernel. Returns the event, its listener and the clock when the loop was free again."""
     pool = Http1Pool(server.url)
     body = {"model": "m", "prompt": "hi", "max_tokens": 2}
     await stream_request(pool, server.url, COMPLETIONS, body, "warm-000001")
+    Recorded.made.clear()
+    freed_ns = 0
 
     async def block_the_loop() -> None:
-        while not server.first_sent.is_set():
+        nonlocal freed_ns
+        deadline = time.monotonic() + WAIT_S
+        while not (Recorded.made and Recorded.made[0].reads):  # the first token, read
+            assert time.monotonic() < deadline, "the first token never came"
             await asyncio.sleep(0.001)
-        await asyncio.sleep(GAP_S / 2)  # the loop reads the first token meanwhile
-        time.sleep(BLOCK_S)  # the loop can read nothing: the rest arrives and waits in the kernel
+        server.blocked.set()
+        # The loop can read nothing now: the rest arrives and waits in the kernel.
+        assert server.rest_sent.wait(WAIT_S), "the server never sent the rest"
+        time.sleep(HOLD_S)
+        freed_ns = time.time_ns()
 
-    server.first_sent.clear()
-    before_ns = time.time_ns()
-    wall = time.perf_counter()
     event, _ = await asyncio.gather(
         stream_request(pool, server.url, COMPLETIONS, body, "slow-000002"), block_the_loop()
     )
-    wall = time.perf_counter() - wall
     pool.close()
-    return event, before_ns, wall
+    return event, Recorded.made[0], freed_ns
 
 
-def test_arrivals_are_kernel_stamps_not_read_times(server: SlowServer) -> None:
-    event, before_ns, wall = asyncio.run(_exchange(server))
+def test_arrivals_are_kernel_stamps_not_read_times(
+    server: SlowServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(transport, "_Stream", Recorded)
+    event, stream, freed_ns = asyncio.run(_exchange(server))
     assert event["status"] == "ok", event
     assert event["completion_tokens"] == 2
-    assert wall >= GAP_S / 2 + BLOCK_S  # the loop read the end long after it had come
-    # The send happened after `before_ns`, so `before_ns + e2e` is at most the real end stamp,
-    # which the kernel took while the server was sending, before it read its clock: a read-time
-    # clock would put the end at least BLOCK_S - GAP_S / 2 later.
-    assert before_ns + event["e2e_ms"] * 1e6 <= server.answered_ns
-    # The first token was read at once (the loop was free) and the second one's stamp is its
-    # arrival: one gap of about GAP_S, not GAP_S / 2 + BLOCK_S.
-    assert event["ttft_ms"] < GAP_S * 1000 / 2
     assert len(event["itl_ms"]) == 1
-    assert GAP_S * 1000 * 0.9 <= event["itl_ms"][0] < (GAP_S + BLOCK_S / 2) * 1000
+    first = stream.sent_at + event["ttft_ms"] / 1000
+    second = first + event["itl_ms"][0] / 1000
+    end = stream.sent_at + event["e2e_ms"] / 1000
+    # Each token's time is the kernel's stamp, taken while the server was sending it.
+    assert wire(server.first_ns[0]) - EPS_S <= first <= wire(server.first_ns[1]) + EPS_S
+    assert wire(server.rest_ns[0]) - EPS_S <= second <= wire(server.rest_ns[1]) + EPS_S
+    assert wire(server.rest_ns[0]) - EPS_S <= end <= wire(server.rest_ns[1]) + EPS_S
+    # The loop read the rest only once it was free, HOLD_S after the send: a read-time clock
+    # would have put the second token and the end there, not at the send.
+    rest_read = [read_at for _, read_at, data in stream.reads if b'" b"' in data]
+    assert len(rest_read) == 1, stream.reads
+    assert rest_read[0] >= wire(freed_ns) > wire(server.rest_ns[1]) + EPS_S

@@ -262,12 +262,16 @@ def test_pieces_of_one_request_in_two_flushes_become_one_span(tmp_path: Path) ->
              "prefill_ms": 790.0}  # fmt: skip
     with otlp_http_sink() as sink:
         export = OtlpExport(sink.url, registry=CollectorRegistry(), schedule_delay_s=0.05)
-        forwarder = StoredRequestForwarder(store, export, settle_s=1.0, poll_s=0.05)
+        # The first flush's deadline is an hour away, so the request waits for its second
+        # piece however slow that write is; the second flush re-arms it for almost now.
+        forwarder = StoredRequestForwarder(store, export, settle_s=3600.0, poll_s=0.05)
         store.add_events([client])
         forwarder(SimpleNamespace(keys=[key]))  # what Collector.flush reports
         store.add_events([trace])
+        forwarder.settle_s = 0.1
         forwarder(SimpleNamespace(keys=[key]))
-        sink.wait_for(lambda s: len(s.spans) == 1)
+        sink.wait_for(lambda s: len(s.spans) == 1)  # forwarded by its deadline, not by close()
+        assert forwarder.pending() == 0
         forwarder.close()
     assert len(sink.spans) == 1
     attrs = sink.spans[0]["attributes"]
