@@ -369,12 +369,16 @@ def _settle(prom: Prometheus, traffic_end: float, timeout_s: float = 60.0) -> No
     traffic, however late a busy machine let Prometheus scrape."""
     deadline = time.monotonic() + timeout_s
     targets: list[dict[str, Any]] = []
+    scraped_by: float | None = None  # when the last of those scrapes began (then fixed)
     while time.monotonic() < deadline:
-        targets = prom.get("/api/v1/targets", state="active")["activeTargets"]
-        scraped = [_unix(t["lastScrape"]) for t in targets if t["health"] == "up"]
-        if len(scraped) == len(targets) and min(scraped) >= traffic_end + SCRAPE_S:
+        if scraped_by is None:
+            targets = prom.get("/api/v1/targets", state="active")["activeTargets"]
+            scraped = [_unix(t["lastScrape"]) for t in targets if t["health"] == "up"]
+            if len(scraped) == len(targets) and min(scraped) >= traffic_end + SCRAPE_S:
+                scraped_by = max(scraped)
+        if scraped_by is not None:
             groups = prom.get("/api/v1/rules")["groups"]
-            if all(_unix(g["lastEvaluation"]) >= max(scraped) for g in groups):
+            if all(_unix(g["lastEvaluation"]) >= scraped_by for g in groups):
                 return
         time.sleep(0.3)
     pytest.fail(f"Prometheus did not scrape every target after the traffic in {timeout_s:.0f} s: "
