@@ -3,7 +3,7 @@
 Everything a command leaves behind goes under one data folder: `$SERVESCOPE_DATA_DIR`, else
 `servescope-data` in the working directory. `$SERVESCOPE_STORE` moves the store file alone
 (a shared store next to per-machine logs). The tiny models live under the data folder too:
-`servescope model build` writes them there and the commands that default to them read them
+`servescope model make-tiny` writes them there and the commands that default to them read them
 from there.
 
 The environment is read when a path is asked for, not when this module is imported: a test
@@ -18,6 +18,7 @@ read by the launcher, the gateway or the reports without an import the contract 
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -50,10 +51,37 @@ def listening(port: int) -> bool:
 
 def free_port() -> int:
     """A loopback port no one listens on now, for a server started next to others (an
-    experiment's vLLMs and sidecars, a test's receivers), where a default port may be taken."""
-    with socket.socket() as sock:
+    experiment's vLLMs and sidecars, a test's receivers), where a default port may be taken.
+
+    It is drawn at random below the kernel's ephemeral range: a port from that range (what
+    binding port 0 gives) is also where every outgoing connection takes its local port, so on a
+    busy machine one can take it between this look and the server's bind. The server's bind can
+    still lose a race to another server; those that servescope starts check theirs."""
+    low, _ = ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(FREE_PORTS_FROM, low) if low > FREE_PORTS_FROM else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    with socket.socket() as sock:  # every draw taken: the kernel's choice
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
+
+
+FREE_PORTS_FROM = 20000  # above the ports services are configured on by hand
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """Linux's `net.ipv4.ip_local_port_range` (the kernel's default where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def instance() -> str:

@@ -1,7 +1,8 @@
-"""The experiment's collector sidecar (loadgen/sidecar.py) as real `servescope collect`
-processes: it starts, tells vLLM where to send traces, and stops cleanly; a port taken by another
-process between the look and the bind (a race a busy machine makes real) costs a second start on
-another port, not the experiment."""
+"""Ports for the servers servescope starts (store/settings.py `free_port`), and the experiment's
+collector sidecar (loadgen/sidecar.py) as real `servescope collect` processes: it starts, tells
+vLLM where to send traces, and stops cleanly; a port taken by another process between the look
+and the bind (a race a busy machine makes real) costs a second start on another port, not the
+experiment."""
 
 from __future__ import annotations
 
@@ -39,3 +40,14 @@ def test_a_port_taken_before_the_bind_is_replaced(
         finally:
             collector.close()
     assert collector.process.returncode == 0
+
+
+def test_free_ports_come_from_below_theephemeral_range() -> None:
+    """A port from the ephemeral range is where outgoing connections take their local ports: one
+    could take it before the server binds. free_port draws below it."""
+    low, _ = settings.ephemeral_range()
+    ports = {free_port() for _ in range(50)}
+    assert all(settings.FREE_PORTS_FROM <= p < low for p in ports) and len(ports) > 40
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind((settings.HOST, port))  # free: nothing bound it since
