@@ -178,6 +178,10 @@ def test_ctrl_c_stores_what_was_measured_as_a_partial_run(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as at a terminal: a suite started as a background job of a non-interactive
+        # shell (nohup, some CI runners) hands its children SIGINT ignored, and Python keeps
+        # an ignored SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # Ctrl-C mid-run, provably: 6 requests measured, the run still going (400 requests at
     # concurrency 2 take a minute or more, so 2 are in flight at any moment)
