@@ -211,8 +211,8 @@ class Collector:
 
     def run_once(self, on_read: Callable[[int], None] | None = None) -> None:
         """Ingest everything the files hold now (and one scrape of each target), then return.
-        `on_read(bytes)` is told of every read (a progress bar)."""
-        self.scrape_all()
+        `on_read(bytes)` is told of every read (a progress bar). The scrape comes after the
+        files are read, so a GPU reading finds the server sessions the log started."""
         while True:
             read = self.poll()
             if on_read is not None:
@@ -221,6 +221,8 @@ class Collector:
                 self.flush()
             if not read:
                 break
+        self.scrape_all()
+        self.flush()
         while not self.apply_retention():
             pass
         self.compact_lake()
@@ -230,8 +232,10 @@ class Collector:
         """Tail, scrape and flush until `stop` is set; then a last read and flush."""
         self.start()
         helpers = []
+        caught_up = threading.Event()  # the scrapes start once the files' backlog is read
         if any(source.periodic for source in self.sources):
-            helpers.append((threading.Thread(target=self._scrape_loop, args=(stop,)), 10.0))
+            loop = threading.Thread(target=self._scrape_loop, args=(stop, caught_up))
+            helpers.append((loop, 10.0))
         if self.lake is not None:
             helpers.append((threading.Thread(target=self._compact_loop, args=(stop,)), 60.0))
         for thread, _join_s in helpers:
@@ -245,6 +249,8 @@ class Collector:
             self.metrics.pending.set(self.pending_bytes())
             full = self.pending_bytes() >= self.max_flush_bytes
             backlog = read >= 1 << 20  # catching up: fill the flush, fewer and bigger commits
+            if not backlog and not full:
+                caught_up.set()  # the sessions the backlog started are known (read, not flushed)
             since = time.monotonic() - last_flush
             if full or not backlog and (since >= self.flush_interval or not read):
                 last_flush = time.monotonic()  # from its start: slow flushes run back to back
@@ -289,8 +295,14 @@ class Collector:
         self.totals["samples_downsampled"] += result.downsampled
         return result.done
 
-    def _scrape_loop(self, stop: threading.Event) -> None:
-        """The periodic sources, every scrape interval; one failing never stops the others."""
+    def _scrape_loop(self, stop: threading.Event, caught_up: threading.Event) -> None:
+        """The periodic sources, every scrape interval; one failing never stops the others.
+
+        The first scrape waits for the tailed files' backlog to be read: until then the
+        collector does not know which server sessions are running, and a GPU reading would be
+        stored as no server's (a `/metrics` scrape waits for its session anyway)."""
+        while not (caught_up.wait(0.5) or stop.is_set()):
+            pass
         while not stop.is_set():
             started = time.monotonic()
             for source in self.sources:
