@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from markupsafe import Markup
 
-from servescope.reports.diff import corrected_away, power_lines
+from servescope.reports import forest
+from servescope.reports.diff import WHOLE_RUN, corrected_away, metric_name, power_lines
 from servescope.reports.document import DiffRow, Report
 from servescope.reports.summary import LATENCY_METRICS, SERVER_METRICS
 from servescope.store.paths import inside
@@ -71,19 +73,19 @@ def value_of(row: DiffRow, key: Literal["before", "after"]) -> str:
 
 def delta_of(row: DiffRow) -> str:
     if row["metric"].endswith("ratio") or row["metric"] == "error_rate":
-        return "n/a" if row["delta"] is None else signed(row["delta"] * 100, 1, " pt")
+        return "n/a" if row["delta"] is None else signed(row["delta"] * 100, 1, " pp")
     return signed(row["delta"], 2)
 
 
 def ci_of(row: DiffRow) -> str:
     if row["metric"].endswith("ratio") or row["metric"] == "error_rate":
         ci = row["ci95"]
-        return interval([c * 100 for c in ci], 1, " pt") if ci else "n/a"
+        return interval([c * 100 for c in ci], 1, " pp") if ci else "n/a"
     return interval(row["ci95"], 2)
 
 
 def _is_share(row: DiffRow) -> bool:
-    return row["metric"].endswith("ratio") or row["metric"] == "error_rate"
+    return forest.is_share(row["metric"])
 
 
 def repeats_of(row: DiffRow, side: Literal["before", "after"]) -> str:
@@ -104,7 +106,7 @@ def verdict_of(row: DiffRow) -> str:
         text += ": a change alone, not after the correction for the other rows"
     elif row["verdict"] == "unchanged" and detectable_pct is not None:
         if _is_share(row) and detectable is not None:
-            text += f": no change beyond ±{detectable * 100:.1f} pt"
+            text += f": no change beyond ±{detectable * 100:.1f} pp"
         else:
             text += f": no change beyond ±{detectable_pct:.0f} %"
     if (test := row["test"]) is not None and test["method"] == "requests":
@@ -174,6 +176,117 @@ def repeat_strip(row: DiffRow) -> Markup:
     return Markup("".join(parts))
 
 
+def arms_title(report: Report) -> str | None:
+    """ "default ×5 vs no-prefix-caching ×5": a comparison of repeats named by its arms, after
+    first (the runs under test), each with its repeats. None for one run a side, whose title
+    keeps the two run ids, and for a split or a single run."""
+    view = cast(Mapping[str, Any], report)
+    design = view.get("repeats") or {}
+    before, after = design.get("before", 1), design.get("after", 1)
+    if view.get("kind") != "diff" or max(before, after) < 2:
+        return None
+    after_name = design.get("after_arm") or (view.get("after") or {}).get("name") or view["run_id"]
+    before_name = design.get("before_arm") or (view.get("before") or {}).get("name") or "before"
+    return f"{after_name} ×{after} vs {before_name} ×{before}"
+
+
+def _change(metric: str, estimate: Any, ci_pct: Any, ci: Any, delta: Any) -> str:
+    """The change and its interval: % of the before value; points (pp) for a share, whose %
+    of a before value near 0 says nothing."""
+    if forest.is_share(metric):
+        if delta is None:
+            return "n/a"
+        within = f" ({interval([v * 100 for v in ci], 1, ' pp')})" if ci else ""
+        return f"{signed(delta * 100, 1, ' pp')}{within}"
+    if estimate is None:
+        return "n/a"
+    within = f" ({interval(ci_pct, 1, ' %')})" if ci_pct else ""
+    return f"{signed(estimate, 1, ' %')}{within}"
+
+
+def _value(metric: str, value: Any) -> str:
+    """A before or after value of the decision's indicator, in its unit."""
+    if value is None:
+        return "n/a"
+    if forest.is_share(metric):
+        return pct(value)
+    unit = " ms" if "_ms." in metric else " tokens/s" if metric.endswith("tokens_per_s") else ""
+    return f"{fmt(float(value), 1)}{unit}"
+
+
+def _where(metric: str, level: str) -> str:
+    """ "TTFT p50 at chat · concurrency 4", as the decision's own sentence names it."""
+    if level == forest.STRATIFIED:
+        return f"{metric_name(metric)} over all load levels (stratified)"
+    return metric_name(metric) + ("" if level == WHOLE_RUN else f" at {level}")
+
+
+def forest_where(report: Report) -> str:
+    """Where the forest's lines are read, for its caption: "over all load levels (stratified)",
+    "at chat · concurrency 4", "over the whole run"."""
+    level = forest.main_level(cast(Mapping[str, Any], report))
+    if level == forest.STRATIFIED:
+        return "over all load levels (stratified)"
+    return "over the whole run" if level in (None, WHOLE_RUN) else f"at {level}"
+
+
+def _sentence(text: str) -> str:
+    """A phrase as a sentence: capital first, full stop last."""
+    text = text.strip()
+    if not text:
+        return text
+    return text[0].upper() + text[1:] + ("" if text[-1] in ".!?" else ".")
+
+
+def decision_of(report: Report) -> dict[str, Any] | None:
+    """What the first screen says: the primary indicator's verdict, its change and interval,
+    and why the experiment stopped. From report.json's `decision` (its one sentence, `words`,
+    leads) when it has one; an older report reads its primary row instead, at 95 %, and says
+    that no stopping rule ran. None for a report that compares nothing."""
+    view = cast(Mapping[str, Any], report)
+    rows = view.get("diff") or []
+    if view.get("kind") not in ("diff", "split") or not rows:
+        return None
+    design = view.get("repeats") or {}
+    found = view.get("decision")
+    if found:
+        metric, level = found["metric"], found["level"]
+        before, after = found.get("before"), found.get("after")
+        confidence = float(found.get("confidence") or 0.95)
+        change = _change(metric, found.get("estimate_pct"), found.get("interval_pct"),
+                         found.get("interval"), None if before is None or after is None
+                         else after - before)  # fmt: skip
+        words = found.get("words") or f"{_where(metric, level)} {found['verdict']}: {change}"
+        margin = found.get("margin_pct")
+        return {
+            "verdict": found.get("verdict") or "not tested", "words": words,
+            "before": _value(metric, before), "after": _value(metric, after), "change": change,
+            "interval": f"the {confidence * 100:.3g} % interval is a repeated one: it holds "
+            "however many looks the experiment took" if confidence > 0.951
+            else f"{confidence * 100:.3g} % interval",
+            "margin": f"±{float(forest.MARGIN_PCT if margin is None else margin):g} %",
+            "confidence": f"{confidence * 100:.3g} % interval",
+            "stopped": _sentence(found.get("reason") or ""),
+        }  # fmt: skip
+    primary = view.get("primary") or {}
+    row = next((r for r in rows if r.get("role") == "primary"), None) or next(
+        (r for r in rows
+         if r["metric"] == primary.get("metric") and r["level"] == primary.get("level")), None
+    )  # fmt: skip
+    if row is None:
+        return None
+    metric = row["metric"]
+    change = _change(metric, row["delta_pct"], row["ci95_pct"], row["ci95"], row["delta"])
+    kb, ka = design.get("before", 1), design.get("after", 1)
+    return {
+        "verdict": row["verdict"], "words": f"{_where(metric, row['level'])} {row['verdict']}: "
+        f"{change}", "before": _value(metric, row["before"]),
+        "after": _value(metric, row["after"]), "change": change, "interval": "95 % interval",
+        "margin": None, "confidence": "95 % interval",
+        "stopped": f"Stored runs compared ({ka} after, {kb} before): no stopping rule ran.",
+    }  # fmt: skip
+
+
 # What could start Markdown of its own inside a value: emphasis, code, links and images, HTML
 # tags and entities, table cells, strikethrough, a heading's closing marks. CommonMark reads
 # a backslash before any ASCII punctuation as that character itself; an underscore inside a word
@@ -241,6 +354,12 @@ def _environment(fmt_name: str) -> Environment:
     env.filters["repeat_strip"] = repeat_strip
     env.globals["power_lines"] = power_lines
     env.globals["unmeasured"] = unmeasured
+    env.globals["arms_title"] = arms_title
+    env.globals["decision_of"] = decision_of
+    env.globals["forest"] = forest.forest_svg
+    env.globals["forest_left_out"] = forest.unmeasured
+    env.globals["forest_margin"] = forest.margin_of
+    env.globals["forest_where"] = forest_where
     return env
 
 
