@@ -49,6 +49,7 @@ from servescope.loadgen.launcher import (
     read_section,
     state_for,
 )
+from servescope.loadgen.rounds import Look, Rounds, Stopping
 from servescope.loadgen.runner import RunResult
 from servescope.loadgen.workload import BenchConfig, WorkloadError, load_config
 from servescope.store import Store, settings
@@ -56,7 +57,7 @@ from servescope.store.typed import Named, typed
 
 EXPERIMENTS_FILE = Path(__file__).with_name("experiments.yaml")
 DEFAULT_LEVER = "default"  # a lever a profile leaves to vLLM's own default
-DEFAULT_REPEATS = 3  # runs per arm when the spec and the command line name none
+DEFAULT_REPEATS = 3  # rounds of a fixed design when no stopping plan is given
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves POST /reset_prefix_cache only then
 
 # notes["repeat_design"]: how the experiment sequenced servers and rounds
@@ -96,7 +97,7 @@ class ExperimentSpec:
     requests: int | None = None
     model: str = "random"  # a tiny model kind (loadgen/tiny_model.py KINDS), or a model folder
     fleet: FleetSpec | None = None  # set: `profiles` are the gateway's routing policies
-    repeats: int = DEFAULT_REPEATS
+    repeats: int | None = None  # a fixed design's rounds; None: until decided (loadgen/rounds.py)
     source: str = "built-in"  # the experiments file it came from
 
     @property
@@ -172,7 +173,7 @@ class ExperimentEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     requests: PositiveInt | None = None
     model: str = "random"
     fleet: FleetEntry | None = None
-    repeats: PositiveInt = DEFAULT_REPEATS
+    repeats: PositiveInt | None = None
 
 
 def _spec(name: str, raw: Any, source: Path) -> ExperimentSpec:
@@ -353,12 +354,16 @@ SidecarFactory = Callable[[Path, str], Sidecar]
 
 @dataclass
 class ExperimentHooks:
-    """What a display needs: called before a server starts and when it is ready; and the
-    sidecar to start next to the servers, if any."""
+    """What a display needs: called before a server starts, when it is ready, and at each look
+    at the evidence; the sidecar to start next to the servers, if any; and `judge`, which reads
+    the evidence of the runs so far (the pooled comparisons, by the stopping rule) for a
+    sequential design."""
 
     starting: Callable[[str, VllmServer], None] = lambda profile, server: None
     ready: Callable[[str, VllmServer], None] = lambda profile, server: None
+    looked: Callable[[int, Look], None] = lambda done, look: None
     sidecar: SidecarFactory | None = None
+    judge: Callable[[ExperimentResult], Look] | None = None
 
 
 # (config, target, store, run options) -> the run's result
@@ -390,6 +395,7 @@ def run_notes(
         "position": position,
         "order": order,
         "repeat_design": design or experiment.design,
+        **({"plan": experiment.stopping.notes()} if experiment.stopping else {}),
     }
 
 
@@ -402,7 +408,11 @@ class ExperimentResult:
     failure: str | None = None
     arms: list[str] = field(default_factory=list)  # in the spec's order (the first: before)
     design: str = ""  # how servers and rounds were sequenced (KEPT_UP, FRESH, TARGETS, FLEET)
-    order: str = ""  # the planned run order, e.g. "A B B A A B"
+    order: str = ""  # the run order, e.g. "A B B A A B"
+    stopped: str = ""  # why the rounds stopped (loadgen/rounds.py: decided, budget, …)
+    stop_words: str = ""  # … in words
+    sizing: str | None = None  # how the runs grew at the first look, and why
+    looks: list[Look] = field(default_factory=list)
 
     def record(self, run: ExperimentRun) -> bool:
         """Keep a measured run; False (the experiment stops) when it did not complete."""
@@ -462,6 +472,7 @@ class Experiment:
         server_flags: list[str] | None = None,
         profiles: dict[str, Profile] | None = None,
         fresh_servers: bool = False,
+        stopping: Stopping | None = None,
     ) -> None:
         profiles = profiles if profiles is not None else load_profiles()
         check_profiles(spec, profiles)
@@ -477,9 +488,8 @@ class Experiment:
                 f"experiment {spec.name}: --target for {extra}, which is no arm of it "
                 f"({', '.join(self.arms)})"
             )
-        self.repeats = spec.repeats if repeats is None else repeats
-        if self.repeats < 1:
-            raise ExperimentError(f"--repeats must be positive, got {self.repeats}")
+        self.fixed, self.stopping = fixed_or_sequential(spec, repeats, stopping)
+        self.repeats = self.fixed or (self.stopping.last if self.stopping else DEFAULT_REPEATS)
         self.spec = spec
         self.profiles = profiles
         self.store = store
@@ -492,7 +502,6 @@ class Experiment:
         self.config = spec.bench_config(scale, requests)
         gpu = any(profiles[p].device == "gpu" for p in spec.profiles)
         self.design = TARGETS if targets else FRESH if fresh_servers or gpu else KEPT_UP
-        self.order = interleaved(self.arms, self.repeats)
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         self.experiment_id = f"exp-{stamp}-{spec.name}"
         self._stamp = stamp
@@ -502,14 +511,11 @@ class Experiment:
         self._port: int | None = None
 
     def run(self) -> ExperimentResult:
-        """Every (repeat, arm) in interleaved order; stops at the first interrupted or failed
-        run. The servers this started (and their sidecars) are stopped in any case."""
+        """Rounds of every arm in interleaved order until the design says stop (loadgen/
+        rounds.py); stops at the first interrupted or failed run. The servers this started
+        (and their sidecars) are stopped in any case."""
         result = ExperimentResult(
-            self.spec.name,
-            self.experiment_id,
-            arms=list(self.arms),
-            design=self.design,
-            order=order_letters(self.arms, self.repeats),
+            self.spec.name, self.experiment_id, arms=list(self.arms), design=self.design
         )
         try:
             if self.design == KEPT_UP:
@@ -560,27 +566,15 @@ class Experiment:
             self.hooks.ready(arm, server)
 
     def _runs(self, result: ExperimentResult) -> None:
-        previous: ExperimentRun | None = None
-        for position, (repeat, arm) in enumerate(self.order, start=1):
-            run = ExperimentRun(
-                profile=self.arm_profile[arm],
-                repeat=repeat,
-                run_id=f"run-{self._stamp}-{self.spec.name}-{arm}-r{repeat}",
-                levers={},
-                target="",
-                arm=arm,
-            )
+        def one(run: ExperimentRun, previous: ExperimentRun | None, position: int) -> None:
             try:
                 self._one(run, previous, position)
             except KeyboardInterrupt:
-                result.status = "partial"
-                return
+                raise
             except Exception as exc:  # a server that did not start, a target that is gone
-                result.status, result.failure = "failed", f"{arm}: {exc}"
-                return
-            if not result.record(run):
-                return
-            previous = run
+                raise RunFailed(f"{run.arm}: {exc}") from exc
+
+        run_rounds(self, result, one)
 
     def _one(self, run: ExperimentRun, previous: ExperimentRun | None, position: int) -> None:
         run.notes = run_notes(self, run, position, order_letters(self.arms, self.repeats))
@@ -641,5 +635,97 @@ class Experiment:
         if sidecar is not None:
             sidecar.settle(run.run_id)
 
+    def run_for(self, repeat: int, arm: str) -> ExperimentRun:
+        """The run of `arm` in round `repeat`, before it is made."""
+        return ExperimentRun(
+            profile=self.arm_profile[arm],
+            repeat=repeat,
+            run_id=f"run-{self._stamp}-{self.spec.name}-{arm}-r{repeat}",
+            levers={},
+            target="",
+            arm=arm,
+        )
+
     def _profile_levers(self, profile: str) -> dict[str, Any]:
         return levers_of(ALWAYS_FLAGS + self.profiles[profile].flags)
+
+
+class RunFailed(RuntimeError):
+    """A run that could not be made (its server, its target, its gateway): the experiment
+    stops, failed, with this message."""
+
+
+def fixed_or_sequential(
+    spec: ExperimentSpec, repeats: int | None, stopping: Stopping | None
+) -> tuple[int | None, Stopping | None]:
+    """(fixed rounds, None) for a fixed design (`--repeats`, or the spec's `repeats`), else
+    (None, the stopping plan); a fixed design of DEFAULT_REPEATS when neither is given."""
+    fixed = repeats if repeats is not None else spec.repeats
+    if fixed is not None and fixed < 1:
+        raise ExperimentError(f"--repeats must be positive, got {fixed}")
+    if fixed is None and stopping is None:
+        fixed = DEFAULT_REPEATS
+    return fixed, None if fixed is not None else stopping
+
+
+class Sequenced(Protocol):
+    """What `run_rounds` needs of an experiment (Experiment and loadgen/fleet.py's)."""
+
+    fixed: int | None
+    stopping: Stopping | None
+    hooks: ExperimentHooks
+    config: BenchConfig
+
+    def run_for(self, repeat: int, arm: str) -> ExperimentRun: ...
+
+
+def run_rounds(
+    experiment: Sequenced,
+    result: ExperimentResult,
+    one: Callable[[ExperimentRun, ExperimentRun | None, int], None],
+) -> None:
+    """Rounds of every arm (A B, B A, …) until the design stops them, each run made by `one`
+    (run, the run before it, its position) and recorded in `result`; a run that did not
+    complete, a failure (RunFailed) or Ctrl-C stops the experiment there. After each round
+    from the plan's first, the hooks' `judge` reads the evidence; at the first look the runs
+    may grow (loadgen/rounds.py). `result` says why the rounds stopped."""
+    hooks: ExperimentHooks = experiment.hooks
+    judge = hooks.judge
+    rounds = Rounds(
+        list(result.arms),
+        fixed=experiment.fixed,
+        stopping=experiment.stopping,
+        decide=(lambda done: judge(result)) if judge is not None else None,
+    )
+    previous: ExperimentRun | None = None
+    position = done = 0
+    try:
+        while rounds.another(done):
+            began = time.monotonic()
+            for arm in rounds.order(done + 1):
+                position += 1
+                run = experiment.run_for(done + 1, arm)
+                try:
+                    one(run, previous, position)
+                except RunFailed as exc:
+                    result.status, result.failure = "failed", str(exc)
+                    return
+                if not result.record(run):
+                    return
+                previous = run
+            done += 1
+            look = rounds.finished(done, time.monotonic() - began)
+            if look is not None:
+                hooks.looked(done, look)
+            if rounds.growth is not None and rounds.stopping and done == rounds.stopping.first:
+                experiment.config = experiment.config.grown(rounds.growth)
+    except KeyboardInterrupt:
+        result.status = "partial"
+    finally:
+        result.stopped = rounds.stopped or "interrupted"
+        result.stop_words = rounds.words()
+        result.sizing = rounds.sizing
+        result.looks = list(rounds.looks)
+        result.order = " ".join(
+            chr(ord("A") + result.arms.index(r.arm)) for r in result.runs if r.arm in result.arms
+        )

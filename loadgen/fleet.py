@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from servescope.loadgen.experiment import (
+    DEFAULT_REPEATS,
     DEV_MODE,
     FLEET,
     STATE_REFUSED,
@@ -43,14 +44,16 @@ from servescope.loadgen.experiment import (
     ExperimentRun,
     ExperimentSpec,
     Sidecar,
-    interleaved,
+    fixed_or_sequential,
     order_letters,
     record_flips,
     reset_prefix_cache,
     run_notes,
+    run_rounds,
     start_together,
 )
 from servescope.loadgen.launcher import Profile, VllmServer, load_profiles
+from servescope.loadgen.rounds import Stopping
 from servescope.loadgen.workload import WorkloadError
 from servescope.store import Store, settings
 from servescope.wire.routing import ROUTING_POLICIES
@@ -170,6 +173,7 @@ class FleetExperiment:
         slo: dict[str, float] | None = None,
         hooks: ExperimentHooks | None = None,
         profiles: dict[str, Profile] | None = None,
+        stopping: Stopping | None = None,
     ) -> None:
         if spec.fleet is None:
             raise WorkloadError(f"experiment {spec.name}: no `fleet` to start")
@@ -188,9 +192,8 @@ class FleetExperiment:
         self.store = store
         self.execute = execute
         self.model = model
-        self.repeats = spec.repeats if repeats is None else repeats
-        if self.repeats < 1:
-            raise WorkloadError(f"--repeats must be positive, got {self.repeats}")
+        self.fixed, self.stopping = fixed_or_sequential(spec, repeats, stopping)
+        self.repeats = self.fixed or (self.stopping.last if self.stopping else DEFAULT_REPEATS)
         self.design = FLEET
         self.slo = slo or {}
         self.hooks = hooks or ExperimentHooks()
@@ -202,6 +205,7 @@ class FleetExperiment:
         teams = sorted({w.team for w in self.config.workloads if w.team})
         self.keys = {team: f"sk-{secrets.token_hex(16)}" for team in teams}
         self._sidecars: list[Sidecar] = []
+        self._levers: dict[str, Any] = {}
 
     def run(self) -> ExperimentResult:
         """Start the replicas (and their sidecars), run every (repeat, policy), stop them all."""
@@ -210,7 +214,6 @@ class FleetExperiment:
             self.experiment_id,
             arms=list(self.spec.profiles),
             design=FLEET,
-            order=order_letters(self.spec.profiles, self.repeats),
         )
         replicas: dict[str, VllmServer] = {}
         saved = {var: os.environ.get(var) for var in map(key_variable, self.keys)}
@@ -277,24 +280,25 @@ class FleetExperiment:
             self.hooks.ready(name, server)
 
     def _runs(self, replicas: dict[str, VllmServer], result: ExperimentResult) -> None:
-        previous: ExperimentRun | None = None
-        levers = next(iter(replicas.values())).levers
-        order = interleaved(self.spec.profiles, self.repeats)
-        for position, (repeat, policy) in enumerate(order, start=1):
-            run = ExperimentRun(
-                profile=policy,
-                repeat=repeat,
-                run_id=f"run-{self._stamp}-{self.spec.name}-{policy}-r{repeat}",
-                levers={**levers, "routing": policy},
-                target="",
-            )
-            order_text = order_letters(self.spec.profiles, self.repeats)
-            run.notes = run_notes(self, run, position, order_text, FLEET)
+        self._levers = next(iter(replicas.values())).levers
+
+        def one(run: ExperimentRun, previous: ExperimentRun | None, position: int) -> None:
+            order = order_letters(result.arms, self.repeats)
+            run.notes = run_notes(self, run, position, order, FLEET)
             run.notes["server_runs_before"] = position - 1
             self._one(run, previous, replicas)
-            if not result.record(run):
-                return
-            previous = run
+
+        run_rounds(self, result, one)
+
+    def run_for(self, repeat: int, policy: str) -> ExperimentRun:
+        """The run of routing policy `policy` in round `repeat`, before it is made."""
+        return ExperimentRun(
+            profile=policy,
+            repeat=repeat,
+            run_id=f"run-{self._stamp}-{self.spec.name}-{policy}-r{repeat}",
+            levers={**self._levers, "routing": policy},
+            target="",
+        )
 
     def _one(
         self, run: ExperimentRun, previous: ExperimentRun | None, replicas: dict[str, VllmServer]

@@ -227,6 +227,20 @@ class BenchConfig:
             ],
         )
 
+    def grown(self, factor: float) -> BenchConfig:
+        """Every level `factor` times as long: its requests (rounded up) or its duration."""
+        return replace(
+            self,
+            workloads=[
+                msgspec.structs.replace(
+                    w,
+                    requests_per_level=math.ceil(w.requests_per_level * factor),
+                    duration_s=w.duration_s * factor if w.duration_s is not None else None,
+                )
+                for w in self.workloads
+            ],
+        )
+
     def requests_total(self) -> int | None:
         """Measured requests in the whole run; None when some level runs for a duration."""
         total = 0

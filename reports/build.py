@@ -4,6 +4,7 @@ split at its lever flip (`--split-at-flip`). Each opens the store once, read-onl
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing
@@ -28,15 +29,14 @@ from servescope.reports.diff import (
     design,
     diff_rows,
     headline,
-    judge,
     lever_changes,
-    power,
     primary_level,
     workload_warnings,
 )
 from servescope.reports.document import (
     Bootstrap,
     Compared,
+    Decision,
     DiffRow,
     Flip,
     LeverChange,
@@ -50,7 +50,9 @@ from servescope.reports.document import (
 )
 from servescope.reports.document import Design as RepeatsDesign
 from servescope.reports.document import Window as WindowDoc
+from servescope.reports.judge import judge, power
 from servescope.reports.samples import Samples, Slice, choose_sources
+from servescope.reports.sequential import Plan
 from servescope.reports.specdecode import headline_part, spec_diff
 from servescope.reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
 from servescope.reports.windows import WHOLE, Window, resolve
@@ -300,6 +302,7 @@ class Comparison:
     changes: list[LeverChange]
     diff: list[DiffRow]
     primary: Primary
+    decision: Decision
     repeats: RepeatsDesign
     repeat_states: RepeatStates
     power: Power | None
@@ -313,7 +316,7 @@ class Comparison:
 
     def headline(self, change: str) -> str:
         """The diff's headline, with TPOT and draft acceptance when speculation ran on a side."""
-        line = headline(change, self.diff, *self.arms, self.primary)
+        line = headline(change, self.diff, *self.arms, self.decision)
         shown = list(at_level(self.diff, self.primary["level"]).values())
         spec = headline_part(self.spec_decode, shown)
         return f"{line}; {spec}" if spec else line
@@ -343,17 +346,19 @@ def _compare(
     that differ between them."""
     seed = bootstrap.DEFAULT_SEED if options.seed is None else options.seed
     sides = _sides(con, [*before, *after], options, stack)
-    b_arm = Arm(before[0].name, sides[: len(before)])
-    a_arm = Arm(after[0].name, sides[len(before) :])
+    b_arm = Arm(_arm_name(runs[0]) if len(before) > 1 else before[0].name, sides[: len(before)])
+    a_arm = Arm(_arm_name(runs[1]) if len(after) > 1 else after[0].name, sides[len(before) :])
     b_side, a_side = b_arm.repeats[0], a_arm.repeats[0]
     b_shown = _side_report(con, before[0], runs[0][0], b_side, options)
     a_shown = _side_report(con, after[0], runs[1][0], a_side, options)
     same_run = before[0].run_id == after[0].run_id
-    rows, directions = diff_rows(b_arm, a_arm, seed)
+    rows, evidence = diff_rows(b_arm, a_arm, seed)
     metric, why = primary_indicator(changes)
     if primary is not None:
         metric, why = primary, "chosen with --primary"
-    chosen = judge(rows, directions, (metric, primary_level(b_arm, a_arm)), why)
+    look = min(len(before), len(after))
+    chosen, decided = judge(rows, evidence, (metric, primary_level(b_arm, a_arm)), why, look,
+                            options.plan or _plan_of(runs), options.stopped)  # fmt: skip
     run_ids = sorted({p.run_id for p in (*before, *after)})
     flips = _flips(con, run_ids, sides)
     shown = list(at_level(rows, chosen["level"]).values())
@@ -365,6 +370,7 @@ def _compare(
         changes=changes,
         diff=rows,
         primary=chosen,
+        decision=decided,
         repeats=design(b_arm, a_arm),
         repeat_states=_repeat_states(runs),
         power=power(rows, chosen),
@@ -381,6 +387,20 @@ def _compare(
         bootstrap=Bootstrap(draws=bootstrap.DRAWS, seed=seed, method=METHOD),
         charts=charts([b_side, a_side], flips) if options.charts else {},
     )
+
+
+def _plan_of(runs: tuple[list[RunRow], list[RunRow]]) -> Plan:
+    """The stopping rule's plan the runs' experiment recorded (`notes.plan`), the default plan
+    for runs of none (or of experiments that recorded different ones)."""
+    every = [*runs[0], *runs[1]]
+    plans = {json.dumps((r["notes"] or {}).get("plan"), sort_keys=True) for r in every}
+    found = json.loads(plans.pop()) if len(plans) == 1 else None
+    if not isinstance(found, dict):
+        return Plan()
+    try:
+        return Plan(int(found["first"]), int(found["last"]), float(found["margin_pct"]))
+    except (KeyError, TypeError, ValueError):
+        return Plan()
 
 
 def _repeat_states(runs: tuple[list[RunRow], list[RunRow]]) -> RepeatStates:
@@ -515,6 +535,7 @@ def _compared(compared: Comparison, change: str) -> Compared:
         after=compared.after,
         diff=compared.diff,
         primary=compared.primary,
+        decision=compared.decision,
         repeats=compared.repeats,
         repeat_states=compared.repeat_states,
         power=compared.power,

@@ -18,6 +18,7 @@ smallest change the design could have found (80 % power). A metric one side did 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,22 +30,36 @@ from servescope.reports import bootstrap, gpu, sql, verdict
 from servescope.reports.bootstrap import Draws, Floats
 from servescope.reports.document import (
     Better,
+    Decision,
     Design,
     DiffRow,
     Group,
     LeverChange,
-    Power,
-    PowerLine,
-    Primary,
     Summary,
 )
+from servescope.reports.judge import (
+    AS_IS,
+    LOG,
+    STRATIFIED,
+    WHOLE_RUN,
+    Evidence,
+    corrected_away,
+    metric_name,
+    missed,
+    signed_pct,
+)
 from servescope.reports.samples import FIXED_SOURCES, SERVER, TESTED, Samples, Sorted
+from servescope.reports.verdict import (  # the vocabulary, for the modules that import it here
+    IMPROVED,
+    NOT_MEASURED,
+    NOT_TESTED,
+    REGRESSED,
+    TOO_FEW,
+    UNCHANGED,
+)
 
 LOWER: Better = "lower"
 HIGHER: Better = "higher"
-IMPROVED, REGRESSED, UNCHANGED = "improved", "regressed", "unchanged"
-NOT_MEASURED, NOT_TESTED = "not measured", "not tested"
-TOO_FEW = "too few samples"
 # A bootstrap cannot see beyond the sample: a quantile's interval means something only with a
 # few requests beyond it on each side (p95 needs 60 requests, p99 300).
 MIN_TAIL_SAMPLES = 3
@@ -71,8 +86,8 @@ class Arm:
 
 
 # A load level as a report names it (`level_name`), and the group of a side's summary it is;
-# WHOLE_RUN: the run with every level it held (server counters and the GPU are not per level).
-WHOLE_RUN = "whole run"
+# WHOLE_RUN (judge.py): the run with every level it held (server counters and the GPU are not
+# per level); STRATIFIED: every level, each weighted by its requests.
 Level = Group | None  # a load level of the side's summary, or the whole run
 Estimator = Callable[[Side, Level], tuple[float | None, Draws | None]]
 
@@ -225,7 +240,6 @@ def _acceptance_rate(side: Side, group: Level) -> tuple[float | None, Draws | No
     return (spec or {}).get("acceptance_rate"), None
 
 
-LOG, AS_IS = "log", "as is"
 
 
 @dataclass(frozen=True)
@@ -279,13 +293,18 @@ def _verdict(
     return IMPROVED if got_lower == (better == LOWER) else REGRESSED
 
 
-def _too_few(metric: str, counts: list[int]) -> bool:
-    """True for a quantile with fewer than MIN_TAIL_SAMPLES requests beyond it in a run."""
+def _too_few(metric: str, counts: list[int]) -> str | None:
+    """Why one run a side cannot give a quantile an interval ("12 requests; p99 needs 300"):
+    fewer than MIN_TAIL_SAMPLES requests beyond it; None when it can."""
     column, _, name = metric.rpartition(".")
     if not name.startswith("p") or column not in sql.REPORT_LATENCY_METRICS:
-        return False
+        return None
     q = int(name[1:]) / 100
-    return min(counts, default=0) * min(q, 1 - q) < MIN_TAIL_SAMPLES
+    fewest = min(counts, default=0)
+    if fewest * min(q, 1 - q) >= MIN_TAIL_SAMPLES:
+        return None
+    needs = math.ceil(MIN_TAIL_SAMPLES / min(q, 1 - q))
+    return f"{fewest} requests; {name} needs {needs}"
 
 
 def level_name(group: Group) -> str:
@@ -370,9 +389,9 @@ def _row(
     after: Estimates,
     seed: int,
     source: str | None,
-) -> tuple[DiffRow, float]:
-    """The row, and the sign of its estimated change (0 untested): what `judge` reads of a
-    significant row to call it improved or regressed."""
+) -> tuple[DiffRow, Evidence]:
+    """The row, with its test (p-value, method) and the evidence `judge` reads its interval
+    and verdict from."""
     b, a = before.pooled, after.pooled
     delta = a - b if a is not None and b is not None else None
     row = DiffRow(
@@ -395,20 +414,18 @@ def _row(
         repeats={"before": before.values, "after": after.values},
     )
     if delta is None:
-        return row, 0.0
+        return row, Evidence()
     if len(before.values) + len(after.values) > 2:
-        direction = _repeats_row(row, indicator, before, after, seed)
-    else:
-        direction = _requests_row(row, indicator, before, after, seed)
-    if _too_few(indicator.metric, before.counts + after.counts):
-        row["verdict"] = TOO_FEW  # the interval is shown, but no test: out of the family
-        row["p_value"] = None
-    return row, direction
+        return row, _repeats_row(row, indicator, before, after, seed)
+    if (few := _too_few(indicator.metric, before.counts + after.counts)) is not None:
+        row["verdict"], row["too_few"] = TOO_FEW, few  # a bootstrap cannot see past the sample
+        return row, Evidence()
+    return row, _requests_row(row, indicator, before, after, seed)
 
 
 def _repeats_row(
     row: DiffRow, indicator: Indicator, before: Estimates, after: Estimates, seed: int
-) -> float:
+) -> Evidence:
     """The row tested on the runs' values (reports/verdict.py), on the indicator's scale."""
     values = [v for v in (*before.values, *after.values) if v is not None]
     scale = indicator.scale if all(v > 0 for v in values) else AS_IS
@@ -431,56 +448,32 @@ def _repeats_row(
         scaled_draws(after),
     )
     if test is None:
-        return 0.0
-    lo, hi = test.interval
-    b = row["before"]
-    assert b is not None  # a tested row measured both sides
-    if scale == LOG:
-        pct = ((np.exp(lo) - 1.0) * 100.0, (np.exp(hi) - 1.0) * 100.0)
-        row["ci95_pct"] = [float(pct[0]), float(pct[1])]
-        row["ci95"] = [b * pct[0] / 100.0, b * pct[1] / 100.0]
-        detectable_pct = float((np.exp(test.detectable) - 1.0) * 100.0)
-        row["detectable_pct"] = detectable_pct
-        row["detectable"] = b * detectable_pct / 100.0
-    else:
-        row["ci95"] = [lo, hi]
-        row["ci95_pct"] = [lo / b * 100.0, hi / b * 100.0] if b else None
-        row["detectable"] = test.detectable
-        row["detectable_pct"] = test.detectable / b * 100.0 if b else None
+        return Evidence()
     row["test"] = {
         "method": verdict.REPEATS,
         "scale": scale,
         "df": test.df,
         "spread": test.spread,
         "covers": "run-to-run and request noise",
+        "request_share": test.request_share,
     }
     row["p_value"] = test.p_value
-    return float(np.sign(test.estimate))
+    return Evidence(float(np.sign(test.estimate)), test, scale)
 
 
 def _requests_row(
     row: DiffRow, indicator: Indicator, before: Estimates, after: Estimates, seed: int
-) -> float:
-    """One run a side: the request-level bootstrap's interval (request noise only)."""
+) -> Evidence:
+    """One run a side: the request-level bootstrap's draws (request noise only)."""
     key = indicator.metric if row["level"] == WHOLE_RUN else f"{indicator.metric}@{row['level']}"
     b_draws, a_draws = before.draws[0], after.draws[0]
     if b_draws is None or a_draws is None:
-        return 0.0
+        return Evidence()
     rng = np.random.default_rng([seed, *key.encode()])
     b, a = b_draws(rng), a_draws(rng)
     delta = a - b
-    lo, hi = (float(x) for x in np.percentile(delta, [2.5, 97.5]))
-    row["ci95"] = [lo, hi]
-    # an interval's half-width is 1.96 standard errors; 80 % power takes (1.96 + 0.84) of them
-    z = verdict.t_critical(None)
-    to_detectable = (z + verdict.POWER_Z) / z / 2
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = (a / b - 1.0) * 100.0
-    if np.all(np.isfinite(rel)):
-        p_lo, p_hi = (float(x) for x in np.percentile(rel, [2.5, 97.5]))
-        row["ci95_pct"] = [p_lo, p_hi]
-        row["detectable_pct"] = (p_hi - p_lo) * to_detectable
-    row["detectable"] = (hi - lo) * to_detectable
     row["test"] = {
         "method": verdict.REQUESTS,
         "scale": AS_IS,
@@ -489,20 +482,91 @@ def _requests_row(
         "covers": "request noise only",
     }
     row["p_value"] = verdict.draws_p_value(delta)
-    return float(np.sign(np.median(delta)))
+    return Evidence(
+        float(np.sign(np.median(delta))), delta=delta, rel=rel if np.all(np.isfinite(rel)) else None
+    )
 
 
-def diff_rows(before: Arm, after: Arm, seed: int) -> tuple[list[DiffRow], list[float]]:
-    """Every indicator at every load level both arms ran (whole-run figures once), tested, with
-    the sign of each row's change; verdicts are given by `judge`, which corrects the rows as a
-    family."""
+def _weights(arm: Arm, levels: list[str]) -> list[float]:
+    """Each level's weight in a stratified estimate: its share of the first run's requests
+    (the workload fixes the shares; every run of both arms sends the same)."""
+    groups = _groups(arm.repeats[0])
+    sizes = [float(groups[name]["requests"]) for name in levels]
+    total = sum(sizes)
+    return [size / total if total else 1.0 / len(levels) for size in sizes]
+
+
+def stratify(
+    weights: Sequence[float], values: Sequence[float], draws: Sequence[Draws | None], log: bool
+) -> tuple[float, Draws | None]:
+    """One run's value over its levels, and its draws: the levels' values weighted (`weights`,
+    summing to 1) on the indicator's scale: a weighted geometric mean of times and rates (so
+    that its change is the weighted mean of the levels' log changes), a weighted mean of
+    shares. The draws combine the levels' draws alike (None unless every level has them), so
+    the request noise stays a floor under the run's error."""
+    pairs = list(zip(weights, values, strict=True))
+    value = (
+        float(np.exp(sum(w * np.log(v) for w, v in pairs)))
+        if log
+        else float(sum(w * v for w, v in pairs))
+    )
+    if not all(d is not None for d in draws):
+        return value, None
+    found = [d for d in draws if d is not None]
+
+    def draw(rng: np.random.Generator) -> Floats:
+        parts = [d(rng) for d in found]
+        with np.errstate(divide="ignore"):
+            if log:
+                return np.exp(sum(w * np.log(p) for w, p in zip(weights, parts, strict=True)))
+            return np.asarray(sum(w * p for w, p in zip(weights, parts, strict=True)))
+
+    return value, draw
+
+
+def _stratified(
+    arm: Arm, indicator: Indicator, levels: list[str], weights: list[float]
+) -> Estimates:
+    """One value a run over every level (`stratify`), the arm's pooled value the runs' mean on
+    the indicator's scale."""
+    per = [_estimate(arm, indicator, level) for level in levels]
+    log = indicator.scale == LOG
+    values: list[float | None] = []
+    draws: list[Draws | None] = []
+    for r in range(len(arm.repeats)):
+        parts = [p.values[r] for p in per]
+        known = [v for v in parts if v is not None]
+        if len(known) < len(parts) or (log and any(v <= 0 for v in known)):
+            values.append(None)
+            draws.append(None)
+            continue
+        value, drawn = stratify(weights, known, [p.draws[r] for p in per], log)
+        values.append(value)
+        draws.append(drawn)
+    known = [v for v in values if v is not None]
+    pooled = None
+    if known and len(known) == len(values):
+        pooled = float(np.exp(np.mean(np.log(known)))) if log else float(np.mean(known))
+    runs = range(len(arm.repeats))
+    counts = [min(p.counts[r] for p in per) for r in runs] if per[0].counts else []
+    return Estimates(values, draws, pooled, counts)
+
+
+def diff_rows(before: Arm, after: Arm, seed: int) -> tuple[list[DiffRow], list[Evidence]]:
+    """Every indicator at every load level both arms ran (whole-run figures once) and, with
+    several levels, over all of them (stratified), tested, with each row's evidence; verdicts
+    are given by `judge`, which corrects the rows as a family."""
     levels = shared_levels(before, after)
     several = len(levels) > 1
+    weights = _weights(after, levels) if several else []
     sources = {**FIXED_SOURCES, **before.repeats[0].samples.sources}
     tested = []
     for indicator in INDICATORS:
         source = sources.get(indicator.metric.rpartition(".")[0])
         if indicator.per_level and several:
+            b = _stratified(before, indicator, levels, weights)
+            a = _stratified(after, indicator, levels, weights)
+            tested.append(_row(indicator, STRATIFIED, b, a, seed, source))
             for level in levels:
                 b = _estimate(before, indicator, level)
                 a = _estimate(after, indicator, level)
@@ -512,129 +576,16 @@ def diff_rows(before: Arm, after: Arm, seed: int) -> tuple[list[DiffRow], list[f
         b = _estimate(before, indicator, None)
         a = _estimate(after, indicator, None)
         tested.append(_row(indicator, name, b, a, seed, source))
-    return [row for row, _ in tested], [direction for _, direction in tested]
+    return [row for row, _ in tested], [found for _, found in tested]
 
 
 def primary_level(before: Arm, after: Arm) -> str:
-    """The level a report leads with: the one with the most requests over both arms."""
+    """The level a report leads with: all levels (stratified) when there are several, else
+    the one there is."""
     levels = shared_levels(before, after)
     if not levels:
         return WHOLE_RUN
-    sizes = {
-        name: sum(_groups(side)[name]["requests"] for side in (*before.repeats, *after.repeats))
-        for name in levels
-    }
-    return max(levels, key=lambda name: sizes[name])
-
-
-def judge(
-    rows: list[DiffRow], directions: list[float], primary: tuple[str, str], why: str
-) -> Primary:
-    """Verdicts for the tested rows: the primary row (metric, level) at 5 %, every other tested
-    row corrected as a family by Holm's step-down procedure at 2.5 % family-wise. Returns what
-    the report says about it (`why`: why that metric leads). A row that is not significant is
-    `unchanged`, with the smallest change the design could have found beside it."""
-    metric, level = primary
-    tested = [i for i, r in enumerate(rows) if r["p_value"] is not None]
-    lead = None
-    for name in dict.fromkeys((metric, DEFAULT_PRIMARY)):  # the default when it is not tested
-        found = [i for i in tested if rows[i]["metric"] == name]
-        lead = next((i for i in found if rows[i]["level"] in (level, WHOLE_RUN)), None)
-        lead = found[0] if lead is None and found else lead
-        if lead is not None:
-            break
-    family = [i for i in tested if i != lead]
-    adjusted = verdict.holm_adjusted([rows[i]["p_value"] or 0.0 for i in family])
-    for i, p in zip(family, adjusted, strict=True):
-        rows[i]["role"] = "secondary"
-        rows[i]["p_adjusted"] = p
-        _decide(rows[i], directions[i], p, verdict.FAMILY_ALPHA)
-    if lead is not None:
-        row, p_lead = rows[lead], rows[lead]["p_value"]
-        row["role"] = "primary"
-        if p_lead is not None:
-            row["p_adjusted"] = p_lead
-            _decide(row, directions[lead], p_lead, verdict.ALPHA)
-    chosen = rows[lead]["metric"] if lead is not None else metric
-    if chosen != metric:
-        why += f"; {metric} is not tested on both sides, so {chosen} leads"
-    return Primary(
-        metric=chosen,
-        level=rows[lead]["level"] if lead is not None else level,
-        asked=metric,
-        alpha=verdict.ALPHA,
-        family_alpha=verdict.FAMILY_ALPHA,
-        family=len(family),
-        correction="holm",
-        why=why,
-    )
-
-
-DEFAULT_PRIMARY = "ttft_ms.p50"
-POWER_CHANGES_PCT = (5.0, 10.0, 25.0)
-
-
-def power(rows: list[DiffRow], primary: Primary) -> Power | None:
-    """What the design could detect on the primary row, and how many repeats a side would find
-    a change of 5, 10 and 25 % (80 % power at 5 %), from the run-to-run spread observed. With
-    one run a side the spread between runs is unknown: the lines are None and say so."""
-    row = next(
-        (r for r in rows if r["metric"] == primary["metric"] and r["level"] == primary["level"]),
-        None,
-    )
-    if row is None or row["test"] is None:
-        return None
-    test = row["test"]
-    lines: list[PowerLine] = []
-    for change in POWER_CHANGES_PCT:
-        needed = None
-        if test["method"] == verdict.REPEATS and test["spread"] is not None:
-            if test["scale"] == LOG:
-                size = float(np.log1p(change / 100.0))
-            else:
-                size = abs(row["before"] or 0.0) * change / 100.0
-            needed = verdict.repeats_needed(test["spread"], size)
-        lines.append(PowerLine(change_pct=change, repeats_a_side=needed))
-    return Power(
-        metric=row["metric"],
-        level=row["level"],
-        detectable_pct=row["detectable_pct"],
-        detectable=row["detectable"],
-        repeats_for=lines,
-        known=test["method"] == verdict.REPEATS,
-        cap=verdict.REPEATS_CAP,
-    )
-
-
-def power_lines(power: Power | None) -> list[str]:
-    """The power section in words: "to detect ±5 % TTFT p50: 6 repeats a side"."""
-    if power is None:
-        return []
-    name = metric_name(power["metric"])
-    if not power["known"]:
-        return [
-            f"{name}: with one run a side the run-to-run variation is unknown, so no number of "
-            "repeats can be given; run 3 or more a side to measure it"
-        ]
-    lines = []
-    if power["detectable_pct"] is not None:
-        lines.append(
-            f"{name}: this design detects a change of ±{power['detectable_pct']:.0f} % "
-            "(80 % power at 5 %)"
-        )
-    for line in power["repeats_for"]:
-        k = line["repeats_a_side"]
-        needed = f"{k} repeats a side" if k else f"more than {power['cap']} repeats a side"
-        lines.append(f"to detect ±{line['change_pct']:.0f} % {name}: {needed}")
-    return lines
-
-
-def _decide(row: DiffRow, direction: float, p: float, alpha: float) -> None:
-    if p > alpha:
-        row["verdict"] = UNCHANGED
-        return
-    lower = direction < 0
-    row["verdict"] = IMPROVED if lower == (row["better"] == LOWER) else REGRESSED
+    return STRATIFIED if len(levels) > 1 else levels[0]
 
 
 def at_level(rows: list[DiffRow], level: str) -> dict[str, DiffRow]:
@@ -647,12 +598,6 @@ def at_level(rows: list[DiffRow], level: str) -> dict[str, DiffRow]:
 # -- the headline ---------------------------------------------------------------------------
 
 
-def _signed_pct(value: float) -> str:
-    if round(value) == 0:
-        return "±0 %"
-    return f"{'−' if value < 0 else '+'}{abs(value):.0f} %"
-
-
 def _share(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.0f} %"
 
@@ -662,35 +607,13 @@ def _tested(name: str, row: DiffRow) -> str:
     large change can still be `unchanged` (bursty traffic over a few seconds gives throughput
     a wide one); an unchanged row says what the design could have missed."""
     ci, pct = row["ci95_pct"], row["delta_pct"]
-    interval = f" ({_signed_pct(ci[0])[:-2]} … {_signed_pct(ci[1])})" if ci else ""
-    found = f"{name} {_signed_pct(pct or 0.0)}{interval} [{row['verdict']}]"
+    interval = f" ({signed_pct(ci[0])[:-2]} … {signed_pct(ci[1])})" if ci else ""
+    found = f"{name} {signed_pct(pct or 0.0)}{interval} [{row['verdict']}]"
     if row["verdict"] == UNCHANGED and corrected_away(row):
         found += " (not after the correction for the report's other rows)"
-    elif row["verdict"] == UNCHANGED and row.get("detectable_pct") is not None:
-        found += f" (no change beyond ±{row['detectable_pct']:.0f} %)"
+    elif row["verdict"] == UNCHANGED and (words := missed(row)) is not None:
+        found += f" ({words})"
     return found
-
-
-def corrected_away(row: DiffRow) -> bool:
-    """A row its own 95 % test calls a change that the family's correction does not."""
-    p = row.get("p_value")
-    return row.get("role") == "secondary" and p is not None and p <= verdict.ALPHA
-
-
-METRIC_NAMES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "e2e_ms": "e2e", "queue_ms": "queue",
-                "prefill_ms": "prefill", "decode_ms": "decode", "error_rate": "error rate",
-                "throughput.output_tokens_per_s": "throughput",
-                "throughput.requests_per_s": "requests/s",
-                "server.prefix_cache_hit_ratio": "server prefix hit ratio",
-                "gpu.j_per_output_token": "energy per output token"}  # fmt: skip
-
-
-def metric_name(metric: str) -> str:
-    """ "TTFT p50", "throughput", … as a headline says it."""
-    if metric in METRIC_NAMES:
-        return METRIC_NAMES[metric]
-    column, _, q = metric.rpartition(".")
-    return f"{METRIC_NAMES.get(column, column)} {q}" if column else metric
 
 
 def design(before: Arm, after: Arm) -> Design:
@@ -700,6 +623,8 @@ def design(before: Arm, after: Arm) -> Design:
     return Design(
         before=kb,
         after=ka,
+        before_arm=before.name,
+        after_arm=after.name,
         before_runs=[s.samples.part.run_id for s in before.repeats],
         after_runs=[s.samples.part.run_id for s in after.repeats],
         covers="request noise only" if one else "run-to-run and request noise",
@@ -707,10 +632,11 @@ def design(before: Arm, after: Arm) -> Design:
     )
 
 
-def headline(change: str, rows: list[DiffRow], before: Arm, after: Arm, primary: Primary) -> str:
-    """E.g. "enable_prefix_caching off → on (3 repeats a side; ralph-loop · concurrency 4): TTFT
-    p50 −81 % (−84 … −78 %) [improved], prefix hit ratio 0 % → 93 %, throughput +12 % (+3 … +20
-    %) [improved]": the primary indicator first, at the level the report leads with."""
+def headline(change: str, rows: list[DiffRow], before: Arm, after: Arm, decided: Decision) -> str:
+    """E.g. "enable_prefix_caching off → on (3 repeats a side): TTFT p50 over all load levels
+    (stratified) improved: −81 % (−88 … −70 %) (98.7 % interval, 3 repeats a side), prefix hit
+    ratio 0 % → 93 %, throughput +12 % (+3 … +20 %) [improved]": the decision first, then the
+    prefix hits and throughput at the level it reads."""
     for arm in (before, after):
         for side in arm.repeats:
             if side.summary["overall"]["requests"] == 0:
@@ -722,14 +648,14 @@ def headline(change: str, rows: list[DiffRow], before: Arm, after: Arm, primary:
         how = f"{kb} repeats a side"
     else:
         how = f"{kb} repeats before, {ka} after"
-    level = primary["level"]
-    where = f"{how}; {level}" if level != WHOLE_RUN else how
+    level = decided["level"]
+    where = f"{how}; {level}" if level not in (WHOLE_RUN, STRATIFIED) else how
     by = at_level(rows, level)
     parts = []
-    lead = by.get(primary["metric"])
+    lead = by.get(decided["metric"])
     if lead is not None and lead["delta_pct"] is not None:
         server = " (server)" if lead["source"] == SERVER else ""
-        parts.append(_tested(metric_name(lead["metric"]) + server, lead))
+        parts.append(decided["words"].replace(":", f"{server}:", 1) if server else decided["words"])
     hit = by["server.prefix_cache_hit_ratio"]
     if hit["before"] is None or hit["after"] is None:
         hit = by["cached_token_ratio"]

@@ -229,6 +229,7 @@ class RowTest(TypedDict):
     df: int | None
     spread: float | None
     covers: str
+    request_share: NotRequired[float | None]  # of one run's variance (repeats): sizes runs
 
 
 class RowRepeats(TypedDict):
@@ -255,6 +256,8 @@ class DiffRow(TypedDict):
     test: RowTest | None
     p_value: float | None
     p_adjusted: NotRequired[float]  # rows of the family
+    confidence: NotRequired[float]  # the level `ci95` is read at (the primary's: the rule's)
+    too_few: NotRequired[str]  # why no interval could be formed ("12 requests; p99 needs 300")
     role: str | None
     detectable: float | None
     detectable_pct: float | None
@@ -272,6 +275,34 @@ class Primary(TypedDict):
     family: int
     correction: str
     why: str
+
+
+class Decision(TypedDict):
+    """The primary indicator's verdict under the stopping rule (docs/verdicts.md): the interval
+    it reads is a repeated confidence interval, valid however many looks the experiment took.
+
+    `verdict`: improved or regressed (the interval excludes no change), unchanged (the interval
+    lies within ±`margin_pct`), undecided (neither), not tested. `stopped`: why the experiment
+    stopped ("decided", "budget", "max repeats", "interrupted"), null for a comparison of stored
+    runs. `more_repeats`: for undecided, about how many more repeats a side would decide (null:
+    unknown, or more than the cap)."""
+
+    metric: str
+    level: str
+    verdict: str
+    before: float | None
+    after: float | None
+    estimate_pct: float | None
+    interval_pct: list[float] | None
+    interval: list[float] | None
+    confidence: float
+    margin_pct: float
+    look: int
+    plan: list[int]
+    stopped: str | None
+    more_repeats: int | None
+    reason: str
+    words: str
 
 
 class PowerLine(TypedDict):
@@ -292,10 +323,13 @@ class Power(TypedDict):
 
 
 class Design(TypedDict):
-    """How many runs each arm had and what the intervals cover."""
+    """How many runs each arm had and what the intervals cover; `before_arm` and `after_arm`
+    name the arms as people say them (an experiment's arm, else the first run's id)."""
 
     before: int
     after: int
+    before_arm: str
+    after_arm: str
     before_runs: list[str]
     after_runs: list[str]
     covers: str
@@ -355,6 +389,7 @@ class Compared(TypedDict, total=False):
     after: SideReport
     diff: list[DiffRow]
     primary: Primary
+    decision: Decision
     repeats: Design
     repeat_states: RepeatStates
     power: Power | None

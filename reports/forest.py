@@ -23,11 +23,10 @@ from typing import Any
 
 from markupsafe import Markup
 
-from servescope.reports.diff import WHOLE_RUN
+from servescope.reports.judge import STRATIFIED, WHOLE_RUN, is_share
+from servescope.reports.sequential import MARGIN_PCT
 from servescope.reports.svg import _label, _ticks
 
-STRATIFIED = "all levels (stratified)"  # the comparison's level that pools every load level
-MARGIN_PCT = 10.0  # reports/sequential.py's default; a report without a decision states none
 AXIS = (-100.0, 300.0)  # the most the axis spans, in % (or points)
 TESTED = {"improved": "#1a7f37", "regressed": "#cf222e", "unchanged": "#57606a",
           "undecided": "#bf8700"}  # fmt: skip
@@ -101,11 +100,6 @@ def _tick(value: float) -> str:
     if value == 0:
         return "0"
     return ("−" if value < 0 else "+") + _label(abs(value))
-
-
-def is_share(metric: str) -> bool:
-    """A share of requests or tokens: its changes are read in points, not percent."""
-    return metric.endswith("ratio") or metric == "error_rate"
 
 
 def levels(report: Mapping[str, Any]) -> list[str]:

@@ -12,8 +12,15 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from markupsafe import Markup
 
 from servescope.reports import forest
-from servescope.reports.diff import WHOLE_RUN, corrected_away, metric_name, power_lines
 from servescope.reports.document import DiffRow, Report
+from servescope.reports.judge import (
+    WHOLE_RUN,
+    corrected_away,
+    is_share,
+    metric_name,
+    missed,
+    power_lines,
+)
 from servescope.reports.summary import LATENCY_METRICS, SERVER_METRICS
 from servescope.store.paths import inside
 
@@ -85,7 +92,7 @@ def ci_of(row: DiffRow) -> str:
 
 
 def _is_share(row: DiffRow) -> bool:
-    return forest.is_share(row["metric"])
+    return is_share(row["metric"])
 
 
 def repeats_of(row: DiffRow, side: Literal["before", "after"]) -> str:
@@ -99,16 +106,15 @@ def repeats_of(row: DiffRow, side: Literal["before", "after"]) -> str:
 def verdict_of(row: DiffRow) -> str:
     """The verdict with what it rests on: the primary indicator, what "unchanged" could have
     missed, and a one-run design's request noise."""
-    text, detectable, detectable_pct = row["verdict"], row["detectable"], row["detectable_pct"]
+    text = row["verdict"]
     if row["role"] == "primary":
         text += " (primary)"
     if row["verdict"] == "unchanged" and corrected_away(row):
         text += ": a change alone, not after the correction for the other rows"
-    elif row["verdict"] == "unchanged" and detectable_pct is not None:
-        if _is_share(row) and detectable is not None:
-            text += f": no change beyond ±{detectable * 100:.1f} pp"
-        else:
-            text += f": no change beyond ±{detectable_pct:.0f} %"
+    elif row["verdict"] in ("unchanged", "undecided") and (words := missed(row)) is not None:
+        text += f": {words}"
+    elif row["verdict"] == "too few samples" and row.get("too_few"):
+        text += f" ({row['too_few']})"
     if (test := row["test"]) is not None and test["method"] == "requests":
         text += " [request noise only]"
     return text

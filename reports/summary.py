@@ -31,6 +31,7 @@ from servescope.reports.document import (
 )
 from servescope.reports.quantiles import pooled_itl
 from servescope.reports.samples import CLIENT, FIXED_SOURCES, SERVER, SERVER_FIGURES, Samples, Slice
+from servescope.reports.sequential import Plan
 from servescope.reports.specdecode import spec_decode
 from servescope.store import reads
 from servescope.store.reads import RunRow
@@ -84,6 +85,8 @@ class ReportOptions:
     seed: int | None = None
     charts: bool = True
     prometheus: str | None = None  # a fleet's replica numbers from this Prometheus instead
+    plan: Plan | None = None  # the stopping rule's (None: the runs' experiment's, or the default)
+    stopped: tuple[str, str] | None = None  # why an experiment stopped (code, words)
 
 
 def recorded_slo(run: RunRow) -> dict[str, float]:

@@ -32,6 +32,10 @@ import numpy as np
 from servescope.reports.bootstrap import Floats
 
 ALPHA = 0.05
+# A row's verdict (report.json's `verdict`)
+IMPROVED, REGRESSED, UNCHANGED, UNDECIDED = "improved", "regressed", "unchanged", "undecided"
+NOT_MEASURED, NOT_TESTED = "not measured", "not tested"
+TOO_FEW = "too few samples"
 # The other rows of a report, as one family (Holm): half the primary's level, so that the report
 # as a whole (primary and family) calls a change in an A/A comparison about 5 % of the time.
 FAMILY_ALPHA = 0.025
@@ -104,13 +108,16 @@ class Test:
 
     `estimate` is after − before on that scale, `error` its standard error, `df` the degrees of
     freedom (None: the normal's), `spread` one run's standard deviation on that scale (what
-    sizes a future design)."""
+    sizes a future design), `request_share` the share of one run's variance its requests'
+    noise makes (what sizes future runs: near 1, more requests a run buy more than more runs;
+    None without request draws)."""
 
     method: str
     estimate: float
     error: float
     df: int | None
     spread: float | None
+    request_share: float | None = None
 
     @property
     def critical(self) -> float:
@@ -155,10 +162,12 @@ def repeats_test(
     draws = [*before_draws, *after_draws]
     if len(draws) == kb + ka and all(d is not None and len(d) > 1 for d in draws):
         variances = [float(np.var(d)) for d in draws if d is not None]
+        share = min(1.0, float(np.mean(variances)) / squares) if squares > 0 else 1.0
         floor = math.sqrt(sum(variances[:kb]) / kb**2 + sum(variances[kb:]) / ka**2)
         if floor > run_error:
             per_run = math.sqrt(float(np.mean(variances)))
-            return Test(REPEATS, estimate, floor, df, max(spread, per_run))
+            return Test(REPEATS, estimate, floor, df, max(spread, per_run), share)
+        return Test(REPEATS, estimate, run_error, df, spread, share)
     return Test(REPEATS, estimate, run_error, df, spread)
 
 

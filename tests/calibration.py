@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import numpy as np
+
+from servescope.reports import bootstrap, verdict
+from servescope.reports.diff import stratify
+from servescope.reports.sequential import Plan, read
 from servescope.store import Store
 
 T0 = datetime(2026, 11, 26, 8, 0, 0)
@@ -109,3 +114,72 @@ def store_comparison(
                 vllm_version="0.32.0",
             )
     return Comparison(before=arms["a"], after=arms["b"])
+
+
+# -- the stopping rule, run after run (tests/integration/test_verdicts.py, bench_verdicts.py) --
+
+PRIMARY, LOOK_SEED = "ttft_ms.p50", 20261122
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One simulated sequential experiment: how its primary read at the look it stopped at."""
+
+    verdict: str
+    looks: int  # repeats a side when it stopped
+    estimate_pct: float
+
+
+def _level_ttfts(events: list[dict]) -> list[np.ndarray]:
+    """A run's TTFTs of its successful requests, sorted, one array a level (LEVELS' order)."""
+    return [
+        np.sort(np.array([e["ttft_ms"] for e in events
+                          if e["concurrency"] == level and e["status"] == "ok"]))
+        for level in LEVELS
+    ]  # fmt: skip
+
+
+def _run_value(levels: list[np.ndarray]) -> tuple[float, Any]:
+    """The run's stratified TTFT p50 and its draws, as reports/diff.py computes them (the
+    levels weighted by their requests: equal here)."""
+    weights = [1.0 / len(levels)] * len(levels)
+    values = [bootstrap.quantile(v, 0.5) for v in levels]
+    draws = [bootstrap.quantile_draws(v, 0.5) for v in levels]
+    return stratify(weights, [float(v) for v in values if v is not None], draws, log=True)
+
+
+def _on_log(runs: list[tuple[float, Any]], rng: np.random.Generator) -> tuple[Any, list[Any]]:
+    values = np.log([v for v, _ in runs])
+    return values, [np.log(d(rng)) if d is not None else None for _, d in runs]
+
+
+def sequential_trial(seed: int, ttft_effect: float = 1.0, plan: Plan | None = None) -> Trial:
+    """An experiment of `store_comparison`'s runs (the same seeds, so `store_comparison(...,
+    repeats=trial.looks)` stores exactly the runs it saw), looked at after every round from
+    the plan's first by the stopping rule, on the path report build takes for the primary:
+    each run's stratified value and request draws, Student's t with the request-noise floor,
+    the rule's repeated confidence interval."""
+    plan = plan or Plan()
+    arms: dict[str, list[tuple[float, Any]]] = {"a": [], "b": []}
+    position = 0
+    reading = None
+    test = None
+    for repeat in range(1, plan.last + 1):
+        for arm in ("a", "b") if repeat % 2 else ("b", "a"):
+            effect = ttft_effect if arm == "b" else 1.0
+            events = run_events("sim", seed * 1000 + position, T0, effect)
+            arms[arm].append(_run_value(_level_ttfts(events)))
+            position += 1
+        if repeat < plan.first:
+            continue
+        rng = np.random.default_rng([LOOK_SEED, *PRIMARY.encode()])
+
+        b_values, b_draws = _on_log(arms["a"], rng)
+        a_values, a_draws = _on_log(arms["b"], rng)
+        test = verdict.repeats_test(b_values, a_values, b_draws, a_draws)
+        assert test is not None
+        reading = read(test, plan, repeat, log_scale=True, before=None, better_lower=True)
+        if reading.verdict != verdict.UNDECIDED:
+            break
+    assert reading is not None and test is not None
+    return Trial(reading.verdict, repeat, float(np.expm1(test.estimate) * 100))

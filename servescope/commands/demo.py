@@ -2,9 +2,9 @@
 
 The demo is the first lever flip to try: the `prefix-caching` experiment at CPU scale
 (two real vLLMs started at once, prefix caching off and on, each with its own collector sidecar;
-the same seeded Ralph-loop workload against them in three interleaved repeats, A B B A A B, each
-run starting from an emptied prefix cache), stored, and reported before/after with the repeats
-pooled.
+the same seeded Ralph-loop workload against them in interleaved repeats, A B B A …, each run
+starting from an emptied prefix cache, until the stopping rule decides TTFT or the demo's budget
+ends), stored, and reported before/after with the repeats pooled.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ from servescope.commands import experiment
 from servescope.commands.common import console, open_store, store_command
 from servescope.dashboards import build as build_dashboards
 from servescope.loadgen.experiment import Experiment, load_experiments
+from servescope.loadgen.rounds import Stopping
 from servescope.loadgen.tiny_model import is_built, make_tiny_model, model_dir
+from servescope.reports.sequential import FIRST_LOOK, MARGIN_PCT, MAX_REPEATS
 from servescope.store import settings
 
 DEMO_EXPERIMENT = "prefix-caching"
+DEMO_BUDGET_S = 180.0  # the rounds' share of the demo: servers and reports take the rest
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,8 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="tiny model → two vLLM profiles → bench → store → before/after reports",
         description="Make the tiny model if absent, run the prefix-caching experiment at CPU "
         "scale (two vLLMs at once, prefix caching off and on; the same seeded Ralph-loop "
-        "workload against each in three interleaved repeats, A B B A A B, the prefix cache "
-        "reset before every run; about 5 minutes), store every request, build the pooled "
+        "workload against each in interleaved repeats, A B B A …, the prefix cache reset "
+        "before every run, until TTFT is decided; about 4 minutes), store every request, build "
+        "the pooled "
         "report (and one per repeat) and the Grafana dashboards, and print their paths.",
     )
     parser.add_argument(
@@ -56,16 +60,18 @@ def run_demo(args: argparse.Namespace) -> int:
     spec = load_experiments()[DEMO_EXPERIMENT]
     console.print(Text.assemble((spec.name, "bold"), f": {spec.description}"))
     started = time.monotonic()
+    stopping = Stopping(FIRST_LOOK, MAX_REPEATS, DEMO_BUDGET_S, MARGIN_PCT)
     demo = Experiment(
         spec,
         store=store,
         execute=experiment.execute,
         model=args.model,
-        hooks=experiment.hooks(store),
+        hooks=experiment.hooks(store, stopping),
+        stopping=stopping,
     )
     console.print(experiment.plan_line(demo))
     result = demo.run()
-    reports = experiment.build_reports(store, result, args.out)
+    reports = experiment.build_reports(store, result, args.out, stopping)
     rows = experiment.outcome_rows(store, result, reports)
     experiment.show_outcome(result, rows, reports)
     console.print("reports (pooled first, then one per repeat):")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from servescope.loadgen.experiment import (
 )
 from servescope.loadgen.fleet import FleetExperiment
 from servescope.loadgen.launcher import Profile, ProfileError, VllmServer, load_profiles
+from servescope.loadgen.rounds import Look, Stopping
 from servescope.loadgen.runner import parse_slo
 from servescope.loadgen.sidecar import CollectorSidecar
 from servescope.loadgen.tiny_model import KINDS, is_built, make_tiny_model, model_dir
@@ -37,9 +38,12 @@ from servescope.reports import (
     ReportOptions,
     build_diff,
     build_summary,
+    sequential,
     write_report,
 )
 from servescope.reports.document import Report
+from servescope.reports.judge import WHOLE_RUN
+from servescope.reports.verdict import IMPROVED, REGRESSED, UNCHANGED
 from servescope.store import Store, settings
 
 
@@ -76,7 +80,33 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--repeats",
         type=int,
         default=None,
-        help="runs per arm, interleaved A B B A … (default: the experiment's `repeats`)",
+        help="a fixed design: exactly this many runs per arm, interleaved A B B A … (default: "
+        "the experiment's `repeats` if it has one, else repeats until the primary indicator is "
+        "decided, see --max-repeats, --budget, --margin)",
+    )
+    run.add_argument(
+        "--max-repeats",
+        type=int,
+        default=sequential.MAX_REPEATS,
+        help="a sequential design stops undecided after this many runs per arm "
+        f"(default {sequential.MAX_REPEATS}; it first looks after {sequential.FIRST_LOOK})",
+    )
+    run.add_argument(
+        "--budget",
+        type=parse_duration,
+        default=DEFAULT_BUDGET_S,
+        metavar="TIME",
+        help="a sequential design starts no round that would end after this time from the "
+        f"experiment's start, servers' start included: 480, 480s, 8m (default "
+        f"{DEFAULT_BUDGET_S / 60:g}m)",
+    )
+    run.add_argument(
+        "--margin",
+        type=float,
+        default=sequential.MARGIN_PCT,
+        metavar="PCT",
+        help="unchanged means: the primary's interval lies within ±PCT %% "
+        f"(default {sequential.MARGIN_PCT:g})",
     )
     run.add_argument(
         "--fresh-servers",
@@ -121,6 +151,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     store_command(run, run_experiment, json_help="print the outcome as JSON")
 
 
+DEFAULT_BUDGET_S = 480.0  # 8 minutes: a decided experiment fits a 9-minute job with its reports
+
+
+def parse_duration(text: str) -> float:
+    """A budget as typed: seconds (`480`, `480s`) or minutes (`8m`)."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in ("s", "m") else (text, "s")
+    try:
+        value = float(number) * (60.0 if unit == "m" else 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: give seconds (480, 480s) or minutes (8m)"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"the budget must be positive, got {text!r}")
+    return value
+
+
 def _add_files(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--file",
@@ -153,8 +200,9 @@ def run_list(args: argparse.Namespace) -> int:
     experiments, _profiles = _load(args)
     for name, spec in experiments.items():
         origin = "" if spec.source == "built-in" else f" [{spec.source}]"
+        repeats = f"{spec.repeats} repeats" if spec.repeats else "repeats until decided"
         print(
-            f"{name}: {spec.workload} x {' vs '.join(spec.profiles)}, {spec.repeats} repeats"
+            f"{name}: {spec.workload} x {' vs '.join(spec.profiles)}, {repeats}"
             f"{origin} — {spec.description}"
         )
     return 0
@@ -199,6 +247,14 @@ def run_experiment(args: argparse.Namespace) -> int:
     try:
         if args.repeats is not None and args.repeats < 1:
             raise ValueError(f"--repeats must be positive, got {args.repeats}")
+        if args.max_repeats < sequential.FIRST_LOOK:
+            raise ValueError(
+                f"--max-repeats must be at least {sequential.FIRST_LOOK} (the first look), got "
+                f"{args.max_repeats}"
+            )
+        if not 0 < args.margin < 100:
+            raise ValueError(f"--margin is a percentage between 0 and 100, got {args.margin}")
+        stopping = Stopping(sequential.FIRST_LOOK, args.max_repeats, args.budget, args.margin)
         if spec.fleet is not None:
             if args.target:
                 raise ValueError(
@@ -214,8 +270,9 @@ def run_experiment(args: argparse.Namespace) -> int:
                 scale=args.scale,
                 requests=args.requests,
                 slo=parse_slo(args.slo),
-                hooks=hooks(store),
+                hooks=hooks(store, stopping),
                 profiles=profiles,
+                stopping=stopping,
             )
         else:
             experiment = Experiment(
@@ -228,10 +285,11 @@ def run_experiment(args: argparse.Namespace) -> int:
                 scale=args.scale,
                 requests=args.requests,
                 slo=parse_slo(args.slo),
-                hooks=hooks(store),
+                hooks=hooks(store, stopping),
                 server_flags=args.server_arg,
                 profiles=profiles,
                 fresh_servers=args.fresh_servers,
+                stopping=stopping,
             )
     except (WorkloadError, ValueError) as exc:
         console.print(f"{exc}", style="red", markup=False, soft_wrap=True)
@@ -246,7 +304,7 @@ def run_experiment(args: argparse.Namespace) -> int:
         return 2
     console.print(Text.assemble((spec.name, "bold"), f": {plan_line(experiment)}"))
     result = experiment.run()
-    reports = build_reports(store, result, args.out)
+    reports = build_reports(store, result, args.out, experiment.stopping)
     rows = outcome_rows(store, result, reports)
     show_outcome(result, rows, reports)
     if args.json:
@@ -283,13 +341,47 @@ def ready_model(model: Path, kind: str, *, given: bool) -> bool:
     return True
 
 
-def hooks(store: Store) -> ExperimentHooks:
-    """The display, and the collector as the sidecar of every server an experiment starts."""
+def hooks(store: Store, stopping: Stopping | None = None) -> ExperimentHooks:
+    """The display, the collector as the sidecar of every server an experiment starts, and
+    the stopping rule's look at the evidence (the pooled comparisons built from the store)."""
     return ExperimentHooks(
         starting=starting,
         ready=ready,
+        looked=looked,
         sidecar=lambda log, url: CollectorSidecar(store, log, url, notice=_notice),
+        judge=judge(store, stopping) if stopping is not None else None,
     )
+
+
+def plan_of(stopping: Stopping) -> sequential.Plan:
+    return sequential.Plan(stopping.first, stopping.last, stopping.margin_pct)
+
+
+def judge(store: Store, stopping: Stopping) -> Callable[[ExperimentResult], Look]:
+    """Read the evidence so far: every pooled comparison's decision (reports/sequential.py),
+    the same `build_diff` the final reports use, without its charts."""
+    options = ReportOptions(charts=False, plan=plan_of(stopping))
+
+    def look(result: ExperimentResult) -> Look:
+        words, decided, shares = [], True, []
+        for comparison in result.comparisons():
+            after, before = _ids(comparison.after_runs), _ids(comparison.before_runs)
+            report = build_diff(store, after, before, options)
+            decision = report["decision"]
+            decided = decided and decision["verdict"] in (IMPROVED, REGRESSED, UNCHANGED)
+            words.append(f"{comparison.before} → {comparison.after}: {decision['words']}")
+            lead = next((r for r in report["diff"] if r["role"] == "primary"), None)
+            test = lead["test"] if lead is not None else None
+            if test is not None and (share := test.get("request_share")) is not None:
+                shares.append(share)
+        return Look(decided, words, max(shares) if shares else None)
+
+    return look
+
+
+def looked(done: int, look: Look) -> None:
+    for line in look.words:
+        console.print(Text(f"look after {done} repeats a side: {line}", style="cyan"))
 
 
 def execute(config: BenchConfig, target: str, store: Store, options: dict[str, Any]) -> Any:
@@ -313,14 +405,25 @@ def ready(profile: str, server: VllmServer) -> None:
 
 
 def plan_line(experiment: Experiment | FleetExperiment) -> str:
-    """E.g. "3 repeats of no-prefix-caching, default in the order A B B A A B; servers kept
+    """E.g. "repeats of no-prefix-caching, default in the order A B B A …, until TTFT is
+    decided (first look after 3 a side, at most 10, budget 480 s, margin ±10 %); servers kept
     up: one server per arm, all up at once, rounds alternated"."""
     arms = experiment.spec.arms if isinstance(experiment, Experiment) else experiment.spec.profiles
-    repeats = experiment.repeats
-    return (
-        f"{repeats} repeat{'s' if repeats != 1 else ''} of {', '.join(arms)} in the order "
-        f"{order_letters(arms, repeats)}; {experiment.design}"
-    )
+    stopping = experiment.stopping
+    if stopping is None:
+        repeats = experiment.repeats
+        how = (
+            f"{repeats} repeat{'s' if repeats != 1 else ''} of {', '.join(arms)} in the order "
+            f"{order_letters(arms, repeats)}"
+        )
+    else:
+        budget = f", budget {stopping.budget_s:.0f} s" if stopping.budget_s else ""
+        how = (
+            f"repeats of {', '.join(arms)} in the order {order_letters(arms, 2)} …, until the "
+            f"primary indicator is decided (first look after {stopping.first} a side, at most "
+            f"{stopping.last}{budget}, unchanged within ±{stopping.margin_pct:g} %)"
+        )
+    return f"{how}; {experiment.design}"
 
 
 @dataclass
@@ -376,7 +479,9 @@ def _ids(runs: list[ExperimentRun]) -> str | list[str]:
     return ids[0] if len(ids) == 1 else ids
 
 
-def build_reports(store: Store, result: ExperimentResult, out: Path) -> ExperimentReports:
+def build_reports(
+    store: Store, result: ExperimentResult, out: Path, stopping: Stopping | None = None
+) -> ExperimentReports:
     """The pooled before/after report of every pair of consecutive arms (`build_diff` with
     each arm's runs), the per-repeat reports beside it when an arm ran more than once, and the
     summary of every run no pair holds (an experiment stopped after its first run). A report
@@ -386,8 +491,12 @@ def build_reports(store: Store, result: ExperimentResult, out: Path) -> Experime
     for comparison in comparisons:
         after, before = _ids(comparison.after_runs), _ids(comparison.before_runs)
         label = f"{comparison.before} → {comparison.after}"
+        options = ReportOptions(
+            plan=plan_of(stopping) if stopping is not None else None,
+            stopped=(result.stopped, result.stop_words) if result.stopped else None,
+        )
         try:
-            report = build_diff(store, after, before)
+            report = build_diff(store, after, before, options)
         except Exception as exc:  # the other reports still come
             reports.failures.append(f"pooled report {label}: {type(exc).__name__}: {exc}")
             continue
@@ -611,8 +720,6 @@ def _run_labels(rows: list[dict[str, Any]]) -> list[str]:
 
 
 # -- the pooled verdicts ----------------------------------------------------------------------
-
-WHOLE_RUN = "whole run"
 
 
 def _is_probe_level(level: Any) -> bool:

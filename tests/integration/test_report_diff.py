@@ -107,16 +107,17 @@ def rows_at(report: dict[str, Any], level: str) -> dict[str, dict[str, Any]]:
 
 
 def plain_bootstrap_verdict(
-    before: list[float], after: list[float], q: float, better: str = "lower"
+    before: list[float], after: list[float], q: float, better: str = "lower", level: float = 0.95
 ) -> tuple[str, tuple[float, float]]:
-    """Resample each side with replacement 1000 times; the 95 % interval of Δ decides."""
+    """Resample each side with replacement 2000 times; the interval of Δ at `level` decides."""
     rng = random.Random(7)
     deltas = sorted(
         percentile(rng.choices(after, k=len(after)), q)
         - percentile(rng.choices(before, k=len(before)), q)
-        for _ in range(1000)
+        for _ in range(2000)
     )
-    lo, hi = deltas[25], deltas[974]
+    cut = round((1 - level) / 2 * 2000)
+    lo, hi = deltas[cut], deltas[min(1999 - cut, 1999)]
     if lo <= 0 <= hi:
         return "unchanged", (lo, hi)
     return ("improved" if (hi < 0) == (better == "lower") else "regressed"), (lo, hi)
@@ -186,10 +187,12 @@ def test_known_effect_is_improved_and_known_non_effect_is_unchanged(ab: dict[str
             delta = percentile(a, q) - percentile(b, q)
             assert row["delta"] == pytest.approx(delta, rel=1e-9)
             assert row["delta_pct"] == pytest.approx(delta / percentile(b, q) * 100, rel=1e-9)
-            plain, (lo, hi) = plain_bootstrap_verdict(b, a, q)
             if name == "p99":  # 200 requests a level: 2 beyond the p99
-                assert row["verdict"] == "too few samples"
+                assert row["verdict"] == "too few samples" and row["ci95"] is None
+                assert row["too_few"] == "200 requests; p99 needs 300"
                 continue
+            # the interval is read at the level its verdict was reached at (Holm's step)
+            plain, (lo, hi) = plain_bootstrap_verdict(b, a, q, level=row["confidence"])
             assert row["test"]["covers"] == "request noise only"
             assert row["verdict"] == plain == verdict, (metric, name, row, lo, hi)
             # the interval itself agrees with plain resampling (up to Monte Carlo noise)
@@ -204,7 +207,7 @@ def test_diff_rows_have_the_contract_shape(ab: dict[str, Any]) -> None:
         assert key in report
     assert report["run_id"] == "run-20261122-on"
     assert set(report["overall"]["ttft_ms"]) >= {"p50", "p95", "p99", "mean"}
-    assert {d["level"] for d in report["diff"]} == {*LEVELS, "whole run"}
+    assert {d["level"] for d in report["diff"]} == {*LEVELS, "all levels (stratified)", "whole run"}
     rows = rows_at(report, "short-short · concurrency 8")
     required = [
         "ttft_ms.p50",
@@ -250,13 +253,13 @@ def test_diff_rows_have_the_contract_shape(ab: dict[str, Any]) -> None:
 
 def test_headline_and_lever_changes(ab: dict[str, Any]) -> None:
     report = ab["report"]
-    rows = rows_at(report, "short-short · concurrency 4")  # the level the report leads with
-    assert report["primary"]["level"] == "short-short · concurrency 4"
+    rows = rows_at(report, "all levels (stratified)")  # the level the report leads with
+    assert report["primary"]["level"] == "all levels (stratified)"
     ttft = rows["ttft_ms.p50"]
     headline = report["headline"]
     assert headline.startswith(
-        "enable_prefix_caching off → on (one run a side: request noise only; short-short · "
-        "concurrency 4): TTFT p50 −"
+        "enable_prefix_caching off → on (one run a side: request noise only): TTFT p50 over all "
+        "load levels (stratified) improved: −"
     ), headline
     assert f"−{abs(ttft['delta_pct']):.0f} %" in headline
     assert "prefix hit ratio 0 % → 93 %" in headline
@@ -349,8 +352,8 @@ def test_split_at_flip_compares_the_two_parts_of_one_run(tmp_path: Path) -> None
     assert rows["ttft_ms.p95"]["verdict"] == "improved"
     assert rows["tpot_ms.p50"]["verdict"] == "unchanged"
     assert report["headline"].startswith(
-        "enable_prefix_caching false → true (one run a side: request noise only; short-short · "
-        "concurrency 4): TTFT p50 −"
+        "enable_prefix_caching false → true (one run a side: request noise only): TTFT p50 over "
+        "all load levels (stratified) improved: −"
     ), report["headline"]
 
     no_flip = "run-20261122-noflip"
@@ -462,9 +465,10 @@ def test_tail_quantiles_of_small_runs_say_too_few_samples(tmp_path: Path) -> Non
     assert rows["ttft_ms.p50"]["verdict"] == "improved"  # 10 requests beyond the median
     for metric in ("ttft_ms.p95", "ttft_ms.p99", "tpot_ms.p95", "e2e_ms.p99"):
         assert rows[metric]["verdict"] == "too few samples", metric
-        assert rows[metric]["ci95"] is not None  # the interval is still shown
+        assert rows[metric]["ci95"] is None  # no interval could be formed: none is shown
+        assert rows[metric]["too_few"].startswith("10 requests; "), rows[metric]  # a level
     headline = json.loads((out / "run-s2-vs-run-s1/report.json").read_text())["headline"]
-    assert ": TTFT p50 −" in headline and "[improved]" in headline  # the primary leads
+    assert ": TTFT p50 over all load levels (stratified) improved: −" in headline  # it leads
 
 
 def test_runs_read_from_a_log_alone_get_a_headline_of_what_they_have(tmp_path: Path) -> None:

@@ -209,7 +209,7 @@ def test_html_report_renders_offline_and_shows_hostile_names_as_text(
 
     # it rendered: the headline, the diff table, the charts, and a picture that is not blank
     assert "enable_prefix_caching off → on; x unset → " in seen["text"]
-    assert "TTFT p50 −" in seen["text"]
+    assert "TTFT p50 over all load levels (stratified) improved: −" in seen["text"]
     assert "improved" in seen["text"] and "unchanged" in seen["text"]
     assert seen["charts"] >= 5
     image = Image.open(io.BytesIO(seen["png"])).convert("RGB")

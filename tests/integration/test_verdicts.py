@@ -35,17 +35,17 @@ def test_the_pooled_report_shows_each_repeat(calibration: dict[str, Any]) -> Non
     folder = Path(done.stdout.split()[0]).parent  # the paths it printed
     assert folder.name.startswith(c.after[0])
     report = json.loads((folder / "report.json").read_text())
-    assert report["repeats"]["before"] == report["repeats"]["after"] == 3
+    assert report["repeats"]["before"] == report["repeats"]["after"] == 5
     assert report["repeats"]["after_runs"] == c.after
     assert report["repeats"]["covers"] == "run-to-run and request noise"
     lead = next(d for d in report["diff"] if d["role"] == "primary")
-    assert len(lead["repeats"]["before"]) == len(lead["repeats"]["after"]) == 3
+    assert len(lead["repeats"]["before"]) == len(lead["repeats"]["after"]) == 5
     assert lead["test"]["method"] == "repeats"
-    assert "3 repeats a side" in report["headline"]
+    assert "5 repeats a side" in report["headline"]
     assert report["headline"] in " ".join(done.stderr.split())
     # each level against its counterpart; the server counters and the GPU are whole-run rows
     assert {d["level"] for d in report["diff"]} == {
-        "chat · concurrency 4", "chat · concurrency 8", "whole run"
+        "chat · concurrency 4", "chat · concurrency 8", "all levels (stratified)", "whole run"
     }  # fmt: skip
     assert report["power"]["known"] and report["power"]["repeats_for"][0]["change_pct"] == 5
     md = markdown_text((folder / "report.md").read_text())
@@ -145,8 +145,9 @@ def calibration(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     db = folder / "s.duckdb"
     store = Store(db)
     aa = [store_comparison(store, f"aa{i}", seed=i) for i in range(A_A)]
-    effect = [
-        store_comparison(store, f"fx{i}", seed=100 + i, ttft_effect=0.75) for i in range(EFFECTS)
+    effect = [  # five a side: a look the stopping rule reads at its 98.7 % level
+        store_comparison(store, f"fx{i}", seed=100 + i, repeats=5, ttft_effect=0.75)
+        for i in range(EFFECTS)
     ]
     return {"db": db, "out": folder / "reports", "aa": aa, "effect": effect}
 
@@ -181,4 +182,4 @@ def test_primary_overrides_the_lever_s_indicator(
         "--format", "json",
     )  # fmt: skip
     assert code == 0 and brief["primary"]["metric"] == "tpot_ms.p50"
-    assert "concurrency 4): TPOT p50 " in brief["headline"]
+    assert "(5 repeats a side): TPOT p50 over all load levels (stratified) " in brief["headline"]

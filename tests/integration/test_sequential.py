@@ -1,0 +1,62 @@
+"""The stopping rule calibrated: simulated experiments that look at their evidence after every
+round (tests/calibration.py: runs drifting as real ones do, TTFT ±10 %, TPOT ±5 %, pace ±8 % a
+run) must keep their false alarms at 5 % however many looks they take, and find a true effect
+within the default plan (at most 10 repeats a side).
+
+The looks run the primary's own path (each run's stratified TTFT p50 and its request draws,
+Student's t with the request-noise floor, the rule's repeated interval); every A/A experiment
+is then built as `report build` builds it, at the look it stopped at, and the whole report (the
+primary and the family of every other row) is checked, as is the primary's agreement with the
+fast path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from servescope.reports import ReportOptions, build_diff
+from servescope.store import Store
+from tests.calibration import sequential_trial, store_comparison
+
+A_A, EFFECTS = 200, 50
+CHANGES = {"improved", "regressed"}
+
+
+def test_a_a_experiments_end_with_a_verdict_at_most_5_percent_of_the_time(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    any_row, primary, stopped_early = 0, 0, 0
+    for seed in range(A_A):
+        trial = sequential_trial(seed)
+        c = store_comparison(store, f"aa{seed}", seed, repeats=trial.looks)
+        report = build_diff(store, c.after, c.before, ReportOptions(charts=False))
+        assert report["decision"]["verdict"] == trial.verdict, seed  # one path, two callers
+        assert report["decision"]["look"] == trial.looks
+        any_row += any(row["verdict"] in CHANGES for row in report["diff"])
+        primary += trial.verdict in CHANGES
+        stopped_early += trial.looks < 10
+    assert any_row <= A_A * 0.05, f"{any_row} of {A_A} A/A experiments got a verdict somewhere"
+    assert primary <= any_row
+    assert stopped_early > 0  # some decided "unchanged within ±10 %" before the last look
+
+
+def test_a_true_25_percent_is_found_within_the_default_plan() -> None:
+    trials = [sequential_trial(1000 + seed, ttft_effect=0.75) for seed in range(EFFECTS)]
+    found = sum(t.verdict == "improved" for t in trials)
+    assert found >= EFFECTS * 0.9, f"a true −25 % TTFT found in {found} of {EFFECTS}"
+    assert max(t.looks for t in trials) <= 10
+    assert sum(t.looks for t in trials) / EFFECTS < 5  # it stops as soon as it can
+
+
+def test_a_true_10_percent_says_how_many_repeats_it_took(tmp_path: Path) -> None:
+    trials = [sequential_trial(2000 + seed, ttft_effect=0.9) for seed in range(EFFECTS)]
+    found = [t for t in trials if t.verdict == "improved"]
+    assert len(found) >= EFFECTS * 0.5, f"a true −10 % TTFT found in {len(found)} of {EFFECTS}"
+    assert not [t for t in trials if t.verdict == "regressed"]
+    slow = max(found, key=lambda t: t.looks)
+    store = Store(tmp_path / "s.duckdb")
+    c = store_comparison(store, "slow", trials.index(slow) + 2000, repeats=slow.looks,
+                         ttft_effect=0.9)  # fmt: skip
+    decision = build_diff(store, c.after, c.before)["decision"]
+    assert decision["verdict"] == "improved"
+    assert f"{slow.looks} repeats a side" in decision["words"]
+    assert decision["reason"] == f"stored runs, read as a look of {slow.looks} repeats a side"
