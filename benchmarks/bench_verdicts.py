@@ -14,6 +14,11 @@ reported by `build_diff`, as `report build` does. Designs compared on the same r
 
 `--methods` compares candidate tests for one indicator (TTFT p50, 3 runs a side) on simulated
 numbers alone, faster: what chose the method of reports/verdict.py (docs/verdicts.md).
+
+`--sequential N` calibrates the stopping rule (reports/sequential.py): N A/A experiments that
+look after every round from the third (at most 10 a side), each then reported in full at the
+look it stopped at (any row with a verdict counts), and N experiments each with a true −25 %
+and −10 % TTFT (how often found, after how many repeats).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from rich.progress import Progress  # noqa: E402
 
 from servescope.reports import ReportOptions, build_diff, verdict  # noqa: E402
 from servescope.store import Store  # noqa: E402
-from tests.calibration import Comparison, store_comparison  # noqa: E402
+from tests.calibration import Comparison, sequential_trial, store_comparison  # noqa: E402
 
 CHANGED = ("improved", "regressed")
 OPTIONS = ReportOptions(charts=False)
@@ -131,6 +136,39 @@ def compare_methods(trials: int, seed: int = 7) -> list[dict[str, Any]]:
     return results
 
 
+def sequential(trials: int) -> list[dict[str, Any]]:
+    """The stopping rule's figures: A/A experiments reported in full at their last look, and
+    true effects of −25 % and −10 % on the primary's own path."""
+    figures = []
+    with tempfile.TemporaryDirectory() as folder, Progress(transient=True) as progress:
+        store = Store(Path(folder) / "sequential.duckdb")
+        task = progress.add_task("sequential experiments", total=3 * trials)
+        for label, factor in (("A/A", 1.0), ("TTFT −25 %", 0.75), ("TTFT −10 %", 0.90)):
+            seed0 = {1.0: 0, 0.75: 1000, 0.90: 2000}[factor]
+            verdicts: dict[str, int] = {}
+            looks, any_row = [], 0
+            for i in range(trials):
+                trial = sequential_trial(seed0 + i, factor)
+                verdicts[trial.verdict] = verdicts.get(trial.verdict, 0) + 1
+                looks.append(trial.looks)
+                if factor == 1.0:
+                    c = store_comparison(store, f"s{i}", seed0 + i, trial.looks)
+                    report = build_diff(store, c.after, c.before, OPTIONS)
+                    any_row += any(r["verdict"] in CHANGED for r in report["diff"])
+                progress.advance(task)
+            figures.append(
+                {
+                    "comparisons": label,
+                    "n": trials,
+                    "verdicts": {k: v / trials for k, v in sorted(verdicts.items())},
+                    "any_row_verdict": any_row / trials if factor == 1.0 else None,
+                    "mean_repeats": float(np.mean(looks)),
+                    "most_repeats": max(looks),
+                }
+            )
+    return figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--comparisons", type=int, default=60, help="A/A comparisons")
@@ -142,7 +180,25 @@ def main() -> int:
         metavar="TRIALS",
         help="compare candidate tests on TRIALS simulations",
     )
+    parser.add_argument(
+        "--sequential",
+        type=int,
+        metavar="TRIALS",
+        help="calibrate the stopping rule on TRIALS experiments of each kind",
+    )
     args = parser.parse_args()
+    if args.sequential:
+        rows = sequential(args.sequential)
+        if args.json:
+            print(json.dumps(rows))
+            return 0
+        for r in rows:
+            shares = ", ".join(f"{k} {v:.1%}" for k, v in r["verdicts"].items())
+            seen = r["any_row_verdict"]
+            anyrow = f"; any row {seen:.1%}" if seen is not None else ""
+            print(f"{r['comparisons']:<11} n={r['n']}: {shares}{anyrow}; "
+                  f"mean {r['mean_repeats']:.1f} repeats a side")  # fmt: skip
+        return 0
     if args.methods:
         rows = compare_methods(args.methods)
         if args.json:

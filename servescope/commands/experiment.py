@@ -761,7 +761,7 @@ def _signed(value: float) -> str:
 
 
 def _change(row: dict[str, Any]) -> str:
-    """Δ % with its 95 % interval, e.g. "−81 % (−83…−78)"."""
+    """Δ % with the interval its verdict reads, e.g. "−81 % (−83…−78)"."""
     if row.get("delta_pct") is None:
         return "n/a"
     ci = row.get("ci95_pct")
@@ -771,7 +771,8 @@ def _change(row: dict[str, Any]) -> str:
 
 def verdict_table(built: Built, indicators: list[tuple[str, str, str]]) -> Table:
     """One pooled comparison at its primary level: before and after (the repeats pooled),
-    Δ % with its 95 % interval and the verdict, row by row from the pooled report."""
+    Δ % with the interval its verdict reads (the primary's: the stopping rule's; the others':
+    their correction's) and the verdict, row by row from the pooled report."""
     repeats = built.report.get("repeats")
     k_before = repeats["before"] if repeats else len(built.before)
     k_after = repeats["after"] if repeats else len(built.after)
@@ -779,7 +780,7 @@ def verdict_table(built: Built, indicators: list[tuple[str, str, str]]) -> Table
         "indicator",
         "before",
         "after",
-        "Δ (95 % CI)",
+        "Δ (interval)",
         "verdict",
         title=f"{built.label} at {primary_level(built.report)}: {k_before} vs {k_after} "
         "runs pooled (* the primary indicator)",
@@ -813,6 +814,10 @@ def show_outcome(
                 style="dim",
             )
         )
+    if result.stop_words:
+        console.print(Text(f"stopped: {result.stop_words}", style="bold"))
+    if result.sizing:
+        console.print(Text(f"runs: {result.sizing}", style="dim"))
     for built in reports.pooled:
         console.print(verdict_table(built, indicators))
         if built.report.get("headline"):
@@ -827,4 +832,8 @@ def _outcome(result: ExperimentResult) -> dict[str, Any]:
         "failure": result.failure,
         "design": result.design,
         "order": result.order,
+        "stopped": result.stopped,
+        "stop_words": result.stop_words,
+        "sizing": result.sizing,
+        "looks": [{"decided": look.decided, "words": look.words} for look in result.looks],
     }
