@@ -48,7 +48,7 @@ from servescope.reports.judge import (
     missed,
     signed_pct,
 )
-from servescope.reports.samples import FIXED_SOURCES, SERVER, TESTED, Samples, Sorted
+from servescope.reports.samples import FIXED_SOURCES, TESTED, Samples, Sorted
 from servescope.reports.verdict import (  # the vocabulary, for the modules that import it here
     IMPROVED,
     NOT_MEASURED,
@@ -649,13 +649,18 @@ def headline(change: str, rows: list[DiffRow], before: Arm, after: Arm, decided:
     else:
         how = f"{kb} repeats before, {ka} after"
     level = decided["level"]
+    if level == WHOLE_RUN:  # a whole-run primary: the rest is read where the report leads
+        level = next((r["level"] for r in rows if r["level"] != WHOLE_RUN), WHOLE_RUN)
     where = f"{how}; {level}" if level not in (WHOLE_RUN, STRATIFIED) else how
     by = at_level(rows, level)
+    by[decided["metric"]] = next(
+        (r for r in rows if r["metric"] == decided["metric"] and r["level"] == decided["level"]),
+        by.get(decided["metric"]),
+    )  # type: ignore[assignment]
     parts = []
     lead = by.get(decided["metric"])
-    if lead is not None and lead["delta_pct"] is not None:
-        server = " (server)" if lead["source"] == SERVER else ""
-        parts.append(decided["words"].replace(":", f"{server}:", 1) if server else decided["words"])
+    if lead is not None and decided["verdict"] != NOT_TESTED:
+        parts.append(decided["words"])
     hit = by["server.prefix_cache_hit_ratio"]
     if hit["before"] is None or hit["after"] is None:
         hit = by["cached_token_ratio"]

@@ -23,7 +23,8 @@ import numpy as np
 from servescope.reports import verdict
 from servescope.reports.bootstrap import Floats
 from servescope.reports.document import Decision, DiffRow, Power, PowerLine, Primary
-from servescope.reports.sequential import Plan, read
+from servescope.reports.samples import SERVER
+from servescope.reports.sequential import Plan, bounds, read
 from servescope.reports.verdict import (
     IMPROVED,
     NOT_TESTED,
@@ -155,7 +156,8 @@ def judge(
         row["p_adjusted"] = row["p_value"] or 0.0
         if found.test is not None:
             reading = read(found.test, plan, look, log_scale=found.scale == LOG,
-                           before=row["before"], better_lower=row["better"] == "lower")  # fmt: skip
+                           before=row["before"], better_lower=row["better"] == "lower",
+                           share=is_share(row["metric"]))  # fmt: skip
             found.read(row, 1.0 - reading.confidence)
             row["verdict"], more, confidence = (
                 reading.verdict,
@@ -186,8 +188,9 @@ def _one_run_verdict(row: DiffRow, found: Evidence, margin_pct: float) -> str:
     """One run a side: the 95 % interval of request noise only, read as the rule reads one."""
     if (row["p_value"] or 1.0) <= verdict.ALPHA:
         return _call(row, found.direction)
-    pct = row["ci95_pct"]
-    if pct is not None and -margin_pct <= pct[0] and pct[1] <= margin_pct:
+    ci = row["ci95"]
+    margin = bounds(margin_pct, False, row["before"], is_share(row["metric"]))
+    if ci is not None and margin is not None and margin[0] <= ci[0] and ci[1] <= margin[1]:
         return UNCHANGED
     return UNDECIDED
 
@@ -211,8 +214,9 @@ def decision(
     confidence: float,
 ) -> Decision:
     """The primary's verdict as the report's first line says it."""
-    name = metric_name(metric) + (" over all load levels (stratified)" if level == STRATIFIED
-                                  else "")  # fmt: skip
+    server = " (server)" if row is not None and row["source"] == SERVER else ""
+    name = metric_name(metric) + server + (" over all load levels (stratified)"
+                                           if level == STRATIFIED else "")  # fmt: skip
     how, reason = stopped if stopped is not None else (None, "")
     if not reason:
         reason = (
@@ -221,18 +225,19 @@ def decision(
             else f"stored runs, read as a look of {look} repeats a side"
         )
     found = row["verdict"] if row is not None else NOT_TESTED
-    words = f"{name}: not tested on both sides"
+    words = ""
     pct = row["ci95_pct"] if row is not None else None
-    if row is not None and row["delta_pct"] is not None and pct is not None:
+    if row is not None and is_share(metric) and row["ci95"] is not None:
+        lo, hi = (_points(100.0 * x) for x in row["ci95"])
+        change = f"{_share_pct(row['before'])} → {_share_pct(row['after'])} ({lo} … {hi} pp)"
+        words = _decision_words(found, name, change, f"±{plan.margin_pct / 10:g} pp")
+    elif row is not None and row["delta_pct"] is not None and pct is not None:
         shown = f"{signed_pct(pct[0])[:-2]} … {signed_pct(pct[1])}"
         change = f"{signed_pct(row['delta_pct'])} ({shown})"
-        margin = f"±{plan.margin_pct:g} %"
-        words = {
-            IMPROVED: f"{name} improved: {change}",
-            REGRESSED: f"{name} regressed: {change}",
-            UNCHANGED: f"{name} unchanged within {margin}: {change}",
-        }.get(found, f"{name} undecided: {change} neither excludes no change nor lies within "
-                     f"{margin}")  # fmt: skip
+        words = _decision_words(found, name, change, f"±{plan.margin_pct:g} %")
+    if row is None or not words or found == NOT_TESTED:
+        words = f"{name}: not tested on both sides"
+    else:
         if found == UNDECIDED:
             words += (
                 f"; about {more} more repeats a side would decide"
@@ -262,6 +267,24 @@ def decision(
         reason=reason,
         words=words,
     )
+
+
+def _decision_words(found: str, name: str, change: str, margin: str) -> str:
+    return {
+        IMPROVED: f"{name} improved: {change}",
+        REGRESSED: f"{name} regressed: {change}",
+        UNCHANGED: f"{name} unchanged within {margin}: {change}",
+    }.get(found, f"{name} undecided: {change} neither excludes no change nor lies within "
+                 f"{margin}")  # fmt: skip
+
+
+def _points(value: float) -> str:
+    """A signed change in points with a true minus sign: −0.1, +2.0."""
+    return f"{'−' if value < 0 else '+'}{abs(value):.1f}"
+
+
+def _share_pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:.1f} %"
 
 
 # -- power ----------------------------------------------------------------------------------

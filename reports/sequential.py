@@ -123,25 +123,30 @@ class Reading:
     more_repeats: int | None  # undecided: about how many more a side would decide
 
 
-def bounds(margin_pct: float, log_scale: bool, before: float | None) -> tuple[float, float] | None:
+def bounds(
+    margin_pct: float, log_scale: bool, before: float | None, share: bool = False
+) -> tuple[float, float] | None:
     """The margin on the test's scale: log(0.9) … log(1.1) for ±10 % of a time or a rate; for
-    a share, ±10 % of the before value (None where that is 0: no margin can be said)."""
+    a share (an error rate, a hit ratio: a ratio of a value near 0 says nothing), a tenth of
+    it in percentage points (±1 pp); else ±10 % of the before value (None where that is 0)."""
     m = margin_pct / 100.0
     if log_scale:
         return math.log(1.0 - m) if m < 1.0 else -math.inf, math.log(1.0 + m)
+    if share:
+        return -m / 10.0, m / 10.0
     if not before:
         return None
     return -abs(before) * m, abs(before) * m
 
 
 def read(test: Test, plan: Plan, repeats: int, *, log_scale: bool, before: float | None,
-         better_lower: bool) -> Reading:  # fmt: skip
+         better_lower: bool, share: bool = False) -> Reading:  # fmt: skip
     """The primary's verdict at a look of `repeats` a side (the smaller arm)."""
     plan = plan.covering(repeats)
     level = plan.level
     critical = t_critical(test.df, level)
     lo, hi = test.estimate - critical * test.error, test.estimate + critical * test.error
-    margin = bounds(plan.margin_pct, log_scale, before)
+    margin = bounds(plan.margin_pct, log_scale, before, share)
     if lo > 0.0 or hi < 0.0:
         verdict = IMPROVED if (hi < 0.0) == better_lower else REGRESSED
         return Reading(verdict, (lo, hi), 1.0 - level, None)
