@@ -357,8 +357,11 @@ def _compare(
     if primary is not None:
         metric, why = primary, "chosen with --primary"
     look = min(len(before), len(after))
+    plan = options.plan or _plan_of(runs)
+    if options.margin_pct is not None:
+        plan = replace(plan, margin_pct=options.margin_pct)
     chosen, decided = judge(rows, evidence, (metric, primary_level(b_arm, a_arm)), why, look,
-                            options.plan or _plan_of(runs), options.stopped)  # fmt: skip
+                            plan, options.stopped)  # fmt: skip
     run_ids = sorted({p.run_id for p in (*before, *after)})
     flips = _flips(con, run_ids, sides)
     shown = list(at_level(rows, chosen["level"]).values())

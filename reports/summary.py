@@ -86,6 +86,7 @@ class ReportOptions:
     charts: bool = True
     prometheus: str | None = None  # a fleet's replica numbers from this Prometheus instead
     plan: Plan | None = None  # the stopping rule's (None: the runs' experiment's, or the default)
+    margin_pct: float | None = None  # over the plan's margin (`report build --margin`)
     stopped: tuple[str, str] | None = None  # why an experiment stopped (code, words)
 
 

@@ -160,10 +160,18 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     build.add_argument(
         "--primary",
         metavar="METRIC",
-        help="the diff row the flip is judged by, tested at 5 %% (the others are corrected as "
-        "a family), e.g. ttft_ms.p95, tpot_ms.p50, throughput.output_tokens_per_s, error_rate; "
-        "default: the symptom the flipped lever targets (reports/diagnosis.yaml), else "
-        "ttft_ms.p50",
+        help="the diff row the flip is judged by, decided by the stopping rule (the others "
+        "are corrected as a family), e.g. ttft_ms.p95, tpot_ms.p50, "
+        "throughput.output_tokens_per_s, error_rate; default: the symptom the flipped lever "
+        "targets (reports/diagnosis.yaml), else ttft_ms.p50",
+    )
+    build.add_argument(
+        "--margin",
+        type=float,
+        default=None,
+        metavar="PCT",
+        help="the primary is unchanged when its interval lies within ±PCT %% (a share's: "
+        "within ±PCT/10 points); default: the runs' experiment's, else 10",
     )
     build.add_argument(
         "--fail-on",
@@ -215,7 +223,11 @@ def run_build(args: argparse.Namespace) -> int:
         seed=args.seed,
         charts="html" in formats,
         prometheus=args.prometheus,
+        margin_pct=args.margin,
     )
+    if args.margin is not None and not 0 < args.margin < 100:
+        console.print(f"--margin is a percentage between 0 and 100, got {args.margin}", style="red")
+        return 2
     window = Window(args.since, args.until)
     base_window = Window(args.vs_since, args.vs_until)
     if base_window and not args.vs:

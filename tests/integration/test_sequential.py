@@ -12,11 +12,13 @@ fast path.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from servescope.reports import ReportOptions, build_diff
 from servescope.store import Store
 from tests.calibration import sequential_trial, store_comparison
+from tests.conftest import servescope
 
 A_A, EFFECTS = 200, 50
 CHANGES = {"improved", "regressed"}
@@ -60,3 +62,29 @@ def test_a_true_10_percent_says_how_many_repeats_it_took(tmp_path: Path) -> None
     assert decision["verdict"] == "improved"
     assert f"{slow.looks} repeats a side" in decision["words"]
     assert decision["reason"] == f"stored runs, read as a look of {slow.looks} repeats a side"
+
+
+def test_report_build_reads_stored_runs_by_the_same_rule_with_its_margin(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.duckdb")
+    c = store_comparison(store, "stored", 7, repeats=5)
+    out = tmp_path / "out"
+    decisions = {}
+    for margin in ("40", "0.5"):
+        servescope(
+            "report", "build", *c.after, "--vs", *c.before, "--margin", margin,
+            "--store", str(store.path), "--out", str(out / margin), "--format", "json",
+            check=True,
+        )  # fmt: skip
+        (found,) = (out / margin).glob("*/report.json")
+        decisions[margin] = json.loads(found.read_text())["decision"]
+    wide, narrow = decisions["40"], decisions["0.5"]
+    assert wide["verdict"] == "unchanged" and "unchanged within ±40 %" in wide["words"]
+    assert narrow["verdict"] == "undecided" and narrow["margin_pct"] == 0.5
+    assert "neither excludes no change nor lies within ±0.5 %" in narrow["words"]
+    assert narrow["more_repeats"] is None or narrow["more_repeats"] > 0
+    assert wide["stopped"] is None
+    assert wide["reason"] == "stored runs, read as a look of 5 repeats a side"
+    bad = servescope("report", "build", *c.after, "--vs", *c.before, "--margin", "100",
+                     "--store", str(store.path))  # fmt: skip
+    assert bad.returncode == 2 and "--margin is a percentage" in bad.stdout + bad.stderr
+    assert "Traceback" not in bad.stderr
