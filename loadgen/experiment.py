@@ -14,9 +14,18 @@ How the servers and rounds are sequenced (`design`, recorded in every run's note
   and each round begins with the arm's prefix cache emptied (vLLM's `POST /reset_prefix_cache`,
   served with `VLLM_SERVER_DEV_MODE=1`), so every repeat starts from the same cache state
   without paying a start per repeat.
-- `fresh server per run` (GPU profiles, whose servers cannot share the device, or
-  `fresh_servers=True`): every run starts its own vLLM, all on one port appending to one log
-  with one sidecar, as a server an operator restarts with other flags does.
+- `servers kept up asleep in turn` (GPU profiles, the default there): one vLLM per arm, as
+  above, but two servers that each take most of the GPU's memory cannot both be awake, and a
+  fresh start costs 90-150 s a run. So each arm's server starts once, one after the other
+  (vLLM sizes its KV cache from the memory free at its start, so the one before is put to
+  sleep first), with `--enable-sleep-mode`; before a run, the server awake is put to sleep
+  (level 1: weights offloaded to CPU memory, KV cache discarded, prefix cache emptied) and the
+  run's arm is woken (weights copied back, KV cache mapped again), then its prefix cache is
+  reset as above. A run's notes say how long the sleep and the wake took (`sleep_s`,
+  `wake_s`).
+- `fresh server per run` (`fresh_servers=True`): every run starts its own vLLM, all on one
+  port appending to one log with one sidecar, as a server an operator restarts with other
+  flags does.
 - `operator's servers` (`--target ARM=URL`): the user's servers, which cannot be restarted;
   their prefix cache is reset where they serve the dev-mode endpoint, else the run's notes say
   that it started warm.
@@ -59,15 +68,26 @@ EXPERIMENTS_FILE = Path(__file__).with_name("experiments.yaml")
 DEFAULT_LEVER = "default"  # a lever a profile leaves to vLLM's own default
 DEFAULT_REPEATS = 3  # rounds of a fixed design when no stopping plan is given
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves POST /reset_prefix_cache only then
+# … and POST /sleep, /wake_up, GET /is_sleeping with this flag, which also makes it allocate the
+# weights and the KV cache where a sleep can release them (its cumem allocator)
+SLEEP_FLAGS = ["--enable-sleep-mode"]
+# level 1: the weights offloaded to CPU memory (a wake copies them back), the KV cache dropped;
+# level 2 drops the weights too, and a wake would have to load them again
+SLEEP_LEVEL = 1
 
 # notes["repeat_design"]: how the experiment sequenced servers and rounds
 KEPT_UP = "servers kept up: one server per arm, all up at once, rounds alternated"
+SLEEP = (
+    "servers kept up asleep in turn: one server per arm, started one after the other, the "
+    "arm that runs awake and the others asleep (vLLM sleep level 1), rounds alternated"
+)
 FRESH = "fresh server per run"
 TARGETS = "operator's servers (--target): kept up, rounds alternated"
 FLEET = "replicas kept up: one gateway per run, rounds alternated"
 # notes["repeat_state"]: the state a run's server started it in
 STATE_FRESH = "fresh server"
 STATE_RESET = "prefix cache reset"
+STATE_WOKEN = "woken from sleep, prefix cache reset"
 STATE_WARM = "warm: not reset (a --target server without dev mode)"
 STATE_REFUSED = "warm: prefix cache reset refused (blocks still in use)"
 
@@ -301,6 +321,55 @@ def reset_prefix_cache(url: str, *, attempts: int = 20, wait_s: float = 0.25) ->
     return STATE_REFUSED
 
 
+class SleepFailed(RuntimeError):
+    """A server that would not go to sleep or wake up (no `--enable-sleep-mode`, no dev mode,
+    or vLLM refused); the message says which and what it answered."""
+
+
+def is_sleeping(url: str) -> bool:
+    """What the vLLM at `url` says of itself (`GET /is_sleeping`)."""
+    try:
+        with urllib.request.urlopen(f"{url}/is_sleeping", timeout=30) as resp:
+            answer = json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        raise SleepFailed(f"{url}/is_sleeping answered {exc.code}") from exc
+    if not isinstance(answer, dict) or not isinstance(answer.get("is_sleeping"), bool):
+        raise SleepFailed(f"{url}/is_sleeping answered {answer!r}")
+    return answer["is_sleeping"]
+
+
+def set_sleeping(
+    url: str,
+    asleep: bool,
+    *,
+    level: int = SLEEP_LEVEL,
+    timeout_s: float = 300.0,
+    poll_s: float = 0.1,
+) -> float:
+    """Put the vLLM at `url` to sleep at `level` (`POST /sleep`) or wake it (`POST /wake_up`,
+    all of its memory), and return the seconds until it said it was so (`GET /is_sleeping`).
+    vLLM answers both once its engine has done it; the look that follows is what proves it,
+    since an older engine answered before it was done. SleepFailed when it refuses, lacks the
+    endpoints or never gets there."""
+    path = f"sleep?level={level}" if asleep else "wake_up"
+    began = time.monotonic()
+    request = urllib.request.Request(f"{url}/{path}", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            resp.read()
+    except urllib.error.HTTPError as exc:
+        raise SleepFailed(
+            f"{url}/{path} answered {exc.code}: sleep mode needs --enable-sleep-mode and "
+            "VLLM_SERVER_DEV_MODE=1"
+        ) from exc
+    while is_sleeping(url) != asleep:
+        if time.monotonic() - began > timeout_s:
+            state = "asleep" if asleep else "awake"
+            raise SleepFailed(f"{url} not {state} {timeout_s:.0f} s after POST /{path}")
+        time.sleep(poll_s)
+    return time.monotonic() - began
+
+
 @dataclass
 class ExperimentRun:
     profile: str
@@ -354,13 +423,15 @@ SidecarFactory = Callable[[Path, str], Sidecar]
 
 @dataclass
 class ExperimentHooks:
-    """What a display needs: called before a server starts, when it is ready, and at each look
-    at the evidence; the sidecar to start next to the servers, if any; and `judge`, which reads
-    the evidence of the runs so far (the pooled comparisons, by the stopping rule) for a
-    sequential design."""
+    """What a display needs: called before a server starts, when it is ready, when one is put to
+    sleep or woken (its arm, the seconds it took), and at each look at the evidence; the sidecar
+    to start next to the servers, if any; and `judge`, which reads the evidence of the runs so
+    far (the pooled comparisons, by the stopping rule) for a sequential design."""
 
     starting: Callable[[str, VllmServer], None] = lambda profile, server: None
     ready: Callable[[str, VllmServer], None] = lambda profile, server: None
+    slept: Callable[[str, float], None] = lambda arm, seconds: None
+    woke: Callable[[str, float], None] = lambda arm, seconds: None
     looked: Callable[[int, Look], None] = lambda done, look: None
     sidecar: SidecarFactory | None = None
     judge: Callable[[ExperimentResult], Look] | None = None
@@ -407,7 +478,7 @@ class ExperimentResult:
     status: str = "complete"  # complete | partial (Ctrl-C) | failed (a run failed or a server)
     failure: str | None = None
     arms: list[str] = field(default_factory=list)  # in the spec's order (the first: before)
-    design: str = ""  # how servers and rounds were sequenced (KEPT_UP, FRESH, TARGETS, FLEET)
+    design: str = ""  # how servers and rounds were sequenced (KEPT_UP, SLEEP, FRESH, …)
     order: str = ""  # the run order, e.g. "A B B A A B"
     stopped: str = ""  # why the rounds stopped (loadgen/rounds.py: decided, budget, …)
     stop_words: str = ""  # … in words
@@ -501,13 +572,14 @@ class Experiment:
         self.server_flags = list(server_flags or [])  # after every profile's own: they win
         self.config = spec.bench_config(scale, requests)
         gpu = any(profiles[p].device == "gpu" for p in spec.profiles)
-        self.design = TARGETS if targets else FRESH if fresh_servers or gpu else KEPT_UP
+        self.design = TARGETS if targets else FRESH if fresh_servers else SLEEP if gpu else KEPT_UP
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         self.experiment_id = f"exp-{stamp}-{spec.name}"
         self._stamp = stamp
         self._sidecars: dict[str, Sidecar] = {}  # per arm (kept up) or "" (one for all)
         self._servers: dict[str, VllmServer] = {}  # per arm, kept up
         self._served: dict[str, int] = {}  # runs each arm's server has served so far
+        self._awake: str | None = None  # SLEEP: the arm whose server is awake, if any
         self._port: int | None = None
 
     def run(self) -> ExperimentResult:
@@ -520,6 +592,8 @@ class Experiment:
         try:
             if self.design == KEPT_UP:
                 self._start_all()
+            elif self.design == SLEEP:
+                self._start_in_turn()
             elif self.design == FRESH and self.hooks.sidecar is not None:
                 self._port = settings.free_port()
                 log = settings.logs_dir() / f"{self.experiment_id}.log"
@@ -537,21 +611,21 @@ class Experiment:
         return result
 
     def _server(self, arm: str, port: int, log: Path | None, sidecar: Sidecar | None) -> VllmServer:
+        kept = self.design in (KEPT_UP, SLEEP)
         return VllmServer(
             self.model,
             profile=self.profiles[self.arm_profile[arm]],
             port=port,
-            extra_flags=self.server_flags + (sidecar.flags if sidecar else []),
-            env={
-                **(DEV_MODE if self.design == KEPT_UP else {}),
-                **(sidecar.env if sidecar else {}),
-            },
+            extra_flags=(SLEEP_FLAGS if self.design == SLEEP else [])
+            + self.server_flags
+            + (sidecar.flags if sidecar else []),
+            env={**(DEV_MODE if kept else {}), **(sidecar.env if sidecar else {})},
             log_path=log,
         )
 
-    def _start_all(self) -> None:
+    def _arm_servers(self) -> None:
         """One server per arm, each with its own port, log and sidecar (started first: it
-        receives the server's traces from its first request), all starting at once."""
+        receives the server's traces from its first request); none started yet."""
         for arm in self.arms:
             port = settings.free_port()
             log = settings.logs_dir() / f"{self.experiment_id}-{arm}.log"
@@ -559,11 +633,51 @@ class Experiment:
             if self.hooks.sidecar is not None:
                 sidecar = self._sidecars[arm] = self.hooks.sidecar(log, f"http://127.0.0.1:{port}")
             self._servers[arm] = self._server(arm, port, log, sidecar)
+
+    def _start_all(self) -> None:
+        """The arms' servers, all starting at once."""
+        self._arm_servers()
         for arm, server in self._servers.items():
             self.hooks.starting(arm, server)
         start_together(list(self._servers.values()))
         for arm, server in self._servers.items():
             self.hooks.ready(arm, server)
+
+    def _start_in_turn(self) -> None:
+        """The arms' servers one after the other, each put to sleep before the next starts:
+        vLLM sizes its KV cache from the GPU memory free at its start, so two starting together
+        would each count the other's memory as theirs. The first round's first arm starts
+        last and stays awake, so the rounds begin without a switch."""
+        self._arm_servers()
+        for arm in reversed(self.arms):
+            if self._awake is not None:
+                self._sleep(self._awake)
+            server = self._servers[arm]
+            self.hooks.starting(arm, server)
+            server.start()
+            self.hooks.ready(arm, server)
+            self._awake = arm
+
+    def _sleep(self, arm: str) -> float:
+        seconds = set_sleeping(self._servers[arm].url, asleep=True)
+        self._awake = None
+        self.hooks.slept(arm, seconds)
+        return seconds
+
+    def _wake(self, arm: str) -> dict[str, float]:
+        """Make `arm`'s server the one awake: the one awake put to sleep first (a level-1 sleep
+        frees its weights and KV cache, which the woken one takes back), then this one woken.
+        The seconds each took, as the run's notes keep them; none when it was awake already."""
+        if self._awake == arm:
+            return {}
+        timings: dict[str, float] = {}
+        if self._awake is not None:
+            timings["sleep_s"] = round(self._sleep(self._awake), 3)
+        seconds = set_sleeping(self._servers[arm].url, asleep=False)
+        self._awake = arm
+        self.hooks.woke(arm, seconds)
+        timings["wake_s"] = round(seconds, 3)
+        return timings
 
     def _runs(self, result: ExperimentResult) -> None:
         def one(run: ExperimentRun, previous: ExperimentRun | None, position: int) -> None:
@@ -588,7 +702,10 @@ class Experiment:
         else:
             server = self._servers[run.arm]
             run.target, run.levers, run.server_ready_s = server.url, server.levers, server.ready_s
-        run.notes["repeat_state"] = self._reset(run.target)
+        woken = self._wake(run.arm) if self.design == SLEEP else {}
+        run.notes.update(woken)
+        reset = self._reset(run.target)
+        run.notes["repeat_state"] = STATE_WOKEN if woken and reset == STATE_RESET else reset
         run.notes["server_runs_before"] = self._served.get(run.arm, 0)
         self._served[run.arm] = self._served.get(run.arm, 0) + 1
         self._execute(run, previous, self._sidecars.get(run.arm))

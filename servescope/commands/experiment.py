@@ -65,7 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "interleaved A B B A A B … so that a drift of the machine lands on every arm alike. "
         "On a CPU every arm's vLLM starts once (all at once, about 80-150 s), each with its own "
         "port, log and collector sidecar, and every run begins with the arm's prefix cache "
-        "reset; GPU profiles (or --fresh-servers) start a fresh vLLM per run. Each run is "
+        "reset; on a GPU each arm's vLLM starts once, one after the other, and sleeps while "
+        "another arm runs (woken, its prefix cache reset, for its own runs); --fresh-servers "
+        "starts a fresh vLLM per run. Each run is "
         "stored with its levers and notes (repeat_design, repeat_state), a lever_flips row at "
         "each switch of arm. Then one pooled report per pair of consecutive arms (its "
         "repeats pooled) and one per repeat are written, their paths printed, pooled first. "
@@ -111,7 +113,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--fresh-servers",
         action="store_true",
-        help="start a fresh vLLM for every run instead of one per arm kept up",
+        help="start a fresh vLLM for every run instead of one per arm kept up (on a GPU: "
+        "kept up asleep in turn)",
     )
     run.add_argument("--scale", type=float, default=None, help="prompt size factor override")
     run.add_argument("--requests", type=int, default=None, help="requests per level override")
@@ -347,6 +350,8 @@ def hooks(store: Store, stopping: Stopping | None = None) -> ExperimentHooks:
     return ExperimentHooks(
         starting=starting,
         ready=ready,
+        slept=slept,
+        woke=woke,
         looked=looked,
         sidecar=lambda log, url: CollectorSidecar(store, log, url, notice=_notice),
         judge=judge(store, stopping) if stopping is not None else None,
@@ -402,6 +407,14 @@ def starting(profile: str, server: VllmServer) -> None:
 
 def ready(profile: str, server: VllmServer) -> None:
     console.print(f"vLLM {profile} ready after {server.ready_s:.0f} s")
+
+
+def slept(arm: str, seconds: float) -> None:
+    console.print(f"vLLM {arm} asleep after {seconds:.1f} s")
+
+
+def woke(arm: str, seconds: float) -> None:
+    console.print(f"vLLM {arm} awake after {seconds:.1f} s")
 
 
 def plan_line(experiment: Experiment | FleetExperiment) -> str:

@@ -24,22 +24,27 @@ from servescope.loadgen import experiment as loadgen_experiment
 from servescope.loadgen.experiment import (
     FRESH,
     KEPT_UP,
+    SLEEP,
     STATE_FRESH,
     STATE_REFUSED,
     STATE_RESET,
     STATE_WARM,
+    STATE_WOKEN,
     TARGETS,
     Experiment,
     ExperimentError,
     ExperimentHooks,
     ExperimentResult,
     ExperimentRun,
+    SleepFailed,
     arm_names,
     interleaved,
+    is_sleeping,
     load_experiments,
     order_letters,
     read_experiments_file,
     reset_prefix_cache,
+    set_sleeping,
 )
 from servescope.loadgen.launcher import (
     ALWAYS_FLAGS,
@@ -51,20 +56,39 @@ from servescope.loadgen.launcher import (
 from servescope.loadgen.runner import RunResult
 from servescope.store import Store
 
-# -- a server that answers POST /reset_prefix_cache as vLLM does (or not, without dev mode) --
+# -- a server that answers vLLM's dev-mode endpoints as vLLM does (or not, without dev mode):
+# POST /reset_prefix_cache, and with sleep mode POST /sleep?level=N, POST /wake_up and
+# GET /is_sleeping --
 
 
 class _ResetHandler(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         server: ResetServer = self.server  # type: ignore[assignment]
+        path = self.path.partition("?")[0]
+        server.calls.append((server.name, self.path))
+        if path in ("/sleep", "/wake_up"):
+            if not (server.dev_mode and server.sleep_mode):
+                self._answer(404 if not server.dev_mode else 500, {})
+                return
+            server.asleep = path == "/sleep"
+            self._answer(200, None)
+            return
         server.resets += 1
         if not server.dev_mode:
-            self.send_response(404)
-            self.end_headers()
+            self._answer(404, {})
             return
-        success = server.resets > server.refuse_first
-        body = json.dumps({"success": success}).encode()
-        self.send_response(200)
+        self._answer(200, {"success": server.resets > server.refuse_first})
+
+    def do_GET(self) -> None:  # noqa: N802
+        server: ResetServer = self.server  # type: ignore[assignment]
+        if self.path != "/is_sleeping" or not server.dev_mode:
+            self._answer(404, {})
+            return
+        self._answer(200, {"is_sleeping": server.asleep})
+
+    def _answer(self, code: int, answer: dict[str, Any] | None) -> None:
+        body = b"" if answer is None else json.dumps(answer).encode()  # /sleep: an empty 200
+        self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -75,9 +99,19 @@ class _ResetHandler(http.server.BaseHTTPRequestHandler):
 
 
 class ResetServer(http.server.ThreadingHTTPServer):
-    def __init__(self, dev_mode: bool = True, refuse_first: int = 0) -> None:
+    def __init__(
+        self,
+        dev_mode: bool = True,
+        refuse_first: int = 0,
+        *,
+        sleep_mode: bool = False,
+        name: str = "",
+        calls: list[tuple[str, str]] | None = None,
+    ) -> None:
         super().__init__(("127.0.0.1", 0), _ResetHandler)
         self.dev_mode, self.refuse_first, self.resets = dev_mode, refuse_first, 0
+        self.sleep_mode, self.asleep, self.name = sleep_mode, False, name
+        self.calls = calls if calls is not None else []  # (name, POST path) in arrival order
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, args=(0.05,), daemon=True).start()
 
@@ -95,15 +129,23 @@ def reset_servers() -> Iterator[list[ResetServer]]:
 
 
 class FakeServer:
-    """VllmServer's surface, answering the reset endpoint; counts its starts."""
+    """VllmServer's surface, answering the reset endpoint (and the sleep ones when started with
+    `--enable-sleep-mode`); counts its starts. `calls` keeps every server's starts and POSTs in
+    the order they came: (profile, "start" or the path)."""
 
     made: list[FakeServer] = []
+    calls: list[tuple[str, str]] = []
 
     def __init__(self, model: Any, *, profile: Any, port: int, extra_flags: list[str],
                  env: dict[str, str], log_path: Path | None) -> None:  # fmt: skip
         self.profile, self.port, self.env, self.log_path = profile, port, env, log_path
         self.flags = profile.flags + list(extra_flags)
-        self.http = ResetServer(dev_mode=env.get("VLLM_SERVER_DEV_MODE") == "1")
+        self.http = ResetServer(
+            dev_mode=env.get("VLLM_SERVER_DEV_MODE") == "1",
+            sleep_mode="--enable-sleep-mode" in self.flags,
+            name=profile.name,
+            calls=FakeServer.calls,
+        )
         self.url = self.http.url
         self.starts = self.stops = 0
         self.ready_s: float | None = None
@@ -115,6 +157,7 @@ class FakeServer:
         return {k: v for k, v in levers.items() if k not in OBSERVATION_LEVERS}
 
     def start(self) -> FakeServer:
+        FakeServer.calls.append((self.profile.name, "start"))
         self.starts += 1
         self.ready_s = 0.5
         return self
@@ -125,7 +168,7 @@ class FakeServer:
 
 @pytest.fixture
 def fake_servers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[FakeServer]]:
-    FakeServer.made = []
+    FakeServer.made, FakeServer.calls = [], []
     monkeypatch.setattr(loadgen_experiment, "VllmServer", FakeServer)
     yield FakeServer.made
     for server in FakeServer.made:
@@ -339,14 +382,119 @@ def test_fresh_servers_start_per_run_and_say_so(
     ]  # fmt: skip
 
 
-def test_gpu_profiles_get_a_fresh_server_per_run(tmp_path: Path) -> None:
+def test_gpu_servers_start_once_in_turn_and_sleep_while_the_other_arm_runs(
+    tmp_path: Path, fake_servers: list[FakeServer]
+) -> None:
+    """A GPU's arms: each server started once, one after the other with the one before asleep
+    (vLLM sizes its KV cache from the memory free at its start); before each run the server
+    awake sleeps and the run's own wakes, then its prefix cache is reset; never two awake."""
+    store = Store(tmp_path / "s.duckdb")
+    sidecars: list[FakeSidecar] = []
+    shown: list[tuple[str, str]] = []
+
+    def sidecar(log: Path, url: str) -> FakeSidecar:
+        sidecars.append(FakeSidecar(log, url))
+        return sidecars[-1]
+
     exp = Experiment(
         load_experiments()["prefix-caching-gpu"],
-        store=Store(tmp_path / "s.duckdb"),
-        execute=None,  # type: ignore[arg-type]
+        store=store,
+        execute=FakeBench(store),
         model=tmp_path,
+        repeats=3,
+        hooks=ExperimentHooks(
+            sidecar=sidecar,
+            slept=lambda arm, seconds: shown.append(("asleep", arm)),
+            woke=lambda arm, seconds: shown.append(("awake", arm)),
+        ),
     )
+    assert exp.design == SLEEP
+    result = exp.run()
+    assert result.status == "complete", result.failure
+    assert result.design == SLEEP and result.order == "A B B A A B"
+    a, b = "gpu-bench-no-prefix-caching", "gpu-bench"
+    sleep, wake, reset = "/sleep?level=1", "/wake_up", "/reset_prefix_cache"
+    assert FakeServer.calls == [
+        (b, "start"), (b, sleep), (a, "start"),  # the first run's arm starts last, stays awake
+        (a, reset),  # A r1
+        (a, sleep), (b, wake), (b, reset),  # B r1
+        (b, reset),  # B r2: awake already
+        (b, sleep), (a, wake), (a, reset),  # A r2
+        (a, reset),  # A r3
+        (a, sleep), (b, wake), (b, reset),  # B r3
+    ]  # fmt: skip
+    awake: set[str] = set()
+    for name, call in FakeServer.calls:  # one server awake at a time, and each run's own
+        if call in ("start", wake):
+            awake.add(name)
+        elif call == sleep:
+            awake.discard(name)
+        assert len(awake) <= 1, FakeServer.calls
+        if call == reset:
+            assert awake == {name}
+    assert shown == [("asleep", b), ("asleep", a), ("awake", b), ("asleep", b), ("awake", a),
+                     ("asleep", a), ("awake", b)]  # fmt: skip
+    # each server started once, stopped at the end, in sleep mode, with its own port and sidecar
+    assert len(fake_servers) == 2 and all(s.starts == 1 and s.stops == 1 for s in fake_servers)
+    assert all(s.env["VLLM_SERVER_DEV_MODE"] == "1" for s in fake_servers)
+    assert all("--enable-sleep-mode" in s.flags for s in fake_servers)
+    assert len({s.port for s in fake_servers}) == 2
+    assert [s.log for s in sidecars] == [s.log_path for s in fake_servers]
+    assert all(len(sc.settled) == 3 and sc.closed for sc in sidecars)
+    notes = [store.run(r.run_id)["notes"] for r in result.runs]
+    assert [n["repeat_state"] for n in notes] == [
+        STATE_RESET, STATE_WOKEN, STATE_RESET, STATE_WOKEN, STATE_RESET, STATE_WOKEN,
+    ]  # fmt: skip
+    assert {n["repeat_design"] for n in notes} == {SLEEP}
+    assert [n["server_runs_before"] for n in notes] == [0, 0, 1, 1, 2, 2]
+    assert [sorted(k for k in n if k.endswith("_s")) for n in notes] == [
+        [], ["sleep_s", "wake_s"], [], ["sleep_s", "wake_s"], [], ["sleep_s", "wake_s"],
+    ]  # fmt: skip
+    assert all(n["wake_s"] >= 0 and n["sleep_s"] >= 0 for n in notes if "wake_s" in n)
+    # sleep mode is how the servers ran: a lever both arms share, so no flip of it
+    assert all(r.levers["enable_sleep_mode"] is True for r in result.runs)
+    with store.read() as con:
+        flips = con.execute("SELECT DISTINCT lever FROM lever_flips").fetchall()
+    assert flips == [("enable_prefix_caching",)]
+
+
+def test_gpu_profiles_with_fresh_servers_start_one_per_run(tmp_path: Path) -> None:
+    spec = load_experiments()["prefix-caching-gpu"]
+    store = Store(tmp_path / "s.duckdb")
+    exp = Experiment(spec, store=store, execute=None, model=tmp_path, fresh_servers=True)  # type: ignore[arg-type]
     assert exp.design == FRESH and exp.repeats == 3
+
+
+def test_a_server_without_sleep_mode_fails_the_experiment_in_a_line(
+    tmp_path: Path, fake_servers: list[FakeServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loadgen_experiment, "SLEEP_FLAGS", [])  # started without the flag
+    store = Store(tmp_path / "s.duckdb")
+    result = Experiment(
+        load_experiments()["prefix-caching-gpu"],
+        store=store,
+        execute=FakeBench(store),
+        model=tmp_path,
+        repeats=1,
+    ).run()
+    assert result.status == "failed" and not result.runs
+    assert "/sleep?level=1 answered 500: sleep mode needs --enable-sleep-mode" in str(
+        result.failure
+    )
+    assert all(s.stops == 1 for s in fake_servers)  # the one started is stopped
+
+
+def test_set_sleeping_waits_until_the_server_says_so(reset_servers: list[ResetServer]) -> None:
+    server, plain = ResetServer(sleep_mode=True), ResetServer(dev_mode=False)
+    reset_servers += [server, plain]
+    assert not is_sleeping(server.url)
+    assert set_sleeping(server.url, asleep=True) >= 0 and is_sleeping(server.url)
+    assert set_sleeping(server.url, asleep=False) >= 0 and not is_sleeping(server.url)
+    assert server.calls == [("", "/sleep?level=1"), ("", "/wake_up")]
+    with pytest.raises(SleepFailed, match="answered 404"):
+        set_sleeping(plain.url, asleep=True)
+    with pytest.raises(SleepFailed, match="is_sleeping answered 404"):
+        is_sleeping(plain.url)
 
 
 def test_targets_are_reset_where_they_can_be_and_say_warm_where_not(
