@@ -61,7 +61,8 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 # `make test` runs the suite on pytest-xdist workers (`-n 2 --dist loadgroup`). A module is one
 # unit of work, so that its module fixtures run once; the modules that use the session's servers
 # are one unit, so that each server starts once; units that start a vLLM go first, and the quick
-# modules fill in around them.
+# modules fill in around them. A test that names its own `xdist_group` is a unit of its own (a
+# long calibration split in parts that run side by side).
 SESSION_SERVERS = {"vllm_server", "predictable_vllm_server", "spec_vllm_server"}
 STARTS_VLLM = {"tiny_model", "predictable_model", "smollm2"}
 
@@ -79,7 +80,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
         return (1 if fixtures & STARTS_VLLM else 2), item.module.__name__
 
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(unit(item)[1]))
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(unit(item)[1]))
     items.sort(key=lambda item: unit(item)[0])
     yield
 

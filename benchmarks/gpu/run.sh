@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # run.sh JOB OUT — one job of docs/gpu/ on a GPU server set up by ../shared/gpu's recipe (folders
 # a, b, c and d installed into $SITE, servescope installed there too: its README, step 4). JOB:
-#   prefix-caching  servescope experiment run prefix-caching-gpu --repeats 1 (2 server starts)
-#   max-num-seqs    servescope experiment run max-num-seqs-gpu --repeats 1   (2 server starts)
+#   prefix-caching  servescope experiment run prefix-caching-gpu --repeats 5 --requests 40
+#                   (2 server starts, kept up asleep in turn: 5 repeats a side in ~6 minutes)
+#   max-num-seqs    servescope experiment run max-num-seqs-gpu --repeats 5 --requests 40
 #   routing         servescope experiment run routing-gpu --repeats 2 (2 replicas on one GPU)
 #   overhead        benchmarks/bench_sidecar_overhead.py           (1 traced start + 1 untraced)
 #   capacity        benchmarks/bench_capacity_gpu.py               (two shapes × two settings)
@@ -39,10 +40,10 @@ REC=$!
 t0=$SECONDS
 case "$JOB" in
   prefix-caching | max-num-seqs)
-    # one repeat (two server starts) fits the ~9 minutes a job has; a GPU server without that
-    # bound runs the experiment's default three (15-18 minutes)
-    "$SERVESCOPE" experiment run "$JOB-gpu" --repeats 1 --model "$MODEL" --store store.duckdb \
-      --out reports --json > result.json 2> console.txt
+    # the arms' servers start once and sleep in turn (sleep 0.3 s, wake 0.5 s on an H100), so
+    # five repeats a side of 40 requests a level fit the ~9 minutes a job has (docs/gpu)
+    "$SERVESCOPE" experiment run "$JOB-gpu" --repeats 5 --requests 40 --model "$MODEL" \
+      --store store.duckdb --out reports --json > result.json 2> console.txt
     ;;
   routing)
     "$SERVESCOPE" experiment run routing-gpu --repeats 2 --model "$MODEL" --store store.duckdb \

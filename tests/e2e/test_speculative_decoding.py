@@ -113,13 +113,15 @@ def test_diff_puts_tpot_next_to_acceptance(experiment: dict) -> None:
     # that it is measured on both sides and given a verdict (above)
     (tpot_p50, _) = section["tpot"]
     assert tpot_p50["metric"] == "tpot_ms.p50" and tpot_p50["verdict"] in (
-        "improved", "regressed", "unchanged", *unseen  # as above: most streams came all at once
-    )  # fmt: skip
+        "improved", "regressed", "unchanged", "undecided", *unseen  # as above: most streams came
+    )  # fmt: skip  (all at once; undecided: the primary, by the stopping rule)
     if tpot_p50["verdict"] in unseen:
         assert max(at_once) > 2, at_once
     headline = report["headline"]
     assert headline.startswith("speculative_config off → ngram k=3")
-    assert "TPOT p50" in headline and f"[{tpot_p50['verdict']}]" in headline
+    decision = report["decision"]  # TPOT p50 is the primary of a speculation flip: it leads
+    assert decision["metric"] == "tpot_ms.p50" and decision["words"] in headline
+    assert "TPOT p50" in headline and f" {tpot_p50['verdict']}" in headline
     assert "draft acceptance off → " in headline
     repeat = rows["repeat"]
     assert "repeat: TPOT p50 " in headline
