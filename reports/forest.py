@@ -1,6 +1,6 @@
 """The forest plot a comparison's report opens with: one line per core indicator, its change as a
-dot and its 95 % interval as a bar, against a line at no change and the ±margin band within
-which a change counts as none (reports/sequential.py), coloured by the row's verdict.
+dot and the interval its verdict reads as a bar, against a line at no change and the ±margin
+band within which a change counts as none (reports/sequential.py), coloured by the row's verdict.
 
 Why a forest plot: the decision names one indicator, but a flip that helps TTFT and costs
 throughput or errors must show that at a glance; eight rows of a 50-row table do not. Hand-made
@@ -112,7 +112,10 @@ def levels(report: Mapping[str, Any]) -> list[str]:
 
 
 def _measured(row: Mapping[str, Any]) -> bool:
-    return row.get("delta") is not None and row.get("delta_pct") is not None
+    """Both sides measured: a share's change is in points, so a before of 0 still draws."""
+    if row.get("delta") is None:
+        return False
+    return is_share(row["metric"]) or row.get("delta_pct") is not None
 
 
 def _pick(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str], order: list[str]) -> Any:
@@ -261,7 +264,7 @@ def forest_svg(report: Mapping[str, Any]) -> Markup:
     def px(value: float) -> float:
         return left + (value - lo) / (hi - lo) * (right - left)
 
-    title = "Change after vs before: Δ % (points, pp, for shares) with its 95 % interval"
+    title = "Change after vs before: Δ % (pp for shares) with the interval its verdict reads"
     bottom = TOP + ROW * len(drawn)
     out = [
         f'<svg class="forest" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {height}" '

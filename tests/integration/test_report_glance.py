@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 
 from servescope.reports.forest import INDICATORS, forest_svg
+from servescope.reports.judge import is_share
 from servescope.reports.render import render
 from servescope.store import Store
 from tests.calibration import store_comparison
@@ -140,12 +141,15 @@ async def inspect(devtools: str, url: str) -> dict[str, Any]:
 
 
 def present(report: dict[str, Any]) -> set[str]:
-    """The core indicators the report measured: a row of one of its metrics with a number."""
+    """The core indicators the report measured: a row of one of its metrics with a number (a
+    share's change is in points: a before of 0 still counts)."""
     return {
         i.name
         for i in INDICATORS
         if any(
-            d["metric"] in i.metrics and d["delta_pct"] is not None and d["delta"] is not None
+            d["metric"] in i.metrics
+            and d["delta"] is not None
+            and (d["delta_pct"] is not None or is_share(d["metric"]))
             for d in report["diff"]
         )
     }
