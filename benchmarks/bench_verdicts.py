@@ -16,9 +16,9 @@ reported by `build_diff`, as `report build` does. Designs compared on the same r
 numbers alone, faster: what chose the method of reports/verdict.py (docs/verdicts.md).
 
 `--sequential N` calibrates the stopping rule (reports/sequential.py): N A/A experiments that
-look after every round from the third (at most 10 a side), each then reported in full at the
-look it stopped at (any row with a verdict counts), and N experiments each with a true −25 %
-and −10 % TTFT (how often found, after how many repeats).
+look after every round from the third (at most `--max-repeats` a side), each then reported in
+full at the look it stopped at (any row with a verdict counts), and N experiments each with a
+true −25 % and −10 % TTFT (how often found, after how many repeats).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 from servescope.reports import ReportOptions, build_diff, verdict  # noqa: E402
+from servescope.reports.sequential import MAX_REPEATS, Plan  # noqa: E402
 from servescope.store import Store  # noqa: E402
 from tests.calibration import Comparison, sequential_trial, store_comparison  # noqa: E402
 
@@ -136,9 +137,10 @@ def compare_methods(trials: int, seed: int = 7) -> list[dict[str, Any]]:
     return results
 
 
-def sequential(trials: int) -> list[dict[str, Any]]:
-    """The stopping rule's figures: A/A experiments reported in full at their last look, and
-    true effects of −25 % and −10 % on the primary's own path."""
+def sequential(trials: int, plan: Plan) -> list[dict[str, Any]]:
+    """The stopping rule's figures under `plan`: A/A experiments reported in full at their last
+    look, and true effects of −25 % and −10 % on the primary's own path."""
+    options = ReportOptions(charts=False, plan=plan)
     figures = []
     with tempfile.TemporaryDirectory() as folder, Progress(transient=True) as progress:
         store = Store(Path(folder) / "sequential.duckdb")
@@ -148,12 +150,12 @@ def sequential(trials: int) -> list[dict[str, Any]]:
             verdicts: dict[str, int] = {}
             looks, any_row = [], 0
             for i in range(trials):
-                trial = sequential_trial(seed0 + i, factor)
+                trial = sequential_trial(seed0 + i, factor, plan)
                 verdicts[trial.verdict] = verdicts.get(trial.verdict, 0) + 1
                 looks.append(trial.looks)
                 if factor == 1.0:
                     c = store_comparison(store, f"s{i}", seed0 + i, trial.looks)
-                    report = build_diff(store, c.after, c.before, OPTIONS)
+                    report = build_diff(store, c.after, c.before, options)
                     any_row += any(r["verdict"] in CHANGED for r in report["diff"])
                 progress.advance(task)
             figures.append(
@@ -186,9 +188,15 @@ def main() -> int:
         metavar="TRIALS",
         help="calibrate the stopping rule on TRIALS experiments of each kind",
     )
+    parser.add_argument(
+        "--max-repeats",
+        type=int,
+        default=MAX_REPEATS,
+        help=f"the plan's last look (default {MAX_REPEATS}, the experiments' default)",
+    )
     args = parser.parse_args()
     if args.sequential:
-        rows = sequential(args.sequential)
+        rows = sequential(args.sequential, Plan(last=args.max_repeats))
         if args.json:
             print(json.dumps(rows))
             return 0

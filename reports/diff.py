@@ -634,7 +634,7 @@ def design(before: Arm, after: Arm) -> Design:
 
 def headline(change: str, rows: list[DiffRow], before: Arm, after: Arm, decided: Decision) -> str:
     """E.g. "enable_prefix_caching off → on (3 repeats a side): TTFT p50 over all load levels
-    (stratified) improved: −81 % (−88 … −70 %) (98.7 % interval, 3 repeats a side), prefix hit
+    (stratified) improved: −81 % (−88 … −70 %) (99.2 % interval, 3 repeats a side), prefix hit
     ratio 0 % → 93 %, throughput +12 % (+3 … +20 %) [improved]": the decision first, then the
     prefix hits and throughput at the level it reads."""
     for arm in (before, after):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
@@ -147,3 +149,13 @@ def list_runs(args: argparse.Namespace) -> int:
     # piped output is not cut at 80 columns: a script or a reviewer gets every lever
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def sigterm_as_ctrl_c() -> None:
+    """SIGTERM stops a long command as Ctrl-C does: the servers it started are stopped and what
+    it measured is kept (a plain SIGTERM would end Python without its `finally` blocks)."""
+    signal.signal(signal.SIGTERM, _interrupt)

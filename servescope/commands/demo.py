@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.text import Text
 
 from servescope.commands import experiment
-from servescope.commands.common import console, open_store, store_command
+from servescope.commands.common import console, open_store, sigterm_as_ctrl_c, store_command
 from servescope.dashboards import build as build_dashboards
 from servescope.loadgen.experiment import Experiment, load_experiments
 from servescope.loadgen.rounds import Stopping
@@ -70,6 +70,7 @@ def run_demo(args: argparse.Namespace) -> int:
         stopping=stopping,
     )
     console.print(experiment.plan_line(demo))
+    sigterm_as_ctrl_c()
     result = demo.run()
     reports = experiment.build_reports(store, result, args.out, stopping)
     rows = experiment.outcome_rows(store, result, reports)

@@ -15,7 +15,13 @@ from rich.table import Table
 from rich.text import Text
 
 from servescope.commands import bench
-from servescope.commands.common import UsageError, console, open_store, store_command
+from servescope.commands.common import (
+    UsageError,
+    console,
+    open_store,
+    sigterm_as_ctrl_c,
+    store_command,
+)
 from servescope.loadgen.experiment import (
     Comparison,
     Experiment,
@@ -306,6 +312,7 @@ def run_experiment(args: argparse.Namespace) -> int:
         )
         return 2
     console.print(Text.assemble((spec.name, "bold"), f": {plan_line(experiment)}"))
+    sigterm_as_ctrl_c()
     result = experiment.run()
     reports = build_reports(store, result, args.out, experiment.stopping)
     rows = outcome_rows(store, result, reports)
@@ -419,7 +426,7 @@ def woke(arm: str, seconds: float) -> None:
 
 def plan_line(experiment: Experiment | FleetExperiment) -> str:
     """E.g. "repeats of no-prefix-caching, default in the order A B B A …, until TTFT is
-    decided (first look after 3 a side, at most 10, budget 480 s, margin ±10 %); servers kept
+    decided (first look after 3 a side, at most 20, budget 480 s, margin ±10 %); servers kept
     up: one server per arm, all up at once, rounds alternated"."""
     arms = experiment.spec.arms if isinstance(experiment, Experiment) else experiment.spec.profiles
     stopping = experiment.stopping

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import time
 from pathlib import Path
-from types import FrameType
 
-from servescope.commands.common import console
+from servescope.commands.common import console, sigterm_as_ctrl_c
 from servescope.loadgen.launcher import (
     ServerFailed,
     has_gpu,
@@ -58,10 +56,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_serve)
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def run_serve(args: argparse.Namespace) -> int:
     profile = load_profiles()[args.profile]
     if args.mig:
@@ -90,7 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
             style="red",
         )
         return 2
-    signal.signal(signal.SIGTERM, _interrupt)
+    sigterm_as_ctrl_c()
     try:
         for server in servers:
             with console.status(

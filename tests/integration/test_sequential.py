@@ -18,12 +18,16 @@ from pathlib import Path
 import pytest
 
 from servescope.reports import ReportOptions, build_diff
+from servescope.reports.sequential import Plan
 from servescope.store import Store
 from tests.calibration import sequential_trial, store_comparison
 from tests.conftest import servescope
 
 A_A, EFFECTS = 200, 50
 CHANGES = {"improved", "regressed"}
+# The whole reports are built at looks of at most 10 a side (a report of 20 runs a side takes
+# twice as long); the default plan (up to 20) is held to the same on the primary's path.
+TEN = Plan(last=10)
 
 
 @pytest.mark.parametrize(
@@ -37,9 +41,9 @@ def test_a_a_experiments_end_with_a_verdict_at_most_5_percent_of_the_time(
     store = Store(tmp_path / "s.duckdb")
     any_row, primary, stopped_early = 0, 0, 0
     for seed in range(half * A_A // 2, (half + 1) * A_A // 2):
-        trial = sequential_trial(seed)
+        trial = sequential_trial(seed, plan=TEN)
         c = store_comparison(store, f"aa{seed}", seed, repeats=trial.looks)
-        report = build_diff(store, c.after, c.before, ReportOptions(charts=False))
+        report = build_diff(store, c.after, c.before, ReportOptions(charts=False, plan=TEN))
         assert report["decision"]["verdict"] == trial.verdict, seed  # one path, two callers
         assert report["decision"]["look"] == trial.looks
         any_row += any(row["verdict"] in CHANGES for row in report["diff"])
@@ -50,11 +54,18 @@ def test_a_a_experiments_end_with_a_verdict_at_most_5_percent_of_the_time(
     assert stopped_early > 0  # some decided "unchanged within ±10 %" before the last look
 
 
+def test_the_default_plan_keeps_its_primary_to_5_percent() -> None:
+    trials = [sequential_trial(seed) for seed in range(A_A)]
+    called = sum(t.verdict in CHANGES for t in trials)
+    assert called <= A_A * 0.05, f"{called} of {A_A} A/A experiments called a change"
+    assert max(t.looks for t in trials) <= Plan().last
+
+
 def test_a_true_25_percent_is_found_within_the_default_plan() -> None:
     trials = [sequential_trial(1000 + seed, ttft_effect=0.75) for seed in range(EFFECTS)]
     found = sum(t.verdict == "improved" for t in trials)
     assert found >= EFFECTS * 0.9, f"a true −25 % TTFT found in {found} of {EFFECTS}"
-    assert max(t.looks for t in trials) <= 10
+    assert max(t.looks for t in trials) <= Plan().last
     assert sum(t.looks for t in trials) / EFFECTS < 5  # it stops as soon as it can
 
 
