@@ -255,11 +255,14 @@ def test_flip_report_from_the_servers_own_records(live: Sessions) -> None:
     ttft = rows["ttft_ms.p50"]
     # vLLM's own TTFT, and the cache's effect on it: ~2,000 prefix tokens prefilled per request
     # against ~10 once cached is 85 → 53 ms on the tiny model, within what 24 requests a side
-    # resolve on a busy machine (its interval then straddles 0: "unchanged", honestly). The
-    # verdict must agree with its own interval and never call the cache a regression.
+    # resolve on a busy machine (its interval then straddles 0: "undecided", honestly, or
+    # "unchanged" were it within ±10 %). The verdict, the primary's (one run a side: the
+    # stopping rule read on request noise), must agree with its own interval and never call
+    # the cache a regression.
     assert ttft["source"] == "server" and ttft["after"] < ttft["before"], ttft
     lo, hi = ttft["ci95_pct"]
-    assert ttft["verdict"] == ("improved" if hi < 0 else "unchanged"), ttft
+    within = lo >= -10.0 and hi <= 10.0
+    assert ttft["verdict"] == ("improved" if hi < 0 else "unchanged" if within else "undecided")
     assert report["before"]["overall"]["sources"]["ttft_ms"] == "server"
     assert report["before"]["server"]["prefix_cache_hit_ratio"] < 0.05
     assert report["after"]["server"]["prefix_cache_hit_ratio"] > 0.5
