@@ -58,7 +58,7 @@ from servescope.loadgen.launcher import (
     read_section,
     state_for,
 )
-from servescope.loadgen.rounds import Look, Rounds, Stopping
+from servescope.loadgen.rounds import Look, Rounds, Stopping, round_arms
 from servescope.loadgen.runner import RunResult
 from servescope.loadgen.workload import BenchConfig, WorkloadError, load_config
 from servescope.store import Store, settings
@@ -152,13 +152,8 @@ def arm_names(profiles: list[str]) -> list[str]:
 
 
 def interleaved(arms: list[str], repeats: int) -> list[tuple[int, str]]:
-    """(repeat, arm) in run order: A B, B A, A B, … (three arms: A B C, C B A, …). Reversing
-    every other repeat cancels a linear drift, which A B A B would hand to B every time."""
-    order: list[tuple[int, str]] = []
-    for repeat in range(1, repeats + 1):
-        round_arms = arms if repeat % 2 else list(reversed(arms))
-        order.extend((repeat, arm) for arm in round_arms)
-    return order
+    """(repeat, arm) in run order: A B, B A, A B, … (three arms: A B C, C B A, …)."""
+    return [(r, arm) for r in range(1, repeats + 1) for arm in round_arms(arms, r)]
 
 
 def order_letters(arms: list[str], repeats: int) -> str:

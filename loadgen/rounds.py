@@ -30,6 +30,12 @@ MIN_GROWTH = 1.5  # below this, growing the runs is not worth changing them
 DECIDED, BUDGET, MAX_REPEATS, FIXED = "decided", "budget", "max repeats", "fixed"
 
 
+def round_arms(arms: list[str], repeat: int) -> list[str]:
+    """The arms of round `repeat` (1-based): the spec's order, reversed every other round, so
+    that a linear drift, which A B A B would hand to B every time, falls on every arm alike."""
+    return list(arms) if repeat % 2 else list(reversed(arms))
+
+
 @dataclass(frozen=True)
 class Look:
     """What the evidence said after a round: whether every comparison is decided, each one's
@@ -84,8 +90,7 @@ class Rounds:
         return self.stopping.last if self.stopping is not None else 1
 
     def order(self, repeat: int) -> list[str]:
-        """The arms of round `repeat` (1-based): the spec's order, reversed every other round."""
-        return list(self.arms) if repeat % 2 else list(reversed(self.arms))
+        return round_arms(self.arms, repeat)
 
     def another(self, done: int) -> bool:
         """Whether to run round `done + 1`; when not, `stopped` says why."""
