@@ -374,9 +374,7 @@ def main() -> int:
     try:
         for name, server in variants.items():
             port = free_port()
-            gateways[name] = start_gateway(
-                folder / name, port, replica_ports, server, args.routing
-            )
+            gateways[name] = start_gateway(folder / name, port, replica_ports, server, args.routing)
             paths[name] = (f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"})
         processes = {name: psutil.Process(proc.pid) for name, proc in gateways.items()}
         with Progress(transient=True) as progress:

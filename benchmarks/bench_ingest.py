@@ -412,8 +412,10 @@ def main() -> int:
                 "reference": round(ref_rate, 1),
                 "ratio": round(ours_rate / ref_rate, 4),
                 **(
-                    {"in_lake_s": round(in_lake_s, 3),
-                     "in_lake_ratio": round(args.events / in_lake_s / ref_rate, 4)}
+                    {
+                        "in_lake_s": round(in_lake_s, 3),
+                        "in_lake_ratio": round(args.events / in_lake_s / ref_rate, 4),
+                    }
                     if in_lake_s is not None
                     else {}
                 ),  # fmt: skip

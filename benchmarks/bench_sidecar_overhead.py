@@ -152,8 +152,9 @@ def main() -> int:
     parser.add_argument("--workload", action="append", help="only these workloads of it")
     parser.add_argument("--requests", type=int, help="requests per level and round")
     parser.add_argument("--pairs", type=int, default=3, help="attached/detached pairs")
-    parser.add_argument("--no-untraced", action="store_true",
-                        help="skip the restart without tracing")
+    parser.add_argument(
+        "--no-untraced", action="store_true", help="skip the restart without tracing"
+    )
     parser.add_argument("--work", type=Path, help="folder for logs and stores (kept)")
     args = parser.parse_args()  # fmt: skip
     work = args.work or Path(tempfile.mkdtemp(prefix="overhead-"))

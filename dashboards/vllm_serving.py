@@ -296,8 +296,12 @@ def gpu_row() -> list:
             "power-capped and its clocks drop; near idle power under load means the GPU waits "
             "on something else (CPU, network, a small batch).",
             "watt",
-            [Query(f"sum by (gpu, modelName) (DCGM_FI_DEV_POWER_USAGE{{{GPU}}})",
-                   "GPU {{gpu}} {{modelName}}")],  # fmt: skip
+            [
+                Query(
+                    f"sum by (gpu, modelName) (DCGM_FI_DEV_POWER_USAGE{{{GPU}}})",
+                    "GPU {{gpu}} {{modelName}}",
+                )
+            ],  # fmt: skip
         ),
         timeseries(
             "GPU and memory-copy utilisation",

@@ -240,8 +240,6 @@ def _acceptance_rate(side: Side, group: Level) -> tuple[float | None, Draws | No
     return (spec or {}).get("acceptance_rate"), None
 
 
-
-
 @dataclass(frozen=True)
 class Indicator:
     """A diff row's metric: its name in report.json, which way is better, how one run gives it

@@ -111,7 +111,7 @@ def table_columns(table: str) -> str:
         from servescope.store import schema_sql  # the writer's (a reader never needs it)
 
         return ", ".join(
-            f"timezone('UTC', \"{name}\") AS \"{name}\"" if kind == "TIMESTAMP" else f'"{name}"'
+            f'timezone(\'UTC\', "{name}") AS "{name}"' if kind == "TIMESTAMP" else f'"{name}"'
             for name, kind in schema_sql.event_columns()
         )
     return _COLUMNS[table]
@@ -629,8 +629,14 @@ class LakeWriter:
             on += f" AND t.ts >= '{sql_literal(since)}Z'"
         (
             self.table(name)
-            .merge(rows, on, source_alias="s", target_alias="t", merge_schema=True,
-                   commit_properties=txn)  # fmt: skip
+            .merge(
+                rows,
+                on,
+                source_alias="s",
+                target_alias="t",
+                merge_schema=True,
+                commit_properties=txn,
+            )  # fmt: skip
             .when_matched_delete("s.lake_delete")
             .when_matched_update_all("NOT s.lake_delete", except_cols=["lake_delete"])
             .when_not_matched_insert_all("NOT s.lake_delete", except_cols=["lake_delete"])
@@ -645,8 +651,14 @@ class LakeWriter:
         rows = self._rows(con, name, "list_contains($1, run_id)", [owed.runs])
         (
             self.table(name)
-            .merge(rows, "t.run_id = s.run_id", source_alias="s", target_alias="t",
-                   merge_schema=True, commit_properties=txn)  # fmt: skip
+            .merge(
+                rows,
+                "t.run_id = s.run_id",
+                source_alias="s",
+                target_alias="t",
+                merge_schema=True,
+                commit_properties=txn,
+            )  # fmt: skip
             .when_matched_update_all()
             .when_not_matched_insert_all()
             .execute()
@@ -708,4 +720,3 @@ def exists(location: str | Path) -> bool:
         return DeltaTable.is_deltatable(table_uri(location, "events"), storage_options())
     except OSError:
         return False
-

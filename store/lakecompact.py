@@ -40,6 +40,7 @@ def _table(lake: LakeWriter, name: str) -> DeltaTable:
     """A table of its own: the writer's thread holds the writer's (`LakeWriter.table`)."""
     return DeltaTable(table_uri(lake.location, name), storage_options=storage_options())
 
+
 TARGET_BYTES = 128 << 20
 VACUUM_HOURS = 24  # the longest a reader may hold a version open
 

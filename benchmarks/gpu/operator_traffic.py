@@ -44,8 +44,14 @@ def main() -> None:
     ]  # fmt: skip
     with ThreadPoolExecutor(4) as pool:
         statuses = list(pool.map(lambda c: post(base, *c), calls))
-    print(json.dumps({"sent": len(statuses), "by_status": {
-        str(s): statuses.count(s) for s in sorted(set(statuses))}}))
+    print(
+        json.dumps(
+            {
+                "sent": len(statuses),
+                "by_status": {str(s): statuses.count(s) for s in sorted(set(statuses))},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -57,4 +57,3 @@ def test_the_session_vllms_log_reads_the_same_wrapped(
         assert len(lines) > len(output)  # the long lines came split
         _collect(folder / "s.duckdb", _write(folder / "0.log", lines, output[-1][0]))
         assert _contents(folder / "s.duckdb") == expected, wrap.__name__
-

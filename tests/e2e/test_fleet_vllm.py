@@ -80,15 +80,20 @@ def prometheus(replicas: dict[str, Any], tmp_path_factory: pytest.TempPathFactor
     assert binary, "prometheus not found: install Debian's `prometheus` package (make system-deps)"
     folder = tmp_path_factory.mktemp("prometheus")
     targets = [s.url.removeprefix("http://") for s in replicas.values()]
-    config = {"global": {"scrape_interval": "1s"},
-              "scrape_configs": [{"job_name": "vllm", "static_configs": [{"targets": targets}]}]}
+    config = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": "vllm", "static_configs": [{"targets": targets}]}],
+    }
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
     url = f"http://127.0.0.1:{free_port()}"
     with (folder / "prometheus.log").open("wb") as log:
         process = subprocess.Popen(
-            [binary, f"--config.file={folder / 'prometheus.yml'}",
-             f"--storage.tsdb.path={folder / 'data'}",
-             f"--web.listen-address={url.removeprefix('http://')}"],  # fmt: skip
+            [
+                binary,
+                f"--config.file={folder / 'prometheus.yml'}",
+                f"--storage.tsdb.path={folder / 'data'}",
+                f"--web.listen-address={url.removeprefix('http://')}",
+            ],  # fmt: skip
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -269,9 +274,20 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
     run_id = "run-fleet-kill"
     probe = Probe(gateway.url)
     bench = subprocess.Popen(
-        [*SERVESCOPE, "bench", "run", "--config", str(workload), "--target", gateway.url,
-         "--run-id", run_id, "--store", str(store.path),
-         *(a for n, s in replicas.items() for a in ("--replica", f"{n}={s.url}"))],  # fmt: skip
+        [
+            *SERVESCOPE,
+            "bench",
+            "run",
+            "--config",
+            str(workload),
+            "--target",
+            gateway.url,
+            "--run-id",
+            run_id,
+            "--store",
+            str(store.path),
+            *(a for n, s in replicas.items() for a in ("--replica", f"{n}={s.url}")),
+        ],  # fmt: skip
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -364,7 +380,8 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
     with store.read() as con:
         rows_after = con.execute(
             "SELECT count(*), count(DISTINCT request_id), count(vllm_session) FROM events "
-            "WHERE run_id = ?", [run_id]
+            "WHERE run_id = ?",
+            [run_id],
         ).fetchone()
         sessions = dict(con.execute(
             "SELECT doc->>'upstream', list_distinct(list(vllm_session)) FROM events "

@@ -113,7 +113,11 @@ def test_diff_puts_tpot_next_to_acceptance(experiment: dict) -> None:
     # that it is measured on both sides and given a verdict (above)
     (tpot_p50, _) = section["tpot"]
     assert tpot_p50["metric"] == "tpot_ms.p50" and tpot_p50["verdict"] in (
-        "improved", "regressed", "unchanged", "undecided", *unseen  # as above: most streams came
+        "improved",
+        "regressed",
+        "unchanged",
+        "undecided",
+        *unseen,  # as above: most streams came
     )  # fmt: skip  (all at once; undecided: the primary, by the stopping rule)
     if tpot_p50["verdict"] in unseen:
         assert max(at_once) > 2, at_once

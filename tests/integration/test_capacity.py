@@ -73,7 +73,7 @@ KV_RECORDINGS = ROOT / "tests" / "fixtures" / "gpu" / "kv"
 def _cuda_total_gib() -> float:
     """What CUDA reports on the recorded H100: FB total less what the driver reserves."""
     text = (KV_RECORDINGS.parent / "nvidia-smi-q.txt").read_text()
-    fb = text[text.index("FB Memory Usage"):]
+    fb = text[text.index("FB Memory Usage") :]
     total = int(re.search(r"Total\s*:\s*(\d+) MiB", fb).group(1))  # type: ignore[union-attr]
     reserved = int(re.search(r"Reserved\s*:\s*(\d+) MiB", fb).group(1))  # type: ignore[union-attr]
     return (total - reserved) / 1024

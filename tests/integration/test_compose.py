@@ -355,9 +355,11 @@ def test_otel_collector_pipelines_use_only_defined_components() -> None:
 def test_dockerfile_copies_every_package_the_project_ships() -> None:
     dockerfile = (COMPOSE / "Dockerfile").read_text()
     ignore = (COMPOSE / "Dockerfile.dockerignore").read_text()
-    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-dir"
-    ].values())
+    folders = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "package-dir"
+        ].values()
+    )
     assert "wire" in folders
     for folder in folders:
         assert f"COPY {folder} ./{folder}" in dockerfile

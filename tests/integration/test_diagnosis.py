@@ -72,10 +72,17 @@ def _spec_counters(run: str, drafts: float, draft_tokens: float, accepted: float
     ]  # fmt: skip
 
 
-SPEC_LEVERS = {**BASE_LEVERS,
-               "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
-DECODE_BOUND = {"tpot_ms": lambda i: 180.0 + i, "e2e_ms": 120.0 + 255 * 190.0,
-                "completion_tokens": 256, "decode_ms": 255 * 190.0, "itl_ms": [180.0, 190.0]}
+SPEC_LEVERS = {
+    **BASE_LEVERS,
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+}
+DECODE_BOUND = {
+    "tpot_ms": lambda i: 180.0 + i,
+    "e2e_ms": 120.0 + 255 * 190.0,
+    "completion_tokens": 256,
+    "decode_ms": 255 * 190.0,
+    "itl_ms": [180.0, 190.0],
+}
 
 RUNS: dict[str, dict[str, Any]] = {
     "run-healthy": {"events": {}, "spec": _spec(), "levers": BASE_LEVERS,

@@ -176,9 +176,7 @@ def _environment(container: Object, settings_map: Object, fields: dict[str, str]
     env = dict(settings_map["data"])
     for item in container.get("env", []):
         if "value" in item:
-            env[item["name"]] = re.sub(
-                r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), item["value"]
-            )
+            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), item["value"])
         elif "fieldRef" in item.get("valueFrom", {}):
             env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
     return env

@@ -117,6 +117,7 @@ def test_a_crash_after_the_stores_commit_loses_and_doubles_nothing(
     if dies == "before any table":
         monkeypatch.setattr(LakeWriter, "_write_after_commit", lambda self, pending: None)
     else:
+
         def crash(*_args: Any) -> None:
             raise Crash
 
@@ -182,8 +183,14 @@ def test_a_trickles_flushes_reach_the_lake_together(tmp_path: Path, then: str) -
     _flush(store, writer, [_doc("run-a", i) for i in range(5)])  # the first: written at once
     assert _seen(lake) == (5, 5, 0)
     _flush(store, writer, [_doc("vllm-unattributed", i) for i in range(3)] + [_doc("run-a", 5)])
-    _flush(store, writer, [{"request_id": "run-a-0005", "run_id": "run-a", "cached_tokens": 7},
-                           {"request_id": "run-a-0001", "run_id": "run-a", "cached_tokens": 2}])
+    _flush(
+        store,
+        writer,
+        [
+            {"request_id": "run-a-0005", "run_id": "run-a", "cached_tokens": 7},
+            {"request_id": "run-a-0001", "run_id": "run-a", "cached_tokens": 2},
+        ],
+    )
     with store.write() as con:  # a move of a request the lake has not seen yet
         mark = writer.mark(con)
         moved = store.take_events("vllm-unattributed", ["vllm-unattributed-0001"], con)

@@ -1,7 +1,5 @@
 """Profiles, levers and the command lines the launcher builds."""
 
-
-
 from tests.conftest import servescope
 
 

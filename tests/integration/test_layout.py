@@ -148,7 +148,7 @@ def test_no_import_circle() -> None:
         seen[node] = 1
         for nxt in sorted(edges.get(node, ())):
             if seen.get(nxt) == 1:
-                cycle = path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+                cycle = path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt]
                 raise AssertionError("import circle: " + " → ".join(cycle))
             if nxt not in seen:
                 visit(nxt, path + [nxt])

@@ -113,9 +113,10 @@ def test_the_runtimes_time_in_any_precision_and_zone_is_utc() -> None:
 
 
 def test_a_record_with_empty_text_is_an_empty_line() -> None:
-    assert _unwrap(["2026-11-27T00:01:02.5Z stdout F ", "2026-11-27T00:01:02.5Z stdout F"]) == [
-        Record(b"", runtime_time("2026-11-27T00:01:02.5Z"), "stdout")
-    ] * 2
+    assert (
+        _unwrap(["2026-11-27T00:01:02.5Z stdout F ", "2026-11-27T00:01:02.5Z stdout F"])
+        == [Record(b"", runtime_time("2026-11-27T00:01:02.5Z"), "stdout")] * 2
+    )
 
 
 def test_a_joined_line_over_the_bound_is_kept_by_its_head_with_its_length() -> None:

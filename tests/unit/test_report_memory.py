@@ -218,8 +218,7 @@ def test_window_totals_spread_each_request_over_its_work(db: Path) -> None:
     expect = {
         "ok": life.sum(axis=0),
         "good": life[good].sum(axis=0),
-        "input_tokens": np.array([r[2] or 0 for r in rows])
-        @ _overlaps(t, first, t0, width, count),
+        "input_tokens": np.array([r[2] or 0 for r in rows]) @ _overlaps(t, first, t0, width, count),
         "output_tokens": np.array([r[3] or 0 for r in rows])
         @ _overlaps(first, end, t0, width, count),
     }
