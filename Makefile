@@ -17,7 +17,7 @@ help:
 	@echo "make demo   - real vLLM on the CPU + tiny model, bench, store, report (prints paths)"
 	@echo "make test   - the whole test suite (what CI runs)"
 	@echo "make test-busy - the suite with one core kept busy by another process"
-	@echo "make lint   - ruff and mypy"
+	@echo "make lint   - ruff (rules and format) and mypy"
 
 demo: install model
 	$(BIN)/servescope demo
@@ -33,6 +33,7 @@ test-busy: install system-deps model
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(MAKE) --no-print-directory typecheck
 
 # The package maps its rooms from top-level folders (pyproject's package-dir), which mypy and
