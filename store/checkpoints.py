@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import duckdb
 
 from servescope.store import queries
+from servescope.store.clock import utcnow
 
 if TYPE_CHECKING:
     from servescope.store.db import Store
@@ -46,7 +46,7 @@ def rows_in(con: duckdb.DuckDBPyConnection, source: str) -> list[dict[str, Any]]
 
 def save(con: duckdb.DuckDBPyConnection, source: str, rows: Iterable[dict[str, Any]]) -> None:
     """Upsert checkpoint rows of `source` inside the caller's transaction."""
-    now = datetime.now(UTC).replace(tzinfo=None)
+    now = utcnow()
     params = [
         {
             "source": source,

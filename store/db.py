@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from datetime import UTC, datetime
+from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import duckdb
 
 from servescope.store import queries, reads, runtime, schema_sql, settings
+from servescope.store.clock import utcnow
 from servescope.store.merge import merge_docs
 from servescope.store.validation import clip, dumps, load_doc, run_id_of
 
@@ -267,7 +268,7 @@ class Store:
         con: duckdb.DuckDBPyConnection | None = None,
     ) -> None:
         row = {
-            "ts": ts or datetime.now(UTC).replace(tzinfo=None),
+            "ts": ts or utcnow(),
             "lever": lever,
             "run_id": run_id,
             "before": before,
@@ -327,7 +328,7 @@ class Store:
             raw = raw.encode("utf-8", "surrogatepass")
         # bounded (with the original length), and readable whatever the bytes were
         raw = clip(raw).decode("utf-8", errors="backslashreplace")
-        now = datetime.now(UTC).replace(tzinfo=None)
+        now = utcnow()
         row = {"source": source, "offset": offset, "ts": now, "reason": reason, "raw": raw}
         with self._within(con) as tx:
             tx.execute(queries.INSERT_INGEST_ERROR, row)

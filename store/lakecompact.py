@@ -18,11 +18,12 @@ keeps the table as it was.
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
+from servescope.store.clock import iso, utcnow
 from servescope.store.lake import (
     PARTITIONED,
     RUN_KEY,
@@ -69,9 +70,9 @@ def expire(lake: LakeWriter, retain: timedelta | None, now: datetime | None = No
     deleted."""
     deleted = 0
     if retain is not None:
-        cutoff = ((now or datetime.now(UTC).replace(tzinfo=None)) - retain).isoformat()
+        cutoff = iso((now or utcnow()) - retain)
         result = retry_commit(
-            lambda: _table(lake, "metric_samples").delete(f"ts < '{cutoff}Z'"), "expiry"
+            lambda: _table(lake, "metric_samples").delete(f"ts < '{cutoff}'"), "expiry"
         )
         deleted = int((result or {}).get("num_deleted_rows", 0))
     for table in TABLES:

@@ -26,10 +26,11 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from servescope.store import queries
+from servescope.store.clock import iso_or_none, naive_utc, utcnow
 from servescope.store.db import Store
 
 RECENT = timedelta(hours=24)  # kept at full resolution
@@ -75,13 +76,7 @@ def parse_before(text: str) -> datetime:
             f"{text!r} is not a date: give an ISO date or date and time in UTC, e.g. "
             "2026-11-13 or 2026-11-13T06:00:00Z"
         ) from None
-    if when.tzinfo is not None:
-        when = when.astimezone(UTC).replace(tzinfo=None)
-    return when
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC).replace(tzinfo=None)
+    return naive_utc(when)
 
 
 def _floor_minute(when: datetime) -> datetime:
@@ -103,7 +98,7 @@ class Pruned:
     def as_json(self) -> dict[str, Any]:
         out = asdict(self)
         for key in ("before", "downsample_from", "downsample_until"):
-            out[key] = out[key].isoformat() + "Z" if out[key] is not None else None
+            out[key] = iso_or_none(out[key])
         return out
 
 

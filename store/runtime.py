@@ -19,12 +19,13 @@ import json
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import duckdb
 
 from servescope.store import queries
+from servescope.store.clock import utcnow
 from servescope.store.validation import dumps, is_runtime_event, load_doc, run_id_of
 
 
@@ -71,7 +72,7 @@ def insert(con: duckdb.DuckDBPyConnection, rows: list[RuntimeRow]) -> int:
     """Insert rows not stored yet (same run and event_id: already there, left as is)."""
     if not rows:
         return 0
-    now = datetime.now(UTC).replace(tzinfo=None)
+    now = utcnow()
     con.execute(
         queries.INSERT_RUNTIME_EVENTS,
         {
