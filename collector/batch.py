@@ -16,8 +16,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from servescope.collector.attribution import Attribution
 from servescope.collector.selfmetrics import SelfMetrics
-from servescope.collector.sessions import Attribution, Session
+from servescope.collector.sessions import Session
 from servescope.collector.tail import Chunk
 from servescope.store import Store, checkpoints
 from servescope.wire.exposition import Sample

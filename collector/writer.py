@@ -16,8 +16,9 @@ from typing import Any
 
 import duckdb
 
+from servescope.collector.attribution import Attribution
 from servescope.collector.batch import Batch
-from servescope.collector.sessions import Attribution, Session
+from servescope.collector.sessions import Session
 from servescope.collector.tail import Chunk
 from servescope.store import Store, bulk, checkpoints, run_id_of
 from servescope.store.lake import LakeWriter, Owed

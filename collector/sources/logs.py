@@ -10,8 +10,9 @@ from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
+from servescope.collector.attribution import ServerLog, parse_ts
 from servescope.collector.batch import Batch
-from servescope.collector.sessions import ServerLog, Session, parse_ts
+from servescope.collector.sessions import Session
 from servescope.collector.sources.tailed import Tailed
 from servescope.collector.tail import Chunk
 from servescope.store import InvalidEvent, check_built, checkpoints
