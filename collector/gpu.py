@@ -18,12 +18,13 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
 import psutil
 
+from servescope.store.clock import utc_from_epoch, utcnow
 from servescope.wire.exposition import Sample, parse_exposition
 
 log = logging.getLogger("servescope.collector")
@@ -148,7 +149,7 @@ def _text(value: Any) -> Any:
 def samples_of(row: dict[str, Any], run_id: str | None = None) -> list[Sample]:
     """One GPU's NVML row as dcgm-exporter would have exposed it: (ts, target, name, labels,
     run_id, value) rows, labels `gpu`, `UUID`, `modelName` (and `GPU_I_ID` per MIG instance)."""
-    ts = datetime.fromtimestamp(float(row["ts"]), UTC).replace(tzinfo=None)
+    ts = utc_from_epoch(float(row["ts"]))
     labels = {"gpu": str(row.get("gpu", "")), "UUID": str(row.get("uuid", ""))}
     if row.get("name"):
         labels["modelName"] = str(row["name"])
@@ -416,7 +417,7 @@ class GpuSource:
             return readings_of_rows(self.nvml())
         with urllib.request.urlopen(self.url, timeout=self.timeout) as resp:
             text = resp.read().decode("utf-8", "replace")
-        now = datetime.now(UTC).replace(tzinfo=None)
+        now = utcnow()
         return readings_of_samples(dcgm_samples(text, url=self.url, ts=now))
 
 

@@ -8,8 +8,9 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 
+from servescope.store.clock import utcnow
 from servescope.wire.exposition import Sample, parse_exposition
 
 CACHE_CONFIG = "vllm:cache_config_info"
@@ -31,7 +32,7 @@ class Scrape:
 
 
 def scrape(url: str, *, timeout: float = 5.0, ts: datetime | None = None) -> Scrape:
-    ts = ts or datetime.now(UTC).replace(tzinfo=None)
+    ts = ts or utcnow()
     result = Scrape(url)
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:

@@ -26,8 +26,9 @@ from servescope.gateway.httpserver import Reply, Request, Response, json_respons
 from servescope.gateway.proxy import UpstreamFailed
 from servescope.gateway.routing import Pick
 from servescope.gateway.spans import RequestSpan
+from servescope.store.clock import utc_now_iso
 from servescope.wire import tracing
-from servescope.wire.stream import Endpoint, utc_now_iso
+from servescope.wire.stream import Endpoint
 
 MAX_REQUEST_ID = 200
 PASSED_HEADERS = ("traceparent", "tracestate")  # the client's trace, when the gateway has none

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import aiohttp
 
 from servescope.store import Store
+from servescope.store.clock import utcnow
 from servescope.wire.exposition import Sample, parse_exposition, prefix_cache_hit_ratio
 
 INTERVAL_S = 1.0
@@ -78,7 +79,7 @@ class MetricsScraper:
             self.failures += 1
             return
         self.scrapes += 1
-        self._pages.append((datetime.now(UTC).replace(tzinfo=None), text))
+        self._pages.append((utcnow(), text))
         if len(self._pages) >= FLUSH_EVERY:
             task = asyncio.create_task(self._flush())
             self._flushes.add(task)

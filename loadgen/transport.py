@@ -44,13 +44,13 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from servescope.store.clock import utc_now_iso
 from servescope.wire.stream import (
     ROUTE_HEADER_PREFIX,
     ROUTE_HEADERS,
     Endpoint,
     StreamTiming,
     mark_failed,
-    utc_now_iso,
 )
 
 READ_SIZE = 65536

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import duckdb
@@ -58,6 +58,7 @@ from servescope.reports.summary import ReportOptions, recorded_slo, require_run,
 from servescope.reports.windows import WHOLE, Window, resolve
 from servescope.reports.windows import label as window_label
 from servescope.store import Store
+from servescope.store.clock import utc_from_epoch
 from servescope.store.reads import RunRow
 
 
@@ -170,8 +171,8 @@ def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
     lo = min(first for first, _ in spans)
     hi = max(last for _, last in spans)
     return (
-        datetime.fromtimestamp(lo, UTC).replace(tzinfo=None),
-        datetime.fromtimestamp(hi, UTC).replace(tzinfo=None),
+        utc_from_epoch(lo),
+        utc_from_epoch(hi),
     )
 
 

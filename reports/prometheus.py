@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from servescope.store.clock import utcnow
+
 UNKNOWN_INTERVAL_PAD_S = 30.0
 TIMEOUT_S = 30.0
 
@@ -114,7 +116,7 @@ def server_side(
     by_instance = {instance_of(url): url for url in urls.values()}
     instances = sorted(by_instance)
     pad = scrape_pad_s(base, instances)
-    now = datetime.now(UTC).replace(tzinfo=None)
+    now = utcnow()
     until = min(end + timedelta(seconds=pad), now)
     at = until.replace(tzinfo=UTC)
     start_s, end_s = start.replace(tzinfo=UTC).timestamp(), at.timestamp()

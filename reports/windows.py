@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
+
+from servescope.store.clock import naive_utc, utcnow
 
 _DURATION = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?P<unit>[smhdw])$")
 _ANCHORED = re.compile(r"^(?P<anchor>start|end)(?:(?P<sign>[+-])(?P<duration>.+))?$")
@@ -62,7 +64,7 @@ def resolve(
         step = duration(anchored["duration"])
         return base + step if anchored["sign"] == "+" else base - step
     if _DURATION.match(text):
-        return (now or datetime.now(UTC)).astimezone(UTC).replace(tzinfo=None) - duration(text)
+        return (naive_utc(now) if now else utcnow()) - duration(text)
     try:
         ts = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
@@ -70,7 +72,7 @@ def resolve(
             f"{text!r} is not a time: give an ISO time (2026-11-24T20:00:00Z), a duration ago "
             "(2h, 30m, 1d) or one from the run's start or end (start+1h, end-30m)"
         ) from None
-    return ts.astimezone(UTC).replace(tzinfo=None) if ts.tzinfo else ts
+    return naive_utc(ts)
 
 
 def label(since: datetime | None, until: datetime | None) -> str:

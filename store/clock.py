@@ -19,6 +19,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
 
+def utc_from_epoch(seconds: float) -> datetime:
+    """A Unix time (seconds) as a naive UTC `datetime`."""
+    return datetime.fromtimestamp(seconds, UTC).replace(tzinfo=None)
+
+
 def naive_utc(ts: datetime) -> datetime:
     """`ts` in UTC, naive (an aware time converted, a naive one taken as UTC already)."""
     return ts.astimezone(UTC).replace(tzinfo=None) if ts.tzinfo is not None else ts

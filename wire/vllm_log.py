@@ -285,7 +285,10 @@ def _message(msg: str, ts: datetime | None) -> Item:
         match = _RECEIVED.match(msg)
         if not match:
             return Bad("malformed 'Received request' line")
-        fields: dict[str, Any] = {"log_ts": _iso(ts), "vllm_request_id": match["id"]}
+        fields: dict[str, Any] = {
+            "log_ts": ts.isoformat() if ts else None,
+            "vllm_request_id": match["id"],
+        }
         for name, value in _PARAM_INT.findall(match["rest"]):
             fields[name] = int(value)
         return _piece(match["id"], fields, engine=False)
@@ -451,7 +454,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     return repr(value)
-
-
-def _iso(ts: datetime | None) -> str | None:
-    return ts.isoformat() if ts else None

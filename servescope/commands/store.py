@@ -18,6 +18,7 @@ from servescope.commands.common import (
     store_command,
 )
 from servescope.store import export_run, import_file, retention
+from servescope.store.clock import utcnow
 from servescope.store.parquet import count_parquet, export_parquet
 
 
@@ -143,7 +144,7 @@ def run_prune(args: argparse.Namespace) -> int:
         before = retention.parse_before(args.before)
     except retention.BadRetention as exc:
         raise UsageError(f"--before: {exc}") from None
-    now = retention.utcnow()
+    now = utcnow()
     if before > now:
         raise UsageError(f"--before {args.before}: that is in the future; nothing would be kept")
     store = open_store(args)
