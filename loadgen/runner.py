@@ -47,30 +47,12 @@ MEMORY_SAMPLE_S = 0.5
 # An open-loop level whose sends lag their schedule by more than this (p99), or reach less than
 # 90 % of the scheduled rate, was limited by the client, not the server.
 SATURATION_LAG_MS = 50.0
-SLO_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
 def default_run_id(label: str | None = None) -> str:
     """`run-YYYYMMDD-HHMMSS[-label]` (UTC): sortable, and unique per second."""
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return f"run-{stamp}-{label}" if label else f"run-{stamp}"
-
-
-def parse_slo(text: str | None) -> dict[str, float]:
-    """`ttft_ms=500,tpot_ms=50` → {"ttft_ms": 500.0, "tpot_ms": 50.0} (ValueError if bad)."""
-    slo: dict[str, float] = {}
-    for part in (text or "").split(","):
-        if not part.strip():
-            continue
-        name, _, value = part.partition("=")
-        name = name.strip()
-        if name not in SLO_METRICS:
-            raise ValueError(f"unknown SLO metric {name!r}; use {', '.join(SLO_METRICS)}")
-        try:
-            slo[name] = float(value)
-        except ValueError:
-            raise ValueError(f"SLO {name} needs a number of milliseconds, got {value!r}") from None
-    return slo
 
 
 def meets_slo(event: dict[str, Any], slo: dict[str, float]) -> bool:

@@ -26,6 +26,7 @@ from servescope.reports.document import OneChunkStreams
 from servescope.reports.quantiles import QUANTILES, by_level
 from servescope.reports.svg import cdf_series
 from servescope.store import reads
+from servescope.wire.slo import SLO_METRICS
 
 CLIENT, SERVER = "client", "server"
 # The client's indicators vLLM measures too (its trace; its decode time for TPOT): the figure
@@ -280,7 +281,7 @@ class Samples:
                 "t0": span[0],
                 "width": width,
                 "count": count,
-                **{f"slo_{m}": slo.get(m) for m in sql.SLO_METRICS},
+                **{f"slo_{m}": slo.get(m) for m in SLO_METRICS},
             }
             data = self.con.execute(sql.SLICE_WINDOW_TOTALS, params).fetchnumpy()
             self._windows[key] = {

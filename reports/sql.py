@@ -17,6 +17,7 @@ from servescope.store.queries import (
     gauge_peaks,
     session_run,
 )
+from servescope.wire.slo import SLO_METRICS
 
 # -- a slice ----------------------------------------------------------------------------------
 IN_WINDOW = """
@@ -58,7 +59,6 @@ SERVER_LATENCY: dict[str, str] = {
 }
 _PER_REQUEST = {**REPORT_LATENCY_METRICS, **SERVER_LATENCY}
 # Goodput bounds ($slo_<metric>, NULL = none): what vLLM's `--goodput` accepts.
-SLO_METRICS = ("ttft_ms", "tpot_ms", "e2e_ms")
 # A request with no TPOT (one output token, or one chunk) is not held to the TPOT bound.
 _GOOD = "status = 'ok' AND " + " AND ".join(
     f"(CAST($slo_{m} AS DOUBLE) IS NULL OR {m} <= $slo_{m}"

@@ -36,6 +36,7 @@ from servescope.reports.specdecode import spec_decode
 from servescope.store import reads
 from servescope.store.reads import RunRow
 from servescope.wire.exposition import prefix_cache_hit_ratio
+from servescope.wire.slo import SLO_METRICS
 
 # The report's latency rows: the per-request metrics, with the pooled ITL after TPOT.
 LATENCY_METRICS = tuple(
@@ -94,7 +95,7 @@ def recorded_slo(run: RunRow) -> dict[str, float]:
     """The SLOs a bench run was given (`notes.client.slo`), for goodput when none are passed."""
     notes = run["notes"] or {}
     slo = (notes.get("client") or {}).get("slo") or notes.get("slo") or {}
-    return {k: float(v) for k, v in slo.items() if k in sql.SLO_METRICS and v is not None}
+    return {k: float(v) for k, v in slo.items() if k in SLO_METRICS and v is not None}
 
 
 def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunRow:
@@ -289,7 +290,7 @@ def summarize(
 ) -> Summary:
     """Overall and per-level numbers of one slice, server-side deltas and admission evidence."""
     params = part.params()
-    slo_params = {f"slo_{m}": options.slo.get(m) for m in sql.SLO_METRICS}
+    slo_params = {f"slo_{m}": options.slo.get(m) for m in SLO_METRICS}
     overall = reads.rows(con.execute(sql.SLICE_OVERALL, {**params, **slo_params}))[0]
     overall = _overall_quantiles(overall, samples)
     groups = reads.rows(con.execute(sql.SLICE_LEVELS, {**params, **slo_params}))

@@ -9,13 +9,12 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from servescope.commands.common import console, open_store, store_command
+from servescope.commands.common import add_slo_option, console, open_store, store_command
 from servescope.loadgen.runner import (
     BenchRun,
     LevelProgress,
     RunResult,
     TargetUnreachable,
-    parse_slo,
 )
 from servescope.loadgen.workload import BenchConfig, Workload, WorkloadError, load_config, shipped
 from servescope.store import Store, settings
@@ -102,10 +101,8 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="requests per level, overriding the file's requests_per_level/duration_s",
     )
-    parser.add_argument(
-        "--slo",
-        default=None,
-        help="goodput bounds in ms, e.g. ttft_ms=500,tpot_ms=50 (also e2e_ms)",
+    add_slo_option(
+        parser, "ttft_ms=…,tpot_ms=…,e2e_ms=…", "goodput bounds in ms, e.g. ttft_ms=500,tpot_ms=50"
     )
 
 
@@ -116,7 +113,7 @@ def config_from(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, float]
         config = config.select(args.workload)
     if args.requests is not None:
         config = config.with_requests(args.requests)
-    return config.scaled(args.scale), parse_slo(args.slo)
+    return config.scaled(args.scale), args.slo
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from rich.text import Text
 from servescope.store import Store, settings
 from servescope.store.lakeread import Lake, NoLake
 from servescope.store.paths import name_of
+from servescope.wire.slo import BadSlo, parse_slo
 
 # Messages carry run ids, paths and server text: never read as rich markup (a run id `[/]x`
 # would raise); colour goes in `style=`.
@@ -95,6 +96,20 @@ def add_window_options(parser: argparse.ArgumentParser, what: str = "RUN") -> No
         "or from the run's start or end (start+1h, end-30m)",
     )
     parser.add_argument("--until", metavar="TIME", help=f"{what} up to this time")
+
+
+def slo_arg(text: str) -> dict[str, float]:
+    """`--slo ttft_ms=500,tpot_ms=50` as argparse reads it: a bad bound is a usage error that
+    names the known metrics (wire/slo.py)."""
+    try:
+        return parse_slo(text)
+    except BadSlo as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_slo_option(parser: argparse.ArgumentParser, metavar: str, what: str) -> None:
+    """`--slo`: goodput bounds in ms, parsed once, by argparse, for every command alike."""
+    parser.add_argument("--slo", type=slo_arg, default={}, metavar=metavar, help=what)
 
 
 def run_arg(store: Store, text: str) -> str:

@@ -10,8 +10,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from servescope.commands.common import add_window_options, console, open_store, store_command
-from servescope.commands.report import _slo
+from servescope.commands.common import (
+    add_slo_option,
+    add_window_options,
+    console,
+    open_store,
+    store_command,
+)
 from servescope.reports import BadWindow, ReportOptions, UnknownRun, Window, build_summary
 from servescope.reports.document import Report
 from servescope.store.lakeread import Lake
@@ -31,12 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("diagnose", help="what to flip first, from a run's indicators",
                        description=DESCRIPTION)  # fmt: skip
     p.add_argument("run_id", metavar="RUN", help="a run id (`servescope report list` lists them)")
-    p.add_argument(
-        "--slo",
-        type=_slo,
-        default={},
-        metavar="ttft_ms=…,tpot_ms=…",
-        help="targets in ms (default: the run's recorded SLOs, else the rules')",
+    add_slo_option(
+        p,
+        "ttft_ms=…,tpot_ms=…",
+        "targets in ms (default: the run's recorded SLOs, else the rules')",
     )
     add_window_options(p, "diagnose RUN")
     store_command(p, run, json_help="print the diagnosis as JSON", lake=True)

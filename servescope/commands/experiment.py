@@ -17,6 +17,7 @@ from rich.text import Text
 from servescope.commands import bench
 from servescope.commands.common import (
     UsageError,
+    add_slo_option,
     console,
     open_store,
     sigterm_as_ctrl_c,
@@ -36,7 +37,6 @@ from servescope.loadgen.experiment import (
 from servescope.loadgen.fleet import FleetExperiment
 from servescope.loadgen.launcher import Profile, ProfileError, VllmServer, load_profiles
 from servescope.loadgen.rounds import Look, Stopping
-from servescope.loadgen.runner import parse_slo
 from servescope.loadgen.sidecar import CollectorSidecar
 from servescope.loadgen.tiny_model import KINDS, is_built, make_tiny_model, model_dir
 from servescope.loadgen.workload import BenchConfig, WorkloadError
@@ -124,7 +124,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     run.add_argument("--scale", type=float, default=None, help="prompt size factor override")
     run.add_argument("--requests", type=int, default=None, help="requests per level override")
-    run.add_argument("--slo", default=None, help="goodput bounds, e.g. ttft_ms=500,tpot_ms=50")
+    add_slo_option(run, "ttft_ms=…,tpot_ms=…,e2e_ms=…", "goodput bounds in ms, e.g. ttft_ms=500")
     run.add_argument(
         "--target",
         action="append",
@@ -278,7 +278,7 @@ def run_experiment(args: argparse.Namespace) -> int:
                 repeats=args.repeats,
                 scale=args.scale,
                 requests=args.requests,
-                slo=parse_slo(args.slo),
+                slo=args.slo,
                 hooks=hooks(store, stopping),
                 profiles=profiles,
                 stopping=stopping,
@@ -293,7 +293,7 @@ def run_experiment(args: argparse.Namespace) -> int:
                 repeats=args.repeats,
                 scale=args.scale,
                 requests=args.requests,
-                slo=parse_slo(args.slo),
+                slo=args.slo,
                 hooks=hooks(store, stopping),
                 server_flags=args.server_arg,
                 profiles=profiles,

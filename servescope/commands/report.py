@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from servescope.commands.common import (
+    add_slo_option,
     add_window_options,
     console,
     list_runs,
@@ -51,23 +52,6 @@ DESCRIPTION = "Render stored runs as self-contained HTML, Markdown and JSON repo
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("report", help="build run reports", description=DESCRIPTION)
     add_subcommands(parser)
-
-
-def _slo(text: str) -> dict[str, float]:
-    slo: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = part.partition("=")
-        name = name.strip()
-        if name not in sql.SLO_METRICS:
-            known = ", ".join(sql.SLO_METRICS)
-            raise argparse.ArgumentTypeError(f"unknown SLO {name!r}; use {known}")
-        try:
-            slo[name] = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"SLO {name} needs a number of ms, got {value!r}"
-            ) from None
-    return slo
 
 
 def _verdicts(text: str) -> tuple[str, ...]:
@@ -145,12 +129,8 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     build.add_argument(
         "--format", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}"
     )
-    build.add_argument(
-        "--slo",
-        type=_slo,
-        default={},
-        metavar="ttft_ms=…,tpot_ms=…,e2e_ms=…",
-        help="SLOs in ms for goodput (requests meeting every one)",
+    add_slo_option(
+        build, "ttft_ms=…,tpot_ms=…,e2e_ms=…", "SLOs in ms for goodput (requests meeting every one)"
     )
     build.add_argument("--gpu-hour-usd", type=float, help="GPU price per hour, for the cost check")
     build.add_argument(
