@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from servescope.loadgen.plan import open_loop_units  # noqa: E402
-from servescope.loadgen.runner import percentile  # noqa: E402
+from servescope.loadgen.record import percentile  # noqa: E402
 from servescope.loadgen.workload import load_config  # noqa: E402
 
 WORKLOAD = """

@@ -64,7 +64,7 @@ class GatewayFailed(RuntimeError):
 
 
 def key_variable(team: str) -> str:
-    """The environment variable bench reads a team's key from (loadgen.runner.team_headers)."""
+    """The environment variable bench reads a team's key from (loadgen.schedule.team_headers)."""
     return "SERVESCOPE_KEY_" + re.sub(r"[^A-Za-z0-9]", "_", team).upper()
 
 

@@ -10,12 +10,8 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from servescope.commands.common import add_slo_option, console, open_store, store_command
-from servescope.loadgen.runner import (
-    BenchRun,
-    LevelProgress,
-    RunResult,
-    TargetUnreachable,
-)
+from servescope.loadgen.probe import TargetUnreachable
+from servescope.loadgen.runner import BenchRun, LevelProgress, RunOptions, RunResult
 from servescope.loadgen.workload import BenchConfig, Workload, WorkloadError, load_config, shipped
 from servescope.store import Store, settings
 
@@ -144,8 +140,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def report_result(result: RunResult) -> int:
     """Tell the user how the run went (stderr); the exit code of the run."""
-    server = result.server
-    ratio = server.get("prefix_cache_hit_ratio")
+    ratio = result.server["prefix_cache_hit_ratio"] if result.server else None
     console.print(
         f"run {result.run_id} ({result.status}): {result.events} requests, {result.errors} "
         f"failed; server prefix-cache hit ratio "
@@ -201,11 +196,15 @@ def execute(config: BenchConfig, target: str, store: Store, **kwargs: Any) -> Ru
             what = f"rate {level}/s" if workload.open_loop else f"concurrency {int(level)}"
             level_task["id"] = progress.add_task(f"{workload.name} @ {what}", total=count)
 
-        def on_request(event: dict[str, Any]) -> None:
+        def on_request(_event: dict[str, Any]) -> None:
             progress.advance(overall)
             progress.advance(level_task["id"])
 
         run = BenchRun(
-            config, target, store=store, progress=LevelProgress(on_level, on_request), **kwargs
+            config,
+            target,
+            store=store,
+            options=RunOptions(**kwargs),
+            progress=LevelProgress(on_level, on_request),
         )
         return asyncio.run(run.run())

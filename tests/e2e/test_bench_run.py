@@ -16,7 +16,7 @@ import pytest
 
 from servescope.loadgen.plan import unit_plan
 from servescope.loadgen.prompts import PromptBook, PromptMaker
-from servescope.loadgen.runner import SATURATION_LAG_MS
+from servescope.loadgen.record import SATURATION_LAG_MS
 from servescope.loadgen.workload import load_config
 from servescope.store import Store, settings
 from tests.conftest import ROOT, SERVESCOPE, bench_args, read_events, servescope

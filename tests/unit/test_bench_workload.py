@@ -16,7 +16,7 @@ from servescope.loadgen.plan import (
     units_per_level,
     warmup_units,
 )
-from servescope.loadgen.runner import meets_slo
+from servescope.loadgen.record import meets_slo
 from servescope.loadgen.workload import WorkloadError, load_config, parse_config, shipped
 from servescope.wire.routing import ROUTING_POLICIES
 from servescope.wire.slo import parse_slo
