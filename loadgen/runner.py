@@ -40,6 +40,7 @@ from servescope.store.clock import utcnow
 from servescope.store.paths import inside
 from servescope.wire.tracing import tracer_from_env
 
+
 def default_run_id(label: str | None = None) -> str:
     """`run-YYYYMMDD-HHMMSS[-label]` (UTC): sortable, and unique per second."""
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
