@@ -10,13 +10,12 @@ interval and no verdict.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from typing import Any
 
 import duckdb
 
-from servescope.reports import sql
+from servescope.store import reads
+from servescope.store.reads import RunRow
 
 # (key in notes.cold_start, what people call it, unit), in the order vLLM starts
 PHASES = (
@@ -41,27 +40,17 @@ PHASES = (
 )
 
 
-def _notes(raw: Any) -> dict[str, Any]:
-    if isinstance(raw, dict):
-        return raw
-    try:
-        value = json.loads(raw) if raw else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def cold_start_of(con: duckdb.DuckDBPyConnection, run: Mapping[str, Any]) -> dict[str, Any] | None:
+def cold_start_of(con: duckdb.DuckDBPyConnection, run: RunRow) -> dict[str, Any] | None:
     """{`session`: the run the phases were logged in, `phases`: the numbers}; None when neither
     the run nor the one session that served it recorded a start-up."""
-    own = _notes(run.get("notes")).get("cold_start")
+    own = (run["notes"] or {}).get("cold_start")
     if own:
         return {"session": run["run_id"], "phases": own}
     found = [
-        (run_id, _notes(notes).get("cold_start"))
-        for run_id, notes in con.execute(sql.SERVING_SESSIONS, {"run_id": run["run_id"]}).fetchall()
+        (session, phases)
+        for session, notes in reads.serving_sessions(con, run["run_id"])
+        if (phases := notes.get("cold_start"))
     ]
-    found = [(run_id, phases) for run_id, phases in found if phases]
     if len(found) != 1:
         return None  # several servers (or none) served it: no one start-up is the run's
     return {"session": found[0][0], "phases": found[0][1]}

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, NotRequired, TypedDict
 
+from servescope.store.notes import KvCacheNotes, RunNotes
+
 Kind = Literal["run", "diff", "split"]
 Better = Literal["lower", "higher"]
 
@@ -184,8 +186,8 @@ class RunMeta(TypedDict):
     workload: dict[str, Any] | None  # the workload spec as run (loadgen/workload.py)
     memory_peak_gb: float | None
     server_ready_s: float | None
-    kv_cache: dict[str, Any] | None
-    notes: dict[str, Any]  # free-form: what the run's producer noted
+    kv_cache: KvCacheNotes | None
+    notes: RunNotes  # what the run's producer noted
     cold_start: dict[str, Any] | None  # reports/coldstart.py
 
 

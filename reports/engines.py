@@ -22,8 +22,6 @@ served it ran on more than one GPU; otherwise it is None.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from typing import Any
 
 import duckdb
@@ -31,6 +29,9 @@ import duckdb
 from servescope.reports import sql
 from servescope.reports.replicas import skew
 from servescope.reports.samples import Slice
+from servescope.store import reads
+from servescope.store.notes import SESSION_KIND, RunNotes
+from servescope.store.reads import RunRow
 
 COUNTERS = {
     "requests_finished": "vllm:request_success_total",
@@ -58,30 +59,18 @@ INDICATORS = (
 GPU_MEMORY = ("model_load_gib", "kv_cache_available_gib")
 
 
-def _notes(raw: Any) -> dict[str, Any]:
-    """A run's notes as a dict, whether the row holds them decoded or as JSON text."""
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError:
-            return {}
-    return raw if isinstance(raw, dict) else {}
-
-
 def _order(engine: str | None) -> tuple[int, str]:
     text = engine or ""
     return (int(text) if text.isdigit() else 1 << 30, text)
 
 
-def _serving_session(con: duckdb.DuckDBPyConnection, run: Mapping[str, Any]) -> dict[str, Any]:
-    """The notes of the server session the run is, or of the one session that served it."""
-    own = _notes(run.get("notes"))
-    if own.get("kind") == "vllm-session":
-        return {"run_id": run["run_id"], **own}
-    found = con.execute(sql.SERVING_SESSIONS, {"run_id": run["run_id"]}).fetchall()
-    if len(found) != 1:
-        return {}
-    return {"run_id": found[0][0], **_notes(found[0][1])}
+def _serving_session(con: duckdb.DuckDBPyConnection, run: RunRow) -> tuple[str | None, RunNotes]:
+    """The server session the run is, or the one session that served it, with its notes."""
+    own = run["notes"] or {}
+    if own.get("kind") == SESSION_KIND:
+        return run["run_id"], own
+    found = reads.serving_sessions(con, run["run_id"])
+    return found[0] if len(found) == 1 else (None, {})
 
 
 def engine_rows(
@@ -132,24 +121,24 @@ def gpu_rows(gpus: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: (_order(r["engine"]), _order(r["rank"])))
 
 
-def of_run(
-    con: duckdb.DuckDBPyConnection, part: Slice, run: Mapping[str, Any]
-) -> dict[str, Any] | None:
+def of_run(con: duckdb.DuckDBPyConnection, part: Slice, run: RunRow) -> dict[str, Any] | None:
     """`{"session", "parallel", "engines", "skew", "gpus", "device"}` of a slice served by one
     server of several engines or GPUs; None otherwise."""
-    session = _serving_session(con, run)
+    session_id, session = _serving_session(con, run)
     rows = engine_rows(con, part, session.get("engines") or {})
-    parallel = session.get("parallel") or {}
+    parallel = session.get("parallel")
     gpus = gpu_rows(session.get("gpus") or {})
-    if len(rows) < 2 and (parallel.get("gpus") or 1) < 2:
+    if len(rows) < 2 and (parallel.get("gpus", 1) if parallel else 1) < 2:
         return None
+    kv_cache = session.get("kv_cache")
+    stated = kv_cache.get("vllm") if kv_cache else None
     return {
-        "session": session.get("run_id"),
+        "session": session_id,
         "parallel": parallel or None,
         "engines": rows if len(rows) > 1 else [],
         "skew": skew(rows, INDICATORS, key="engine") if len(rows) > 1 else None,
         "gpus": gpus,
         # where vLLM put its KV cache (`CPU`, `GPU`): a CPU server's memory figures are host
         # memory, never labelled a GPU's
-        "device": ((session.get("kv_cache") or {}).get("vllm") or {}).get("kv_cache_device"),
+        "device": stated.get("kv_cache_device") if stated else None,
     }

@@ -199,6 +199,13 @@ SESSION_FLIPS = """
 SELECT lever, before, after FROM lever_flips
 WHERE run_id = $run_id AND before_run_id = $before ORDER BY lever
 """
+# `report flips`: every lever flip, grouped by the change of runs it belongs to.
+FLIP_LIST = """
+SELECT min(ts) AS ts, run_id, before_run_id,
+       list({'lever': lever, 'before': before, 'after': after} ORDER BY lever) AS changes,
+       any_value(note) AS note
+FROM lever_flips GROUP BY run_id, before_run_id ORDER BY min(ts), run_id
+"""
 
 # Requests by id alone (vLLM's own ids are random, unique across runs): where each is stored.
 RUNS_OF_REQUESTS = """
@@ -222,6 +229,15 @@ GET_RUN = "SELECT * FROM runs WHERE run_id = $run_id"
 RUN_EXISTS = """
 SELECT EXISTS (SELECT 1 FROM runs WHERE run_id = $run_id)
     OR EXISTS (SELECT 1 FROM events WHERE run_id = $run_id)
+"""
+
+# The server sessions that served a run's requests, with their notes (their start-up phases).
+SERVING_SESSIONS = """
+SELECT r.run_id, r.notes
+FROM runs r
+WHERE r.run_id IN (SELECT DISTINCT vllm_session FROM events
+                   WHERE run_id = $run_id AND vllm_session IS NOT NULL)
+ORDER BY r.started_at
 """
 
 EXPORT_EVENTS = "SELECT doc FROM events WHERE run_id = $run_id ORDER BY ts NULLS LAST, request_id"

@@ -18,13 +18,13 @@ from typing import Any, TypedDict
 import duckdb
 
 from servescope.store import queries
-
-JSON_COLUMNS = ("levers", "workload", "notes")  # `runs` columns stored as JSON text
+from servescope.store.notes import RunNotes
 
 
 class RunRow(TypedDict):
     """A `runs` row (store.schema.Run) as read: its JSON columns decoded, times naive UTC.
-    `levers`, `workload` and `notes` are what the run's producer recorded, free-form."""
+    `levers` and `workload` are what the run's producer recorded, free-form; `notes` are
+    described key by key (`store.notes.RunNotes`)."""
 
     run_id: str
     started_at: datetime | None
@@ -36,7 +36,26 @@ class RunRow(TypedDict):
     levers: dict[str, Any] | None
     workload: dict[str, Any] | None
     status: str | None
-    notes: dict[str, Any] | None
+    notes: RunNotes | None
+
+
+class FlipChange(TypedDict):
+    """One lever's change in a flip: its JSON values before and after (None: unset)."""
+
+    lever: str
+    before: str | None
+    after: str | None
+
+
+class Flip(TypedDict):
+    """The lever flips of one change of runs (`run_id` the run after it, `before_run_id` the
+    one before; either None when the flip was written without it), levers in name order."""
+
+    ts: datetime
+    run_id: str | None
+    before_run_id: str | None
+    changes: list[FlipChange]
+    note: str | None
 
 
 def bare_run(run_id: str) -> RunRow:
@@ -61,10 +80,26 @@ def row(cursor: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
 
 
 def _decoded(run: dict[str, Any]) -> dict[str, Any]:
-    for key in JSON_COLUMNS:
+    for key in ("levers", "workload"):
         if isinstance(run.get(key), str):
             run[key] = json.loads(run[key])
+    if run.get("notes") is not None:
+        run["notes"] = notes(run["notes"])
     return run
+
+
+def notes(raw: str | RunNotes | None) -> RunNotes:
+    """A run's `notes` column decoded: the one place its JSON text is read ({} for none, or
+    for text that holds no object)."""
+    if not raw:
+        return {}
+    if isinstance(raw, dict):  # decoded already (a row read twice)
+        return raw
+    try:
+        value: RunNotes = json.loads(raw)  # what the producers wrote: an object of RunNotes
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def runs(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
@@ -96,6 +131,21 @@ def run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunRow | None:
         vllm_version=found["vllm_version"], levers=found["levers"], workload=found["workload"],
         status=found["status"], notes=found["notes"],
     )  # fmt: skip
+
+
+def serving_sessions(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[str, RunNotes]]:
+    """The server sessions that served the run's requests (their runs named by the requests'
+    `vllm_session`), with their notes, the earliest started first."""
+    found = con.execute(queries.SERVING_SESSIONS, {"run_id": run_id}).fetchall()
+    return [(session, notes(raw)) for session, raw in found]
+
+
+def flips(con: duckdb.DuckDBPyConnection) -> list[Flip]:
+    """Every lever flip, grouped by the change of runs it belongs to, oldest first."""
+    return [
+        Flip(ts=ts, run_id=run_id, before_run_id=before, changes=changes, note=note)
+        for ts, run_id, before, changes, note in con.execute(queries.FLIP_LIST).fetchall()
+    ]
 
 
 def is_routed(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
