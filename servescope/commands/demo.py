@@ -72,9 +72,7 @@ def run_demo(args: argparse.Namespace) -> int:
     console.print(experiment.plan_line(demo))
     sigterm_as_ctrl_c()
     result = demo.run()
-    reports = experiment.build_reports(store, result, args.out, stopping)
-    rows = experiment.outcome_rows(store, result, reports)
-    experiment.show_outcome(result, rows, reports)
+    reports, _rows = experiment.conclude(store, result, args.out, stopping)
     console.print("reports (pooled first, then one per repeat):")
     for path in reports.paths():
         print(path.resolve())

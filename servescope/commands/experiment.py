@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
-from rich.console import Console, Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from servescope.commands import bench
@@ -37,19 +34,23 @@ from servescope.loadgen.experiment import (
 from servescope.loadgen.fleet import FleetExperiment
 from servescope.loadgen.launcher import Profile, ProfileError, VllmServer, load_profiles
 from servescope.loadgen.rounds import Look, Stopping
+from servescope.loadgen.runner import RunResult
 from servescope.loadgen.sidecar import CollectorSidecar
 from servescope.loadgen.tiny_model import KINDS, is_built, make_tiny_model, model_dir
 from servescope.loadgen.workload import BenchConfig, WorkloadError
-from servescope.reports import (
-    ReportOptions,
-    build_diff,
-    build_summary,
-    sequential,
-    write_report,
+from servescope.reports import sequential
+from servescope.reports.experiment import (
+    ArmPair,
+    ArmRun,
+    Arms,
+    ExperimentReports,
+    OutcomeRow,
+    build_reports,
+    evidence,
+    outcome_rows,
+    shown_indicators,
 )
-from servescope.reports.document import Report
-from servescope.reports.judge import WHOLE_RUN
-from servescope.reports.verdict import IMPROVED, REGRESSED, UNCHANGED
+from servescope.reports.outcome import outcome_table, verdict_table
 from servescope.store import Store, settings
 
 
@@ -242,93 +243,101 @@ def run_experiment(args: argparse.Namespace) -> int:
     experiments, profiles = _load(args)
     if args.name not in experiments:
         where = f" or in {args.file}" if args.file else ""
-        console.print(
-            f"unknown experiment {args.name!r}; built in{where}: {', '.join(experiments)}",
-            style="red",
-            markup=False,
-            soft_wrap=True,
-        )
+        _error(f"unknown experiment {args.name!r}; built in{where}: {', '.join(experiments)}")
         return 2
     spec = experiments[args.name]
     model, given = _model(spec, args.model)
     store = open_store(args, create=True)
-    experiment: Experiment | FleetExperiment
     try:
-        if args.repeats is not None and args.repeats < 1:
-            raise ValueError(f"--repeats must be positive, got {args.repeats}")
-        if args.max_repeats < sequential.FIRST_LOOK:
-            raise ValueError(
-                f"--max-repeats must be at least {sequential.FIRST_LOOK} (the first look), got "
-                f"{args.max_repeats}"
-            )
-        if not 0 < args.margin < 100:
-            raise ValueError(f"--margin is a percentage between 0 and 100, got {args.margin}")
-        stopping = Stopping(sequential.FIRST_LOOK, args.max_repeats, args.budget, args.margin)
-        if spec.fleet is not None:
-            if args.target:
-                raise ValueError(
-                    f"experiment {spec.name} starts its own replicas behind a gateway: "
-                    "--target is not for it"
-                )
-            experiment = FleetExperiment(
-                spec,
-                store=store,
-                execute=execute,
-                model=model,
-                repeats=args.repeats,
-                scale=args.scale,
-                requests=args.requests,
-                slo=args.slo,
-                hooks=hooks(store, stopping),
-                profiles=profiles,
-                stopping=stopping,
-            )
-        else:
-            experiment = Experiment(
-                spec,
-                store=store,
-                execute=execute,
-                model=model,
-                targets=_targets(args.target),
-                repeats=args.repeats,
-                scale=args.scale,
-                requests=args.requests,
-                slo=args.slo,
-                hooks=hooks(store, stopping),
-                server_flags=args.server_arg,
-                profiles=profiles,
-                fresh_servers=args.fresh_servers,
-                stopping=stopping,
-            )
+        experiment = _experiment(args, spec, store, model, profiles)
     except (WorkloadError, ValueError) as exc:
-        console.print(f"{exc}", style="red", markup=False, soft_wrap=True)
+        _error(str(exc))
         return 2
     if not args.target and not ready_model(model, spec.model, given=given):
-        console.print(
-            f"experiment {args.name}: no model folder at {model}",
-            style="red",
-            markup=False,
-            soft_wrap=True,
-        )
+        _error(f"experiment {args.name}: no model folder at {model}")
         return 2
     console.print(Text.assemble((spec.name, "bold"), f": {plan_line(experiment)}"))
     sigterm_as_ctrl_c()
     result = experiment.run()
-    reports = build_reports(store, result, args.out, experiment.stopping)
-    rows = outcome_rows(store, result, reports)
-    show_outcome(result, rows, reports)
+    reports, rows = conclude(store, result, args.out, experiment.stopping)
     if args.json:
         print(json.dumps({**_outcome(result), "runs": rows, **reports.as_json()}))
     else:
         for path in reports.paths():
             print(path.resolve())
-    if result.status != "complete":
-        console.print(
-            f"experiment {result.status}: {result.failure or 'interrupted'}",
-            style="red",
-            markup=False,
-            soft_wrap=True,
+    return _exit_code(result, reports)
+
+
+def _error(message: str) -> None:
+    console.print(message, style="red", markup=False, soft_wrap=True)
+
+
+def _stopping(args: argparse.Namespace) -> Stopping:
+    """The sequential design's stopping rule, from --max-repeats, --budget and --margin
+    (ValueError: one out of its range)."""
+    if args.repeats is not None and args.repeats < 1:
+        raise ValueError(f"--repeats must be positive, got {args.repeats}")
+    if args.max_repeats < sequential.FIRST_LOOK:
+        raise ValueError(
+            f"--max-repeats must be at least {sequential.FIRST_LOOK} (the first look), got "
+            f"{args.max_repeats}"
         )
+    if not 0 < args.margin < 100:
+        raise ValueError(f"--margin is a percentage between 0 and 100, got {args.margin}")
+    return Stopping(sequential.FIRST_LOOK, args.max_repeats, args.budget, args.margin)
+
+
+def _experiment(
+    args: argparse.Namespace,
+    spec: ExperimentSpec,
+    store: Store,
+    model: Path,
+    profiles: dict[str, Profile],
+) -> Experiment | FleetExperiment:
+    """The experiment the options describe: a fleet's behind its gateway, else one server per
+    arm (ValueError, WorkloadError: options it cannot run with)."""
+    stopping = _stopping(args)
+    if spec.fleet is not None and args.target:
+        raise ValueError(
+            f"experiment {spec.name} starts its own replicas behind a gateway: --target is "
+            "not for it"
+        )
+    if spec.fleet is not None:
+        return FleetExperiment(
+            spec,
+            store=store,
+            execute=execute,
+            model=model,
+            repeats=args.repeats,
+            scale=args.scale,
+            requests=args.requests,
+            slo=args.slo,
+            hooks=hooks(store, stopping),
+            profiles=profiles,
+            stopping=stopping,
+        )
+    return Experiment(
+        spec,
+        store=store,
+        execute=execute,
+        model=model,
+        targets=_targets(args.target),
+        repeats=args.repeats,
+        scale=args.scale,
+        requests=args.requests,
+        slo=args.slo,
+        hooks=hooks(store, stopping),
+        server_flags=args.server_arg,
+        profiles=profiles,
+        fresh_servers=args.fresh_servers,
+        stopping=stopping,
+    )
+
+
+def _exit_code(result: ExperimentResult, reports: ExperimentReports) -> int:
+    """1 when the experiment stopped short, a report failed or requests failed; else 0."""
+    if result.status != "complete":
+        _error(f"experiment {result.status}: {result.failure or 'interrupted'}")
         return 1
     if reports.failures:
         return 1
@@ -370,23 +379,12 @@ def plan_of(stopping: Stopping) -> sequential.Plan:
 
 
 def judge(store: Store, stopping: Stopping) -> Callable[[ExperimentResult], Look]:
-    """Read the evidence so far: every pooled comparison's decision (reports/sequential.py),
-    the same `build_diff` the final reports use, without its charts."""
-    options = ReportOptions(charts=False, plan=plan_of(stopping))
+    """Read the evidence so far: every pooled comparison's decision (reports/experiment.py),
+    under the stopping rule's plan."""
 
     def look(result: ExperimentResult) -> Look:
-        words, decided, shares = [], True, []
-        for comparison in result.comparisons():
-            after, before = _ids(comparison.after_runs), _ids(comparison.before_runs)
-            report = build_diff(store, after, before, options)
-            decision = report["decision"]
-            decided = decided and decision["verdict"] in (IMPROVED, REGRESSED, UNCHANGED)
-            words.append(f"{comparison.before} → {comparison.after}: {decision['words']}")
-            lead = next((r for r in report["diff"] if r["role"] == "primary"), None)
-            test = lead["test"] if lead is not None else None
-            if test is not None and (share := test.get("request_share")) is not None:
-                shares.append(share)
-        return Look(decided, words, max(shares) if shares else None)
+        found = evidence(store, arms_of(result).comparisons, plan_of(stopping))
+        return Look(found.decided, found.words, found.request_share)
 
     return look
 
@@ -396,7 +394,7 @@ def looked(done: int, look: Look) -> None:
         console.print(Text(f"look after {done} repeats a side: {line}", style="cyan"))
 
 
-def execute(config: BenchConfig, target: str, store: Store, options: dict[str, Any]) -> Any:
+def execute(config: BenchConfig, target: str, store: Store, options: dict[str, Any]) -> RunResult:
     return bench.execute(config, target, store, **options)
 
 
@@ -446,382 +444,64 @@ def plan_line(experiment: Experiment | FleetExperiment) -> str:
     return f"{how}; {experiment.design}"
 
 
-@dataclass
-class Built:
-    """One written report: the dict, its HTML page, and the runs it compares or summarises."""
-
-    report: Report
-    page: Path
-    before: list[str] = field(default_factory=list)
-    after: list[str] = field(default_factory=list)
-    label: str = ""
+# -- the reports: the experiment's runs by arm, built and shown --------------------------------
 
 
-@dataclass
-class ExperimentReports:
-    """An experiment's reports: one pooled before/after per pair of consecutive arms, one per
-    repeat of each pair (the detail), and the summary of a run no pair holds."""
-
-    pooled: list[Built] = field(default_factory=list)
-    repeats: list[Built] = field(default_factory=list)
-    summaries: list[Built] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-
-    def paths(self) -> list[Path]:
-        return [b.page for b in self.pooled + self.repeats + self.summaries]
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "reports": [str(b.page) for b in self.pooled + self.summaries],
-            "repeat_reports": [str(b.page) for b in self.repeats],
-            "verdicts": [
-                {
-                    "before": b.before,
-                    "after": b.after,
-                    "report": str(b.page),
-                    "headline": b.report.get("headline"),
-                    "rows": verdict_rows(b.report),
-                }
-                for b in self.pooled
-            ],
-            "report_failures": self.failures,
-        }
+def _arm_run(run: ExperimentRun) -> ArmRun:
+    state = run.notes.get("repeat_state")
+    return ArmRun(
+        run_id=run.run_id,
+        arm=run.arm,
+        profile=run.profile,
+        repeat=run.repeat,
+        status=run.result.status if run.result is not None else None,
+        speculative="speculative_config" in (run.levers or {}),
+        server_ready_s=run.server_ready_s,
+        repeat_state=None if state is None else str(state),
+    )
 
 
-def _write(report: Report, out: Path) -> Path:
-    written = write_report(report, out)
-    return next(p for p in written if p.name == "index.html")
+def _arm_pair(comparison: Comparison) -> ArmPair:
+    return ArmPair(
+        comparison.before,
+        comparison.after,
+        [_arm_run(r) for r in comparison.before_runs],
+        [_arm_run(r) for r in comparison.after_runs],
+    )
 
 
-def _ids(runs: list[ExperimentRun]) -> str | list[str]:
-    """One run's id as a string (a plain diff), several as a list (their repeats pooled)."""
-    ids = [run.run_id for run in runs]
-    return ids[0] if len(ids) == 1 else ids
+def arms_of(result: ExperimentResult) -> Arms:
+    """The experiment's runs as the reports take them: by arm, with their ids."""
+    return Arms(
+        runs=[_arm_run(run) for run in result.runs],
+        comparisons=[_arm_pair(c) for c in result.comparisons()],
+        stopped=(result.stopped, result.stop_words) if result.stopped else None,
+    )
 
 
-def build_reports(
+def report(
     store: Store, result: ExperimentResult, out: Path, stopping: Stopping | None = None
 ) -> ExperimentReports:
-    """The pooled before/after report of every pair of consecutive arms (`build_diff` with
-    each arm's runs), the per-repeat reports beside it when an arm ran more than once, and the
-    summary of every run no pair holds (an experiment stopped after its first run). A report
-    that fails to build is one line in `failures`, never the end of the others."""
-    reports = ExperimentReports()
-    comparisons: list[Comparison] = result.comparisons()
-    for comparison in comparisons:
-        after, before = _ids(comparison.after_runs), _ids(comparison.before_runs)
-        label = f"{comparison.before} → {comparison.after}"
-        options = ReportOptions(
-            plan=plan_of(stopping) if stopping is not None else None,
-            stopped=(result.stopped, result.stop_words) if result.stopped else None,
-        )
-        try:
-            report = build_diff(store, after, before, options)
-        except Exception as exc:  # the other reports still come
-            reports.failures.append(f"pooled report {label}: {type(exc).__name__}: {exc}")
-            continue
-        reports.pooled.append(
-            Built(
-                report,
-                _write(report, out),
-                [r.run_id for r in comparison.before_runs],
-                [r.run_id for r in comparison.after_runs],
-                label,
-            )
-        )
-    pooled = {c.before: c for c in comparisons}
-    for before_run, after_run in result.pairs():
-        comparison = pooled[before_run.arm]
-        if len(comparison.before_runs) == len(comparison.after_runs) == 1:
-            continue  # the pooled report is this one
-        label = f"{before_run.arm} → {after_run.arm} r{after_run.repeat}"
-        try:
-            report = build_diff(store, after_run.run_id, before_run.run_id)
-        except Exception as exc:
-            reports.failures.append(f"report {label}: {type(exc).__name__}: {exc}")
-            continue
-        reports.repeats.append(
-            Built(report, _write(report, out), [before_run.run_id], [after_run.run_id], label)
-        )
-    paired = {run.run_id for c in comparisons for run in c.before_runs + c.after_runs}
-    for run in result.runs:
-        if run.run_id in paired or not store.has_run(run.run_id):
-            continue
-        report = build_summary(store, run.run_id)
-        reports.summaries.append(Built(report, _write(report, out), [], [run.run_id], run.arm))
+    """The experiment's reports (reports/experiment.py), each failure a red line."""
+    plan = plan_of(stopping) if stopping is not None else None
+    reports = build_reports(store, arms_of(result), out, plan)
     for failure in reports.failures:
-        console.print(failure, style="red", markup=False, soft_wrap=True)
+        _error(failure)
     return reports
 
 
-# -- the console: one computation with the reports ------------------------------------------
-
-
-def _run_sides(reports: ExperimentReports | None) -> dict[str, Mapping[str, Any]]:
-    """Each run's own summary (overall, groups, server) as the reports computed it: a plain
-    diff's before and after, a summary report."""
-    sides: dict[str, Mapping[str, Any]] = {}
-    if reports is None:
-        return sides
-    for built in reports.pooled + reports.repeats:
-        if len(built.before) == len(built.after) == 1:
-            for side in (built.report.get("before"), built.report.get("after")):
-                if side is not None:
-                    sides[side["run_id"]] = side
-    for built in reports.summaries:
-        sides[built.report["run_id"]] = built.report
-    return sides
-
-
-def _probe(groups: Sequence[Mapping[str, Any]]) -> float | None:
-    """The probes' TTFT p50 (a workload with a `probe` request class stores them as
-    `<workload>:probe`); None where the workload has no probes."""
-    probes = [g for g in groups if str(g.get("workload") or "").endswith(":probe")]
-    if len(probes) != 1:
-        return None
-    return (probes[0].get("ttft_ms") or {}).get("p50")
-
-
-def outcome_rows(
-    store: Store, result: ExperimentResult, reports: ExperimentReports | None = None
-) -> list[dict[str, Any]]:
-    """One row per run: the indicators the experiment is about, taken from the run's report
-    summary (`build_summary`, or the same numbers inside a per-repeat report), so that the
-    console and the reports never disagree."""
-    sides = _run_sides(reports)
-    options = ReportOptions(charts=False)
-    rows = []
-    for run in result.runs:
-        if run.result is None or not store.has_run(run.run_id):
-            continue
-        side = sides.get(run.run_id) or build_summary(store, run.run_id, options)
-        overall, server = side["overall"], side.get("server") or {}
-        spec = server.get("spec_decode") or {}
-        rows.append(
-            {
-                "run_id": run.run_id,
-                "arm": run.arm,
-                "profile": run.profile,
-                "repeat": run.repeat,
-                "status": run.result.status,
-                "requests": overall["requests"],
-                "errors": overall["errors"],
-                "ttft_source": (overall.get("sources") or {}).get("ttft_ms"),
-                "ttft_ms_p50": overall["ttft_ms"]["p50"],
-                "ttft_ms_p95": overall["ttft_ms"]["p95"],
-                "probe_ttft_ms_p50": _probe(side.get("groups") or []),
-                "has_probes": any(
-                    str(g.get("workload") or "").endswith(":probe")
-                    for g in side.get("groups") or []
-                ),
-                "tpot_ms_p50": overall["tpot_ms"]["p50"],
-                "server_prefix_cache_hit_ratio": server.get("prefix_cache_hit_ratio"),
-                "client_cached_token_ratio": overall.get("cached_token_ratio"),
-                "preemptions": server.get("preemptions"),
-                "spec_decode_acceptance_rate": spec.get("acceptance_rate"),
-                "speculative": "speculative_config" in (run.levers or {}),
-                "server_ready_s": run.server_ready_s,
-                "repeat_state": run.notes.get("repeat_state"),
-            }
-        )
-    return rows
-
-
-# The indicators of the outcome table: (heading, outcome_rows key, format, diff row metric)
-OUTCOME_INDICATORS: list[tuple[str, str, str]] = [
-    ("requests", "requests", ""),
-    ("errors", "errors", ""),
-    ("TTFT p50 ms", "ttft_ms_p50", ".0f"),
-    ("TTFT p95 ms", "ttft_ms_p95", ".0f"),
-    ("probe TTFT p50 ms", "probe_ttft_ms_p50", ".0f"),
-    ("server hit ratio", "server_prefix_cache_hit_ratio", ".1%"),
-    ("client cached ratio", "client_cached_token_ratio", ".1%"),
-    ("TPOT p50 ms", "tpot_ms_p50", ".1f"),
-    ("draft acceptance", "spec_decode_acceptance_rate", ".1%"),
-]
-# the outcome table's indicator -> the pooled report's diff row (metric, a probe level or not)
-POOLED_METRICS: dict[str, str] = {
-    "ttft_ms_p50": "ttft_ms.p50",
-    "ttft_ms_p95": "ttft_ms.p95",
-    "probe_ttft_ms_p50": "ttft_ms.p50",
-    "server_prefix_cache_hit_ratio": "server.prefix_cache_hit_ratio",
-    "client_cached_token_ratio": "cached_token_ratio",
-    "tpot_ms_p50": "tpot_ms.p50",
-    "spec_decode_acceptance_rate": "server.spec_decode_acceptance_ratio",
-}
-
-
-def shown_indicators(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
-    """The indicators that mean something for these runs: no probe TTFT where the workload
-    has no probe class, no draft acceptance where neither arm speculates."""
-    probes = any(r.get("has_probes") or r.get("probe_ttft_ms_p50") is not None for r in rows)
-    speculation = any(
-        r.get("speculative") or r.get("spec_decode_acceptance_rate") is not None for r in rows
-    )
-    return [
-        indicator
-        for indicator in OUTCOME_INDICATORS
-        if (indicator[1] != "probe_ttft_ms_p50" or probes)
-        and (indicator[1] != "spec_decode_acceptance_rate" or speculation)
-    ]
-
-
-NOTES = {
-    "server_prefix_cache_hit_ratio": "server hit ratio: Δhits/Δqueries",
-    "client_cached_token_ratio": "client cached ratio: cached_tokens/prompt_tokens",
-    "spec_decode_acceptance_rate": "draft acceptance: accepted/draft tokens",
-}
-
-
-def _note(rows: list[dict[str, Any]], indicators: list[tuple[str, str, str]]) -> str:
-    """What the figures are: whose TTFT (the client's, or vLLM's where the client had none),
-    and how the ratios shown are computed."""
-    sources = sorted({r["ttft_source"] for r in rows if r.get("ttft_source")})
-    parts = [f"TTFT: {' and '.join(sources)} side"] if sources else []
-    parts += [NOTES[key] for _h, key, _f in indicators if key in NOTES]
-    return "; ".join(parts)
-
-
-def outcome_table(
-    rows: list[dict[str, Any]],
-    console: Console,
-    indicators: list[tuple[str, str, str]] | None = None,
-) -> RenderableType:
-    """The runs' indicators: one line per run where the console is wide enough for every
-    indicator side by side, else one column per run (as many runs a table as fit), so that a
-    pipe or an 80-column terminal shows every heading and figure whole."""
-    indicators = shown_indicators(rows) if indicators is None else indicators
-    note = _note(rows, indicators)
-    wide = _runs_by_row(rows, indicators, note)
-    unbounded = console.options.update_width(1 << 16)
-    if console.measure(wide, options=unbounded).maximum <= console.width:
-        return wide
-    labels = _run_labels(rows)
-    heading = max(len(h) for h, _k, _f in indicators)
-    per_run = max([len(label) for label in labels] + [len("100.0%")]) + 3  # cell + borders
-    fit = max(1, (console.width - heading - 4) // per_run)
-    tables: list[RenderableType] = [
-        _runs_by_column(rows[i : i + fit], labels[i : i + fit], indicators)
-        for i in range(0, len(rows), fit)
-    ]
-    return Group(*tables, Text(note, style="dim"))
-
-
-def _cell(row: dict[str, Any], key: str, spec: str) -> str:
-    value = row.get(key)
-    return "n/a" if value is None else format(value, spec)
-
-
-def _runs_by_row(
-    rows: list[dict[str, Any]], indicators: list[tuple[str, str, str]], note: str
-) -> Table:
-    table = Table("run", *(h for h, _k, _f in indicators), title=f"runs ({note})")
-    for row, label in zip(rows, _run_labels(rows), strict=True):
-        table.add_row(label, *(_cell(row, k, f) for _h, k, f in indicators))
-    return table
-
-
-def _runs_by_column(
-    rows: list[dict[str, Any]], labels: list[str], indicators: list[tuple[str, str, str]]
-) -> Table:
-    table = Table("run", *labels, title="runs")
-    for column in table.columns[1:]:
-        column.justify = "right"
-    for heading, key, spec in indicators:
-        table.add_row(heading, *(_cell(row, key, spec) for row in rows))
-    return table
-
-
-def _run_labels(rows: list[dict[str, Any]]) -> list[str]:
-    """Each run's arm, with its repeat when an arm ran more than once."""
-    arms = [r.get("arm") or r["profile"] for r in rows]
-    repeated = len(set(arms)) < len(rows)
-    return [f"{a} r{r['repeat']}" if repeated else a for a, r in zip(arms, rows, strict=True)]
-
-
-# -- the pooled verdicts ----------------------------------------------------------------------
-
-
-def _is_probe_level(level: Any) -> bool:
-    return ":probe" in str(level or "")
-
-
-def primary_level(report: Mapping[str, Any]) -> str:
-    """The load level the pooled report's verdict is gated on (its primary indicator's)."""
-    return str((report.get("primary") or {}).get("level") or WHOLE_RUN)
-
-
-def verdict_rows(report: Mapping[str, Any], keys: list[str] | None = None) -> list[dict[str, Any]]:
-    """The pooled report's own diff rows for the outcome table's indicators (the same numbers
-    the report shows): at the primary indicator's load level, a whole-run row where the
-    indicator has no per-level one (a server counter), the probes' level for the probe TTFT.
-    Rows neither side measured are left out."""
-    rows = report.get("diff") or []
-    level = primary_level(report)
-    out = []
-    for key in keys or list(POOLED_METRICS):
-        metric = POOLED_METRICS[key]
-        candidates = [r for r in rows if r.get("metric") == metric]
-        if key == "probe_ttft_ms_p50":
-            if _is_probe_level(level):
-                continue  # the TTFT row is the probes' already
-            found = [r for r in candidates if _is_probe_level(r.get("level"))]
-        else:
-            found = [r for r in candidates if r.get("level", WHOLE_RUN) == level]
-            found = found or [r for r in candidates if r.get("level", WHOLE_RUN) == WHOLE_RUN]
-        if len(found) == 1 and (
-            found[0].get("before") is not None or found[0].get("after") is not None
-        ):
-            out.append({"key": key, **found[0]})
-    return out
-
-
-def _signed(value: float) -> str:
-    return f"{'−' if value < 0 else '+'}{abs(value):.0f}"
-
-
-def _change(row: dict[str, Any]) -> str:
-    """Δ % with the interval its verdict reads, e.g. "−81 % (−83…−78)"."""
-    if row.get("delta_pct") is None:
-        return "n/a"
-    ci = row.get("ci95_pct")
-    interval = f" ({_signed(ci[0])}…{_signed(ci[1])})" if ci else ""
-    return f"{_signed(row['delta_pct'])} %{interval}"
-
-
-def verdict_table(built: Built, indicators: list[tuple[str, str, str]]) -> Table:
-    """One pooled comparison at its primary level: before and after (the repeats pooled),
-    Δ % with the interval its verdict reads (the primary's: the stopping rule's; the others':
-    their correction's) and the verdict, row by row from the pooled report."""
-    repeats = built.report.get("repeats")
-    k_before = repeats["before"] if repeats else len(built.before)
-    k_after = repeats["after"] if repeats else len(built.after)
-    table = Table(
-        "indicator",
-        "before",
-        "after",
-        "Δ (interval)",
-        "verdict",
-        title=f"{built.label} at {primary_level(built.report)}: {k_before} vs {k_after} "
-        "runs pooled (* the primary indicator)",
-    )
-    for column in table.columns[1:4]:
-        column.justify = "right"
-    specs = {key: (heading, spec) for heading, key, spec in indicators}
-    for row in verdict_rows(built.report, [k for k in POOLED_METRICS if k in specs]):
-        heading, spec = specs[row["key"]]
-        table.add_row(
-            heading + (" *" if row.get("role") == "primary" else ""),
-            _cell(row, "before", spec),
-            _cell(row, "after", spec),
-            _change(row),
-            str(row.get("verdict") or ""),
-        )
-    return table
+def conclude(
+    store: Store, result: ExperimentResult, out: Path, stopping: Stopping | None
+) -> tuple[ExperimentReports, list[OutcomeRow]]:
+    """The reports written and the outcome shown: `experiment run`'s end, and `demo`'s."""
+    reports = report(store, result, out, stopping)
+    rows = outcome_rows(store, arms_of(result), reports)
+    show_outcome(result, rows, reports)
+    return reports, rows
 
 
 def show_outcome(
-    result: ExperimentResult, rows: list[dict[str, Any]], reports: ExperimentReports
+    result: ExperimentResult, rows: list[OutcomeRow], reports: ExperimentReports
 ) -> None:
     """The runs' table, then per pooled comparison its verdict table and headline."""
     indicators = shown_indicators(rows)
@@ -844,16 +524,36 @@ def show_outcome(
             console.print(Text(built.report["headline"]), markup=False)
 
 
-def _outcome(result: ExperimentResult) -> dict[str, Any]:
-    return {
-        "experiment": result.name,
-        "experiment_id": result.experiment_id,
-        "status": result.status,
-        "failure": result.failure,
-        "design": result.design,
-        "order": result.order,
-        "stopped": result.stopped,
-        "stop_words": result.stop_words,
-        "sizing": result.sizing,
-        "looks": [{"decided": look.decided, "words": look.words} for look in result.looks],
-    }
+class LookJson(TypedDict):
+    decided: bool
+    words: list[str]
+
+
+class OutcomeJson(TypedDict):
+    """The experiment itself in `--json`, before its runs and reports."""
+
+    experiment: str
+    experiment_id: str
+    status: str
+    failure: str | None
+    design: str
+    order: str
+    stopped: str
+    stop_words: str
+    sizing: str | None
+    looks: list[LookJson]
+
+
+def _outcome(result: ExperimentResult) -> OutcomeJson:
+    return OutcomeJson(
+        experiment=result.name,
+        experiment_id=result.experiment_id,
+        status=result.status,
+        failure=result.failure,
+        design=result.design,
+        order=result.order,
+        stopped=result.stopped,
+        stop_words=result.stop_words,
+        sizing=result.sizing,
+        looks=[LookJson(decided=look.decided, words=look.words) for look in result.looks],
+    )

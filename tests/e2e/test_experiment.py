@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from servescope.commands.experiment import OUTCOME_INDICATORS
 from servescope.loadgen.experiment import KEPT_UP, STATE_RESET
+from servescope.reports.experiment import OUTCOME_INDICATORS
 from servescope.store import Store, settings
 from tests.conftest import servescope
 

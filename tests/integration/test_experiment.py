@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from servescope.commands.experiment import outcome_table, ready_model
+from servescope.commands.experiment import ready_model
+from servescope.reports.outcome import outcome_table
 from tests.conftest import servescope
 from tests.e2e.test_experiment import _whole
 

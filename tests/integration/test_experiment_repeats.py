@@ -54,6 +54,15 @@ from servescope.loadgen.launcher import (
     load_profiles,
 )
 from servescope.loadgen.runner import RunResult
+from servescope.reports import build_summary
+from servescope.reports import experiment as experiment_reports
+from servescope.reports.experiment import (
+    outcome_rows,
+    primary_level,
+    shown_indicators,
+    verdict_rows,
+)
+from servescope.reports.outcome import run_labels, verdict_table
 from servescope.store import Store
 
 # -- a server that answers vLLM's dev-mode endpoints as vLLM does (or not, without dev mode):
@@ -809,16 +818,16 @@ def test_the_table_shows_the_reports_numbers_and_only_rows_that_mean_something(
         targets={"no-prefix-caching": a.url, "default": b.url},
     ).run()
     assert result.status == "complete"
-    reports = command.build_reports(store, result, tmp_path / "reports")
+    reports = command.report(store, result, tmp_path / "reports")
     assert not reports.failures, reports.failures
     (pooled,) = reports.pooled
     assert len(reports.repeats) == 3 and pooled.page.exists()
     assert pooled.before == [r.run_id for r in result.runs if r.arm == "no-prefix-caching"]
     assert (pooled.report.get("repeats") or {}).get("before") in (3, None)
-    rows = command.outcome_rows(store, result, reports)
+    rows = outcome_rows(store, command.arms_of(result), reports)
     assert [r["run_id"] for r in rows] == [r.run_id for r in result.runs]
     for row in rows:  # every figure is the run's own report summary's
-        summary = command.build_summary(store, row["run_id"])
+        summary = build_summary(store, row["run_id"])
         assert row["ttft_ms_p50"] == summary["overall"]["ttft_ms"]["p50"]
         assert row["ttft_ms_p95"] == summary["overall"]["ttft_ms"]["p95"]
         assert row["ttft_source"] == summary["overall"]["sources"]["ttft_ms"] == "client"
@@ -827,15 +836,15 @@ def test_the_table_shows_the_reports_numbers_and_only_rows_that_mean_something(
         (probe,) = [g for g in summary["groups"] if g["workload"] == "mixed:probe"]
         assert row["probe_ttft_ms_p50"] == probe["ttft_ms"]["p50"]
         assert row["repeat_state"] == STATE_RESET
-    shown = [h for h, _k, _f in command.shown_indicators(rows)]
+    shown = [h for h, _k, _f in shown_indicators(rows)]
     assert "probe TTFT p50 ms" in shown and "draft acceptance" not in shown
     no_probes = [{**r, "probe_ttft_ms_p50": None, "has_probes": False} for r in rows]
-    assert "probe TTFT p50 ms" not in [h for h, _k, _f in command.shown_indicators(no_probes)]
+    assert "probe TTFT p50 ms" not in [h for h, _k, _f in shown_indicators(no_probes)]
     # the pooled verdicts are the pooled report's own rows, at its primary indicator's level
-    level = command.primary_level(pooled.report)
+    level = primary_level(pooled.report)
     assert level == "all levels (stratified)"  # the primary: every level, weighted
     probe_level = next(r["level"] for r in pooled.report["diff"] if ":probe" in r["level"])
-    by_key = {v["key"]: v for v in command.verdict_rows(pooled.report)}
+    by_key = {v["key"]: v for v in verdict_rows(pooled.report)}
     for key, metric, at in [
         ("ttft_ms_p50", "ttft_ms.p50", level),
         ("probe_ttft_ms_p50", "ttft_ms.p50", probe_level),
@@ -847,7 +856,7 @@ def test_the_table_shows_the_reports_numbers_and_only_rows_that_mean_something(
     assert "server_prefix_cache_hit_ratio" not in by_key  # measured on neither side: left out
     out = io.StringIO()
     console = Console(file=out, width=80, force_terminal=False)
-    console.print(command.verdict_table(pooled, command.shown_indicators(rows)))
+    console.print(verdict_table(pooled, shown_indicators(rows)))
     text = out.getvalue()
     assert "TTFT p50 ms" in text and "probe TTFT p50 ms" in text
     assert "…" not in text.replace("…+", "").replace("…−", ""), text  # no cell cut short
@@ -873,9 +882,9 @@ def test_a_failed_pooled_report_is_a_line_not_a_traceback(
             raise ValueError("pooling not supported")
         return real(store, after, before, *args)
 
-    real = command.build_diff
-    monkeypatch.setattr(command, "build_diff", broken)
-    reports = command.build_reports(store, result, tmp_path / "out")
+    real = experiment_reports.build_diff
+    monkeypatch.setattr(experiment_reports, "build_diff", broken)
+    reports = command.report(store, result, tmp_path / "out")
     assert reports.pooled == [] and len(reports.repeats) == 2
     assert reports.failures == ["pooled report x → y: ValueError: pooling not supported"]
 
@@ -885,10 +894,10 @@ def test_the_run_table_labels_arms_and_repeats() -> None:
         {"profile": "default", "arm": arm, "repeat": r, "requests": 1}
         for r in (1, 2) for arm in ("default-a", "default-b")
     ]  # fmt: skip
-    assert command._run_labels(rows) == [
+    assert run_labels(rows) == [
         "default-a r1", "default-b r1", "default-a r2", "default-b r2"
     ]  # fmt: skip
-    assert command._run_labels(rows[:2]) == ["default-a", "default-b"]
+    assert run_labels(rows[:2]) == ["default-a", "default-b"]
 
 
 def test_a_fleet_experiment_interleaves_and_resets_its_replicas(

@@ -11,6 +11,7 @@ from typing import Any
 from servescope.commands import experiment as command
 from servescope.loadgen.experiment import Experiment, ExperimentHooks, load_experiments
 from servescope.loadgen.rounds import MAX_GROWTH, Look, Stopping
+from servescope.reports import build_diff
 from servescope.store import Store
 from tests.integration.test_experiment_repeats import FakeBench, FakeServer, fake_servers
 
@@ -43,14 +44,14 @@ def test_a_clear_effect_stops_at_the_first_look_and_the_report_says_why(
     assert look.decided and "improved" in look.words[0]
     notes = store.run(result.runs[0].run_id)["notes"]
     assert notes["plan"] == {"first": 3, "last": 8, "margin_pct": 10.0, "budget_s": None}
-    reports = command.build_reports(store, result, tmp_path / "out", stopping)
+    reports = command.report(store, result, tmp_path / "out", stopping)
     (pooled,) = reports.pooled
     decision = pooled.report["decision"]
     assert decision["stopped"] == "decided" and decision["verdict"] == "improved"
     assert decision["reason"] == "decided after 3 repeats a side"
     assert decision["plan"] == [3, 8] and decision["look"] == 3
     # the stored runs, reported later, read with the plan the runs recorded
-    again = command.build_diff(store, pooled.after, pooled.before)["decision"]
+    again = build_diff(store, pooled.after, pooled.before)["decision"]
     assert again["plan"] == [3, 8] and again["verdict"] == "improved" and again["stopped"] is None
 
 
@@ -79,7 +80,7 @@ def test_the_budget_starts_no_round_that_would_end_after_it(
     result = exp.run()
     assert result.stopped == "budget" and len(result.runs) == 2  # one round, then no time
     assert result.stop_words.startswith("the time budget (0 s) would not fit another round")
-    reports = command.build_reports(store, result, tmp_path / "out", exp.stopping)
+    reports = command.report(store, result, tmp_path / "out", exp.stopping)
     decision = reports.pooled[0].report["decision"]
     assert decision["stopped"] == "budget" and decision["reason"] == result.stop_words
     assert "one run a side: request noise only" in decision["words"]
