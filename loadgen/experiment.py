@@ -36,18 +36,9 @@ run is joined with vLLM's own timings.
 
 from __future__ import annotations
 
-import json
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Protocol
-
-import msgspec
+from typing import Any
 
 from servescope.loadgen.launcher import (
     ALWAYS_FLAGS,
@@ -55,25 +46,77 @@ from servescope.loadgen.launcher import (
     VllmServer,
     levers_of,
     load_profiles,
-    read_section,
     state_for,
 )
-from servescope.loadgen.rounds import Look, Rounds, Stopping, round_arms
-from servescope.loadgen.runner import RunResult
-from servescope.loadgen.workload import BenchConfig, WorkloadError, load_config
+from servescope.loadgen.rounds import Stopping
+from servescope.loadgen.sequence import (
+    DEFAULT_REPEATS,
+    Comparison,
+    Executor,
+    ExperimentHooks,
+    ExperimentResult,
+    ExperimentRun,
+    RunFailed,
+    Sidecar,
+    fixed_or_sequential,
+    interleaved,
+    lever_flips,
+    order_letters,
+    record_flips,
+    run_notes,
+    run_rounds,
+)
+from servescope.loadgen.servers import (
+    DEV_MODE,
+    SLEEP_FLAGS,
+    STATE_FRESH,
+    STATE_REFUSED,
+    STATE_RESET,
+    STATE_WARM,
+    STATE_WOKEN,
+    ResetUnavailable,
+    SleepFailed,
+    is_sleeping,
+    reset_prefix_cache,
+    set_sleeping,
+    start_together,
+)
+from servescope.loadgen.spec import (
+    ExperimentError,
+    ExperimentSpec,
+    arm_names,
+    check_profiles,
+    load_experiments,
+    read_experiments_file,
+)
 from servescope.store import Store, settings
-from servescope.store.typed import Named, typed
 
-EXPERIMENTS_FILE = Path(__file__).with_name("experiments.yaml")
-DEFAULT_LEVER = "default"  # a lever a profile leaves to vLLM's own default
-DEFAULT_REPEATS = 3  # rounds of a fixed design when no stopping plan is given
-DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM serves POST /reset_prefix_cache only then
-# … and POST /sleep, /wake_up, GET /is_sleeping with this flag, which also makes it allocate the
-# weights and the KV cache where a sleep can release them (its cumem allocator)
-SLEEP_FLAGS = ["--enable-sleep-mode"]
-# level 1: the weights offloaded to CPU memory (a wake copies them back), the KV cache dropped;
-# level 2 drops the weights too, and a wake would have to load them again
-SLEEP_LEVEL = 1
+# what other modules imported from here before the experiment was split; they move to the
+# modules named above
+__all__ = [
+    "Comparison",
+    "Experiment",
+    "ExperimentError",
+    "ExperimentHooks",
+    "ExperimentResult",
+    "ExperimentRun",
+    "ExperimentSpec",
+    "SleepFailed",
+    "STATE_FRESH",
+    "STATE_REFUSED",
+    "STATE_RESET",
+    "STATE_WARM",
+    "STATE_WOKEN",
+    "arm_names",
+    "interleaved",
+    "is_sleeping",
+    "lever_flips",
+    "load_experiments",
+    "order_letters",
+    "read_experiments_file",
+    "reset_prefix_cache",
+    "set_sleeping",
+]
 
 # notes["repeat_design"]: how the experiment sequenced servers and rounds
 KEPT_UP = "servers kept up: one server per arm, all up at once, rounds alternated"
@@ -84,439 +127,6 @@ SLEEP = (
 FRESH = "fresh server per run"
 TARGETS = "operator's servers (--target): kept up, rounds alternated"
 FLEET = "replicas kept up: one gateway per run, rounds alternated"
-# notes["repeat_state"]: the state a run's server started it in
-STATE_FRESH = "fresh server"
-STATE_RESET = "prefix cache reset"
-STATE_WOKEN = "woken from sleep, prefix cache reset"
-STATE_WARM = "warm: not reset (a --target server without dev mode)"
-STATE_REFUSED = "warm: prefix cache reset refused (blocks still in use)"
-
-
-class ExperimentError(WorkloadError):
-    """An experiments file (or a spec in it) that cannot be run; the message says where."""
-
-
-@dataclass(frozen=True)
-class FleetSpec:
-    """Replicas behind the gateway (loadgen/fleet.py): how many, their server profile and, for
-    one replica a GPU, the `CUDA_VISIBLE_DEVICES` of each (`gpus`, one entry a replica)."""
-
-    replicas: int
-    profile: str
-    gpus: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class ExperimentSpec:
-    name: str
-    description: str
-    workload: str
-    profiles: list[str]
-    workloads: list[str] = field(default_factory=list)
-    scale: float = 1.0
-    requests: int | None = None
-    model: str = "random"  # a tiny model kind (loadgen/tiny_model.py KINDS), or a model folder
-    fleet: FleetSpec | None = None  # set: `profiles` are the gateway's routing policies
-    repeats: int | None = None  # a fixed design's rounds; None: until decided (loadgen/rounds.py)
-    source: str = "built-in"  # the experiments file it came from
-
-    @property
-    def arms(self) -> list[str]:
-        return arm_names(self.profiles)
-
-    def bench_config(self, scale: float | None, requests: int | None) -> BenchConfig:
-        """The workload every run of the experiment sends: the spec's workloads, with the
-        command line's request count and scale over the spec's own."""
-        config = load_config(self.workload)
-        if self.workloads:
-            config = config.select(self.workloads)
-        requests = requests if requests is not None else self.requests
-        if requests is not None:
-            config = config.with_requests(requests)  # WorkloadError below 1
-        return config.scaled(scale if scale is not None else self.scale)
-
-
-def arm_names(profiles: list[str]) -> list[str]:
-    """An arm per profile, named after it; a profile named more than once (an A/A spec) gives
-    arms `<profile>-a`, `<profile>-b`, … so that runs and reports stay apart."""
-    counts = {p: profiles.count(p) for p in profiles}
-    seen: dict[str, int] = {}
-    names = []
-    for profile in profiles:
-        if counts[profile] == 1:
-            names.append(profile)
-            continue
-        seen[profile] = seen.get(profile, 0) + 1
-        names.append(f"{profile}-{chr(ord('a') + seen[profile] - 1)}")
-    return names
-
-
-def interleaved(arms: list[str], repeats: int) -> list[tuple[int, str]]:
-    """(repeat, arm) in run order: A B, B A, A B, … (three arms: A B C, C B A, …)."""
-    return [(r, arm) for r in range(1, repeats + 1) for arm in round_arms(arms, r)]
-
-
-def order_letters(arms: list[str], repeats: int) -> str:
-    """The run order as letters, e.g. "A B B A A B" (A = the first arm of the spec)."""
-    letter = {arm: chr(ord("A") + i) for i, arm in enumerate(arms)}
-    return " ".join(letter[arm] for _repeat, arm in interleaved(arms, repeats))
-
-
-# -- experiments files ---------------------------------------------------------------------
-
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-Name = Annotated[str, msgspec.Meta(min_length=1)]
-
-
-class FleetEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """An experiment's `fleet` as the file writes it."""
-
-    replicas: PositiveInt
-    profile: str
-    gpus: list[str] = []
-
-
-class ExperimentEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """An experiment as an experiments file writes it (a key null is a key left out where
-    that has a meaning: no `requests`, no `workloads`, no `fleet`)."""
-
-    workload: Name
-    profiles: list[Name]
-    description: str = ""
-    workloads: list[str] | None = None
-    scale: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    requests: PositiveInt | None = None
-    model: str = "random"
-    fleet: FleetEntry | None = None
-    repeats: PositiveInt | None = None
-
-
-def _spec(name: str, raw: Any, source: Path) -> ExperimentSpec:
-    entry = typed(
-        raw, ExperimentEntry, str(source), error=ExperimentError, at=[Named("experiment", name)]
-    )
-    where = f"{source}: experiment {name!r}"
-    if len(entry.profiles) < 2:
-        raise ExperimentError(
-            f"{where}: `profiles` must list at least two profiles (the first is the before; "
-            "name one twice for an A/A run)"
-        )
-    fleet = None
-    if entry.fleet is not None:
-        replicas, gpus = entry.fleet.replicas, entry.fleet.gpus
-        if gpus and len(gpus) != replicas:
-            raise ExperimentError(
-                f"{where}: `fleet.gpus` is one CUDA_VISIBLE_DEVICES value a replica "
-                f'({replicas}), e.g. ["0", "1"]'
-            )
-        fleet = FleetSpec(replicas, entry.fleet.profile, tuple(gpus))
-    workload, model = entry.workload, entry.model
-    if source != EXPERIMENTS_FILE:  # an operator's paths are relative to their file
-        workload = _beside(source, workload)
-        model = _beside(source, model)
-    return ExperimentSpec(
-        name=name,
-        description=" ".join(entry.description.split()),
-        workload=workload,
-        profiles=list(entry.profiles),
-        workloads=list(entry.workloads or []),
-        scale=entry.scale,
-        requests=entry.requests,
-        model=model,
-        fleet=fleet,
-        repeats=entry.repeats,
-        source="built-in" if source == EXPERIMENTS_FILE else str(source),
-    )
-
-
-def _beside(source: Path, value: str) -> str:
-    """A relative path of an operator's file as it is from their file's folder, where one is
-    there (a shipped workload's or a tiny model kind's name stays as it is)."""
-    path = Path(value)
-    if path.is_absolute() or not (source.parent / path).exists():
-        return value
-    return str(source.parent / path)
-
-
-def read_experiments_file(path: Path) -> dict[str, ExperimentSpec]:
-    """One experiments file's specs; ExperimentError names the file and what is wrong."""
-    section = read_section(path, "experiments", ExperimentError)
-    return {str(name): _spec(str(name), raw, Path(path)) for name, raw in section.items()}
-
-
-def load_experiments(path: Path | None = None) -> dict[str, ExperimentSpec]:
-    """The built-in experiments, with those of `path` (an operator's file in the same format)
-    added over them: one of theirs replaces a built-in one of the same name."""
-    experiments = read_experiments_file(EXPERIMENTS_FILE)
-    if path is not None:
-        experiments.update(read_experiments_file(path))
-    return experiments
-
-
-def check_profiles(spec: ExperimentSpec, profiles: dict[str, Profile]) -> None:
-    """ExperimentError when a spec names a profile the profiles do not define."""
-    named = [spec.fleet.profile] if spec.fleet else spec.profiles
-    if unknown := sorted({p for p in named if p not in profiles}):
-        raise ExperimentError(
-            f"experiment {spec.name}: unknown profiles {unknown}; known: {', '.join(profiles)}"
-        )
-
-
-def lever_flips(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(lever, before, after) for every lever whose value differs; a lever one side leaves
-    unset is `default` (vLLM's own default) on that side."""
-    flips = []
-    for lever in sorted(set(before) | set(after)):
-        old, new = before.get(lever, DEFAULT_LEVER), after.get(lever, DEFAULT_LEVER)
-        if old != new:
-            flips.append((lever, str(old), str(new)))
-    return flips
-
-
-def start_together(servers: list[VllmServer]) -> None:
-    """Start servers at once, each waiting for its own /health. The first that fails (or a
-    Ctrl-C) stops them all, so no start-up is waited out for nothing."""
-    pool = ThreadPoolExecutor(max_workers=max(1, len(servers)))
-    try:
-        futures = [pool.submit(server.start) for server in servers]
-        for future in futures:
-            future.result()
-    except BaseException:
-        for server in servers:
-            server.stop()  # a start still waiting sees its process gone and returns
-        raise
-    finally:
-        pool.shutdown(wait=True)
-
-
-class ResetUnavailable(RuntimeError):
-    """The server does not serve `POST /reset_prefix_cache` (vLLM without dev mode)."""
-
-
-def reset_prefix_cache(url: str, *, attempts: int = 20, wait_s: float = 0.25) -> str:
-    """Empty the prefix cache of the vLLM at `url`, so a run starts cold without a restart.
-    Returns the state the run starts in: STATE_RESET, or STATE_REFUSED when vLLM kept saying
-    `success: false` (blocks still held); ResetUnavailable when it has no such endpoint."""
-    for _ in range(attempts):
-        request = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=30) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as exc:
-            if exc.code in (404, 405):
-                raise ResetUnavailable(f"{url} has no /reset_prefix_cache ({exc.code})") from exc
-            raise
-        try:
-            answer = json.loads(body or b"{}")
-        except ValueError:
-            answer = {}
-        if not isinstance(answer, dict) or answer.get("success", True):
-            return STATE_RESET  # older vLLMs answer 200 with no body
-        time.sleep(wait_s)
-    return STATE_REFUSED
-
-
-class SleepFailed(RuntimeError):
-    """A server that would not go to sleep or wake up (no `--enable-sleep-mode`, no dev mode,
-    or vLLM refused); the message says which and what it answered."""
-
-
-def is_sleeping(url: str) -> bool:
-    """What the vLLM at `url` says of itself (`GET /is_sleeping`)."""
-    try:
-        with urllib.request.urlopen(f"{url}/is_sleeping", timeout=30) as resp:
-            answer = json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        raise SleepFailed(f"{url}/is_sleeping answered {exc.code}") from exc
-    if not isinstance(answer, dict) or not isinstance(answer.get("is_sleeping"), bool):
-        raise SleepFailed(f"{url}/is_sleeping answered {answer!r}")
-    return answer["is_sleeping"]
-
-
-def set_sleeping(
-    url: str,
-    asleep: bool,
-    *,
-    level: int = SLEEP_LEVEL,
-    timeout_s: float = 300.0,
-    poll_s: float = 0.1,
-) -> float:
-    """Put the vLLM at `url` to sleep at `level` (`POST /sleep`) or wake it (`POST /wake_up`,
-    all of its memory), and return the seconds until it said it was so (`GET /is_sleeping`).
-    vLLM answers both once its engine has done it; the look that follows is what proves it,
-    since an older engine answered before it was done. SleepFailed when it refuses, lacks the
-    endpoints or never gets there."""
-    path = f"sleep?level={level}" if asleep else "wake_up"
-    began = time.monotonic()
-    request = urllib.request.Request(f"{url}/{path}", method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            resp.read()
-    except urllib.error.HTTPError as exc:
-        raise SleepFailed(
-            f"{url}/{path} answered {exc.code}: sleep mode needs --enable-sleep-mode and "
-            "VLLM_SERVER_DEV_MODE=1"
-        ) from exc
-    while is_sleeping(url) != asleep:
-        if time.monotonic() - began > timeout_s:
-            state = "asleep" if asleep else "awake"
-            raise SleepFailed(f"{url} not {state} {timeout_s:.0f} s after POST /{path}")
-        time.sleep(poll_s)
-    return time.monotonic() - began
-
-
-@dataclass
-class ExperimentRun:
-    profile: str
-    repeat: int
-    run_id: str
-    levers: dict[str, Any]
-    target: str
-    result: RunResult | None = None
-    server_ready_s: float | None = None
-    arm: str = ""  # the arm's name: the profile's, or `<profile>-a` in an A/A experiment
-    notes: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.arm = self.arm or self.profile
-
-
-def record_flips(
-    store: Store, experiment: str, run: ExperimentRun, previous: ExperimentRun | None
-) -> None:
-    """A `lever_flips` row for each lever the run changes from the run before it (none for
-    an experiment's first run): what reports split on and dashboards annotate."""
-    if previous is None:
-        return
-    for lever, before, after in lever_flips(previous.levers, run.levers):
-        store.add_lever_flip(
-            lever,
-            before,
-            after,
-            run_id=run.run_id,
-            before_run_id=previous.run_id,
-            note=f"experiment {experiment}: {previous.arm} -> {run.arm}",
-        )
-
-
-class Sidecar(Protocol):
-    """Something that watches the experiment's servers from outside: the vLLM flags and
-    environment it needs, told when a run's requests are all answered, closed at the end."""
-
-    flags: list[str]
-    env: dict[str, str]
-
-    def settle(self, run_id: str) -> None:
-        """Return once what the servers said about the run's requests is stored."""
-
-    def close(self) -> None: ...
-
-
-# (the log a server appends to, the URL it listens on) -> a sidecar
-SidecarFactory = Callable[[Path, str], Sidecar]
-
-
-@dataclass
-class ExperimentHooks:
-    """What a display needs: called before a server starts, when it is ready, when one is put to
-    sleep or woken (its arm, the seconds it took), and at each look at the evidence; the sidecar
-    to start next to the servers, if any; and `judge`, which reads the evidence of the runs so
-    far (the pooled comparisons, by the stopping rule) for a sequential design."""
-
-    starting: Callable[[str, VllmServer], None] = lambda profile, server: None
-    ready: Callable[[str, VllmServer], None] = lambda profile, server: None
-    slept: Callable[[str, float], None] = lambda arm, seconds: None
-    woke: Callable[[str, float], None] = lambda arm, seconds: None
-    looked: Callable[[int, Look], None] = lambda done, look: None
-    sidecar: SidecarFactory | None = None
-    judge: Callable[[ExperimentResult], Look] | None = None
-
-
-# (config, target, store, run options) -> the run's result
-Executor = Callable[[BenchConfig, str, Store, dict[str, Any]], RunResult]
-
-
-@dataclass
-class Comparison:
-    """Two consecutive arms of the spec (before, after) and the runs of each, in run order."""
-
-    before: str
-    after: str
-    before_runs: list[ExperimentRun]
-    after_runs: list[ExperimentRun]
-
-
-def run_notes(
-    experiment: Any, run: ExperimentRun, position: int, order: str, design: str | None = None
-) -> dict[str, Any]:
-    """What every experiment run records in its notes: which experiment, arm and repeat, where
-    it fell in the order, and how its servers were sequenced (`repeat_design`)."""
-    return {
-        "experiment": experiment.spec.name,
-        "experiment_id": experiment.experiment_id,
-        "profile": run.profile,
-        "arm": run.arm,
-        "repeat": run.repeat,
-        "repeats": experiment.repeats,
-        "position": position,
-        "order": order,
-        "repeat_design": design or experiment.design,
-        **({"plan": experiment.stopping.notes()} if experiment.stopping else {}),
-    }
-
-
-@dataclass
-class ExperimentResult:
-    name: str
-    experiment_id: str
-    runs: list[ExperimentRun] = field(default_factory=list)
-    status: str = "complete"  # complete | partial (Ctrl-C) | failed (a run failed or a server)
-    failure: str | None = None
-    arms: list[str] = field(default_factory=list)  # in the spec's order (the first: before)
-    design: str = ""  # how servers and rounds were sequenced (KEPT_UP, SLEEP, FRESH, …)
-    order: str = ""  # the run order, e.g. "A B B A A B"
-    stopped: str = ""  # why the rounds stopped (loadgen/rounds.py: decided, budget, …)
-    stop_words: str = ""  # … in words
-    sizing: str | None = None  # how the runs grew at the first look, and why
-    looks: list[Look] = field(default_factory=list)
-
-    def record(self, run: ExperimentRun) -> bool:
-        """Keep a measured run; False (the experiment stops) when it did not complete."""
-        self.runs.append(run)
-        assert run.result is not None
-        if run.result.status != "complete":
-            self.status = "partial" if run.result.status == "partial" else "failed"
-            self.failure = run.result.failure
-            return False
-        return True
-
-    def _arms(self) -> list[str]:
-        return self.arms or list(dict.fromkeys(run.arm for run in self.runs))
-
-    def measured(self, arm: str) -> list[ExperimentRun]:
-        return [r for r in self.runs if r.arm == arm and r.result is not None]
-
-    def comparisons(self) -> list[Comparison]:
-        """One per pair of consecutive arms of the spec (max-num-seqs' three profiles: two),
-        with every measured run of each: what a pooled before/after report compares."""
-        arms = self._arms()
-        out = []
-        for before, after in zip(arms, arms[1:], strict=False):
-            b, a = self.measured(before), self.measured(after)
-            if b and a:
-                out.append(Comparison(before, after, b, a))
-        return out
-
-    def pairs(self) -> list[tuple[ExperimentRun, ExperimentRun]]:
-        """(before, after) of every comparison within each repeat both arms ran in: the
-        per-repeat reports kept beside the pooled one."""
-        out = []
-        for comparison in self.comparisons():
-            after = {run.repeat: run for run in comparison.after_runs}
-            for run in comparison.before_runs:
-                if run.repeat in after:
-                    out.append((run, after[run.repeat]))
-        return out
 
 
 class Experiment:
@@ -596,7 +206,7 @@ class Experiment:
             self._runs(result)
         except KeyboardInterrupt:
             result.status = "partial"
-        except Exception as exc:  # a server (or a sidecar) that did not start
+        except (RuntimeError, OSError, ValueError) as exc:  # a server or sidecar that did not start
             result.status, result.failure = "failed", str(exc)
         finally:
             for server in self._servers.values():
@@ -760,84 +370,3 @@ class Experiment:
 
     def _profile_levers(self, profile: str) -> dict[str, Any]:
         return levers_of(ALWAYS_FLAGS + self.profiles[profile].flags)
-
-
-class RunFailed(RuntimeError):
-    """A run that could not be made (its server, its target, its gateway): the experiment
-    stops, failed, with this message."""
-
-
-def fixed_or_sequential(
-    spec: ExperimentSpec, repeats: int | None, stopping: Stopping | None
-) -> tuple[int | None, Stopping | None]:
-    """(fixed rounds, None) for a fixed design (`--repeats`, or the spec's `repeats`), else
-    (None, the stopping plan); a fixed design of DEFAULT_REPEATS when neither is given."""
-    fixed = repeats if repeats is not None else spec.repeats
-    if fixed is not None and fixed < 1:
-        raise ExperimentError(f"--repeats must be positive, got {fixed}")
-    if fixed is None and stopping is None:
-        fixed = DEFAULT_REPEATS
-    return fixed, None if fixed is not None else stopping
-
-
-class Sequenced(Protocol):
-    """What `run_rounds` needs of an experiment (Experiment and loadgen/fleet.py's)."""
-
-    fixed: int | None
-    stopping: Stopping | None
-    hooks: ExperimentHooks
-    config: BenchConfig
-
-    def run_for(self, repeat: int, arm: str) -> ExperimentRun: ...
-
-
-def run_rounds(
-    experiment: Sequenced,
-    result: ExperimentResult,
-    one: Callable[[ExperimentRun, ExperimentRun | None, int], None],
-) -> None:
-    """Rounds of every arm (A B, B A, …) until the design stops them, each run made by `one`
-    (run, the run before it, its position) and recorded in `result`; a run that did not
-    complete, a failure (RunFailed) or Ctrl-C stops the experiment there. After each round
-    from the plan's first, the hooks' `judge` reads the evidence; at the first look the runs
-    may grow (loadgen/rounds.py). `result` says why the rounds stopped."""
-    hooks: ExperimentHooks = experiment.hooks
-    judge = hooks.judge
-    rounds = Rounds(
-        list(result.arms),
-        fixed=experiment.fixed,
-        stopping=experiment.stopping,
-        decide=(lambda done: judge(result)) if judge is not None else None,
-    )
-    previous: ExperimentRun | None = None
-    position = done = 0
-    try:
-        while rounds.another(done):
-            began = time.monotonic()
-            for arm in rounds.order(done + 1):
-                position += 1
-                run = experiment.run_for(done + 1, arm)
-                try:
-                    one(run, previous, position)
-                except RunFailed as exc:
-                    result.status, result.failure = "failed", str(exc)
-                    return
-                if not result.record(run):
-                    return
-                previous = run
-            done += 1
-            look = rounds.finished(done, time.monotonic() - began)
-            if look is not None:
-                hooks.looked(done, look)
-            if rounds.growth is not None and rounds.stopping and done == rounds.stopping.first:
-                experiment.config = experiment.config.grown(rounds.growth)
-    except KeyboardInterrupt:
-        result.status = "partial"
-    finally:
-        result.stopped = rounds.stopped or "interrupted"
-        result.stop_words = rounds.words()
-        result.sizing = rounds.sizing
-        result.looks = list(rounds.looks)
-        result.order = " ".join(
-            chr(ord("A") + result.arms.index(r.arm)) for r in result.runs if r.arm in result.arms
-        )

@@ -33,27 +33,24 @@ from typing import Any
 
 import yaml
 
-from servescope.loadgen.experiment import (
+from servescope.loadgen.experiment import FLEET
+from servescope.loadgen.launcher import Profile, VllmServer, load_profiles
+from servescope.loadgen.rounds import Stopping
+from servescope.loadgen.sequence import (
     DEFAULT_REPEATS,
-    DEV_MODE,
-    FLEET,
-    STATE_REFUSED,
     Executor,
     ExperimentHooks,
     ExperimentResult,
     ExperimentRun,
-    ExperimentSpec,
     Sidecar,
     fixed_or_sequential,
     order_letters,
     record_flips,
-    reset_prefix_cache,
     run_notes,
     run_rounds,
-    start_together,
 )
-from servescope.loadgen.launcher import Profile, VllmServer, load_profiles
-from servescope.loadgen.rounds import Stopping
+from servescope.loadgen.servers import DEV_MODE, STATE_REFUSED, reset_prefix_cache, start_together
+from servescope.loadgen.spec import ExperimentSpec
 from servescope.loadgen.workload import WorkloadError
 from servescope.store import Store, settings
 from servescope.wire.routing import ROUTING_POLICIES
@@ -224,7 +221,7 @@ class FleetExperiment:
             self._runs(replicas, result)
         except KeyboardInterrupt:
             result.status = "partial"
-        except Exception as exc:  # a replica that did not start, a gateway that did not
+        except (RuntimeError, OSError, ValueError) as exc:  # a replica or gateway not started
             result.status, result.failure = "failed", str(exc)
         finally:
             for server in replicas.values():
