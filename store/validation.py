@@ -32,7 +32,7 @@ import re
 import secrets
 import sys
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, NotRequired, TypedDict, get_args
 
 import msgspec
 import msgspec.inspect as mi
@@ -85,6 +85,57 @@ class RequestEvent(msgspec.Struct, frozen=True, kw_only=True):
     http_status: HttpStatus | None = None
     error: str | None = None
     trace_id: str | None = None
+
+
+class _EventKey(TypedDict):
+    request_id: str  # the one key a request record must have
+
+
+class EventDoc(_EventKey, total=False):
+    """A request record that met the rules (`check`), as it leaves validation and is merged
+    and stored: its contract keys, of `RequestEvent`'s types (null as absent), and any other
+    key kept verbatim. A TypedDict, not the Struct, so the record is the line's own object
+    (key order, number types and unknown keys unchanged) for the byte-exact `.events.jsonl`
+    round trip; tests/unit/test_store.py ties its keys to `RequestEvent` and to the columns."""
+
+    run_id: str | None
+    ts: str | None
+    model: str | None
+    team: str | None
+    workload: str | None
+    source: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+    concurrency: int | None
+    target_rate: float | None
+    cache_hit: bool | None
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2e_ms: float | None
+    itl_ms: list[float] | None
+    queue_ms: float | None
+    prefill_ms: float | None
+    server_ttft_ms: float | None
+    server_e2e_ms: float | None
+    server_tpot_ms: float | None
+    vllm_session: str | None
+    decode_ms: float | None
+    finish_reason: str | None
+    status: Status | None
+    http_status: int | None
+    error: str | None
+    trace_id: str | None
+
+
+class RuntimeDoc(TypedDict):
+    """An agent-runtime line that met the rules (`RuntimeLine`), kept verbatim."""
+
+    type: str
+    run_id: NotRequired[str | None]
+    request_id: NotRequired[str | None]
+    ts: NotRequired[str | None]
+    trace_id: NotRequired[str | None]
 
 
 class RuntimeLine(msgspec.Struct, frozen=True, kw_only=True):

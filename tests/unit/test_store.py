@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import types
+import typing
+from datetime import datetime
 from pathlib import Path
+from typing import TypedDict
 
 import duckdb
+import msgspec
+import msgspec.inspect as mi
 import pytest
+from sqlmodel import SQLModel
 
 from servescope.reports import sql
 from servescope.store import (
@@ -21,8 +28,8 @@ from servescope.store import (
     tables,
 )
 from servescope.store.db import schema_stamp
-from servescope.store.schema import TABLES
-from servescope.store.validation import InvalidEvent, parse_line
+from servescope.store.schema import TABLES, Event
+from servescope.store.validation import EventDoc, InvalidEvent, RequestEvent, parse_line
 
 SEED_LINE = (
     '{"request_id": "run-20260512-001", "model": "local-coder", "prompt_tokens": 1842, '
@@ -460,3 +467,88 @@ def test_records_from_outside_named_like_parts_never_fail_a_merge(tmp_path: Path
         store.add_events([dict(line)])
     [doc] = store.export_events("run-20261125-odd")
     assert doc == {"request_id": rid, **lines[1], **lines[2], **lines[3]}
+
+
+# -- the event's shape, defined three times, kept one -------------------------------------------
+# The columns of `events` that are not a contract key: the record itself, and the failure's own
+# words (any JSON value, kept as text, so not a typed key of the contract).
+NOT_CONTRACT_COLUMNS = {"doc", "error_detail"}
+# A key whose column holds what its value says in another type: the ISO text of a record's `ts`
+# is a TIMESTAMP column.
+PROJECTED = {"ts": (str, datetime)}
+
+
+def _plain(kind: object) -> object:
+    """A type with its `None` taken out and msgspec's constraints dropped: `str`, `int`, …"""
+    if isinstance(kind, mi.Type):
+        if isinstance(kind, mi.UnionType):
+            (kind,) = [k for k in kind.types if not isinstance(k, mi.NoneType)]
+        if isinstance(kind, mi.ListType):
+            return list[_plain(kind.item_type)]  # type: ignore[misc]
+        plain = {mi.StrType: str, mi.LiteralType: str, mi.IntType: int, mi.FloatType: float,
+                 mi.BoolType: bool}  # fmt: skip
+        return plain[type(kind)]
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        (kind,) = args
+    if typing.get_origin(kind) is typing.Literal:
+        return type(typing.get_args(kind)[0])
+    if typing.get_origin(kind) in (typing.Required, typing.NotRequired):
+        return _plain(typing.get_args(kind)[0])
+    return kind
+
+
+def _drift(contract: type[msgspec.Struct], record: type, table: type[SQLModel]) -> list[str]:
+    """Where the three definitions of a request's keys differ: a key one of them lacks, or a
+    key typed otherwise (as the record or the column holds it)."""
+    info = mi.type_info(contract)
+    assert isinstance(info, mi.StructType)
+    keys = {f.name: _plain(f.type) for f in info.fields}
+    typed = {k: _plain(v) for k, v in typing.get_type_hints(record).items()}
+    columns = {
+        name: _plain(field.annotation)
+        for name, field in table.model_fields.items()
+        if name not in NOT_CONTRACT_COLUMNS
+    }
+    out = [f"{k}: not in {record.__name__}" for k in keys.keys() - typed.keys()]
+    out += [f"{k}: not in {contract.__name__}" for k in typed.keys() - keys.keys()]
+    out += [f"{k}: no column" for k in keys.keys() - columns.keys()]
+    out += [f"{k}: a column, not a key" for k in columns.keys() - keys.keys()]
+    for key in keys.keys() & typed.keys() & columns.keys():
+        in_record, in_column = PROJECTED.get(key, (keys[key], keys[key]))
+        if (typed[key], columns[key]) != (in_record, in_column):
+            out.append(f"{key}: {keys[key]} in the contract, {typed[key]} in the record, "
+                       f"{columns[key]} in the column")  # fmt: skip
+    return sorted(out)
+
+
+def test_the_request_contract_the_typed_record_and_the_events_columns_are_one_shape() -> None:
+    """`RequestEvent` (what a line must meet), `EventDoc` (the record as it leaves validation)
+    and the SQLModel `Event` (the columns its keys are projected into) name the same keys with
+    the same types: a key added to one and not the others, or typed otherwise, fails here."""
+    assert _drift(RequestEvent, EventDoc, Event) == []
+    assert EventDoc.__required_keys__ == {"request_id"}
+
+
+def test_the_shapes_check_names_each_drift() -> None:
+    """The check above fails on drift, naming it: a contract key the columns lack, a column
+    the contract lacks, a key typed otherwise."""
+
+    class Wider(RequestEvent, frozen=True, kw_only=True):
+        new_ms: float | None = None
+
+    class Table(SQLModel):
+        request_id: str
+        ttft_ms: int | None = None  # typed otherwise
+        extra: str | None = None  # a column the contract lacks
+
+    class Record(TypedDict, total=False):
+        request_id: str
+        ttft_ms: float | None
+        new_ms: float | None
+
+    found = _drift(Wider, Record, Table)
+    assert "new_ms: no column" in found
+    assert "extra: a column, not a key" in found
+    assert any(f.startswith("ttft_ms: ") for f in found)
+    assert "model: not in Record" in found
