@@ -19,20 +19,6 @@ from servescope.reports.charts import charts
 from servescope.reports.checklist import checklist
 from servescope.reports.coldstart import cold_start_of
 from servescope.reports.diagnosis import assess_flip, diagnose, primary_indicator
-from servescope.reports.diff import (
-    BY_METRIC,
-    Arm,
-    Side,
-    at_level,
-    attach_gpu,
-    describe_change,
-    design,
-    diff_rows,
-    headline,
-    lever_changes,
-    primary_level,
-    workload_warnings,
-)
 from servescope.reports.document import (
     Bootstrap,
     Compared,
@@ -50,13 +36,21 @@ from servescope.reports.document import (
 )
 from servescope.reports.document import Design as RepeatsDesign
 from servescope.reports.document import Window as WindowDoc
+from servescope.reports.indicators import BY_METRIC, Arm, Side, attach_gpu
 from servescope.reports.judge import judge, power
+from servescope.reports.rows import at_level, design, diff_rows, primary_level
 from servescope.reports.samples import Samples, Slice, choose_sources
 from servescope.reports.sequential import Plan
 from servescope.reports.specdecode import headline_part, spec_diff
 from servescope.reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
 from servescope.reports.windows import WHOLE, Window, resolve
 from servescope.reports.windows import label as window_label
+from servescope.reports.wording import (
+    describe_change,
+    headline,
+    lever_changes,
+    workload_warnings,
+)
 from servescope.store import Store
 from servescope.store.clock import utc_from_epoch
 from servescope.store.reads import RunRow

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from servescope.reports.diff import Side
+from servescope.reports.indicators import Side
 from servescope.reports.svg import TIME_BUCKETS, Marker, Series, chart
 
 CDF_METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end latency"))

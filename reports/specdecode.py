@@ -24,6 +24,13 @@ import numpy as np
 
 from servescope.reports import bootstrap, sql
 from servescope.reports.samples import Slice
+from servescope.reports.verdict import (
+    LOWER,
+    MIN_TAIL_SAMPLES,
+    NOT_MEASURED,
+    TOO_FEW,
+    verdict_of,
+)
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
@@ -104,8 +111,6 @@ def _tpots(con: duckdb.DuckDBPyConnection, part: Slice, source: str) -> dict[str
 
 def _tpot_test(before: np.ndarray | None, after: np.ndarray | None, seed: int, key: str) -> dict:
     """TPOT p50 of one workload on both sides, with the diff's bootstrap interval and verdict."""
-    from servescope.reports.diff import LOWER, NOT_MEASURED, TOO_FEW, _verdict
-
     b = bootstrap.quantile(before, 0.5) if before is not None else None
     a = bootstrap.quantile(after, 0.5) if after is not None else None
     ci, ci_pct = bootstrap.delta_interval(
@@ -114,12 +119,12 @@ def _tpot_test(before: np.ndarray | None, after: np.ndarray | None, seed: int, k
         seed,
         key,
     )
-    verdict = _verdict(b, a, ci if b is not None and a is not None else None, LOWER)
+    verdict = verdict_of(b, a, ci if b is not None and a is not None else None, LOWER)
     # a side with no TPOT at all (every stream came in one chunk: the decode was not seen) is
     # not measured, as the diff's own rows say; one with a few is too few
     if before is None or after is None or not (len(before) and len(after)):
         verdict = NOT_MEASURED
-    elif min(len(before), len(after)) * 0.5 < 3:
+    elif min(len(before), len(after)) * 0.5 < MIN_TAIL_SAMPLES:
         verdict = TOO_FEW
     return {
         "tpot_ms_p50_before": b,

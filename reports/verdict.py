@@ -29,13 +29,21 @@ from functools import cache
 
 import numpy as np
 
+from servescope.reports import sql
 from servescope.reports.bootstrap import Floats
+from servescope.reports.document import Better
 
 ALPHA = 0.05
 # A row's verdict (report.json's `verdict`)
 IMPROVED, REGRESSED, UNCHANGED, UNDECIDED = "improved", "regressed", "unchanged", "undecided"
 NOT_MEASURED, NOT_TESTED = "not measured", "not tested"
 TOO_FEW = "too few samples"
+# Which way an indicator is better (a diff row's `better`)
+LOWER: Better = "lower"
+HIGHER: Better = "higher"
+# A bootstrap cannot see beyond the sample: a quantile's interval means something only with a
+# few requests beyond it on each side (p95 needs 60 requests, p99 300).
+MIN_TAIL_SAMPLES = 3
 # The other rows of a report, as one family (Holm): half the primary's level, so that the report
 # as a whole (primary and family) calls a change in an A/A comparison about 5 % of the time.
 FAMILY_ALPHA = 0.025
@@ -216,3 +224,34 @@ def draws_p_value(delta_draws: Floats) -> float:
     below = float(np.count_nonzero(delta_draws <= 0.0)) / n
     above = float(np.count_nonzero(delta_draws >= 0.0)) / n
     return min(1.0, 2.0 * max(min(below, above), 1.0 / n))
+
+
+def verdict_of(
+    before: float | None, after: float | None, ci: tuple[float, float] | None, better: Better
+) -> str:
+    """A figure's verdict from its interval alone (no family to correct it with): `improved`
+    or `regressed` where the interval of after − before excludes 0, `unchanged` where it
+    covers it."""
+    if before is None or after is None:
+        return NOT_MEASURED
+    if ci is None:
+        return NOT_TESTED
+    lo, hi = ci
+    if lo <= 0.0 <= hi:
+        return UNCHANGED
+    got_lower = hi < 0.0
+    return IMPROVED if got_lower == (better == LOWER) else REGRESSED
+
+
+def too_few(metric: str, counts: list[int]) -> str | None:
+    """Why one run a side cannot give a quantile an interval ("12 requests; p99 needs 300"):
+    fewer than MIN_TAIL_SAMPLES requests beyond it; None when it can."""
+    column, _, name = metric.rpartition(".")
+    if not name.startswith("p") or column not in sql.REPORT_LATENCY_METRICS:
+        return None
+    q = int(name[1:]) / 100
+    fewest = min(counts, default=0)
+    if fewest * min(q, 1 - q) >= MIN_TAIL_SAMPLES:
+        return None
+    needs = math.ceil(MIN_TAIL_SAMPLES / min(q, 1 - q))
+    return f"{fewest} requests; {name} needs {needs}"

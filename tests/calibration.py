@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from servescope.reports import bootstrap, verdict
-from servescope.reports.diff import stratify
+from servescope.reports.rows import stratify
 from servescope.reports.sequential import Plan, read
 from servescope.store import Store
 
@@ -140,7 +140,7 @@ def _level_ttfts(events: list[dict]) -> list[np.ndarray]:
 
 
 def _run_value(levels: list[np.ndarray]) -> tuple[float, Any]:
-    """The run's stratified TTFT p50 and its draws, as reports/diff.py computes them (the
+    """The run's stratified TTFT p50 and its draws, as reports/rows.py computes them (the
     levels weighted by their requests: equal here)."""
     weights = [1.0 / len(levels)] * len(levels)
     values = [bootstrap.quantile(v, 0.5) for v in levels]

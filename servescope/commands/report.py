@@ -38,8 +38,8 @@ from servescope.reports import (
     write_report,
 )
 from servescope.reports.build import PREVIOUS, BadComparison, previous_run
-from servescope.reports.diff import WHOLE_RUN
 from servescope.reports.document import DiffRow, Report
+from servescope.reports.judge import WHOLE_RUN
 from servescope.reports.summary import require_run
 from servescope.store import reads, settings
 from servescope.store.lakeread import Lake
