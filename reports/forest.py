@@ -25,7 +25,7 @@ from markupsafe import Markup
 
 from servescope.reports.judge import STRATIFIED, WHOLE_RUN, is_share
 from servescope.reports.sequential import MARGIN_PCT
-from servescope.reports.svg import _label, _ticks
+from servescope.reports.svg import tick_label, ticks
 
 AXIS = (-100.0, 300.0)  # the most the axis spans, in % (or points)
 TESTED = {"improved": "#1a7f37", "regressed": "#cf222e", "unchanged": "#57606a",
@@ -99,7 +99,7 @@ def _tick(value: float) -> str:
     """An axis label: signed, as many digits as the step needs (−2.5, +300)."""
     if value == 0:
         return "0"
-    return ("−" if value < 0 else "+") + _label(abs(value))
+    return ("−" if value < 0 else "+") + tick_label(abs(value))
 
 
 def levels(report: Mapping[str, Any]) -> list[str]:
@@ -277,7 +277,7 @@ def forest_svg(report: Mapping[str, Any]) -> Markup:
         f'<text x="{px(0):.1f}" y="{TOP - 12}" font-size="10" text-anchor="middle" '
         f'fill="#57606a">{escape(f"±{margin:g} %: no change that matters")}</text>',
     ]
-    for t in _ticks(lo, hi):
+    for t in ticks(lo, hi):
         out.append(
             f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{TOP - 6}" y2="{bottom + 6}" '
             f'stroke="#d0d7de" stroke-width="0.5"/>'

@@ -38,7 +38,9 @@ class Marker:
     label: str
 
 
-def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+def ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """About `count` round axis values (steps of 1, 2, 2.5 or 5 times a power of ten) from
+    `lo` to `hi`: the charts' and the forest plot's axes."""
     if not math.isfinite(lo) or not math.isfinite(hi) or hi <= lo:
         return [lo]
     raw = (hi - lo) / count
@@ -48,12 +50,44 @@ def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
     return [first + i * step for i in range(int((hi - first) / step) + 1)]
 
 
-def _label(value: float) -> str:
+def tick_label(value: float) -> str:
+    """An axis value as short as it reads: 0, 1,250, 12.5, 0.0125."""
     if value == 0:
         return "0"
     if abs(value) >= 1000:
         return f"{value:,.0f}"
     return f"{value:.3g}"
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """The plot's data ranges and the pixels they map to."""
+
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+    plot_w: float = WIDTH - LEFT - RIGHT
+    plot_h: float = HEIGHT - TOP - BOTTOM
+
+    @classmethod
+    def around(cls, drawn: Sequence[Series], markers: Sequence[Marker]) -> _Frame:
+        """Every point and marker inside, y from 0 (or below) with 5 % headroom."""
+        xs = np.concatenate([s.x for s in drawn] + [np.array([m.x for m in markers], float)])
+        ys = np.concatenate([s.y for s in drawn])
+        x0, x1 = float(np.nanmin(xs)), float(np.nanmax(xs))
+        y0, y1 = min(0.0, float(np.nanmin(ys))), float(np.nanmax(ys))
+        if x1 <= x0:
+            x0, x1 = x0 - 1, x1 + 1
+        if y1 <= y0:
+            y1 = y0 + 1
+        return cls(x0, x1, y0, y1 * 1.05)
+
+    def px(self, x: float) -> float:
+        return LEFT + (x - self.x0) / (self.x1 - self.x0) * self.plot_w
+
+    def py(self, y: float) -> float:
+        return TOP + self.plot_h - (y - self.y0) / (self.y1 - self.y0) * self.plot_h
 
 
 def chart(
@@ -69,23 +103,7 @@ def chart(
     drawn = [s for s in series if len(s.x)]
     if not drawn:
         return ""
-    xs = np.concatenate([s.x for s in drawn] + [np.array([m.x for m in markers], float)])
-    ys = np.concatenate([s.y for s in drawn])
-    x0, x1 = float(np.nanmin(xs)), float(np.nanmax(xs))
-    y0, y1 = min(0.0, float(np.nanmin(ys))), float(np.nanmax(ys))
-    if x1 <= x0:
-        x0, x1 = x0 - 1, x1 + 1
-    if y1 <= y0:
-        y1 = y0 + 1
-    y1 *= 1.05
-    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
-
-    def px(x: float) -> float:
-        return LEFT + (x - x0) / (x1 - x0) * plot_w
-
-    def py(y: float) -> float:
-        return TOP + plot_h - (y - y0) / (y1 - y0) * plot_h
-
+    frame = _Frame.around(drawn, markers)
     legend = _legend_places([s.label for s in drawn])
     height = HEIGHT + LEGEND_ROW * max(y for _x, y in legend)
     out = [
@@ -94,19 +112,29 @@ def chart(
         f"<title>{escape(title)}</title>",
         f'<rect x="0" y="0" width="{WIDTH}" height="{height}" fill="#ffffff"/>',
         f'<text x="{LEFT}" y="18" font-size="13" font-weight="600">{escape(title)}</text>',
+        *_axes(frame, x_label, y_label),
+        *_markers(frame, markers),
+        *_series(frame, drawn, legend, dots),
+        "</svg>",
     ]
-    for t in _ticks(y0, y1):
-        out.append(
-            f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{py(t):.1f}" y2="{py(t):.1f}" '
-            f'stroke="#d0d7de" stroke-width="0.5"/>'
-            f'<text x="{LEFT - 6}" y="{py(t) + 4:.1f}" font-size="10" text-anchor="end">'
-            f"{_label(t)}</text>"
-        )
-    for t in _ticks(x0, x1):
-        out.append(
-            f'<text x="{px(t):.1f}" y="{TOP + plot_h + 14}" font-size="10" '
-            f'text-anchor="middle">{_label(t)}</text>'
-        )
+    return "\n".join(out)
+
+
+def _axes(frame: _Frame, x_label: str, y_label: str) -> list[str]:
+    """Grid lines with the y ticks, the x ticks, both axes and their labels."""
+    px, py, plot_w, plot_h = frame.px, frame.py, frame.plot_w, frame.plot_h
+    out = [
+        f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{py(t):.1f}" y2="{py(t):.1f}" '
+        f'stroke="#d0d7de" stroke-width="0.5"/>'
+        f'<text x="{LEFT - 6}" y="{py(t) + 4:.1f}" font-size="10" text-anchor="end">'
+        f"{tick_label(t)}</text>"
+        for t in ticks(frame.y0, frame.y1)
+    ]
+    out += [
+        f'<text x="{px(t):.1f}" y="{TOP + plot_h + 14}" font-size="10" '
+        f'text-anchor="middle">{tick_label(t)}</text>'
+        for t in ticks(frame.x0, frame.x1)
+    ]
     out.append(
         f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{TOP + plot_h}" y2="{TOP + plot_h}" '
         f'stroke="#57606a"/><line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{TOP + plot_h}" '
@@ -116,19 +144,35 @@ def chart(
         f'<text x="12" y="{TOP + plot_h / 2}" font-size="11" text-anchor="middle" '
         f'transform="rotate(-90 12 {TOP + plot_h / 2})">{escape(y_label)}</text>'
     )
+    return out
+
+
+def _markers(frame: _Frame, markers: Sequence[Marker]) -> list[str]:
+    out = []
     for marker in markers:
-        x = px(marker.x)
+        x = frame.px(marker.x)
         # labels of markers in the right half read leftwards, so they stay inside the picture
-        tx, anchor = (x + 3, "start") if x < LEFT + plot_w / 2 else (x - 3, "end")
+        tx, anchor = (x + 3, "start") if x < LEFT + frame.plot_w / 2 else (x - 3, "end")
         out.append(
-            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="#bf8700" '
-            f'stroke-dasharray="4 3"/><text x="{tx:.1f}" y="{TOP + 10}" font-size="10" '
-            f'text-anchor="{anchor}" fill="#9a6700">{escape(marker.label)}</text>'
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + frame.plot_h}" '
+            f'stroke="#bf8700" stroke-dasharray="4 3"/><text x="{tx:.1f}" y="{TOP + 10}" '
+            f'font-size="10" text-anchor="{anchor}" fill="#9a6700">{escape(marker.label)}</text>'
         )
+    return out
+
+
+def _series(
+    frame: _Frame, drawn: Sequence[Series], legend: list[tuple[int, int]], dots: bool
+) -> list[str]:
+    """Each series as a line (or dots) in its colour, and its legend entry."""
+    out = []
     for i, (s, (lx, row)) in enumerate(zip(drawn, legend, strict=True)):
         colour = COLOURS[i % len(COLOURS)]
         keep = ~(np.isnan(s.x) | np.isnan(s.y))
-        points = [(px(float(x)), py(float(y))) for x, y in zip(s.x[keep], s.y[keep], strict=True)]
+        points = [
+            (frame.px(float(x)), frame.py(float(y)))
+            for x, y in zip(s.x[keep], s.y[keep], strict=True)
+        ]
         if dots:
             out.extend(
                 f'<circle cx="{x:.1f}" cy="{y:.1f}" r="1.8" fill="{colour}"/>' for x, y in points
@@ -143,8 +187,7 @@ def chart(
             f'<rect x="{lx}" y="{ly - 16}" width="10" height="10" fill="{colour}"/>'
             f'<text x="{lx + 14}" y="{ly - 7}" font-size="10">{escape(s.label)}</text>'
         )
-    out.append("</svg>")
-    return "\n".join(out)
+    return out
 
 
 def _legend_places(labels: Sequence[str]) -> list[tuple[int, int]]:
