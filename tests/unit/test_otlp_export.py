@@ -17,15 +17,14 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
-from servescope.collector.otlp_export import (
+from servescope.collector.genai import (
     DURATION_BUCKETS,
     TOKEN_BUCKETS,
     TPOT_BUCKETS,
     TTFT_BUCKETS,
-    OtlpExport,
-    StoredRequestForwarder,
     current_attributes,
 )
+from servescope.collector.otlp_export import OtlpExport, StoredRequestForwarder
 from servescope.store import Store, import_file
 from tests.otlp_sink import otlp_http_sink
 
