@@ -48,7 +48,8 @@ from deltalake import DeltaTable, write_deltalake  # noqa: E402
 
 from benchmarks.bench_report import REFERENCE_SQL, _peak_rss  # noqa: E402
 from servescope.store import Store, settings  # noqa: E402
-from servescope.store.lake import RUN_KEY, RUN_KEY_SQL, LakeWriter, run_key  # noqa: E402
+from servescope.store.lake import LakeWriter  # noqa: E402
+from servescope.store.lakelayout import RUN_KEY, RUN_KEY_SQL, run_key  # noqa: E402
 
 RUNS = ("run-20261122-lake-base", "run-20261122-lake-new")
 SIDECARS = 64

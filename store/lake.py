@@ -33,17 +33,12 @@ or after a Delta commit.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import random
-import re
-import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from contextlib import suppress
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
 from pathlib import Path
@@ -55,240 +50,36 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from servescope.store import checkpoints
+from servescope.store.db import StoreBusy
+from servescope.store.lakelayout import (
+    PARTITIONED,
+    RUN_KEY,
+    TABLES,
+    LakeUnavailable,
+    as_delta,
+    brief,
+    count,
+    is_uri,
+    new_sidecar_id,
+    retry_commit,
+    run_key,
+    select,
+    sql_literal,
+    storage_options,
+    table_uri,
+)
+from servescope.store.lakeowed import Mark, Owed, changed_flips
 
 if TYPE_CHECKING:
     from servescope.store.db import Store
 
 log = logging.getLogger("servescope.lake")
 
-TABLES = ("events", "metric_samples", "runs", "lever_flips", "runtime_events")
-PARTITIONED = ("events", "metric_samples", "runtime_events")
-RUN_KEY = "run_key"
-COMMIT_ATTEMPTS = 12  # a commit that loses a race with another sidecar's is tried again
 # A trickle commits to the store every 0.25 s; the lake gets its flushes together at most this
 # often (a Delta commit per table each time: its log, listed at each commit, stays short).
 INTERVAL_S = 5.0
 HELD_ROWS = 250_000  # or sooner, once the flushes not yet written hold this many requests
 FRESH_ROWS = 10_000  # a flush of this many new requests and nothing else is read after its commit
-
-# Each table's columns (as the store's inserts name theirs): a sidecar of this version writes
-# exactly these whatever columns a newer servescope has added to its store.
-_COLUMNS: dict[str, str] = {
-    "events": "",  # the schema's (store.schema_sql.event_columns)
-    "metric_samples": "timezone('UTC', ts) AS ts, target, name, labels, run_id, value",
-    "runs": "run_id, timezone('UTC', started_at) AS started_at, timezone('UTC', ended_at) AS"
-    " ended_at, label, target, model, vllm_version, CAST(levers AS VARCHAR) AS levers,"
-    " CAST(workload AS VARCHAR) AS workload, status, CAST(notes AS VARCHAR) AS notes",
-    "lever_flips": "timezone('UTC', ts) AS ts, lever, run_id, before, after, note, before_run_id",
-    "runtime_events": "run_id, event_id, type, timezone('UTC', ts) AS ts, request_id, trace_id,"
-    " after_request_id, timezone('UTC', ingested_at) AS ingested_at, seq,"
-    " CAST(doc AS VARCHAR) AS doc",
-}
-
-# `run_key` in SQL: the id when it is a plain name, else its sanitised head and a digest.
-RUN_KEY_SQL = (
-    "CASE WHEN run_id IS NULL THEN '~' "
-    "WHEN regexp_full_match(run_id, '[A-Za-z0-9._-]{1,120}') THEN run_id "
-    "ELSE '~' || regexp_replace(left(run_id, 40), '[^A-Za-z0-9._-]', '_', 'g') || '~' "
-    "|| left(sha256(run_id), 16) END"
-)
-_PLAIN = re.compile(r"[A-Za-z0-9._-]{1,120}")
-
-
-def run_key(run_id: str | None) -> str:
-    """The `run_key` partition of a run (as RUN_KEY_SQL computes it)."""
-    if run_id is None:
-        return "~"
-    if _PLAIN.fullmatch(run_id):
-        return run_id
-    head = re.sub(r"[^A-Za-z0-9._-]", "_", run_id[:40])
-    return f"~{head}~{hashlib.sha256(run_id.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
-
-
-def table_columns(table: str) -> str:
-    """The columns the lake holds of `table`, as a SELECT list over the store's table."""
-    if table == "events":
-        from servescope.store import schema_sql  # the writer's (a reader never needs it)
-
-        return ", ".join(
-            f'timezone(\'UTC\', "{name}") AS "{name}"' if kind == "TIMESTAMP" else f'"{name}"'
-            for name, kind in schema_sql.event_columns()
-        )
-    return _COLUMNS[table]
-
-
-def select(table: str, where: str) -> str:
-    """A table's rows as the lake holds them (timestamps as UTC instants, `run_key`)."""
-    key = f", {RUN_KEY_SQL} AS {RUN_KEY}" if table in PARTITIONED else ""
-    return f"SELECT {table_columns(table)}{key} FROM {table} WHERE {where}"  # noqa: S608
-
-
-def as_delta(rows: pa.Table) -> pa.Table:
-    """Timestamps in the one time zone Delta's `timestamp` type names (DuckDB labels UTC
-    instants with its session's zone, `Etc/UTC` here)."""
-    fields = [
-        pa.field(f.name, pa.timestamp("us", "UTC"), f.nullable)
-        if pa.types.is_timestamp(f.type) else f
-        for f in rows.schema
-    ]  # fmt: skip
-    return rows.cast(pa.schema(fields))
-
-
-def is_uri(location: str | Path) -> bool:
-    return "://" in str(location)
-
-
-def table_uri(location: str | Path, table: str) -> str:
-    text = str(location)
-    if is_uri(text):
-        return f"{text.rstrip('/')}/{table}"
-    return str(Path(text).resolve() / table)
-
-
-def storage_options() -> dict[str, str] | None:
-    """delta-rs reads the usual variables itself (AWS_ACCESS_KEY_ID, AWS_REGION,
-    AWS_ENDPOINT_URL, GOOGLE_SERVICE_ACCOUNT, AZURE_STORAGE_ACCOUNT_NAME …); nothing to add."""
-    return None
-
-
-def new_sidecar_id() -> str:
-    """This store's name in the lake: the host (for people) and 48 random bits (uniqueness)."""
-    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:40] or "host"
-    return f"{host}_{secrets.token_hex(6)}"
-
-
-def sql_literal(value: Any) -> str:
-    """A value inside a single-quoted SQL literal (DuckDB's and delta-rs' predicates alike)."""
-    return str(value).replace("'", "''")
-
-
-def retry_commit(action: Callable[[], Any], what: str) -> Any:
-    """Run a Delta commit, again after a conflict with another writer's (a merge or a compaction
-    that read files another commit changed), with jittered back-off."""
-    for attempt in range(COMMIT_ATTEMPTS):
-        try:
-            return action()
-        except CommitFailedError as exc:
-            if attempt == COMMIT_ATTEMPTS - 1:
-                raise
-            log.debug("lake: %s lost a commit race (%s); trying again", what, exc)
-            time.sleep(random.uniform(0.02, 0.1) * (attempt + 1))
-    return None
-
-
-class LakeUnavailable(OSError):
-    """The lake cannot be opened or created (a bucket without credentials, a folder not
-    writable, a table of another format)."""
-
-
-def _brief(exc: BaseException) -> str:
-    """An object store's error chain (a dozen indented `↳` lines) as its first and last line."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # delta-rs colours its chain
-    lines = [line.strip(" ↳") for line in text.splitlines() if line.strip(" ↳")]
-    if not lines:
-        return repr(exc)
-    return lines[0] if len(lines) == 1 else f"{lines[0]} … {lines[-1]}"
-
-
-# -- what a flush owes the lake ------------------------------------------------------------------
-
-
-@dataclass
-class Mark:
-    """Where the store's tables stood when a flush began (inside its transaction)."""
-
-    rowids: dict[str, int]
-    events: int
-
-
-@dataclass
-class Owed:
-    """What flush `seq` committed to the store and the lake gets from it.
-
-    Its `events` rows are taken inside its transaction (`held`): DuckDB may renumber rowids
-    when it checkpoints a table whose rows were deleted (a request moved to another run, an
-    update DuckDB makes as a delete and an insert), so "the rows past the start" is exact only
-    there. Except a backlog's flush whose every request is new (`fresh`, their count): its rows
-    are read after the commit, off the collector's path, and written at once; had a rowid moved
-    meanwhile, fewer rows than `fresh` lie past the start, and its runs are merged whole. Should
-    the process die before held rows are written, the next start merges every row of the runs
-    the flush touched (`touched`) instead. Its updated requests (a MERGE, not an
-    append) and those that left a run (deleted there) are named; `since` is a little below the
-    earliest `ts` the lake's rows of them have, so the MERGE reads only files that may hold
-    them. `metric_samples` and `runtime_events` only ever gain rows in a flush: the rows past
-    `after`. `runs` and `flips`: the runs and restarts it changed."""
-
-    seq: int
-    after: dict[str, int]
-    updated: list[tuple[str, str]] = field(default_factory=list)
-    moved: list[tuple[str, str]] = field(default_factory=list)
-    touched: list[str | None] = field(default_factory=list)
-    fresh: int = 0
-    since: str | None = None
-    runs: list[str] = field(default_factory=list)
-    flips: list[tuple[str, str]] = field(default_factory=list)
-    held: pa.Table | None = field(default=None, repr=False, compare=False)
-
-    def state(self) -> dict[str, Any]:
-        """What the store keeps (not the rows held in memory)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "held"}
-
-    def then(self, later: Owed) -> Owed:
-        """This unwritten flush and a later one as one write: the later flush's rows win where
-        both hold a request, and a request the later one moved away is only a deletion."""
-        gone = set(later.moved)
-        if self.held is not None and later.held is not None:
-            held: pa.Table | None = _latest(pa.concat_tables([self.held, later.held]), gone)
-        elif self.held is None and not self.touched and not later.fresh:
-            held = later.held
-        elif later.held is None and not later.touched and self.held is not None and not self.fresh:
-            held = _latest(self.held, gone)
-        else:  # a flush whose rows were not taken (adopted from the store): its runs whole
-            held = None
-        times = [o.since for o in (self, later) if o.updated or o.moved]
-        return Owed(
-            seq=later.seq,
-            after=self.after,
-            updated=sorted((set(self.updated) | set(later.updated)) - gone),
-            moved=sorted(set(self.moved) | gone),
-            touched=sorted(set(self.touched) | set(later.touched), key=str),
-            since=None if None in times else min(times, default=None),  # type: ignore[type-var]
-            runs=sorted(set(self.runs) | set(later.runs)),
-            flips=sorted(set(self.flips) | set(later.flips)),
-            held=held,
-        )
-
-    @property
-    def rows(self) -> int:
-        return self.held.num_rows if self.held is not None else 0
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Owed:
-        return cls(
-            seq=int(state["seq"]),
-            after={k: int(v) for k, v in state.get("after", {}).items()},
-            updated=[(str(r), str(q)) for r, q in state.get("updated", [])],
-            moved=[(str(r), str(q)) for r, q in state.get("moved", [])],
-            touched=list(state.get("touched", [])),
-            fresh=int(state.get("fresh") or 0),
-            since=state.get("since"),
-            runs=[str(r) for r in state.get("runs", [])],
-            flips=[(str(r), str(b)) for r, b in state.get("flips", [])],
-        )
-
-
-def _latest(rows: pa.Table, gone: set[tuple[str, str]]) -> pa.Table:
-    """One row per request, the last one, none of the requests in `gone`."""
-    order = pa.array(range(rows.num_rows), pa.int64())
-    last = (
-        rows.select(["run_id", "request_id"]).append_column("lake_order", order)
-        .group_by(["run_id", "request_id"]).aggregate([("lake_order", "max")])
-    )  # fmt: skip
-    keys = zip(last.column("run_id").to_pylist(), last.column("request_id").to_pylist(),
-               strict=True)  # fmt: skip
-    keep = [int(k) for k, key in zip(last.column("lake_order_max").to_pylist(), keys, strict=True)
-            if key not in gone and k is not None]  # fmt: skip
-    return rows.take(pa.array(sorted(keep), pa.int64()))
 
 
 @dataclass
@@ -330,7 +121,7 @@ class LakeWriter:
                 self._adopt(con)
                 self._drain(con)
         except (DeltaError, OSError) as exc:
-            raise LakeUnavailable(_brief(exc)) from exc
+            raise LakeUnavailable(brief(exc)) from exc
 
     def _state_of(self, con: duckdb.DuckDBPyConnection | None) -> dict[str, Any]:
         if con is None:
@@ -417,7 +208,7 @@ class LakeWriter:
             owed.touched = sorted(set(owed.held.column("run_id").to_pylist()), key=str)
         if touched != new:
             self._note_updates(con, mark, owed)
-        owed.flips = _changed_flips(con, mark, list(flip_groups))
+        owed.flips = changed_flips(con, mark, list(flip_groups))
         if not (touched or owed.moved or owed.runs or owed.flips or any(
             count(con, f"SELECT count(*) FROM {t} WHERE rowid > {mark.rowids[t]}")  # noqa: S608
             for t in ("metric_samples", "runtime_events")
@@ -554,7 +345,7 @@ class LakeWriter:
         start, which writes it, when that fails)."""
         try:
             self.drain()
-        except Exception as exc:
+        except (DeltaError, OSError, pa.ArrowException, duckdb.Error, StoreBusy) as exc:
             log.warning("lake: flush %d is not written yet (%s); the next start writes it",
                         self.seq, exc)  # fmt: skip
 
@@ -683,40 +474,3 @@ class LakeWriter:
         )
         write_deltalake(self.table(name), rows, mode="overwrite", predicate=predicate,
                         schema_mode="merge", commit_properties=txn)  # fmt: skip
-
-
-def _changed_flips(
-    con: duckdb.DuckDBPyConnection, mark: Mark, groups: list[tuple[str, str]]
-) -> list[tuple[str, str]]:
-    """The restarts (run, previous run) whose set of flips this transaction changed."""
-    if not groups:
-        return []
-    params = [[g[0] for g in groups], [g[1] for g in groups]]
-    after = int(mark.rowids.get("lever_flips", -1))
-    since = _FLIP_GROUPS + f" AND rowid > {after}"
-    changed = {tuple(r) for r in con.execute(since, params).fetchall()}
-    now = {tuple(r) for r in con.execute(_FLIP_GROUPS, params).fetchall()}
-    with con.cursor() as before:  # the store as it was before this flush
-        had = {tuple(r) for r in before.execute(_FLIP_GROUPS, params).fetchall()}
-    return sorted((str(r), str(b)) for r, b in changed | (had - now))
-
-
-_FLIP_GROUPS = """
-SELECT DISTINCT run_id, before_run_id FROM lever_flips
-WHERE (run_id, before_run_id) IN (SELECT unnest($1::VARCHAR[]), unnest($2::VARCHAR[]))
-"""
-
-
-def count(con: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> int:
-    """The one number a `SELECT count(*) …` returns (fetched whole: DuckDB 2 refuses more work
-    on a connection with a result left open)."""
-    rows = con.execute(sql, params).fetchall()
-    return int(rows[0][0]) if rows else 0
-
-
-def exists(location: str | Path) -> bool:
-    """Whether a lake is there (its `events` table)."""
-    try:
-        return DeltaTable.is_deltatable(table_uri(location, "events"), storage_options())
-    except OSError:
-        return False

@@ -24,11 +24,11 @@ from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
 from servescope.store.clock import iso, utcnow
-from servescope.store.lake import (
+from servescope.store.lake import LakeWriter
+from servescope.store.lakelayout import (
     PARTITIONED,
     RUN_KEY,
     TABLES,
-    LakeWriter,
     retry_commit,
     storage_options,
     table_uri,

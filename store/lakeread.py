@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable
 
 from servescope.store.db import Store, quiet
-from servescope.store.lake import (
+from servescope.store.lakelayout import (
     PARTITIONED,
     RUN_KEY,
     TABLES,
