@@ -1,5 +1,5 @@
-"""What every tier shares: the CLI as a user runs it, the tiny models, a temporary data folder,
-recorded stand-ins for `/metrics` pages, and how `make test` groups the modules on its workers.
+"""What every tier shares: the tiny models, a temporary data folder, a recorded dcgm-exporter, and
+how `make test` groups the modules on its workers (shared code is in tests/helpers).
 The session's real vLLM servers are tests/e2e/conftest.py's. A part that cannot start fails the
 tests that need it; nothing here skips."""
 
@@ -8,10 +8,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import http.server
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,12 +18,8 @@ import pytest
 
 from servescope.loadgen.tiny_model import FOLDERS, is_built, make_tiny_model
 from servescope.store import settings
-from servescope.store.settings import free_port  # noqa: F401  # the tests import it from here
-
-ROOT = Path(__file__).resolve().parents[1]
-# The tiny models, where the Makefile builds them: an input of the suite, never its output.
-MODELS = ROOT / settings.DEFAULT_DATA_DIR / "models"
-SERVESCOPE = [sys.executable, "-m", "servescope.cli"]
+from tests.helpers.cli import MODELS
+from tests.helpers.stand_ins import RecordedDcgmExporter
 
 # Every vLLM the suite starts (here, in `experiment run`, by hand) inherits this: no
 # torch.compile (vLLM reads it as `-cc.mode=none`, the model runs eagerly). What servescope
@@ -98,33 +91,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     psutil.wait_procs(leftovers, timeout=10)
 
 
-def bench_args(config: str | Path, target: str, run_id: str, store: str | Path) -> list[str]:
-    """`servescope bench run` arguments: one workload file against one server, into one store."""
-    return ["bench", "run", "--config", str(config), "--target", target, "--run-id", run_id,
-            "--store", str(store)]  # fmt: skip
-
-
-def servescope(
-    *args: str,
-    cwd: Path | None = None,
-    timeout: float = 900,
-    check: bool = False,
-    env: dict[str, str] | None = None,
-) -> subprocess.CompletedProcess[str]:
-    """Run the CLI as a user would; returns the completed process (stdout/stderr as text)."""
-    result = subprocess.run(
-        [*SERVESCOPE, *args],
-        cwd=cwd or ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(f"servescope {' '.join(args)} -> {result.returncode}\n{result.stderr}")
-    return result
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     """Refuse to run ungrouped: each worker would start its own session servers."""
@@ -173,58 +139,6 @@ def _built(model: Path, kind: str) -> Path:
 @pytest.fixture(scope="session")
 def predictable_model() -> Path:
     return _built(MODELS / FOLDERS["predictable"], "predictable")
-
-
-def read_events(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-class RestartableVllmMetrics(http.server.BaseHTTPRequestHandler):
-    """A stand-in for the `/metrics` of a vLLM restarted with other flags between two scrapes (a
-    real restart costs 90 s): `vllm:cache_config_info` with `LABELS` and the labels of `CONFIG`,
-    the process start `STARTED`, then `EXTRA`. A test subclasses it, and changes `CONFIG` and
-    `STARTED` to restart the server."""
-
-    CONFIG: dict[str, str] = {}
-    STARTED = 0.0
-    LABELS = 'engine="0"'
-    EXTRA = ""
-
-    def do_GET(self) -> None:  # noqa: N802
-        labels = ",".join([self.LABELS, *(f'{k}="{v}"' for k, v in self.CONFIG.items())])
-        body = (
-            f"process_start_time_seconds {self.STARTED}\n"
-            "# TYPE vllm:cache_config_info gauge\n"
-            f"vllm:cache_config_info{{{labels}}} 1.0\n{self.EXTRA}"
-        ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        return
-
-
-GPU_FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
-
-
-class RecordedDcgmExporter(http.server.BaseHTTPRequestHandler):
-    """A dcgm-exporter's `/metrics` page recorded on a GPU server (`tests/fixtures/gpu/`),
-    served as it was scraped: a stand-in for the exporter, which needs a GPU."""
-
-    PAGE = GPU_FIXTURES / "dcgm-exporter.txt"
-
-    def do_GET(self) -> None:  # noqa: N802
-        body = self.PAGE.read_bytes()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        return
 
 
 @pytest.fixture(scope="module")

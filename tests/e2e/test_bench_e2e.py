@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import bench_args, read_events, servescope
-from tests.e2e.conftest import RunningServer
+from tests.helpers.cli import bench_args, read_events, servescope
+from tests.helpers.vllm import RunningServer
 
 WORKLOAD = """
 workloads:

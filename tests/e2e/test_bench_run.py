@@ -19,8 +19,8 @@ from servescope.loadgen.prompts import PromptBook, PromptMaker
 from servescope.loadgen.record import SATURATION_LAG_MS
 from servescope.loadgen.workload import load_config
 from servescope.store import Store, settings
-from tests.conftest import ROOT, SERVESCOPE, bench_args, read_events, servescope
-from tests.e2e.conftest import RunningServer
+from tests.helpers.cli import ROOT, SERVESCOPE, bench_args, read_events, servescope
+from tests.helpers.vllm import RunningServer
 
 
 def _epoch(ts: str) -> float:

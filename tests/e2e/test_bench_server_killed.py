@@ -11,7 +11,8 @@ from pathlib import Path
 
 from servescope.loadgen.launcher import VllmServer
 from servescope.store import Store, settings
-from tests.conftest import ROOT, SERVESCOPE, bench_args, free_port, read_events
+from servescope.store.settings import free_port
+from tests.helpers.cli import ROOT, SERVESCOPE, bench_args, read_events
 
 
 def test_a_server_killed_mid_run_gives_error_events_and_exit_1(

@@ -12,8 +12,8 @@ import pytest
 
 from servescope.store import settings
 from servescope.wire.kv_statement import kv_cache_from_log
-from tests.conftest import servescope
-from tests.e2e.conftest import RunningServer
+from tests.helpers.cli import servescope
+from tests.helpers.vllm import RunningServer
 from tests.integration.test_capacity import capacity
 
 

@@ -17,8 +17,9 @@ import duckdb
 import pytest
 
 from servescope.store import Store, reads
-from tests.conftest import ROOT, SERVESCOPE, free_port, servescope
-from tests.e2e.conftest import RunningServer, wait_port
+from servescope.store.settings import free_port
+from tests.helpers.cli import ROOT, SERVESCOPE, servescope
+from tests.helpers.vllm import RunningServer, wait_port
 
 pytestmark = pytest.mark.vllm
 

@@ -9,8 +9,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tests.e2e.conftest import RunningServer
 from tests.e2e.test_sessions_e2e import _complete
+from tests.helpers.vllm import RunningServer
 from tests.integration.test_container_logs import (
     MAX_RECORD,
     _collect,

@@ -32,8 +32,9 @@ import yaml
 
 from servescope.dashboards import DASHBOARDS, RULES_DIR, dashboard_json
 from servescope.dashboards.lint import PanelQuery, annotation_queries, queries, substitute
-from tests.conftest import ROOT, SERVESCOPE, bench_args, free_port, servescope
-from tests.e2e.conftest import RunningServer
+from servescope.store.settings import free_port
+from tests.helpers.cli import ROOT, SERVESCOPE, bench_args, servescope
+from tests.helpers.vllm import RunningServer
 
 pytestmark = pytest.mark.vllm
 

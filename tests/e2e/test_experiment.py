@@ -14,7 +14,7 @@ import pytest
 from servescope.loadgen.experiment import KEPT_UP, STATE_RESET
 from servescope.reports.experiment import OUTCOME_INDICATORS
 from servescope.store import Store, settings
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 
 
 @pytest.fixture(scope="module")

@@ -37,8 +37,9 @@ from servescope.loadgen.fleet import GatewayProcess, gateway_config
 from servescope.loadgen.launcher import VllmServer
 from servescope.reports.histograms import bucket_bound
 from servescope.store import Store, settings
-from tests.conftest import ROOT, SERVESCOPE, free_port, read_events, servescope
-from tests.e2e.conftest import RunningServer
+from servescope.store.settings import free_port
+from tests.helpers.cli import ROOT, SERVESCOPE, read_events, servescope
+from tests.helpers.vllm import RunningServer
 
 pytestmark = pytest.mark.vllm
 

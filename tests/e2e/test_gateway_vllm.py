@@ -28,9 +28,10 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from servescope.loadgen.client import stream_request
+from servescope.store.settings import free_port
 from servescope.wire.stream import CHAT, COMPLETIONS
-from tests.conftest import ROOT, SERVESCOPE, free_port, read_events, servescope
-from tests.e2e.conftest import RunningServer, paused
+from tests.helpers.cli import ROOT, SERVESCOPE, read_events, servescope
+from tests.helpers.vllm import RunningServer, paused
 
 pytestmark = pytest.mark.vllm
 

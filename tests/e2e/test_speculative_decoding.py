@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from servescope.store import Store
-from tests.conftest import servescope
-from tests.e2e.conftest import RunningServer
+from tests.helpers.cli import servescope
+from tests.helpers.vllm import RunningServer
 
 pytestmark = pytest.mark.vllm
 

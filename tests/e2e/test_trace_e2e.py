@@ -20,10 +20,11 @@ import pytest
 import yaml
 
 from servescope.loadgen.client import stream_request
+from servescope.store.settings import free_port
 from servescope.wire.stream import COMPLETIONS
-from tests.conftest import ROOT, SERVESCOPE, bench_args, free_port
-from tests.e2e.conftest import RunningServer
-from tests.otlp_sink import otlp_http_sink
+from tests.helpers.cli import ROOT, SERVESCOPE, bench_args
+from tests.helpers.otlp_sink import otlp_http_sink
+from tests.helpers.vllm import RunningServer
 
 RUN = "run-20261122-traced"
 KEY = "sk-trace-test"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 
 from servescope.loadgen.launcher import load_profiles, server_set
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 
 MODEL = "deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 
 
 def test_bad_input_exits_2_with_a_message(tmp_path: Path) -> None:

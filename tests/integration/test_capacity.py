@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from servescope.wire.kv_statement import kv_cache_from_log, kv_cache_statement
-from tests.conftest import ROOT, servescope
+from tests.helpers.cli import ROOT, servescope
 
 GIB = 1 << 30
 # Public configs, as their config.json files say (the keys the arithmetic reads).

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from servescope.loadgen import gpu_memory
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 
 CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "kv" / "config-8b.json"
 

@@ -12,7 +12,7 @@ import duckdb
 from pythonjsonlogger.jsonlogger import JsonFormatter  # the class vLLM's JSON logging uses
 
 from servescope.wire.vllm_log import Access, Bad, Piece, parse_line
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 from tests.unit.test_collector import ACCESS, ADDED, LEVERS, RECEIVED
 
 

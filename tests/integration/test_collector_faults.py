@@ -21,7 +21,8 @@ from pathlib import Path
 
 import duckdb
 
-from tests.conftest import ROOT, SERVESCOPE, free_port
+from servescope.store.settings import free_port
+from tests.helpers.cli import ROOT, SERVESCOPE
 
 TOTAL = 50_000  # 250 lines a step: the kills and rotations fall among steps, not lines
 STEPS = 200  # the writer's steps: TOTAL / STEPS lines each

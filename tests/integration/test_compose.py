@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from servescope.store import settings
+from servescope.store.settings import free_port
 from servescope.wire import vllm_log
-from tests.conftest import ROOT, free_port, servescope
+from tests.helpers.cli import ROOT, servescope
 
 COMPOSE = ROOT / "compose"
 COMPOSE_FILE = COMPOSE / "docker-compose.yaml"

@@ -20,7 +20,8 @@ from typing import Any
 import duckdb
 import pytest
 
-from tests.conftest import ROOT, SERVESCOPE, free_port, servescope
+from servescope.store.settings import free_port
+from tests.helpers.cli import ROOT, SERVESCOPE, servescope
 from tests.unit.test_container_log import Written, cri_records, docker_records
 from tests.unit.test_gpu_log import GPU_LOG
 

@@ -16,7 +16,7 @@ from servescope.dashboards import (
     DASHBOARDS,
     DATASOURCE_UID,
 )
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 from tests.unit.test_dashboards import BUILT, RULE_FILES, RULE_TESTS
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from servescope.store import Store
 from servescope.wire.exposition import parse_exposition
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 # Each recording: its log, and its pages with the time each was scraped (UTC, as the log's

@@ -15,7 +15,7 @@ import pytest
 
 from servescope.reports.diagnosis import load_rules
 from servescope.store import Store
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 
 T0 = datetime(2026, 11, 23, 9, 0, 0)
 BASE_LEVERS = {"enable_prefix_caching": True, "enable_chunked_prefill": True,

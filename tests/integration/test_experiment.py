@@ -13,8 +13,8 @@ from rich.console import Console
 
 from servescope.commands.experiment import ready_model
 from servescope.reports.outcome import outcome_table
-from tests.conftest import servescope
 from tests.e2e.test_experiment import _whole
+from tests.helpers.cli import servescope
 
 
 def _outcome_row(profile: str, repeat: int, hit: float | None) -> dict:

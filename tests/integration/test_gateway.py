@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from servescope.gateway.timing import RelayTiming
 from servescope.wire.stream import CHAT, COMPLETIONS, StreamTiming
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 
 
 def test_cli_refuses_a_bad_config_with_exit_2(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import duckdb
 
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 from tests.unit.test_gpu_log import GPU_LOG
 
 

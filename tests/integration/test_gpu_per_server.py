@@ -33,7 +33,8 @@ from servescope.collector import gpu
 from servescope.dashboards import DASHBOARDS, dashboard_json
 from servescope.dashboards.lint import queries, substitute
 from servescope.store import Store
-from tests.conftest import ROOT, SERVESCOPE, free_port, servescope
+from servescope.store.settings import free_port
+from tests.helpers.cli import ROOT, SERVESCOPE, servescope
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gpu"
 UUID_1 = "GPU-00000000-0000-0000-0000-000000000001"

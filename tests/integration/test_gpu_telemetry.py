@@ -20,7 +20,8 @@ import pytest
 
 from servescope.collector import gpu
 from servescope.store import Store
-from tests.conftest import ROOT, SERVESCOPE, free_port, servescope
+from servescope.store.settings import free_port
+from tests.helpers.cli import ROOT, SERVESCOPE, servescope
 from tests.unit.test_gpu_telemetry import FIXTURES, _records
 
 

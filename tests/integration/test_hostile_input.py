@@ -23,8 +23,8 @@ from servescope.collector import Collector, FlushReport
 from servescope.collector.sources.events import EventsFiles
 from servescope.store import Store
 from servescope.store.paths import name_of, safe_name
-from tests.conftest import ROOT
-from tests.conftest import servescope as _servescope
+from tests.helpers.cli import ROOT
+from tests.helpers.cli import servescope as _servescope
 
 DEEP = 100_000
 ODD_RUN_IDS = [

@@ -24,7 +24,7 @@ import yaml
 
 from servescope.cli import build_parser
 from servescope.store import settings
-from tests.conftest import ROOT, servescope
+from tests.helpers.cli import ROOT, servescope
 
 KUBE = ROOT / "compose" / "kubernetes"
 OVERLAYS = ("cpu", "gpu", "multi-gpu")

@@ -29,7 +29,8 @@ from deltalake import DeltaTable
 
 from servescope.store import Store
 from servescope.store.lakeread import Lake
-from tests.conftest import ROOT, SERVESCOPE, free_port
+from servescope.store.settings import free_port
+from tests.helpers.cli import ROOT, SERVESCOPE
 from tests.integration.test_lake_writer import PER_SIDECAR, RUNS, SIDECARS, STEPS
 
 

@@ -19,7 +19,8 @@ import pytest
 
 from servescope.store import Store
 from servescope.store.lakeread import Lake
-from tests.conftest import ROOT, SERVESCOPE, free_port
+from servescope.store.settings import free_port
+from tests.helpers.cli import ROOT, SERVESCOPE
 from tests.integration.test_lake import _metrics, _wait_up
 
 RUN = "run-20261125-diskfull"

@@ -1,6 +1,6 @@
 """Profiles, levers and the command lines the launcher builds."""
 
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 
 
 def test_dry_run_prints_the_command_line() -> None:

@@ -19,8 +19,8 @@ from servescope.collector.otlp_export import (
     exporters,
 )
 from servescope.store import Store
-from tests.conftest import servescope
-from tests.otlp_sink import otlp_http_sink
+from tests.helpers.cli import servescope
+from tests.helpers.otlp_sink import otlp_http_sink
 from tests.unit.test_otlp_export import RECORDS, RUN, TRACE, stored_records
 
 

@@ -11,7 +11,7 @@ from markdown_it import MarkdownIt
 from markupsafe import escape
 
 from servescope.store import Store
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 from tests.unit.test_store import SEED_LINE
 
 

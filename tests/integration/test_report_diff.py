@@ -19,7 +19,7 @@ import pytest
 
 from servescope.reports import bootstrap
 from servescope.store import Store
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 from tests.integration.test_report import markdown_text
 
 T0 = datetime(2026, 11, 22, 4, 0, 0)

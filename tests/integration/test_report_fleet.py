@@ -11,7 +11,7 @@ from pathlib import Path
 
 from servescope.reports.diagnosis import diagnose
 from servescope.store import Store
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 from tests.unit.test_report_fleet import T0, fleet_run
 
 

@@ -28,7 +28,7 @@ from servescope.reports.judge import is_share
 from servescope.reports.render import render
 from servescope.store import Store
 from tests.calibration import store_comparison
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 from tests.integration.test_report import markdown_text
 from tests.integration.test_report_diff import T0, store_run, synthetic_events
 from tests.integration.test_report_html import chromium  # noqa: F401 (the fixture)

@@ -28,7 +28,7 @@ import pytest
 from PIL import Image
 
 from servescope.store import Store
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 from tests.integration.test_report_diff import T0, store_run, synthetic_events
 
 HOSTILE = "<script>alert(1)</script>"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from servescope.store import Store
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 from tests.integration.test_report_diff import percentile
 
 T0 = datetime(2026, 11, 22, 5, 0, 0)

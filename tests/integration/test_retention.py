@@ -22,7 +22,7 @@ from servescope.collector import Collector
 from servescope.collector.selfmetrics import SelfMetrics
 from servescope.collector.sources.events import EventsFiles
 from servescope.store import Store, import_file, retention
-from tests.conftest import SERVESCOPE, servescope
+from tests.helpers.cli import SERVESCOPE, servescope
 
 DAY = timedelta(days=1)
 SERIES = [  # (target, name, labels, run_id)

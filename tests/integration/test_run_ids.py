@@ -19,7 +19,7 @@ from servescope.collector import Collector
 from servescope.collector.sessions import default_instance, instance_name, session_run_id
 from servescope.collector.sources.logs import VllmLog
 from servescope.store import Store
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 
 QWEN3 = Path(__file__).resolve().parents[1] / "fixtures" / "gpu2" / "vllm-qwen3.log"
 # vllm-qwen3.log: one server, qwen3-8b-dummy on the default port 8000, started 11-27 00:13:17

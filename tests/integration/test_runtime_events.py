@@ -10,7 +10,7 @@ import duckdb
 
 from servescope.store import Store
 from servescope.store.parquet import export_parquet
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 from tests.unit.test_runtime_events import LINES, RUN, write_lines
 
 

@@ -21,7 +21,7 @@ from servescope.reports import ReportOptions, build_diff
 from servescope.reports.sequential import Plan
 from servescope.store import Store
 from tests.calibration import sequential_trial, store_comparison
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 
 A_A, EFFECTS = 200, 50
 CHANGES = {"improved", "regressed"}

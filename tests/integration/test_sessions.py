@@ -15,7 +15,8 @@ from pathlib import Path
 
 import duckdb
 
-from tests.conftest import RestartableVllmMetrics, servescope
+from tests.helpers.cli import servescope
+from tests.helpers.stand_ins import RestartableVllmMetrics
 
 
 def _server_log(port: int, minute: int, caching: bool, requests: list[str]) -> list[str]:

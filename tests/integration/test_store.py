@@ -10,7 +10,7 @@ import duckdb
 from servescope.store import (
     Store,
 )
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 from tests.unit.test_store import SEED_LINE
 
 

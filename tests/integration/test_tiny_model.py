@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from servescope.loadgen.tiny_model import checksum
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from servescope import cli
 from servescope.reports import verdict
 from servescope.store import Store
 from tests.calibration import Comparison, store_comparison
-from tests.conftest import servescope
+from tests.helpers.cli import servescope
 from tests.integration.test_report import markdown_text
 
 A_A = 20

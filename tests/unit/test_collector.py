@@ -20,9 +20,10 @@ from servescope.collector.sources.events import EventsFiles
 from servescope.collector.sources.metrics import MetricsTarget
 from servescope.collector.sources.otlp import OtlpTraces
 from servescope.store import Store
+from servescope.store.settings import free_port
 from servescope.wire.ids import client_request_id
 from servescope.wire.vllm_log import Access, Levers, Piece, Stats, Tick, parse_line
-from tests.conftest import RestartableVllmMetrics, free_port
+from tests.helpers.stand_ins import RestartableVllmMetrics
 
 # Lines as vLLM 0.32 writes them (from a real server log, text format).
 RECEIVED = (

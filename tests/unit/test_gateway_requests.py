@@ -17,7 +17,7 @@ import yaml
 from servescope.gateway import health
 from servescope.gateway.config import parse_config
 from servescope.gateway.server import Gateway, build_server
-from tests.conftest import free_port
+from servescope.store.settings import free_port
 
 
 def _config(tmp_path: Path) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from servescope.collector.genai import (
 )
 from servescope.collector.otlp_export import OtlpExport, StoredRequestForwarder
 from servescope.store import Store, import_file
-from tests.otlp_sink import otlp_http_sink
+from tests.helpers.otlp_sink import otlp_http_sink
 
 RUN = "run-20261122-otlp"
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
