@@ -1,6 +1,6 @@
 """The house's layout, as docs/architecture.md states it: one installed namespace, rooms that
-import only what the contract allows (the wire room nothing of ours), no import circle, and no
-room outside the store running the store's SQL."""
+import only what the contract allows (the wire room nothing of ours), no import circle, no
+room outside the store running the store's SQL, and no module taking another's private names."""
 
 from __future__ import annotations
 
@@ -133,6 +133,84 @@ def test_the_sql_check_sees_both_ways_of_taking_a_statement(tmp_path: Path) -> N
     assert {("servescope.store.queries", "GET_RUN"), ("servescope.store.queries", "LIST_RUNS")} <= (
         store_names_used(probe)
     )
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _module_named(package: str, name: str) -> str | None:
+    """The module `from package import name` gives, if it gives one (not a function, a
+    class or a constant)."""
+    value = getattr(importlib.import_module(package), name, None)
+    if value is None and hasattr(importlib.import_module(package), "__path__"):
+        try:
+            value = importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError:
+            return None
+    return value.__name__ if isinstance(value, ModuleType) else None
+
+
+def private_names_taken(path: Path) -> set[str]:
+    """`module._name` for every private name this file takes from another module of ours:
+    imported by name (`from servescope.x import _name`, at any depth: a late import counts),
+    or read off a module of ours it imported (`x._name` after `from servescope import x` or
+    `import servescope.x as x`). A private name is its module's own: what another module needs
+    is made public where it lives (or moved to where it is shared)."""
+    tree = ast.parse(path.read_text(), str(path))
+    taken: set[str] = set()
+    modules: dict[str, str] = {}  # local name → a module of ours
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if not node.module.startswith("servescope"):
+                continue
+            for alias in node.names:
+                if _private(alias.name):
+                    taken.add(f"{node.module}.{alias.name}")
+                elif (module := _module_named(node.module, alias.name)) is not None:
+                    modules[alias.asname or alias.name] = module
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("servescope.") and alias.asname:
+                    modules[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and (module := modules.get(node.value.id)) is not None
+            and _private(node.attr)
+        ):
+            taken.add(f"{module}.{node.attr}")
+    own = module_of(path) if path.is_relative_to(ROOT) else None
+    return {name for name in taken if name.rpartition(".")[0] != own}
+
+
+def test_no_module_takes_another_modules_private_names() -> None:
+    wrong = sorted(
+        f"{path.relative_to(ROOT)}: {name}"
+        for room in ROOMS
+        for path in (ROOT / room).rglob("*.py")
+        for name in private_names_taken(path)
+    )
+    assert not wrong, wrong
+
+
+def test_the_private_name_check_sees_every_way_of_taking_one(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from servescope.reports import svg\n"
+        "import servescope.reports.judge as judge\n"
+        "from servescope.reports.build import _slice, build_diff\n"
+        "def late():\n"
+        "    from servescope.commands.common import _interrupt\n"
+        "    return svg._legend_places, judge._call, svg.chart, build_diff.__doc__\n"
+    )
+    assert private_names_taken(probe) == {
+        "servescope.reports.build._slice",
+        "servescope.commands.common._interrupt",
+        "servescope.reports.svg._legend_places",
+        "servescope.reports.judge._call",
+    }
 
 
 def test_no_import_circle() -> None:
