@@ -87,7 +87,7 @@ class ServerLog:
         gives its target, a shutdown ends it."""
         session = self.session
         if item.version is not None:
-            self._end(item.ts)
+            self._end()
             self.session = Session(
                 version=item.version, source=self.name, instance=self._attribution.instance
             )
@@ -106,7 +106,7 @@ class ServerLog:
         """`non-default args`: the session's levers and name. A second such line in one
         session (a log without version banners) is a new session."""
         if self.session is None or self.session.args or self.session.named:
-            self._end(item.ts)
+            self._end()
             self.session = Session(source=self.name, instance=self._attribution.instance)
         session = self.session
         previous = self.state.get("previous")
@@ -138,7 +138,7 @@ class ServerLog:
                                rank=item.rank)  # fmt: skip
             self._attribution.touch(self.session)
 
-    def _end(self, ts: datetime | None) -> None:
+    def _end(self) -> None:
         """The current session is over (a new one starts): it is kept as the one the next
         session's levers are compared with."""
         session = self.session

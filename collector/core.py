@@ -256,7 +256,7 @@ class Collector:
                 last_flush = time.monotonic()  # from its start: slow flushes run back to back
                 try:
                     self.flush()
-                except Exception:  # logged once by flush; the batch is kept and retried
+                except Exception:  # noqa: BLE001 - the loop must outlive any flush failure; flush logged it, the batch is kept and retried
                     stop.wait(1.0)
             if not full and not backlog:  # a trickle: wait for more, never spin on it
                 wait = self.poll_interval if not read else self.flush_interval - since
@@ -269,7 +269,7 @@ class Collector:
                 if self.pending_bytes() >= self.max_flush_bytes:
                     self.flush()
             self.flush()
-        except Exception:  # said by flush; what was not committed is read again at the next start
+        except Exception:  # noqa: BLE001 - stopping must finish whatever the last flush hit; flush said it, what was not committed is read again at the next start
             log.warning("stopping with %d bytes read but not committed: the next start reads "
                         "them again from the checkpoints", self.pending_bytes())  # fmt: skip
         for thread, join_s in helpers:
@@ -286,7 +286,7 @@ class Collector:
             if self.lake is not None:  # its unwritten flushes count on the samples' rowids
                 self.lake.drain()
             result = self.retention.apply()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the ingest loop calls this; no store failure may stop it
             log.warning("metric retention failed (%s); retried later", failure_reason(exc))
             return True
         self.metrics.pruned.labels("expired").inc(result.dropped)
@@ -331,7 +331,7 @@ class Collector:
             compact(self.lake)
             if expire_too:
                 expire(self.lake, self.retain)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a background loop: any upkeep failure waits for the next pass
             log.warning("lake upkeep failed (%s); retried later", failure_reason(exc))
 
     def close(self) -> None:

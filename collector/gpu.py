@@ -392,7 +392,7 @@ class GpuSource:
         target."""
         try:
             readings = self._read()
-        except Exception as exc:  # a GPU read must never stop the collector
+        except Exception as exc:  # noqa: BLE001 - NVML, a dcgm page or a driver: a GPU read must never stop the collector
             log.warning("GPU telemetry from %s failed: %s", self.name, exc)
             return []
         if self.only is not None:

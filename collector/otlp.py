@@ -76,7 +76,7 @@ def decode(body: bytes, content_type: str, encoding: str | None) -> list[Span]:
     request = ExportTraceServiceRequest()
     try:
         request.ParseFromString(body)
-    except Exception as exc:  # protobuf raises its own DecodeError (and others on garbage)
+    except Exception as exc:  # noqa: BLE001 - protobuf's backends (upb, C++, Python) raise different classes on garbage; every one is a 400
         raise BadPayload(f"not an OTLP protobuf trace export: {exc}") from None
     spans = []
     for rs in request.resource_spans:
@@ -209,7 +209,7 @@ class OtlpReceiver:
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
                 receiver._handle(self)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            def log_message(self, _format: str, *_args: Any) -> None:
                 return
 
         self.server = ThreadingHTTPServer((host, port), Handler)
@@ -228,7 +228,7 @@ class OtlpReceiver:
     def _handle(self, http: BaseHTTPRequestHandler) -> None:
         try:
             self._serve(http)
-        except Exception as exc:  # never a traceback on the console, whatever a client sends
+        except Exception as exc:  # noqa: BLE001 - never a traceback on the console, whatever a client sends
             log.error("OTLP request from %s failed: %r", http.client_address[0], exc)
             http.close_connection = True
 

@@ -179,7 +179,7 @@ class _Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         return False  # a half-close is a client gone: close, which cancels its handler
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def connection_lost(self, _exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
         self._waiting.clear()

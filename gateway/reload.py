@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import duckdb
 from prometheus_client import Counter
 
 from servescope.gateway.config import GatewayConfig, load_config
@@ -84,7 +85,7 @@ class Reloader:
                     store.add_lever_flip(
                         "routing", before, after, note=f"gateway reload of {source}: {model}"
                     )
-            except Exception as exc:  # a store that cannot be written loses a note, not requests
+            except (duckdb.Error, OSError) as exc:  # a store not written loses a note, not requests
                 log.error("could not record the routing flip in %s: %r", store.path, exc)
 
         thread = threading.Thread(target=write, name="routing-flip", daemon=True)

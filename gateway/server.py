@@ -328,14 +328,14 @@ class Gateway:
 
     # --- the other routes -------------------------------------------------------------------
 
-    async def models(self, request: Request, reply: Reply) -> Response:
+    async def models(self, _request: Request, _reply: Reply) -> Response:
         data = [
             {"id": m, "object": "model", "owned_by": "servescope-gateway"}
             for m in sorted(self.config.routes)
         ]
         return json_response({"object": "list", "data": data})
 
-    async def passthrough(self, request: Request, reply: Reply) -> Response:
+    async def passthrough(self, request: Request, _reply: Reply) -> Response:
         """`/tokenize`, `/detokenize`, `/version`: no generation, no admission; sent to the
         upstream of the body's model (or the first upstream)."""
         assert self.session is not None
@@ -372,11 +372,11 @@ class Gateway:
             {"Retry-After": str(int(DOWN_FOR_S))},
         )
 
-    async def health(self, request: Request, reply: Reply) -> Response:
+    async def health(self, _request: Request, _reply: Reply) -> Response:
         ups = self.upstream_health.states(self.config.upstreams)
         return json_response({"status": "ok", "upstreams": ups})
 
-    async def prometheus(self, request: Request, reply: Reply) -> Response:
+    async def prometheus(self, _request: Request, _reply: Reply) -> Response:
         return Response(
             200, generate_latest(self.metrics.registry), {"Content-Type": CONTENT_TYPE_LATEST}
         )
