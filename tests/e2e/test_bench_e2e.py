@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.cli import bench_args, read_events, servescope
+from tests.helpers.stats import percentile
 from tests.helpers.vllm import RunningServer
 
 WORKLOAD = """
@@ -18,14 +18,6 @@ workloads:
 metrics: [ttft_ms, tpot_ms, qps, tokens_per_second, memory_peak_gb]
 requests_per_level: 8
 """
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (DuckDB quantile_cont, numpy 'linear')."""
-    ordered = sorted(values)
-    rank = q * (len(ordered) - 1)
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 @pytest.fixture(scope="module")

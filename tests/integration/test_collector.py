@@ -13,7 +13,7 @@ from pythonjsonlogger.jsonlogger import JsonFormatter  # the class vLLM's JSON l
 
 from servescope.wire.vllm_log import Access, Bad, Piece, parse_line
 from tests.helpers.cli import servescope
-from tests.unit.test_collector import ACCESS, ADDED, LEVERS, RECEIVED
+from tests.helpers.lines import ACCESS, ADDED, LEVERS, RECEIVED
 
 
 def _store_rows(path: Path, sql: str) -> list[tuple]:

@@ -22,8 +22,8 @@ import pytest
 
 from servescope.store.settings import free_port
 from tests.helpers.cli import ROOT, SERVESCOPE, servescope
+from tests.helpers.lines import GPU_LOG
 from tests.unit.test_container_log import Written, cri_records, docker_records
-from tests.unit.test_gpu_log import GPU_LOG
 
 _DATED = re.compile(r"^\([^)]*\) [A-Z]+ (\d\d-\d\d \d\d:\d\d:\d\d) ")
 MAX_RECORD = 256  # containerd's max_container_log_line_size, set low: long lines come split

@@ -17,7 +17,7 @@ from servescope.dashboards import (
     DATASOURCE_UID,
 )
 from tests.helpers.cli import servescope
-from tests.unit.test_dashboards import BUILT, RULE_FILES, RULE_TESTS
+from tests.helpers.dashboards import BUILT, RULE_FILES, RULE_TESTS
 
 
 def promtool() -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import duckdb
 
 from tests.helpers.cli import servescope
-from tests.unit.test_gpu_log import GPU_LOG
+from tests.helpers.lines import GPU_LOG
 
 
 def _refused_in(text: str) -> int:

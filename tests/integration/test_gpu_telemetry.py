@@ -22,7 +22,7 @@ from servescope.collector import gpu
 from servescope.store import Store
 from servescope.store.settings import free_port
 from tests.helpers.cli import ROOT, SERVESCOPE, servescope
-from tests.unit.test_gpu_telemetry import FIXTURES, _records
+from tests.helpers.gpu_recordings import FIXTURES, nvml_records
 
 
 def test_without_a_gpu_the_collector_says_so_in_one_line(tmp_path: Path) -> None:
@@ -89,7 +89,7 @@ def _run_over(records: list[dict], run_id: str, start: int, stop: int, tokens: i
 
 
 def _store_with_two_runs(tmp_path: Path) -> Path:
-    records = _records()
+    records = nvml_records()
     store_path = tmp_path / "s.duckdb"
     events = tmp_path / "runs.events.jsonl"
     n = len(records)
@@ -145,7 +145,7 @@ def test_a_diff_tests_energy_per_token_like_throughput(tmp_path: Path) -> None:
 
 def test_without_gpu_samples_the_report_says_so_in_one_line(tmp_path: Path) -> None:
     events = tmp_path / "e.events.jsonl"
-    events.write_text("\n".join(_run_over(_records(), "run-c", 0, 30, 16)) + "\n")
+    events.write_text("\n".join(_run_over(nvml_records(), "run-c", 0, 30, 16)) + "\n")
     store = tmp_path / "s.duckdb"
     servescope("store", "import", str(events), "--store", str(store), check=True)
     out = str(tmp_path / "r")

@@ -28,7 +28,7 @@ from servescope.collector.sources.otlp import OtlpTraces
 from servescope.reports import ReportOptions, build_summary, write_report
 from servescope.store import InvalidEvent, Store, export_run, import_file, parse_line
 from servescope.store.parquet import export_parquet
-from servescope.store.validation import CONTRACT_TYPES, DURATIONS, load_doc
+from servescope.store.validation import CONTRACT_TYPES, DURATIONS, load_event
 from servescope.wire.vllm_log import parse_line as parse_log_line
 
 TYPED = "SELECT * EXCLUDE (doc) FROM events ORDER BY run_id, request_id"
@@ -140,7 +140,7 @@ def _assert_finite(store: Store) -> None:
             for v in value if isinstance(value, list) else [value]:
                 if isinstance(v, float):
                     assert math.isfinite(v) and v >= 0, row
-        doc = load_doc(row[-1])
+        doc = load_event(row[-1])
         for key in CONTRACT_TYPES:
             if isinstance(doc.get(key), float):
                 assert math.isfinite(doc[key])

@@ -20,8 +20,8 @@ from servescope.collector.otlp_export import (
 )
 from servescope.store import Store
 from tests.helpers.cli import servescope
+from tests.helpers.otlp_records import RECORDS, RUN, TRACE, stored_records
 from tests.helpers.otlp_sink import otlp_http_sink
-from tests.unit.test_otlp_export import RECORDS, RUN, TRACE, stored_records
 
 
 def test_collect_otlp_export_forwards_each_stored_request_once(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from servescope.reports.diagnosis import diagnose
 from servescope.store import Store
 from tests.helpers.cli import servescope
-from tests.unit.test_report_fleet import T0, fleet_run
+from tests.helpers.fleet import T0, fleet_run
 
 
 def test_report_build_writes_the_fleet_sections(tmp_path: Path) -> None:

@@ -29,8 +29,8 @@ from servescope.reports.render import render
 from servescope.store import Store
 from tests.calibration import store_comparison
 from tests.helpers.cli import servescope
-from tests.integration.test_report import markdown_text
-from tests.integration.test_report_diff import T0, store_run, synthetic_events
+from tests.helpers.markdown import markdown_text
+from tests.helpers.reports import T0, store_run, synthetic_events
 from tests.integration.test_report_html import chromium  # noqa: F401 (the fixture)
 
 WIDTH, HEIGHT = 1280, 800  # a laptop's screen: the decision must be on it

@@ -29,7 +29,7 @@ from PIL import Image
 
 from servescope.store import Store
 from tests.helpers.cli import servescope
-from tests.integration.test_report_diff import T0, store_run, synthetic_events
+from tests.helpers.reports import T0, store_run, synthetic_events
 
 HOSTILE = "<script>alert(1)</script>"
 HOSTILE_LEVER = '"><img src=x onerror=alert(2)>'

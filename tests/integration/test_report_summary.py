@@ -14,7 +14,7 @@ import pytest
 
 from servescope.store import Store
 from tests.helpers.cli import servescope
-from tests.integration.test_report_diff import percentile
+from tests.helpers.stats import percentile
 
 T0 = datetime(2026, 11, 22, 5, 0, 0)
 RUN = "run-20261122-summary"

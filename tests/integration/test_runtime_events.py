@@ -11,7 +11,7 @@ import duckdb
 from servescope.store import Store
 from servescope.store.parquet import export_parquet
 from tests.helpers.cli import servescope
-from tests.unit.test_runtime_events import LINES, RUN, write_lines
+from tests.helpers.runtime_lines import LINES, RUN, write_lines
 
 
 def test_runtime_and_request_lines_round_trip_unchanged_through_the_cli(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from servescope.store import (
     Store,
 )
 from tests.helpers.cli import servescope
-from tests.unit.test_store import SEED_LINE
+from tests.helpers.lines import SEED_LINE
 
 
 def test_seed_line_round_trips_unchanged_through_the_cli(tmp_path: Path) -> None:

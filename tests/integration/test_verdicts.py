@@ -19,7 +19,7 @@ from servescope.reports import verdict
 from servescope.store import Store
 from tests.calibration import Comparison, store_comparison
 from tests.helpers.cli import servescope
-from tests.integration.test_report import markdown_text
+from tests.helpers.markdown import markdown_text
 
 A_A = 20
 EFFECTS = 5

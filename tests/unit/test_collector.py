@@ -23,29 +23,13 @@ from servescope.store import Store
 from servescope.store.settings import free_port
 from servescope.wire.ids import client_request_id
 from servescope.wire.vllm_log import Access, Levers, Piece, Stats, Tick, parse_line
+from tests.helpers.lines import ACCESS, ADDED, LEVERS, RECEIVED
 from tests.helpers.stand_ins import RestartableVllmMetrics
 
-# Lines as vLLM 0.32 writes them (from a real server log, text format).
-RECEIVED = (
-    "(APIServer pid=6485) INFO 11-22 04:29:59 [request_logger.py:65] Received request "
-    "cmpl-h3probe-000001-0: params: SamplingParams(n=1, presence_penalty=0.0, temperature=1.0, "
-    "max_tokens=5, min_tokens=0), lora_request: None."
-)
-ADDED = (
-    "(APIServer pid=6485) INFO 11-22 04:29:59 [async_llm.py:578] Added request "
-    "cmpl-h3probe-000001-0-88bc5d5c."
-)
-ACCESS = 'INFO:     127.0.0.1:41836 - "POST /v1/completions HTTP/1.1" 200 OK'
 STATS = (
     "(APIServer pid=6485) INFO 11-22 04:30:02 [loggers.py:335] Engine 000: Avg prompt "
     "throughput: 3.4 tokens/s, Avg generation throughput: 1.5 tokens/s, Running: 0 reqs, "
     "Waiting: 0 reqs, CPU KV cache usage: 0.0%, Prefix cache hit rate: 84.1%"
-)
-LEVERS = (
-    "(APIServer pid=6485) INFO 11-22 04:28:02 [api_utils.py:286] non-default args: "
-    "{'enable_prompt_tokens_details': True, 'host': '127.0.0.1', 'port': 8100, 'model': "
-    "'servescope-data/models/tiny', 'dtype': 'float32', 'max_model_len': 16384, "
-    "'served_model_name': ['tiny'], 'enable_log_requests': True}"
 )
 
 

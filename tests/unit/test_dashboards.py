@@ -20,20 +20,15 @@ from grafanalib.core import Target
 
 from servescope.commands.dashboards import run_build
 from servescope.dashboards import (
-    DASHBOARDS,
     DATASOURCE_UID,
-    RULES_DIR,
-    dashboard_json,
     provisioning,
 )
 from servescope.dashboards import panels as kit
 from servescope.dashboards.lint import annotation_queries, lint, panels, parse, queries, substitute
 from servescope.dashboards.panels import LEVER_FLIP_TAG
+from tests.helpers.dashboards import BUILT, RULE_FILES
 
-BUILT = {uid: dashboard_json(make) for uid, make in DASHBOARDS.items()}
 ALL_QUERIES = [q for dash in BUILT.values() for q in [*queries(dash), *annotation_queries(dash)]]
-RULE_FILES = sorted(RULES_DIR.glob("*.yml"))
-RULE_TESTS = sorted((RULES_DIR / "tests").glob("*.yml"))
 
 
 @pytest.mark.parametrize("query", ALL_QUERIES, ids=lambda q: f"{q.panel}:{q.ref}")

@@ -9,7 +9,6 @@ test expects is derived from the file itself, so the H100 recording replaces it 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +20,8 @@ from servescope.wire.vllm_log import (
     cold_start_from_log,
     parse_line,
 )
+from tests.helpers.lines import GPU_LOG
 
-GPU_LOG = Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "vllm-h100.log"
 PREFIXED = '(APIServer pid=639) INFO:     127.0.0.1:58986 - "POST /v1/completions HTTP/1.1" 400 Bad Request'  # noqa: E501
 
 

@@ -8,25 +8,16 @@ see its README); everything past the NVML calls is the code that runs there.
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
 from servescope.collector import gpu
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gpu"
-NVML = FIXTURES / "nvml-samples.jsonl"
-DCGM = FIXTURES / "dcgm-exporter.txt"
-
-
-def _records() -> list[dict]:
-    return [json.loads(line) for line in NVML.read_text().splitlines() if line.strip()]
+from tests.helpers.gpu_recordings import DCGM, nvml_records
 
 
 def test_nvml_records_read_as_dcgm_exporter_would_expose_them() -> None:
-    first = _records()[len(_records()) // 2]
+    first = nvml_records()[len(nvml_records()) // 2]
     samples = gpu.samples_of(first, run_id="vllm-x")
     by = {(s[2], s[3].get("GPU_I_ID")): s for s in samples}
     power = by[(gpu.POWER, None)]

@@ -24,7 +24,7 @@ from servescope.loadgen.workload import WORKLOADS_DIR
 from servescope.reports import build_diff, build_summary, render
 from servescope.reports.diagnosis import RULES_FILE
 from servescope.store import Store
-from tests.unit.test_report_fleet import fleet_run
+from tests.helpers.fleet import fleet_run
 
 T0 = datetime(2026, 11, 26, 8, 0, 0)
 COURSE_WORDS = re.compile(

@@ -30,12 +30,7 @@ from servescope.store import (
 from servescope.store.db import schema_stamp
 from servescope.store.schema import TABLES, Event
 from servescope.store.validation import EventDoc, InvalidEvent, RequestEvent, parse_line
-
-SEED_LINE = (
-    '{"request_id": "run-20260512-001", "model": "local-coder", "prompt_tokens": 1842, '
-    '"completion_tokens": 419, "ttft_ms": 820, "tpot_ms": 34, "cache_hit": true, '
-    '"finish_reason": "stop"}'
-)
+from tests.helpers.lines import SEED_LINE
 
 
 def test_unknown_keys_and_order_are_preserved(tmp_path: Path) -> None:
