@@ -3,8 +3,8 @@ drifting as real runs do) gets a verdict, and how often a true effect is found, 
 
     .venv/bin/python benchmarks/bench_verdicts.py [--comparisons 60] [--effects 20] [--json]
 
-Runs are synthetic (tests/calibration.py: two load levels of 60 requests, each run shifted as a
-whole by TTFT ±10 %, TPOT ±5 %, pace ±8 %, 1 % failures), written to a real DuckDB store and
+Runs are synthetic (tests/helpers/calibration.py: two load levels of 60 requests, each run shifted
+as a whole by TTFT ±10 %, TPOT ±5 %, pace ±8 %, 1 % failures), written to a real DuckDB store and
 reported by `build_diff`, as `report build` does. Designs compared on the same runs:
 
 * repeats: 3 (or 5) runs a side, as `report build A1 A2 A3 --vs B1 B2 B3` (the method);
@@ -40,7 +40,7 @@ from rich.progress import Progress  # noqa: E402
 from servescope.reports import ReportOptions, build_diff, verdict  # noqa: E402
 from servescope.reports.sequential import MAX_REPEATS, Plan  # noqa: E402
 from servescope.store import Store  # noqa: E402
-from tests.calibration import Comparison, sequential_trial, store_comparison  # noqa: E402
+from tests.helpers.calibration import Comparison, sequential_trial, store_comparison  # noqa: E402
 
 CHANGED = ("improved", "regressed")
 OPTIONS = ReportOptions(charts=False)

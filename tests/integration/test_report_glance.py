@@ -1,8 +1,8 @@
 """A comparison's HTML report read at a glance (issue 41): the decision and a forest plot of the
 core indicators on the first screen, the full table folded, and a page that fits 1,280 px.
 
-A real pooled report (five repeats a side, a true −25 % TTFT: tests/calibration.py, written to
-a real DuckDB store, built by the CLI) is opened in a real headless Chromium at 1,280 × 800, and
+A real pooled report (five repeats a side, a true −25 % TTFT: tests/helpers/calibration.py, written
+to a real DuckDB store, built by the CLI) is opened in a real headless Chromium at 1,280 × 800, and
 the browser itself measures the layout: no element may reach past the viewport's right edge,
 with the folded table closed and open. A one-run-a-side report and a `--split-at-flip` report
 must still render; the decision `report.json` carries (or, in an older report, the primary row
@@ -27,7 +27,7 @@ from servescope.reports.forest import INDICATORS, forest_svg
 from servescope.reports.judge import is_share
 from servescope.reports.render import render
 from servescope.store import Store
-from tests.calibration import store_comparison
+from tests.helpers.calibration import store_comparison
 from tests.helpers.cli import servescope
 from tests.helpers.markdown import markdown_text
 from tests.helpers.reports import T0, store_run, synthetic_events

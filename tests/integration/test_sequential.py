@@ -1,6 +1,6 @@
 """The stopping rule calibrated: simulated experiments that look at their evidence after every
-round (tests/calibration.py: runs drifting as real ones do, TTFT ±10 %, TPOT ±5 %, pace ±8 % a
-run) must keep their false alarms at 5 % however many looks they take, and find a true effect
+round (tests/helpers/calibration.py: runs drifting as real ones do, TTFT ±10 %, TPOT ±5 %, pace
+±8 % a run) must keep their false alarms at 5 % however many looks they take, and find a true effect
 within the default plan (at most 10 repeats a side).
 
 The looks run the primary's own path (each run's stratified TTFT p50 and its request draws,
@@ -20,7 +20,7 @@ import pytest
 from servescope.reports import ReportOptions, build_diff
 from servescope.reports.sequential import Plan
 from servescope.store import Store
-from tests.calibration import sequential_trial, store_comparison
+from tests.helpers.calibration import sequential_trial, store_comparison
 from tests.helpers.cli import servescope
 
 A_A, EFFECTS = 200, 50

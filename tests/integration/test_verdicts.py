@@ -2,8 +2,9 @@
 changed) must come out without a verdict, and a true −25 % TTFT must be found, through the
 command a CI step types (`report build A1 A2 A3 --vs B1 B2 B3 --fail-on regressed --json`).
 
-The runs are written to a real DuckDB store (tests/calibration.py: TTFT ±10 %, TPOT ±5 %, pace
-±8 % per run, two load levels, 1 % failures); the reports are built by the CLI's own entry point.
+The runs are written to a real DuckDB store (tests/helpers/calibration.py: TTFT ±10 %, TPOT ±5 %,
+pace ±8 % per run, two load levels, 1 % failures); the reports are built by the CLI's own entry
+point.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 from servescope import cli
 from servescope.reports import verdict
 from servescope.store import Store
-from tests.calibration import Comparison, store_comparison
+from tests.helpers.calibration import Comparison, store_comparison
 from tests.helpers.cli import servescope
 from tests.helpers.markdown import markdown_text
 
