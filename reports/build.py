@@ -552,7 +552,7 @@ def _require_flip_inside(run: RunRow, at: datetime) -> None:
         raise NoLeverFlip(
             f"the lever flip of run {run['run_id']!r} is its server's restart from run "
             f"{previous!r}, before all of its requests: compare the two runs with "
-            f"report build {run['run_id']} --vs previous"
+            f"servescope report build {run['run_id']} --vs previous"
         )
 
 

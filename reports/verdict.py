@@ -53,8 +53,8 @@ REQUESTS, REPEATS = "requests", "repeats"
 # What the interval of a design covers, said next to every verdict of a one-run-a-side report.
 REQUEST_NOISE_ONLY = (
     "one run a side: the interval covers request-to-request noise only; the design cannot tell "
-    "the lever from run-to-run drift (give several runs a side: report build A1 A2 A3 --vs B1 B2 "
-    "B3)"
+    "the lever from run-to-run drift (give several runs a side: servescope report build A1 A2 A3 "
+    "--vs B1 B2 B3)"
 )
 
 

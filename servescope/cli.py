@@ -1,4 +1,4 @@
-"""`servescope` and `report`: thin commands that wire the rooms together.
+"""`servescope`: thin commands that wire the rooms together.
 
 Exit codes: 0 success, 1 the work ran and failed (a run with errors, a server that died, a
 store or file that cannot be read or written), 2 bad usage or unknown input (an unknown run, an
@@ -67,16 +67,6 @@ def guarded(func: Callable[[argparse.Namespace], int | None], args: argparse.Nam
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    return guarded(args.func, args)
-
-
-def report_main(argv: Sequence[str] | None = None) -> int:
-    """The `report` console script: `report build run-20260512` is `servescope report build …`."""
-    from servescope.commands import report
-
-    parser = argparse.ArgumentParser(prog="report", description=report.DESCRIPTION)
-    report.add_subcommands(parser)
-    args = parser.parse_args(argv)
     return guarded(args.func, args)
 
 

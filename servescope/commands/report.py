@@ -1,4 +1,4 @@
-"""`report build RUN [--vs BASE | --split-at-flip]` and `report list` (also `servescope report`)."""
+"""`servescope report build RUN [--vs BASE | --split-at-flip]`, `report flips` and `report list`."""
 
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         epilog="Times (--since, --until, --vs-since, --vs-until): an ISO time "
         "(2026-11-24T20:00:00Z), a duration ago (90s, 30m, 2h, 1d, 1w), or one from the run's "
         "start or end (start+1h, end-30m). The hour before a restart that flipped a lever vs "
-        "the hour after: report build AFTER --until start+1h --vs previous --vs-since end-1h",
+        "the hour after: servescope report build AFTER --until start+1h --vs previous "
+        "--vs-since end-1h",
     )
     build.add_argument(
         "run_id",
@@ -325,9 +326,9 @@ def run_flips(args: argparse.Namespace) -> int:
     for flip in flips:
         before = flip["before_run_id"]
         flip["report"] = (
-            f"report build {flip['run_id']} --vs {before}"
+            f"servescope report build {flip['run_id']} --vs {before}"
             if before
-            else f"report build {flip['run_id']} --split-at-flip"
+            else f"servescope report build {flip['run_id']} --split-at-flip"
         )
     if args.json:
         print(json.dumps(flips, default=str))

@@ -38,32 +38,16 @@ def test_seed_run_builds_with_nulls_for_what_was_not_measured(tmp_path: Path) ->
     assert report["groups"] == [{**report["groups"][0], "workload": None, "concurrency": None}]
 
 
-def test_the_report_console_script_is_the_same_command(tmp_path: Path) -> None:
-    import subprocess
-    import sys
+def test_servescope_is_the_one_console_script() -> None:
+    """`report` stood on PATH beside `servescope report` and shadowed other tools' `report`:
+    the project installs `servescope` alone (pyproject, and the installed distribution)."""
+    import tomllib
+    from importlib.metadata import distribution
 
-    src = tmp_path / "seed.events.jsonl"
-    src.write_text(SEED_LINE + "\n")
-    db = tmp_path / "s.duckdb"
-    servescope("store", "import", str(src), "--store", str(db), check=True)
-    script = Path(sys.executable).with_name("report")
-    done = subprocess.run(
-        [
-            str(script),
-            "build",
-            "run-20260512",
-            "--store",
-            str(db),
-            "--out",
-            str(tmp_path / "o"),
-            "--format",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().endswith("report.json")
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"] == {"servescope": "servescope.cli:main"}
+    installed = {e.name for e in distribution("servescope").entry_points}
+    assert installed == {"servescope"}
 
 
 def test_unknown_run_exits_2_naming_known_runs(tmp_path: Path) -> None:

@@ -100,7 +100,7 @@ def test_a_log_across_a_restart_and_two_slices_give_their_sessions(tmp_path: Pat
     assert len(_rows(store, "SELECT * FROM events")) == len(events)
     listing = servescope("report", "flips", "--json", "--store", str(store), check=True)
     (flip,) = json.loads(listing.stdout)
-    assert flip["report"] == f"report build {second} --vs {first}"
+    assert flip["report"] == f"servescope report build {second} --vs {first}"
     out = tmp_path / "reports"
     built = servescope("report", "build", second, "--vs", "previous", "--format", "json",
                        "--out", str(out), "--store", str(store), "--json", check=True)  # fmt: skip
