@@ -12,9 +12,8 @@ import pytest
 
 from servescope.store import settings
 from servescope.wire.kv_statement import kv_cache_from_log
-from tests.helpers.cli import servescope
+from tests.helpers.cli import capacity, servescope
 from tests.helpers.vllm import RunningServer
-from tests.integration.test_capacity import capacity
 
 
 def test_tiny_model_matches_what_real_vllm_states(

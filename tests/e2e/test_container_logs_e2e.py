@@ -9,16 +9,16 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tests.e2e.test_sessions_e2e import _complete
-from tests.helpers.vllm import RunningServer
-from tests.integration.test_container_logs import (
+from tests.helpers.container_logs import (
     MAX_RECORD,
-    _collect,
-    _contents,
-    _write,
+    collect_log,
+    cri_records,
+    docker_records,
+    store_contents,
+    write_log,
     written,
 )
-from tests.unit.test_container_log import cri_records, docker_records
+from tests.helpers.vllm import RunningServer, complete
 
 REFUSED = b'"POST /v1/completions HTTP/1.1" 400'
 
@@ -40,20 +40,20 @@ def test_the_session_vllms_log_reads_the_same_wrapped(
 ) -> None:
     refused_before = vllm_server.log.read_bytes().count(REFUSED)
     for i in range(3):
-        assert _complete(vllm_server.port, f"a container's log, turn {i}", 4) == 200
+        assert complete(vllm_server.port, f"a container's log, turn {i}", 4) == 200
     for _ in range(2):  # max_tokens beyond the context: 400, and no request id in the log
-        assert _complete(vllm_server.port, "too long an answer", 99_999) == 400
+        assert complete(vllm_server.port, "too long an answer", 99_999) == 400
     text = _snapshot(vllm_server.log, refused_before + 2)
     output = written(text, datetime.now(UTC).year)
     plain = tmp_path / "plain"
-    _collect(plain / "s.duckdb", _write(plain / "vllm.log", [t for _ts, _s, t in output],
+    collect_log(plain / "s.duckdb", write_log(plain / "vllm.log", [t for _ts, _s, t in output],
                                         output[-1][0]))  # fmt: skip
-    expected = _contents(plain / "s.duckdb")
+    expected = store_contents(plain / "s.duckdb")
     assert expected["runs"] and len(expected["requests"]) >= 3
     assert len(expected["refusals"]) >= 2 and expected["errors"] == (0,)
     for wrap in (cri_records, docker_records):
         folder = tmp_path / wrap.__name__
         lines = wrap(output, max_record=MAX_RECORD)
         assert len(lines) > len(output)  # the long lines came split
-        _collect(folder / "s.duckdb", _write(folder / "0.log", lines, output[-1][0]))
-        assert _contents(folder / "s.duckdb") == expected, wrap.__name__
+        collect_log(folder / "s.duckdb", write_log(folder / "0.log", lines, output[-1][0]))
+        assert store_contents(folder / "s.duckdb") == expected, wrap.__name__

@@ -15,6 +15,7 @@ from servescope.loadgen.experiment import KEPT_UP, STATE_RESET
 from servescope.reports.experiment import OUTCOME_INDICATORS
 from servescope.store import Store, settings
 from tests.helpers.cli import servescope
+from tests.helpers.experiments import whole
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +46,6 @@ def experiment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return {"out": json.loads(result.stdout), "store": Store(store), "stderr": result.stderr}
-
-
-def _whole(text: str, indicators: list[tuple[str, str, str]] = OUTCOME_INDICATORS) -> None:
-    """Every heading of the outcome table whole, nothing cut short, nothing past 80 columns."""
-    assert "…" not in text, text
-    assert max(len(line) for line in text.splitlines()) <= 80, text
-    for heading, _key, _spec in indicators:
-        assert heading in text, (heading, text)
 
 
 def _sides(experiment: dict) -> tuple[list[dict], list[dict]]:
@@ -93,7 +86,7 @@ def test_four_runs_interleaved_with_the_profiles_levers(experiment: dict) -> Non
     stderr = experiment["stderr"]  # the outcome table, printed to a pipe: one column per run
     assert "┃ run " in stderr, stderr[-4000:]
     table = stderr[stderr.index("┃ run ") : stderr.index("cached_tokens/prompt_tokens")]
-    _whole(
+    whole(
         table,
         [i for i in OUTCOME_INDICATORS if i[0] not in {"probe TTFT p50 ms", "draft acceptance"}],
     )

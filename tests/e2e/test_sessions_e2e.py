@@ -27,6 +27,7 @@ from servescope.collector.sessions import default_instance
 from servescope.loadgen.prompts import seeded_text
 from servescope.store.settings import free_port
 from tests.helpers.cli import ROOT, SERVESCOPE, servescope
+from tests.helpers.vllm import complete
 
 pytestmark = pytest.mark.vllm
 
@@ -100,30 +101,13 @@ def _stop_vllm(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def _complete(port: int, prompt: str, max_tokens: int) -> int:
-    """One completion with no X-Request-Id: the HTTP status."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0}  # fmt: skip
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as resp:
-            resp.read()
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
 def _traffic(port: int, session: int, good: range, refused: int) -> None:
     """Requests sharing a long prefix (what prefix caching serves), and refused ones
     (max_tokens beyond max_model_len: vLLM answers 400 and logs no request id)."""
     for i in good:
-        assert _complete(port, f"{PREFIX} session {session} turn {i}", 8) == 200
+        assert complete(port, f"{PREFIX} session {session} turn {i}", 8) == 200
     for _ in range(refused):
-        assert _complete(port, "too long an answer", 99_999) == 400
+        assert complete(port, "too long an answer", 99_999) == 400
 
 
 def _collector(args: list[str], out: Path) -> subprocess.Popen:

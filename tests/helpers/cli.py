@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from servescope.store import settings
 
@@ -46,3 +47,13 @@ def servescope(
 def read_events(path: Path) -> list[dict]:
     """An `.events.jsonl` file's records."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def capacity(config: dict[str, Any] | Path, tmp_path: Path, *args: str) -> dict[str, Any]:
+    if isinstance(config, dict):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(config))
+    else:
+        path = config
+    result = servescope("capacity", str(path), *args, "--json", check=True)
+    return json.loads(result.stdout)

@@ -4,11 +4,13 @@ waits around it: its health, a collector's port, a pause of the whole server."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -152,3 +154,20 @@ def _alive_after(tree: list[psutil.Process], seconds: float) -> list[psutil.Proc
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.05)
+
+
+def complete(port: int, prompt: str, max_tokens: int) -> int:
+    """One completion with no X-Request-Id: the HTTP status."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0}  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code

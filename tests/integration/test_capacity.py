@@ -4,15 +4,13 @@ server, whose log holds the line); the launcher and the collector record that st
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from servescope.wire.kv_statement import kv_cache_from_log, kv_cache_statement
-from tests.helpers.cli import ROOT, servescope
+from tests.helpers.cli import ROOT, capacity, servescope
 
 GIB = 1 << 30
 # Public configs, as their config.json files say (the keys the arithmetic reads).
@@ -28,16 +26,6 @@ MISTRAL_NEMO = {"architectures": ["MistralForCausalLM"], "head_dim": 128, "hidde
                 "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8,
                 "tie_word_embeddings": False, "torch_dtype": "bfloat16",
                 "vocab_size": 131072}  # fmt: skip
-
-
-def capacity(config: dict[str, Any] | Path, tmp_path: Path, *args: str) -> dict[str, Any]:
-    if isinstance(config, dict):
-        path = tmp_path / "config.json"
-        path.write_text(json.dumps(config))
-    else:
-        path = config
-    result = servescope("capacity", str(path), *args, "--json", check=True)
-    return json.loads(result.stdout)
 
 
 def test_llama3_8b_on_one_80gb_gpu(tmp_path: Path) -> None:

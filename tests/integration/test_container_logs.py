@@ -6,80 +6,31 @@ two reads is read as a rotated plain log is."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
 import time
 import urllib.request
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import pytest
 
 from servescope.store.settings import free_port
-from tests.helpers.cli import ROOT, SERVESCOPE, servescope
+from tests.helpers.cli import ROOT, SERVESCOPE
+from tests.helpers.container_logs import (
+    MAX_RECORD,
+    Written,
+    collect_log,
+    cri_records,
+    docker_records,
+    store_contents,
+    write_log,
+    written,
+)
 from tests.helpers.lines import GPU_LOG
-from tests.unit.test_container_log import Written, cri_records, docker_records
-
-_DATED = re.compile(r"^\([^)]*\) [A-Z]+ (\d\d-\d\d \d\d:\d\d:\d\d) ")
-MAX_RECORD = 256  # containerd's max_container_log_line_size, set low: long lines come split
-
-
-def written(text: str, year: int) -> list[Written]:
-    """The log's lines as the runtime received them: vLLM's own lines (`(APIServer pid=…)`) on
-    stdout, the rest (torch's C++ warnings, Python's) on stderr; each stamped a little after
-    the second vLLM stamped it, an undated line a millisecond after the line before."""
-    out: list[Written] = []
-    ts = datetime(year, 1, 1, tzinfo=UTC)
-    for line in text.removesuffix("\n").split("\n"):
-        match = _DATED.match(line)
-        if match:
-            stamped = datetime.strptime(f"{year}-{match[1]}", "%Y-%m-%d %H:%M:%S")
-            ts = max(ts, stamped.replace(tzinfo=UTC) + timedelta(seconds=0.4))
-        ts += timedelta(milliseconds=1)
-        out.append((ts, "stdout" if line.startswith("(") else "stderr", line))
-    return out
-
-
-def _write(path: Path, lines: list[str], mtime: datetime) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes("".join(line + "\n" for line in lines).encode())
-    os.utime(path, (mtime.timestamp(), mtime.timestamp()))  # a plain log's year is its mtime's
-    return path
-
-
-def _collect(store: Path, log: Path) -> None:
-    servescope("collect", "--once", "--vllm-log", str(log), "--store", str(store),
-               env={"TZ": "UTC"}, check=True)  # fmt: skip
-
-
-def _contents(store: Path) -> dict[str, Any]:
-    """What the store holds, less what names the file it was read from: the runs (a run's
-    notes name its log), the requests, the refusals (their id is their place in the file)."""
-    with duckdb.connect(str(store), read_only=True) as con:
-        con.execute("SET TimeZone = 'UTC'")
-        runs = []
-        query = "SELECT * EXCLUDE (notes), notes FROM runs ORDER BY run_id"
-        for row in con.execute(query).fetchall():
-            notes = json.loads(row[-1])
-            notes.pop("log")
-            runs.append((*row[:-1], notes))
-        requests = con.execute(
-            "SELECT * EXCLUDE (doc) FROM events WHERE request_id NOT LIKE 'http-%' "
-            "ORDER BY request_id"
-        ).fetchall()
-        refusals = con.execute(
-            "SELECT * EXCLUDE (request_id, doc) FROM events WHERE request_id LIKE 'http-%' "
-            "ORDER BY ALL"
-        ).fetchall()
-        flips = con.execute("SELECT * FROM lever_flips ORDER BY ALL").fetchall()
-        errors = con.execute("SELECT count(*) FROM ingest_errors").fetchone()
-    return {"runs": runs, "requests": requests, "refusals": refusals, "flips": flips,
-            "errors": errors}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +42,9 @@ def vllm_output() -> list[Written]:
 @pytest.fixture(scope="module")
 def plain(vllm_output: list[Written], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("plain")
-    log = _write(folder / "vllm.log", [t for _ts, _s, t in vllm_output], vllm_output[-1][0])
-    _collect(folder / "s.duckdb", log)
-    contents = _contents(folder / "s.duckdb")
+    log = write_log(folder / "vllm.log", [t for _ts, _s, t in vllm_output], vllm_output[-1][0])
+    collect_log(folder / "s.duckdb", log)
+    contents = store_contents(folder / "s.duckdb")
     assert len(contents["runs"]) == 2 and len(contents["requests"]) == 40
     assert len(contents["refusals"]) == 6 and contents["flips"] and contents["errors"] == (0,)
     return contents
@@ -105,10 +56,10 @@ def test_a_wrapped_log_gives_what_the_plain_log_gives(
 ) -> None:
     lines = wrap(vllm_output, max_record=MAX_RECORD)
     assert len(lines) - len(vllm_output) > 80  # the long lines (requests' among them) came split
-    log = _write(tmp_path / "pods" / "default_vllm-0_uid" / "vllm" / "0.log", lines,
+    log = write_log(tmp_path / "pods" / "default_vllm-0_uid" / "vllm" / "0.log", lines,
                  vllm_output[-1][0])  # fmt: skip
-    _collect(tmp_path / "s.duckdb", log)
-    assert _contents(tmp_path / "s.duckdb") == plain
+    collect_log(tmp_path / "s.duckdb", log)
+    assert store_contents(tmp_path / "s.duckdb") == plain
 
 
 def test_a_pod_log_rotated_by_the_kubelet_is_read_across_the_rotation(
@@ -121,12 +72,12 @@ def test_a_pod_log_rotated_by_the_kubelet_is_read_across_the_rotation(
     log = tmp_path / "pods" / "default_vllm-0_uid" / "vllm" / "0.log"
     store = tmp_path / "s.duckdb"
     middle = vllm_output[len(vllm_output) // 2][0]
-    _write(log, lines[:cut], middle)
-    _collect(store, log)
+    write_log(log, lines[:cut], middle)
+    collect_log(store, log)
     log.rename(log.with_name("0.log.20261125-123800"))
-    _write(log, lines[cut:], vllm_output[-1][0])
-    _collect(store, log)
-    assert _contents(store) == plain
+    write_log(log, lines[cut:], vllm_output[-1][0])
+    collect_log(store, log)
+    assert store_contents(store) == plain
 
 
 def test_a_collector_restarted_between_a_lines_records_reads_it_whole(
@@ -138,12 +89,12 @@ def test_a_collector_restarted_between_a_lines_records_reads_it_whole(
     split = [i for i, line in enumerate(lines) if " P " in line[:45] and "Received request" in line]
     cut = split[len(split) // 2] + 1  # a request's line, its first record read, the rest not
     log, store = tmp_path / "0.log", tmp_path / "s.duckdb"
-    _write(log, lines[:cut], vllm_output[0][0])
-    _collect(store, log)
+    write_log(log, lines[:cut], vllm_output[0][0])
+    collect_log(store, log)
     with log.open("ab") as f:
         f.write("".join(line + "\n" for line in lines[cut:]).encode())
-    _collect(store, log)
-    assert _contents(store) == plain
+    collect_log(store, log)
+    assert store_contents(store) == plain
 
 
 def _lines_read(port: int) -> float:
@@ -175,7 +126,7 @@ def test_a_line_split_across_two_writes_is_joined_by_a_running_collector(
     lines = cri_records(vllm_output, max_record=MAX_RECORD)
     received = next(i for i, line in enumerate(lines) if " P " in line[:45]
                     and "Received request" in line)  # fmt: skip
-    log = _write(tmp_path / "0.log", lines[: received + 1], vllm_output[0][0])
+    log = write_log(tmp_path / "0.log", lines[: received + 1], vllm_output[0][0])
     store, port, out = tmp_path / "s.duckdb", free_port(), tmp_path / "collect.out"
     process = subprocess.Popen(
         [*SERVESCOPE, "collect", "--vllm-log", str(log), "--store", str(store),
@@ -190,4 +141,4 @@ def test_a_line_split_across_two_writes_is_joined_by_a_running_collector(
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, out.read_text(errors="replace")[-3000:]
-    assert _contents(store) == plain
+    assert store_contents(store) == plain

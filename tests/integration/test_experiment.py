@@ -13,8 +13,8 @@ from rich.console import Console
 
 from servescope.commands.experiment import ready_model
 from servescope.reports.outcome import outcome_table
-from tests.e2e.test_experiment import _whole
 from tests.helpers.cli import servescope
+from tests.helpers.experiments import whole
 
 
 def _outcome_row(profile: str, repeat: int, hit: float | None) -> dict:
@@ -42,7 +42,7 @@ def test_the_outcome_table_is_readable_at_80_columns(repeats: int) -> None:
     profiles = ["max-num-seqs-2", "max-num-seqs-8", "max-num-seqs-32"]
     rows = [_outcome_row(p, r, 0.25) for r in range(1, repeats + 1) for p in profiles]
     text = _rendered(rows, 80)
-    _whole(text)
+    whole(text)
     labels = profiles if repeats == 1 else [f"{p} r{r}" for p in profiles for r in (1, 2, 3)]
     for label in labels:
         assert label in text

@@ -13,9 +13,7 @@ from servescope.loadgen.experiment import Experiment, ExperimentHooks, load_expe
 from servescope.loadgen.rounds import MAX_GROWTH, Look, Stopping
 from servescope.reports import build_diff
 from servescope.store import Store
-from tests.integration.test_experiment_repeats import FakeBench, FakeServer, fake_servers
-
-__all__ = ["fake_servers"]  # the fixture, used by name
+from tests.helpers.experiments import FakeBench, FakeServer
 
 
 def _experiment(store: Store, tmp_path: Path, stopping: Stopping, judge: Any = None,

@@ -13,12 +13,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,13 @@ from servescope.store import Store
 from servescope.store.lakeread import Lake
 from servescope.store.settings import free_port
 from tests.helpers.cli import ROOT, SERVESCOPE
-from tests.integration.test_lake_writer import PER_SIDECAR, RUNS, SIDECARS, STEPS
+from tests.helpers.lake import (
+    PER_SIDECAR,
+    RUNS,
+    SIDECARS,
+    STEPS,
+    wait_collector_up,
+)
 
 
 def _requests(sidecar: int) -> Iterator[bytes]:
@@ -87,26 +91,6 @@ def _start(events: Path, store: Path, lake: Path, out: Path) -> tuple[subprocess
     return process, port
 
 
-def _metrics(port: int) -> str:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-            return resp.read().decode()
-    except OSError:
-        return ""
-
-
-def _wait_up(process: subprocess.Popen[bytes], port: int, out: Path) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, out.read_text(errors="replace")[-3000:]
-        found = re.search(r"^servescope_collector_last_flush_timestamp_seconds (\S+)$",
-                          _metrics(port), re.M)  # fmt: skip
-        if found and float(found[1]) > 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the collector did not come up")
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Three sidecars, one lake; sidecar 1 SIGKILLed three times mid-stream."""
@@ -120,7 +104,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     procs = []
     for i in range(SIDECARS):
         proc, port = _start(streams[i], stores[i], lake, outs[i])
-        _wait_up(proc, port, outs[i])
+        wait_collector_up(proc, port, outs[i])
         procs.append([proc, port])
     lines = [list(_requests(i)) for i in range(SIDECARS)]
     done = threading.Event()
@@ -145,7 +129,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         procs[1][0].send_signal(signal.SIGKILL)
         procs[1][0].wait(timeout=30)
         procs[1] = list(_start(streams[1], stores[1], lake, outs[1]))
-        _wait_up(procs[1][0], procs[1][1], outs[1])
+        wait_collector_up(procs[1][0], procs[1][1], outs[1])
     writer.join()
     assert done.is_set()
     time.sleep(2.0)  # the last lines flushed (a trickle flushes within 0.25 s)

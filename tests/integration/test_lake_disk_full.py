@@ -21,7 +21,7 @@ from servescope.store import Store
 from servescope.store.lakeread import Lake
 from servescope.store.settings import free_port
 from tests.helpers.cli import ROOT, SERVESCOPE
-from tests.integration.test_lake import _metrics, _wait_up
+from tests.helpers.lake import collector_metrics, wait_collector_up
 
 RUN = "run-20261125-diskfull"
 
@@ -65,14 +65,14 @@ def _fill(disk: Path) -> Path:
 
 
 def _gauge(port: int, name: str) -> float | None:
-    found = re.search(rf"^{name} (\S+)$", _metrics(port), re.M)
+    found = re.search(rf"^{name} (\S+)$", collector_metrics(port), re.M)
     return float(found[1]) if found else None
 
 
 def _failures(port: int) -> float:
     """The collector's failed flushes for a full disk so far."""
     name = re.escape('servescope_collector_flush_failures_total{reason="disk_full"}')
-    found = re.search(rf"^{name} (\S+)$", _metrics(port), re.M)
+    found = re.search(rf"^{name} (\S+)$", collector_metrics(port), re.M)
     return float(found[1]) if found else 0.0
 
 
@@ -102,7 +102,7 @@ def test_a_full_disk_loses_nothing_and_catches_up(
         cwd=ROOT, stdout=out.open("ab"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        _wait_up(proc, port, out)
+        wait_collector_up(proc, port, out)
         with events.open("ab") as fh:
             fh.write(_lines(0, 2000))
         _until(lambda: (_gauge(port, "servescope_collector_events_written_total") or 0) >= 2000,

@@ -21,11 +21,6 @@ from servescope.store.lake import LakeWriter, Owed
 from servescope.store.lakecompact import compact, expire
 from servescope.store.lakeread import Lake
 
-RUNS = ("run-20261125-lake-base", "run-20261125-lake-new")
-SIDECARS = 3
-PER_SIDECAR = 3000  # request records per sidecar
-STEPS = 30
-
 
 def _stored(store: Path) -> int:
     try:

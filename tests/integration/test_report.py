@@ -7,12 +7,12 @@ import json
 import re
 from pathlib import Path
 
-from markdown_it import MarkdownIt
 from markupsafe import escape
 
 from servescope.store import Store
 from tests.helpers.cli import servescope
-from tests.unit.test_store import SEED_LINE
+from tests.helpers.lines import SEED_LINE
+from tests.helpers.markdown import markdown_html, markdown_text
 
 
 def test_seed_run_builds_with_nulls_for_what_was_not_measured(tmp_path: Path) -> None:
@@ -86,17 +86,6 @@ def test_html_is_self_contained_and_escaped(tmp_path: Path) -> None:
     rendered = markdown_html(markdown)
     assert "<script>" not in rendered and "<b>" not in rendered
     assert "<script>alert(1)</script>" in markdown_text(markdown)
-
-
-def markdown_html(markdown: str) -> str:
-    """A Markdown file as a viewer renders it (CommonMark with GitHub's tables and
-    strikethrough; raw HTML passes through, as most viewers let it)."""
-    return MarkdownIt("commonmark").enable(["table", "strikethrough"]).render(markdown)
-
-
-def markdown_text(markdown: str) -> str:
-    """The text a reader of the rendered Markdown sees."""
-    return html.unescape(re.sub(r"<[^>]+>", "", markdown_html(markdown)))
 
 
 # A run id and a flip note a viewer must show as they are: quotes, a table's pipe, a tag,

@@ -31,7 +31,6 @@ from tests.helpers.calibration import store_comparison
 from tests.helpers.cli import servescope
 from tests.helpers.markdown import markdown_text
 from tests.helpers.reports import T0, store_run, synthetic_events
-from tests.integration.test_report_html import chromium  # noqa: F401 (the fixture)
 
 WIDTH, HEIGHT = 1280, 800  # a laptop's screen: the decision must be on it
 REPEATS = 5

@@ -13,9 +13,6 @@ import base64
 import functools
 import http.server
 import io
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -33,17 +30,6 @@ from tests.helpers.reports import T0, store_run, synthetic_events
 
 HOSTILE = "<script>alert(1)</script>"
 HOSTILE_LEVER = '"><img src=x onerror=alert(2)>'
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--remote-debugging-port=0",
-    "--window-size=1280,1600",
-]
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -87,35 +73,6 @@ def served(report_dir: Path) -> Iterator[tuple[str, list[str]]]:
     yield f"http://127.0.0.1:{server.server_port}/index.html", requests
     server.shutdown()
     server.server_close()
-
-
-@pytest.fixture
-def chromium() -> Iterator[str]:
-    """A headless Chromium of our own; yields its DevTools HTTP endpoint."""
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert binary, "Chromium is not installed (Debian package `chromium`; see the Makefile)"
-    profile = Path(tempfile.mkdtemp(prefix="servescope-chromium-"))
-    process = subprocess.Popen(
-        [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        port_file = profile / "DevToolsActivePort"
-        deadline = time.monotonic() + 60
-        while not (port_file.exists() and port_file.read_text().strip()):
-            assert process.poll() is None, f"Chromium exited with {process.returncode}"
-            assert time.monotonic() < deadline, "Chromium did not open its DevTools port"
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port_file.read_text().split()[0]}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 async def visit(devtools: str, url: str) -> dict[str, Any]:

@@ -10,47 +10,13 @@ real vLLM log with them."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from servescope.wire.container_log import Record, Unwrapper, dated, runtime_time
 from servescope.wire.vllm_log import Access, Phase, parse_line
-
-# (runtime time, stream, the line as written, without its newline)
-Written = tuple[datetime, str, str]
-
-
-def _rfc3339_nano(ts: datetime) -> str:
-    """Go's RFC3339Nano: nine digits at most, trailing zeros dropped, `Z` for UTC."""
-    fraction = f"{ts.microsecond:06d}123".rstrip("0")  # a nanosecond tail, as runtimes stamp
-    return ts.strftime("%Y-%m-%dT%H:%M:%S") + (f".{fraction}" if fraction else "") + "Z"
-
-
-def cri_records(written: Iterable[Written], max_record: int = 16 * 1024) -> list[str]:
-    """The CRI file lines (without newlines) a runtime writes for `written`."""
-    out = []
-    for ts, stream, text in written:
-        data = text.encode()
-        pieces = [data[i : i + max_record] for i in range(0, len(data), max_record)] or [b""]
-        for n, piece in enumerate(pieces):
-            tag = "F" if n == len(pieces) - 1 else "P"
-            out.append(f"{_rfc3339_nano(ts)} {stream} {tag} {piece.decode(errors='replace')}")
-    return out
-
-
-def docker_records(written: Iterable[Written], max_record: int = 16 * 1024) -> list[str]:
-    """The json-file lines Docker writes for `written` (keys in its order)."""
-    out = []
-    for ts, stream, text in written:
-        pieces = [text[i : i + max_record] for i in range(0, len(text), max_record)] or [""]
-        for n, piece in enumerate(pieces):
-            log = piece + ("\n" if n == len(pieces) - 1 else "")
-            record = {"log": log, "stream": stream, "time": _rfc3339_nano(ts)}
-            out.append(json.dumps(record, separators=(",", ":")))
-    return out
-
+from tests.helpers.container_logs import cri_records, docker_records
 
 T0 = datetime(2026, 11, 27, 0, 1, 2, 345678, tzinfo=UTC)
 RECEIVED = "(APIServer pid=9) INFO 11-27 00:01:02 [logger.py:40] Received request cmpl-1: " + (
