@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict, cast
 from urllib.parse import urlparse
 
 from servescope.collector.scrape import Scrape
-from servescope.collector.sessions import Session, same_instance, session_run_id
+from servescope.collector.sessions import (
+    Levers,
+    Session,
+    SessionState,
+    same_instance,
+    session_run_id,
+)
+from servescope.store.notes import KvStatement
+from servescope.store.validation import EventDoc
 from servescope.wire import vllm_log
 from servescope.wire.exposition import Sample
 from servescope.wire.ids import UNATTRIBUTED_RUN, is_generated
@@ -34,12 +43,40 @@ START_WINDOW = timedelta(minutes=15)
 HELD_SCRAPE_S = 600.0  # a scrape waits this long for its server's session to appear in the log
 
 
+class PreviousSession(TypedDict):
+    """What the session a log was in before left for the next one: the levers a restart is
+    compared with (a checkpoint of an older collector lacks the keys not required)."""
+
+    run_id: str | None
+    levers: Levers
+    args: NotRequired[Levers | None]
+    scraped: NotRequired[bool]
+    instance: NotRequired[str | None]
+
+
+class LogState(TypedDict, total=False):
+    """A tailed log's checkpoint state: the session it is in, and the one before."""
+
+    session: SessionState | None
+    previous: PreviousSession
+
+
+class TargetState(TypedDict, total=False):
+    """A scraped `/metrics` URL's checkpoint state: the run its samples go to, the process
+    start they were of, the server's version, and its own session (a target no log tells of)."""
+
+    run_id: str | None
+    start: float | None
+    version: str
+    session: SessionState
+
+
 class ServerLog:
     """The sessions of one vLLM log as far as it was read: the one it is in now (`session`), and
     what the one before left (`state["previous"]`: the levers a restart is compared with).
     `state` is the log's checkpoint state."""
 
-    def __init__(self, name: str, state: dict[str, Any], attribution: Attribution) -> None:
+    def __init__(self, name: str, state: LogState, attribution: Attribution) -> None:
         self.name = name
         self.state = state
         self.session = Session.from_state(state.get("session"))
@@ -50,10 +87,10 @@ class ServerLog:
         """The run of the session the log is in now (None until it is named)."""
         return self.session.run_id if self.session is not None else None
 
-    def snapshot(self) -> dict[str, Any] | None:
+    def snapshot(self) -> SessionState | None:
         return self.session.state() if self.session is not None else None
 
-    def changed_state(self, before: dict[str, Any] | None) -> dict[str, Any] | None:
+    def changed_state(self, before: SessionState | None) -> LogState | None:
         """The log's state to checkpoint when its session changed since `snapshot()` gave
         `before`; None when it did not."""
         after = self.snapshot()
@@ -67,7 +104,7 @@ class ServerLog:
         if self.session is not None:
             self.session.seen(ts)
 
-    def attribute(self, doc: dict[str, Any]) -> dict[str, Any]:
+    def attribute(self, doc: EventDoc) -> EventDoc:
         """A piece read from the server's log: the request's session, its model, and its run
         when vLLM made up its id (no client `X-Request-Id`)."""
         session = self.session
@@ -127,7 +164,8 @@ class ServerLog:
         session = self.session
         if session is not None:
             session.seen(item.ts)
-            session.statement(item.values, item.engine)
+            # the keys wire.kv_statement reads are KvStatement's
+            session.statement(cast(KvStatement, item.values), item.engine)
             self._attribution.touch(session)
 
     def phase(self, item: vllm_log.Phase) -> None:
@@ -167,21 +205,22 @@ class Attribution:
     def __init__(self, instance: str | None = None) -> None:
         self.instance = instance  # the collector's host, in the ids of the sessions it names
         self.logs: list[ServerLog] = []
-        self.targets: dict[str, dict[str, Any]] = {}  # metrics URL → its checkpoint state
+        self.targets: dict[str, TargetState] = {}  # metrics URL → its checkpoint state
         self._held: list[tuple[float, Scrape]] = []  # scrapes waiting for their server's session
         self._ended: dict[str, Session] = {}  # sessions that ended while this process ran
         self._run_of: OrderedDict[str, str] = OrderedDict()  # vLLM-made request id → its run
         self._changed: dict[str, Session] = {}
 
-    def follow_log(self, name: str, state: dict[str, Any]) -> ServerLog:
-        """A tailed vLLM log, resumed from its checkpoint state."""
-        log = ServerLog(name, state, self)
+    def follow_log(self, name: str, state: Mapping[str, object]) -> ServerLog:
+        """A tailed vLLM log, resumed from its checkpoint state (what `ServerLog` wrote)."""
+        log = ServerLog(name, cast(LogState, state), self)
         self.logs.append(log)
         return log
 
-    def follow_target(self, url: str, state: dict[str, Any]) -> None:
-        """A scraped `/metrics` URL, resumed from its checkpoint state."""
-        self.targets[url] = state
+    def follow_target(self, url: str, state: Mapping[str, object]) -> None:
+        """A scraped `/metrics` URL, resumed from its checkpoint state (what `place_scrapes`
+        wrote)."""
+        self.targets[url] = cast(TargetState, state)
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -221,7 +260,7 @@ class Attribution:
     # -- trace pieces --------------------------------------------------------------------------
 
     def place_pieces(
-        self, docs: list[dict[str, Any]], store: Store, con: duckdb.DuckDBPyConnection
+        self, docs: list[EventDoc], store: Store, con: duckdb.DuckDBPyConnection
     ) -> None:
         """Give trace pieces of requests vLLM made the id of their session's run, and take in
         requests stored before their session was known (prepended to `docs`).
@@ -256,7 +295,9 @@ class Attribution:
             if d.get("run_id") not in (None, UNATTRIBUTED_RUN) and is_generated(d["request_id"])
         }  # fmt: skip
         if placed:
-            earlier = store.take_events(UNATTRIBUTED_RUN, list(placed), con)
+            # records the store kept met its rules when they came in
+            taken = store.take_events(UNATTRIBUTED_RUN, list(placed), con)
+            earlier = cast(list[EventDoc], taken)
             for doc in earlier:
                 doc["run_id"] = placed[doc["request_id"]]
             docs[:0] = earlier
@@ -278,7 +319,7 @@ class Attribution:
     def holding(self) -> bool:
         return bool(self._held)
 
-    def place_scrapes(self) -> list[tuple[str, list[Sample], dict[str, Any]]]:
+    def place_scrapes(self) -> list[tuple[str, list[Sample], TargetState]]:
         """Give held scrapes their server session's run: (url, its samples under that run, the
         target's state to checkpoint) for each scrape placed; the others stay held.
 
@@ -288,7 +329,7 @@ class Attribution:
         target without a log is its own session, one per process start.
         """
         keep: list[tuple[float, Scrape]] = []
-        placed: list[tuple[str, list[Sample], dict[str, Any]]] = []
+        placed: list[tuple[str, list[Sample], TargetState]] = []
         for held_since, result in self._held:
             state = self.targets[result.url]
             waited = time.monotonic() - held_since >= HELD_SCRAPE_S
@@ -372,9 +413,10 @@ class Attribution:
         return session
 
 
-def _in_session(doc: dict[str, Any], sessions: list[Session]) -> Session | None:
+def _in_session(doc: EventDoc, sessions: list[Session]) -> Session | None:
     """The only session whose lifetime holds the request's server start (trace pieces)."""
-    ts = parse_ts(doc.get("server_ts"))
+    beside: Mapping[str, object] = doc  # a trace piece's start, a key beside the contract's
+    ts = parse_ts(beside.get("server_ts"))
     if ts is None:
         return None
     holding = [s for s in sessions if s.covers(ts)]
@@ -384,7 +426,7 @@ def _in_session(doc: dict[str, Any], sessions: list[Session]) -> Session | None:
     return holding[0]
 
 
-def parse_ts(text: Any) -> datetime | None:
+def parse_ts(text: object) -> datetime | None:
     """An ISO time of a record (naive ones are UTC); None when it is not one."""
     if not isinstance(text, str):
         return None

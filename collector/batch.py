@@ -11,20 +11,28 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from servescope.collector.attribution import Attribution
 from servescope.collector.selfmetrics import SelfMetrics
 from servescope.collector.sessions import Session
-from servescope.collector.tail import Chunk
+from servescope.collector.tail import CheckpointRow, Chunk
 from servescope.store import Store, checkpoints
+from servescope.store.validation import EventDoc
 from servescope.wire.exposition import Sample
 
 # A refused piece of input: (source, offset, reason, the raw bytes), for `ingest_errors`.
 Refusal = tuple[str, int, str, bytes]
+
+
+class StateRow(TypedDict):
+    """A source's state (its server session, a target's), checkpointed beside its files."""
+
+    file_key: str  # checkpoints.STATE_KEY
+    state: Mapping[str, object]
 
 
 def scrape_source(url: str) -> str:
@@ -37,11 +45,11 @@ class Batch:
     """What was read and not committed yet, in the shapes the store writes."""
 
     chunks: list[tuple[str, Chunk]] = field(default_factory=list)  # (source, events chunk)
-    docs: list[dict[str, Any]] = field(default_factory=list)  # request pieces
+    docs: list[EventDoc] = field(default_factory=list)  # request pieces
     errors: list[Refusal] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     sessions: dict[str, Session] = field(default_factory=dict)  # runs rows to write, by run
-    checkpoints: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    checkpoints: dict[str, dict[str, CheckpointRow | StateRow]] = field(default_factory=dict)
     waiters: list[threading.Event] = field(default_factory=list)  # set once committed
     lines: Counter[str] = field(default_factory=Counter)  # lines read, by source
     oldest: float | None = None
@@ -64,14 +72,14 @@ class Batch:
             self.oldest = time.time()
         self.size += size
 
-    def checkpoint(self, source: str, rows: list[dict[str, Any]]) -> None:
+    def checkpoint(self, source: str, rows: Sequence[CheckpointRow | StateRow]) -> None:
         """Offsets a source was read up to, keyed by file: a later row of a file replaces the
         earlier one, so the batch holds each file's furthest offset."""
         table = self.checkpoints.setdefault(source, {})
         for row in rows:
             table[row["file_key"]] = row
 
-    def checkpoint_state(self, source: str, state: dict[str, Any]) -> None:
+    def checkpoint_state(self, source: str, state: Mapping[str, object]) -> None:
         """A source's state (its server session) goes with the offsets it was read up to."""
         self.checkpoint(source, [{"file_key": checkpoints.STATE_KEY, "state": state}])
 

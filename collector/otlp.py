@@ -14,10 +14,10 @@ import math
 import re
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -60,8 +60,14 @@ class BadPayload(ValueError):
     """The body is not an OTLP trace export; the message says why."""
 
 
-# name, trace id (hex), start (unix ns), attributes, span id (hex; "" when the export has none)
-Span = tuple[str, str, int, dict[str, Any], str]
+class Span(NamedTuple):
+    """A span as either encoding gives it: the attributes as decoded, not yet checked."""
+
+    name: str
+    trace_id: str  # hex
+    start_ns: int  # Unix nanoseconds
+    attributes: dict[str, object]
+    span_id: str  # hex; "" when the export has none
 
 
 def decode(body: bytes, content_type: str, encoding: str | None) -> list[Span]:
@@ -84,7 +90,7 @@ def decode(body: bytes, content_type: str, encoding: str | None) -> list[Span]:
             for span in ss.spans:
                 attrs = {kv.key: _any_value(kv.value) for kv in span.attributes}
                 spans.append(
-                    (
+                    Span(
                         span.name,
                         span.trace_id.hex(),
                         span.start_time_unix_nano,
@@ -95,7 +101,7 @@ def decode(body: bytes, content_type: str, encoding: str | None) -> list[Span]:
     return spans
 
 
-def _any_value(value: AnyValue) -> Any:
+def _any_value(value: AnyValue) -> object:
     kind = value.WhichOneof("value")
     return None if kind is None else getattr(value, kind)
 
@@ -116,7 +122,7 @@ def _decode_json(body: bytes) -> list[Span]:
                     }
                     start = int(span.get("startTimeUnixNano") or 0)
                     spans.append(
-                        (
+                        Span(
                             str(span.get("name", "")),
                             str(span.get("traceId", "")),
                             start,
@@ -129,7 +135,7 @@ def _decode_json(body: bytes) -> list[Span]:
     return spans
 
 
-def _json_value(value: dict[str, Any]) -> Any:
+def _json_value(value: Mapping[str, Any]) -> object:
     for kind in ("stringValue", "boolValue", "doubleValue"):
         if kind in value:
             return value[kind]
@@ -138,7 +144,7 @@ def _json_value(value: dict[str, Any]) -> Any:
     return None
 
 
-def span_piece(span: Span) -> dict[str, Any] | None:
+def span_piece(span: Span) -> dict[str, object] | None:
     """An `llm_request` span as a piece of its request's event (None for other spans).
 
     Raises BadPayload when an `llm_request` span lacks its request id or has wrong types.
@@ -158,7 +164,7 @@ def span_piece(span: Span) -> dict[str, Any] | None:
     if not isinstance(vllm_id, str) or not client_request_id(vllm_id):
         raise BadPayload("llm_request span without gen_ai.request.id")
     request_id = client_request_id(vllm_id)
-    doc: dict[str, Any] = {"request_id": request_id, "source": SOURCE}
+    doc: dict[str, object] = {"request_id": request_id, "source": SOURCE}
     if 0 < start_ns < 2**63:  # a time a datetime holds (the field is a fixed64)
         doc["server_ts"] = datetime.fromtimestamp(start_ns / 1e9, UTC).isoformat()
     if trace_id and trace_id.strip("0"):
@@ -166,6 +172,14 @@ def span_piece(span: Span) -> dict[str, Any] | None:
     doc["vllm_request_id"] = vllm_id
     if _SPAN_ID.match(span_id) and span_id.strip("0"):
         doc["vllm_part"] = f"{vllm_id}#{span_id.lower()}"
+    doc.update(_figures(attrs))
+    return doc
+
+
+def _figures(attrs: Mapping[str, object]) -> dict[str, float | int]:
+    """The span's latencies (s → ms), counts and sampling floats under the event's keys;
+    BadPayload for a latency or count of the wrong type or out of range."""
+    out: dict[str, float | int] = {}
     for attr, key in LATENCIES.items():
         value = attrs.get(attr)
         if value is None:
@@ -174,7 +188,7 @@ def span_piece(span: Span) -> dict[str, Any] | None:
             raise BadPayload(f"{attr} is not a number")
         if not math.isfinite(value) or value < 0:
             raise BadPayload(f"{attr} is {value}: a duration must be finite and >= 0")
-        doc[key] = round(float(value) * 1000.0, 3)
+        out[key] = round(float(value) * 1000.0, 3)
     for attr, key in COUNTS.items():
         value = attrs.get(attr)
         if value is None:
@@ -183,15 +197,16 @@ def span_piece(span: Span) -> dict[str, Any] | None:
             raise BadPayload(f"{attr} is not an integer")
         if not 0 <= value <= 2**31 - 1:
             raise BadPayload(f"{attr} is {value}: a count must be in 0..2**31-1")
-        doc[key] = value
+        out[key] = value
     for attr, key in FLOATS.items():
         value = attrs.get(attr)
         if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            doc[key] = float(value)
-    return doc
+            out[key] = float(value)
+    return out
 
 
-Submit = Callable[[list[dict[str, Any]], list[tuple[str, str]]], threading.Event]
+# (candidate pieces, refusals) -> an event set once they are committed
+Submit = Callable[[list[dict[str, object]], list[tuple[str, str]]], threading.Event]
 
 
 class OtlpReceiver:
@@ -245,7 +260,7 @@ class OtlpReceiver:
             return
         body = http.rfile.read(length)
         content_type = http.headers.get("Content-Type") or "application/x-protobuf"
-        pieces: list[dict[str, Any]] = []
+        pieces: list[dict[str, object]] = []
         refused: list[tuple[str, str]] = []
         try:
             spans = decode(body, content_type, http.headers.get("Content-Encoding"))
@@ -256,7 +271,7 @@ class OtlpReceiver:
             try:
                 piece = span_piece(span)
             except BadPayload as exc:
-                refused.append((str(exc), json.dumps(span[3], default=str)[:4096]))
+                refused.append((str(exc), json.dumps(span.attributes, default=str)[:4096]))
                 continue
             if piece is not None:
                 pieces.append(piece)

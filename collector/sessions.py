@@ -23,15 +23,17 @@ import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import PurePath
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import urlparse
 
 from servescope.store import settings
+from servescope.store.notes import SESSION_KIND, EngineNotes, KvStatement, ParallelNotes, RunNotes
+from servescope.store.validation import EventDoc
 from servescope.wire import vllm_log
 
 DEFAULT_PORT = settings.VLLM_PORT
 LABEL = "vLLM server session"
-KIND = "vllm-session"
+KIND = SESSION_KIND
 # `vllm:cache_config_info` labels that are server flags (label → flag name); the other labels
 # are consequences (KV-cache size, block counts) kept in the run's notes, not levers.
 CACHE_LEVERS = {
@@ -48,8 +50,29 @@ CACHE_FLAGS = frozenset(CACHE_LEVERS.values())
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?([eE][-+]?\d+)?$")
 
+# A server's configuration, flag name → value as `non-default args` writes it (vLLM's Python
+# literals: numbers, strings, booleans, None, lists and dicts of them): compared, stored as
+# JSON, never computed with, so a value is narrowed where one is read.
+Levers = dict[str, object]
+# Session.state(): every field of a `Session`, as checkpoints keep it (JSON)
+SessionState = dict[str, object]
 
-def label_value(text: str) -> Any:
+
+class SessionRow(TypedDict):
+    """A session's `runs` row (`Store.upsert_run`'s fields)."""
+
+    started_at: datetime | None
+    ended_at: datetime | None
+    label: str
+    target: str | None
+    model: str | None
+    vllm_version: str | None
+    levers: Levers
+    status: str
+    notes: RunNotes
+
+
+def label_value(text: str) -> bool | int | float | str | None:
     """A Prometheus label value in the spelling of `non-default args`: "True" → true,
     "128" → 128, "None" → null; anything else stays a string."""
     if text in ("True", "False"):
@@ -62,9 +85,9 @@ def label_value(text: str) -> Any:
     return text
 
 
-def cache_levers(labels: dict[str, str]) -> dict[str, Any]:
+def cache_levers(labels: dict[str, str]) -> Levers:
     """The levers `vllm:cache_config_info` shows (flag names, JSON values, unset ones left out)."""
-    out = {}
+    out: Levers = {}
     for label, flag in CACHE_LEVERS.items():
         if label in labels and (value := label_value(labels[label])) is not None:
             out[flag] = value
@@ -101,7 +124,7 @@ def same_instance(theirs: str | None, mine: str | None) -> bool:
     return theirs is None or theirs == mine
 
 
-def served_model(args: dict[str, Any]) -> str | None:
+def served_model(args: Levers) -> str | None:
     """The name clients use: `--served-model-name` (its first), else the model path's name."""
     served = args.get("served_model_name")
     if isinstance(served, list) and served:
@@ -126,26 +149,28 @@ class Session:
     model_path: str | None = None
     port: int | None = None
     target: str | None = None
-    args: dict[str, Any] = field(default_factory=dict)  # `non-default args`, secrets left out
+    args: Levers = field(default_factory=dict)  # `non-default args`, secrets left out
     cache_config: dict[str, str] = field(default_factory=dict)
-    kv_cache: dict[str, Any] = field(default_factory=dict)  # vLLM's start-up KV statement
+    kv_cache: KvStatement = field(default_factory=lambda: KvStatement())  # vLLM's, at start-up
     cold_start: dict[str, float] = field(default_factory=dict)  # its start-up phases (seconds, GiB)
     previous: str | None = None  # the run of the session this one followed, on the same log
-    previous_levers: dict[str, Any] | None = None
-    previous_args: dict[str, Any] | None = None  # its `non-default args`
+    previous_levers: Levers | None = None
+    previous_args: Levers | None = None  # its `non-default args`
     previous_scraped: bool = False  # whether `previous_levers` hold that server's cache config
     source: str | None = None
-    engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # DP rank → its KV statement
+    engines: dict[str, EngineNotes] = field(default_factory=dict)  # DP rank → its KV statement
     gpus: dict[str, dict[str, float]] = field(default_factory=dict)  # `gpu_key` → its memory (GiB)
 
     @classmethod
-    def from_state(cls, state: dict[str, Any] | None) -> Session | None:
+    def from_state(cls, state: SessionState | None) -> Session | None:
+        """The session a checkpoint kept (keys an older collector wrote and this one has no
+        field for are left out)."""
         if not state:
             return None
-        known = {k: v for k, v in state.items() if k in cls.__dataclass_fields__}
+        known: dict[str, Any] = {k: v for k, v in state.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> SessionState:
         return asdict(self)
 
     @property
@@ -153,7 +178,7 @@ class Session:
         return self.run_id is not None
 
     @property
-    def levers(self) -> dict[str, Any]:
+    def levers(self) -> Levers:
         """The configuration: every non-default arg, plus the cache levers only the server's
         `/metrics` shows (a default left implicit, e.g. prefix caching on)."""
         return {**cache_levers(self.cache_config), **self.args}
@@ -173,7 +198,7 @@ class Session:
             self.last_ts = _iso(ts)
 
     def configure(
-        self, args: dict[str, Any], ts: datetime | None, port: int | None, host: str | None
+        self, args: Levers, ts: datetime | None, port: int | None, host: str | None
     ) -> None:
         """What `non-default args` says: the levers, the model, the port; names the run."""
         self.args = dict(args)
@@ -202,7 +227,7 @@ class Session:
         self.cache_config = dict(labels)
         return self.levers != before
 
-    def flips(self) -> list[tuple[str, Any, Any]]:
+    def flips(self) -> list[tuple[str, object, object]]:
         """(lever, before, after) for each lever that differs from the previous session's.
 
         A cache lever only `/metrics` shows (block size, KV dtype…) is known on both sides only
@@ -221,7 +246,7 @@ class Session:
             if before.get(lever) != after.get(lever)
         ]
 
-    def statement(self, values: dict[str, Any], engine: str | None) -> None:
+    def statement(self, values: KvStatement, engine: str | None) -> None:
         """vLLM's KV statement: the server's (`kv_cache`: its only engine's, or the first
         engine's), and each data-parallel engine's own (`engines`), every engine sizing its
         own cache."""
@@ -260,9 +285,11 @@ class Session:
     def end(self, ts: datetime | None) -> None:
         self.ended_at = _iso(ts) if ts else (self.last_ts or self.started_at)
 
-    def run_row(self) -> dict[str, Any]:
+    def run_row(self) -> SessionRow:
         """The session's `runs` row."""
-        notes: dict[str, Any] = {"kind": KIND, "log": self.source, "previous": self.previous}
+        notes: RunNotes = {"kind": "vllm-session", "previous": self.previous}
+        if self.source is not None:
+            notes["log"] = self.source
         if self.instance:
             notes["instance"] = self.instance
         if self.model_path:
@@ -290,7 +317,7 @@ class Session:
             "notes": notes,
         }
 
-    def parallel(self) -> dict[str, int]:
+    def parallel(self) -> ParallelNotes:
         """How the server spreads over GPUs, from its flags: GPUs per engine (tensor and
         pipeline parallel) and engines (data parallel)."""
         tp, pp, dp = (_size(self.args.get(f"{kind}_parallel_size"))
@@ -298,7 +325,7 @@ class Session:
         return {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
                 "data_parallel_size": dp, "gpus": tp * pp * dp}  # fmt: skip
 
-    def served(self, doc: dict[str, Any]) -> dict[str, Any]:
+    def served(self, doc: EventDoc) -> EventDoc:
         """Mark a request as one this session served: its `vllm_session`, and its model when
         the record names none (the client's stays)."""
         doc["vllm_session"] = self.run_id
@@ -311,11 +338,11 @@ class Session:
         return start is not None and start <= ts and (end is None or ts <= end)
 
 
-def _size(value: Any) -> int:
+def _size(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
-def _as_flags(levers: dict[str, Any], args: dict[str, Any] | None) -> dict[str, Any]:
+def _as_flags(levers: Levers, args: Levers | None) -> Levers:
     """The levers without the cache levers only a scrape gave (`args` None: not known, all kept)."""
     if args is None:
         return levers

@@ -21,16 +21,41 @@ import fnmatch
 import glob
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO, NotRequired, TypedDict
 
 from servescope.store.validation import MAX_LINE_BYTES
 
 FP_BYTES = 1024
 CHUNK_BYTES = 16 * 1024 * 1024
 MAX_LINE = MAX_LINE_BYTES  # the store's bound on a line (store.validation): longer ones are skipped
+
+
+class FileGen(TypedDict):
+    """A file's checkpoint state: when this generation of it was first seen."""
+
+    gen: str
+
+
+class CheckpointRow(TypedDict):
+    """A tailed file's checkpoint row (`store.checkpoints`): where it is, how far it was read,
+    the fingerprint of what was read (its first `fp_len` bytes), its generation."""
+
+    file_key: str
+    path: str
+    offset: int
+    fp_len: int
+    fp: str
+    state: NotRequired[FileGen | None]
+
+
+def _gen(row: CheckpointRow) -> str | None:
+    """The generation a checkpoint row saw (none in a row an older collector wrote)."""
+    state = row.get("state")
+    return state["gen"] if state else None
 
 
 @dataclass
@@ -48,7 +73,7 @@ class FileState:
     def error_source(self) -> str:
         return f"{self.path}#{self.key}@{self.gen}"
 
-    def row(self) -> dict[str, Any]:
+    def row(self) -> CheckpointRow:
         return {
             "file_key": self.key,
             "path": self.path,
@@ -90,7 +115,7 @@ class Tailer:
     def __init__(
         self,
         pattern: str,
-        saved: list[dict[str, Any]] | None = None,
+        saved: Sequence[CheckpointRow] | None = None,
         *,
         once: bool = False,
         max_line: int = MAX_LINE,
@@ -101,7 +126,7 @@ class Tailer:
         self.max_line = max_line
         self.chunk_bytes = chunk_bytes
         self.files: dict[str, FileState] = {}  # open files by key
-        self.saved: dict[str, dict[str, Any]] = {row["file_key"]: row for row in saved or []}
+        self.saved: dict[str, CheckpointRow] = {row["file_key"]: row for row in saved or []}
         self._dirty: dict[str, FileState] = {}
         self._recover_rotated()
 
@@ -134,7 +159,7 @@ class Tailer:
                 fh = self._open_path(moved)
                 if fh is not None:
                     state = FileState(key, moved, row["offset"], row["fp_len"], row["fp"], fh=fh)
-                    state.gen = (row.get("state") or {}).get("gen") or _now()
+                    state.gen = _gen(row) or _now()
                     self._adopt(state, detached=True)
                 continue
             found = self._find_copy(row, exclude={key})
@@ -170,7 +195,7 @@ class Tailer:
             return None
 
     @staticmethod
-    def _matches(fh: BinaryIO | None, row: dict[str, Any]) -> bool:
+    def _matches(fh: BinaryIO | None, row: CheckpointRow) -> bool:
         if fh is None:
             return False
         try:
@@ -179,7 +204,7 @@ class Tailer:
         finally:
             fh.close()
 
-    def _find_copy(self, row: dict[str, Any], exclude: set[str]) -> FileState | None:
+    def _find_copy(self, row: CheckpointRow, exclude: set[str]) -> FileState | None:
         """The file in the folder holding the content `row` was read from, beyond its offset
         (none when nothing was read: an empty fingerprint matches any file)."""
         if not row["offset"] or not row["fp_len"]:
@@ -210,10 +235,10 @@ class Tailer:
             state = FileState(key, path, fh=fh)
             if own is not None:
                 state.offset, state.fp_len, state.fp = own["offset"], own["fp_len"], own["fp"]
-                state.gen = (own.get("state") or {}).get("gen") or _now()
+                state.gen = _gen(own) or _now()
             else:
                 state.offset, state.fp_len, state.fp = row["offset"], row["fp_len"], row["fp"]
-                state.gen = (row.get("state") or {}).get("gen") or _now()
+                state.gen = _gen(row) or _now()
             return state
         return None
 
@@ -243,12 +268,12 @@ class Tailer:
                 size = os.fstat(fh.fileno()).st_size
                 if size >= row["offset"] and _fingerprint(fh, row["fp_len"]) == (row["fp"] or ""):
                     state.offset, state.fp_len, state.fp = row["offset"], row["fp_len"], row["fp"]
-                    state.gen = (row.get("state") or {}).get("gen") or state.gen
+                    state.gen = _gen(row) or state.gen
                 else:
                     self._recover_copy(row)  # truncated or replaced while we were away
             self._adopt(state, detached=False)
 
-    def _recover_copy(self, row: dict[str, Any]) -> None:
+    def _recover_copy(self, row: CheckpointRow) -> None:
         copy = self._find_copy(row, exclude={row["file_key"]})
         if copy is not None:
             self._adopt(copy, detached=True)
@@ -370,7 +395,7 @@ class Tailer:
         state.offset += length
         return chunk
 
-    def checkpoints(self) -> list[dict[str, Any]]:
+    def checkpoints(self) -> list[CheckpointRow]:
         """Checkpoint rows of the files read since the last call (saved with their data)."""
         rows = [state.row() for state in self._dirty.values()]
         for row in rows:

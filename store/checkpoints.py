@@ -4,7 +4,7 @@ remembers between lines. Saved in the transaction that writes the rows they cove
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import duckdb
@@ -44,7 +44,7 @@ def rows_in(con: duckdb.DuckDBPyConnection, source: str) -> list[dict[str, Any]]
     return out
 
 
-def save(con: duckdb.DuckDBPyConnection, source: str, rows: Iterable[dict[str, Any]]) -> None:
+def save(con: duckdb.DuckDBPyConnection, source: str, rows: Iterable[Mapping[str, Any]]) -> None:
     """Upsert checkpoint rows of `source` inside the caller's transaction."""
     now = utcnow()
     params = [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from servescope.collector.attribution import ServerLog, parse_ts
 from servescope.collector.batch import Batch
@@ -16,6 +16,7 @@ from servescope.collector.sessions import Session
 from servescope.collector.sources.tailed import Tailed
 from servescope.collector.tail import Chunk
 from servescope.store import InvalidEvent, check_built, checkpoints
+from servescope.store.validation import EventDoc
 from servescope.wire import container_log, vllm_log
 from servescope.wire.ids import UNATTRIBUTED_RUN
 
@@ -131,7 +132,8 @@ class VllmLog(Tailed):
                 item = _checked(item)
             if isinstance(item, vllm_log.Piece):
                 server.seen(parse_ts(item.doc.get("log_ts")))
-                batch.docs.append(server.attribute(item.doc))
+                # a piece `_checked` let through: the store's rules hold for it
+                batch.docs.append(server.attribute(cast(EventDoc, item.doc)))
             elif isinstance(item, vllm_log.Bad):
                 batch.errors.append((chunk.file.error_source, here, item.reason, record.text))
             elif isinstance(item, vllm_log.Access):
@@ -213,7 +215,7 @@ class VllmLog(Tailed):
         else:
             status, error = "error", f"http_{item.status // 100}xx"
         ts = item.ts.isoformat() if item.ts else _later(self._written, server.session)
-        doc: dict[str, Any] = {
+        doc: dict[str, object] = {
             "request_id": f"http-{chunk.file.fp[:8] or 'log'}-{offset}",
             "run_id": server.run_id or UNATTRIBUTED_RUN,
             "source": vllm_log.SOURCE,
@@ -224,5 +226,6 @@ class VllmLog(Tailed):
             "http_method": item.method,
             "http_path": item.path,
         }
-        server.attribute(doc)
-        batch.docs.append({k: v for k, v in doc.items() if v is not None})
+        # the event's keys are the contract's, of its types (`status` one of its classes)
+        piece = cast(EventDoc, {k: v for k, v in doc.items() if v is not None})
+        batch.docs.append(server.attribute(piece))

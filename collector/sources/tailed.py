@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 from abc import abstractmethod
-from typing import Any
+from typing import Any, cast
 
 from servescope.collector.batch import Batch, Intake
 from servescope.collector.sources import Source
-from servescope.collector.tail import Chunk, Tailer
+from servescope.collector.tail import CheckpointRow, Chunk, Tailer
 from servescope.store import checkpoints
 
 
@@ -32,8 +32,10 @@ class Tailed(Source):
         self.resume(checkpoints.load(intake.store, self.name))
 
     def resume(self, saved: list[dict[str, Any]]) -> None:
-        """Follow the files from the offsets of the last commit."""
-        files = [row for row in saved if row["file_key"] != checkpoints.STATE_KEY]
+        """Follow the files from the offsets of the last commit (the rows `Tailer` wrote)."""
+        files = [
+            cast(CheckpointRow, row) for row in saved if row["file_key"] != checkpoints.STATE_KEY
+        ]
         self.tailer = Tailer(self.pattern, files, once=self.intake.once)
 
     def poll(self) -> int:
