@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, closing
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 import duckdb
 
-from servescope.reports import bootstrap, coldstart, engines, replicas, sql
+from servescope.reports import bootstrap, coldstart, replicas, sql
 from servescope.reports.charts import charts
 from servescope.reports.checklist import checklist
-from servescope.reports.coldstart import cold_start_of
 from servescope.reports.diagnosis import assess_flip, diagnose, primary_indicator
 from servescope.reports.document import (
     Bootstrap,
@@ -26,7 +24,6 @@ from servescope.reports.document import (
     DiffRow,
     Flip,
     LeverChange,
-    Numbers,
     Power,
     Primary,
     RepeatState,
@@ -35,16 +32,24 @@ from servescope.reports.document import (
     SideReport,
 )
 from servescope.reports.document import Design as RepeatsDesign
-from servescope.reports.document import Window as WindowDoc
-from servescope.reports.indicators import BY_METRIC, Arm, Side, attach_gpu
+from servescope.reports.indicators import BY_METRIC, Arm
 from servescope.reports.judge import judge, power
 from servescope.reports.rows import at_level, design, diff_rows, primary_level
-from servescope.reports.samples import Samples, Slice, choose_sources
+from servescope.reports.samples import Slice
 from servescope.reports.sequential import Plan
+from servescope.reports.sides import (
+    flips_in,
+    only_numbers,
+    report_id,
+    side_of,
+    side_report,
+    sides_of,
+    slice_of,
+    window_of,
+)
 from servescope.reports.specdecode import headline_part, spec_diff
-from servescope.reports.summary import ReportOptions, recorded_slo, require_run, run_meta, summarize
-from servescope.reports.windows import WHOLE, Window, resolve
-from servescope.reports.windows import label as window_label
+from servescope.reports.summary import ReportOptions, recorded_slo, require_run
+from servescope.reports.windows import WHOLE, Window
 from servescope.reports.wording import (
     describe_change,
     headline,
@@ -52,7 +57,6 @@ from servescope.reports.wording import (
     workload_warnings,
 )
 from servescope.store import Store
-from servescope.store.clock import utc_from_epoch
 from servescope.store.reads import RunRow
 
 
@@ -99,137 +103,12 @@ def previous_run(con: duckdb.DuckDBPyConnection, run: RunRow) -> str:
     )
 
 
-def _slice(con: duckdb.DuckDBPyConnection, run: RunRow, window: Window, label: str = "") -> Slice:
-    """The part of `run` a window selects (the whole run without one)."""
-    if not window:
-        return Slice(run["run_id"], label=label)
-    span = con.execute(sql.RUN_SPAN, {"run_id": run["run_id"]}).fetchone()
-    first, last = span if span else (None, None)
-    start = run["started_at"] or first
-    end = run["ended_at"] or last
-    since = resolve(window.since, start, end) if window.since else None
-    until = resolve(window.until, start, end) if window.until else None
-    name = f"{label or run['run_id']} {window_label(since, until)}"
-    return Slice(run["run_id"], since=since, until=until, label=name)
-
-
-def _report_id(part: Slice) -> str:
-    if part.since is None and part.until is None:
-        return part.run_id
-    since = f"{part.since:%Y%m%dT%H%M%SZ}" if part.since else "start"
-    until = f"{part.until:%Y%m%dT%H%M%SZ}" if part.until else "end"
-    return f"{part.run_id}@{since}-{until}"
-
-
-def _side(con: duckdb.DuckDBPyConnection, part: Slice, options: ReportOptions) -> Side:
-    """One side alone (from its own sources); its samples stay readable on `con` (the caller
-    keeps it open until the report is built)."""
-    samples = Samples(con, part)
-    samples.use(choose_sources(samples))
-    side = Side(part.name, summarize(con, part, options, samples), samples)
-    attach_gpu(con, side)
-    return side
-
-
-def _sides(
-    con: duckdb.DuckDBPyConnection,
-    parts: list[Slice],
-    options: ReportOptions,
-    stack: ExitStack,
-) -> list[Side]:
-    """Every run of both arms, each on its own cursor (closed by `stack`), read side by side: a
-    quantile's final sort runs on one thread, so sides in parallel use the cores one side alone
-    leaves idle. All report TTFT, TPOT and e2e from the same source."""
-    cursors = [stack.enter_context(closing(con.cursor())) for _ in parts]
-    samples = [Samples(cur, part) for cur, part in zip(cursors, parts, strict=True)]
-    sources = choose_sources(*samples)
-    for each in samples:
-        each.use(sources)
-    with ThreadPoolExecutor(max_workers=min(len(parts), 4)) as pool:
-        summaries = list(
-            pool.map(lambda c, p, s: summarize(c, p, options, s), cursors, parts, samples)
-        )
-    sides = [
-        Side(part.name, summary, each)
-        for part, summary, each in zip(parts, summaries, samples, strict=True)
-    ]
-    for side in sides:
-        attach_gpu(con, side)
-    return sides
-
-
-def _span(sides: list[Side]) -> tuple[datetime | None, datetime | None]:
-    spans = [span for s in sides if (span := s.samples.span) is not None]
-    if not spans:
-        return None, None
-    lo = min(first for first, _ in spans)
-    hi = max(last for _, last in spans)
-    return (
-        utc_from_epoch(lo),
-        utc_from_epoch(hi),
-    )
-
-
-def _flips(con: duckdb.DuckDBPyConnection, run_ids: list[str], sides: list[Side]) -> list[Flip]:
-    start, end = _span(sides)
-    params = {"run_ids": run_ids, "start": start, "end": end}
-    return [
-        Flip(
-            ts=ts.isoformat() + "Z",
-            t=t,
-            lever=lever,
-            before=before,
-            after=after,
-            note=note,
-            run_id=run_id,
-        )  # fmt: skip
-        for ts, t, lever, before, after, note, run_id in con.execute(
-            sql.REPORT_LEVER_FLIPS, params
-        ).fetchall()
-    ]
-
-
-def _window_of(part: Slice) -> WindowDoc | None:
-    if part.since is None and part.until is None:
-        return None
-    return WindowDoc(
-        since=part.since.isoformat() + "Z" if part.since else None,
-        until=part.until.isoformat() + "Z" if part.until else None,
-    )
-
-
 def _with_slo(options: ReportOptions | None, run: RunRow) -> ReportOptions:
     """The SLOs given on the command line, else those the (after) run was benchmarked with."""
     options = options or ReportOptions()
     if options.slo:
         return options
     return replace(options, slo=recorded_slo(run))
-
-
-def _numbers(
-    con: duckdb.DuckDBPyConnection, part: Slice, run: RunRow, side: Side, options: ReportOptions
-) -> Numbers:
-    """A slice's numbers as a report shows them: its summary, a fleet's replicas and a
-    data-parallel server's engines."""
-    return Numbers(
-        **side.summary,
-        **replicas.fleet(con, part, run, options.prometheus),
-        engines=engines.of_run(con, part, run),
-    )
-
-
-def _side_report(
-    con: duckdb.DuckDBPyConnection, part: Slice, run: RunRow, side: Side, options: ReportOptions
-) -> SideReport:
-    """One run (or window) of a report, with what its `runs` row says."""
-    meta = run_meta(run, side.summary["overall"]["models"], cold_start_of(con, run))
-    return SideReport(
-        name=part.name,
-        run_id=part.run_id,
-        levers=run["levers"] or {},
-        run=meta,
-        **_numbers(con, part, run, side, options),
-    )
 
 
 def _diagnosis(side: SideReport, slo: dict[str, float] | None) -> dict[str, Any]:
@@ -244,44 +123,28 @@ def build_summary(
     server-side deltas, admission evidence, the pass-criteria checklist and charts."""
     with store.read() as con:
         run = require_run(con, run_id)
-        part = _slice(con, run, window)
+        part = slice_of(con, run, window)
         options = _with_slo(options, run)
-        side = _side(con, part, options)
-        shown = _side_report(con, part, run, side, options)
+        side = side_of(con, part, options)
+        shown = side_report(con, part, run, side, options)
         checks = checklist(con, part, shown["run"], side.summary, options)
-        flips = _flips(con, [run_id], [side])
+        flips = flips_in(con, [run_id], [side])
         drawn = charts([side], flips) if options.charts else {}
     slo = options.slo or None
     return Report(
-        report_id=_report_id(part),
+        report_id=report_id(part),
         kind="run",
         run_id=run_id,
-        window=_window_of(part),
+        window=window_of(part),
         levers=shown["levers"],
         run=shown["run"],
-        **_only_numbers(shown),
+        **only_numbers(shown),
         slo=slo,
         checklist=checks,
         flips=flips,
         charts=drawn,
         cold_start=coldstart.rows(shown["run"]["cold_start"]),
         diagnosis=_diagnosis(shown, slo),
-    )
-
-
-def _only_numbers(side: SideReport) -> Numbers:
-    """A side's numbers without its name, run id, levers and run (what a report's top level
-    repeats of its after side)."""
-    return Numbers(
-        overall=side["overall"],
-        groups=side["groups"],
-        server=side["server"],
-        admission=side["admission"],
-        gpu=side["gpu"],
-        replicas=side["replicas"],
-        skew=side["skew"],
-        replicas_server=side["replicas_server"],
-        engines=side["engines"],
     )
 
 
@@ -340,12 +203,12 @@ def _compare(
     """Both arms compared (the sides' cursors are closed by `stack`); `changes`: the levers
     that differ between them."""
     seed = bootstrap.DEFAULT_SEED if options.seed is None else options.seed
-    sides = _sides(con, [*before, *after], options, stack)
+    sides = sides_of(con, [*before, *after], options, stack)
     b_arm = Arm(_arm_name(runs[0]) if len(before) > 1 else before[0].name, sides[: len(before)])
     a_arm = Arm(_arm_name(runs[1]) if len(after) > 1 else after[0].name, sides[len(before) :])
     b_side, a_side = b_arm.repeats[0], a_arm.repeats[0]
-    b_shown = _side_report(con, before[0], runs[0][0], b_side, options)
-    a_shown = _side_report(con, after[0], runs[1][0], a_side, options)
+    b_shown = side_report(con, before[0], runs[0][0], b_side, options)
+    a_shown = side_report(con, after[0], runs[1][0], a_side, options)
     same_run = before[0].run_id == after[0].run_id
     rows, evidence = diff_rows(b_arm, a_arm, seed)
     metric, why = primary_indicator(changes)
@@ -358,7 +221,7 @@ def _compare(
     chosen, decided = judge(rows, evidence, (metric, primary_level(b_arm, a_arm)), why, look,
                             plan, options.stopped)  # fmt: skip
     run_ids = sorted({p.run_id for p in (*before, *after)})
-    flips = _flips(con, run_ids, sides)
+    flips = flips_in(con, run_ids, sides)
     shown = list(at_level(rows, chosen["level"]).values())
     b_run, a_run = b_shown["run"], a_shown["run"]
     return Comparison(
@@ -453,7 +316,7 @@ def _arm_name(runs: list[RunRow]) -> str:
 
 
 def _arm_id(parts: list[Slice]) -> str:
-    first = _report_id(parts[0])
+    first = report_id(parts[0])
     return first if len(parts) == 1 else f"{first}-x{len(parts)}"
 
 
@@ -489,8 +352,8 @@ def build_diff(
             before_ids = [previous_run(con, after_runs[0])]
         before_runs = [require_run(con, r) for r in before_ids]
         same = before_ids == after_ids and len(after_ids) == 1
-        before = [_slice(con, r, base_window, "before" if same else "") for r in before_runs]
-        after = [_slice(con, r, window, "after" if same else "") for r in after_runs]
+        before = [slice_of(con, r, base_window, "before" if same else "") for r in before_runs]
+        after = [slice_of(con, r, window, "after" if same else "") for r in after_runs]
         run = after_runs[0]
         options = _with_slo(options, run)
         changes = lever_changes(before_runs[0]["levers"] or {}, run["levers"] or {})
@@ -508,11 +371,11 @@ def build_diff(
         kind="diff",
         run_id=after_ids[0],
         base_run_id=before_ids[0],
-        window=_window_of(after[0]),
-        base_window=_window_of(before[0]),
+        window=window_of(after[0]),
+        base_window=window_of(before[0]),
         levers=compared.after["levers"],
         run=compared.after["run"],
-        **_only_numbers(compared.after),
+        **only_numbers(compared.after),
         **_compared(compared, change),
         slo=slo,
         checklist=checks,
@@ -575,8 +438,8 @@ def build_split(
         before = Slice(run_id, until=at, label="before flip")
         after = Slice(run_id, since=at, label="after flip")
         whole = Slice(run_id)
-        whole_side = _side(con, whole, options)
-        shown = _side_report(con, whole, run, whole_side, options)
+        whole_side = side_of(con, whole, options)
+        shown = side_report(con, whole, run, whole_side, options)
         compared = _compare(
             con, [before], [after], ([run], [run]), changes, options, stack, primary
         )
@@ -598,7 +461,7 @@ def build_split(
         split_at=at.isoformat() + "Z",
         levers=shown["levers"],
         run=shown["run"],
-        **_only_numbers(shown),
+        **only_numbers(shown),
         **_compared(replace(compared, warnings=warnings), change),
         slo=slo,
         checklist=checks,

@@ -148,7 +148,7 @@ def _axes(frame: _Frame, x_label: str, y_label: str) -> list[str]:
 
 
 def _markers(frame: _Frame, markers: Sequence[Marker]) -> list[str]:
-    out = []
+    out: list[str] = []
     for marker in markers:
         x = frame.px(marker.x)
         # labels of markers in the right half read leftwards, so they stay inside the picture
@@ -165,7 +165,7 @@ def _series(
     frame: _Frame, drawn: Sequence[Series], legend: list[tuple[int, int]], dots: bool
 ) -> list[str]:
     """Each series as a line (or dots) in its colour, and its legend entry."""
-    out = []
+    out: list[str] = []
     for i, (s, (lx, row)) in enumerate(zip(drawn, legend, strict=True)):
         colour = COLOURS[i % len(COLOURS)]
         keep = ~(np.isnan(s.x) | np.isnan(s.y))
