@@ -245,7 +245,7 @@ def run_collect(args: argparse.Namespace) -> int:
         collector.exporters.append(forwarder)
     try:
         if args.once:
-            _run_once(collector, args)
+            _run_once(collector)
         else:
             code = _run_forever(collector, metrics, otlp, args)
             if code:
@@ -265,7 +265,7 @@ def run_collect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_once(collector: Collector, args: argparse.Namespace) -> None:
+def _run_once(collector: Collector) -> None:
     total = collector.backlog_bytes() or 1
     with byte_progress("ingesting") as progress:
         task = progress.add_task("ingest", total=total)
@@ -292,7 +292,7 @@ def _run_forever(
 ) -> int:
     stop = threading.Event()
 
-    def _stop(signum: int, frame: FrameType | None) -> None:
+    def _stop(_signum: int, _frame: FrameType | None) -> None:
         stop.set()
 
     signal.signal(signal.SIGTERM, _stop)

@@ -166,7 +166,7 @@ def list_runs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
+def _interrupt(_signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 

@@ -18,7 +18,6 @@ from servescope.commands.common import (
     store_command,
 )
 from servescope.reports import BadWindow, ReportOptions, UnknownRun, Window, build_summary
-from servescope.reports.document import Report
 from servescope.store.lakeread import Lake
 
 DESCRIPTION = (
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         out = {"run_id": args.run_id, "window": report.get("window"), **diagnosis}
         print(json.dumps(out, indent=2, default=str))
         return 0
-    _print(args.run_id, report, diagnosis)
+    _print(args.run_id, diagnosis)
     return 0
 
 
@@ -72,7 +71,7 @@ def _levers(levers: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
-def _print(run_id: str, report: Report, d: dict[str, Any]) -> None:
+def _print(run_id: str, d: dict[str, Any]) -> None:
     out = Console(width=120, soft_wrap=False)
     shape = d["workload_shape"]
     out.print(Text(f"{run_id}: workload shape {shape['shape']} — {shape['why']}"))
