@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, NotRequired, Protocol, TypedDict, cast
 from urllib.parse import urlparse
 
 import psutil
@@ -61,7 +61,41 @@ def nvml_open() -> int:
     return count
 
 
-def nvml_rows() -> list[dict[str, Any]]:
+class NvmlProcess(TypedDict):
+    """A process computing on a GPU, as NVML lists it."""
+
+    pid: int
+    used_bytes: NotRequired[int]  # when NVML knows it
+
+
+class MigRow(TypedDict, total=False):
+    """A MIG instance of a GPU: its GPU instance id, UUID and framebuffer in use."""
+
+    gi_id: int
+    uuid: str
+    fb_used_bytes: int
+
+
+class NvmlRow(TypedDict, total=False):
+    """One GPU's reading as `nvml_rows` gives it (and benchmarks/gpu/nvml_record.py records it):
+    a field the GPU does not support is left out."""
+
+    ts: float  # Unix seconds
+    gpu: int  # NVML's index
+    uuid: str
+    name: str
+    power_mw: int
+    energy_mj: int  # since the driver loaded
+    fb_used_bytes: int
+    fb_total_bytes: int
+    gpu_util_pct: int
+    mem_util_pct: int
+    sm_clock_mhz: int
+    processes: list[NvmlProcess] | None  # None: NVML cannot list them
+    mig: list[MigRow]
+
+
+def nvml_rows() -> list[NvmlRow]:
     """One reading of every GPU NVML sees (those of `CUDA_VISIBLE_DEVICES` when set), one plain
     row per GPU — the rows `benchmarks/gpu/nvml_record.py` records on a GPU server — with its
     MIG instances' memory under `mig` and the processes computing on it under `processes`
@@ -85,7 +119,7 @@ def nvml_rows() -> list[dict[str, Any]]:
             continue
         util = read(pynvml.nvmlDeviceGetUtilizationRates, handle)
         memory = read(pynvml.nvmlDeviceGetMemoryInfo, handle)
-        row: dict[str, Any] = {
+        row: dict[str, object] = {
             "ts": now,
             "gpu": index,
             "uuid": uuid,
@@ -101,29 +135,31 @@ def nvml_rows() -> list[dict[str, Any]]:
         }
         mode = read(pynvml.nvmlDeviceGetMigMode, handle)
         if mode is not None and mode[0] == pynvml.NVML_DEVICE_MIG_ENABLE:
-            row["mig"] = []
+            migs = []
             for slot in range(read(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0):
                 mig = read(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
                 if mig is None:
                     continue
                 used = read(pynvml.nvmlDeviceGetMemoryInfo, mig)
-                row["mig"].append({
+                migs.append({
                     "gi_id": read(pynvml.nvmlDeviceGetGpuInstanceId, mig),
                     "uuid": _text(read(pynvml.nvmlDeviceGetUUID, mig)),
                     "fb_used_bytes": used.used if used is not None else None,
                 })  # fmt: skip
-        rows.append({k: v for k, v in row.items() if v is not None})
+            row["mig"] = migs
+        # NVML's answers under NvmlRow's keys, the unsupported ones (None) left out
+        rows.append(cast(NvmlRow, {k: v for k, v in row.items() if v is not None}))
     return rows
 
 
-def _processes(found: Any) -> list[dict[str, Any]] | None:
+def _processes(found: Any) -> list[NvmlProcess] | None:
     """NVML's compute processes on a GPU as plain rows (`pid`, `used_bytes` when NVML knows it);
     None when NVML cannot list them, which is not the same as a GPU nobody uses (`[]`)."""
     if found is None:
         return None
     rows = []
     for proc in found:
-        row: dict[str, Any] = {"pid": int(proc.pid)}
+        row: NvmlProcess = {"pid": int(proc.pid)}
         if getattr(proc, "usedGpuMemory", None) is not None:
             row["used_bytes"] = int(proc.usedGpuMemory)
         rows.append(row)
@@ -146,7 +182,7 @@ def _text(value: Any) -> Any:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def samples_of(row: dict[str, Any], run_id: str | None = None) -> list[Sample]:
+def samples_of(row: NvmlRow, run_id: str | None = None) -> list[Sample]:
     """One GPU's NVML row as dcgm-exporter would have exposed it: (ts, target, name, labels,
     run_id, value) rows, labels `gpu`, `UUID`, `modelName` (and `GPU_I_ID` per MIG instance)."""
     ts = utc_from_epoch(float(row["ts"]))
@@ -205,7 +241,7 @@ class Reading:
     samples: list[Sample]
 
 
-def readings_of_rows(rows: list[dict[str, Any]]) -> list[Reading]:
+def readings_of_rows(rows: list[NvmlRow]) -> list[Reading]:
     """NVML rows (one per GPU) as readings, their samples under dcgm-exporter's names."""
     out = []
     for row in rows:
@@ -378,7 +414,7 @@ class GpuSource:
     url: str | None = None  # a dcgm-exporter /metrics URL; None = NVML
     timeout: float = 5.0
     only: Callable[[str, str], bool] | None = None
-    nvml: Callable[[], list[dict[str, Any]]] = nvml_rows
+    nvml: Callable[[], list[NvmlRow]] = nvml_rows
     processes: ServerProcesses = field(default_factory=ServerProcesses)
     owned: dict[tuple[str, str], str] = field(default_factory=dict)  # (gpu, UUID) → target
 

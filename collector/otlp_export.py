@@ -33,7 +33,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from opentelemetry import trace
@@ -56,7 +56,7 @@ from servescope.collector.genai import (
     trace_id_of,
 )
 from servescope.store import reads
-from servescope.store.validation import is_runtime_event
+from servescope.store.validation import EventDoc, is_runtime_event
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class OtlpExport:
             metric_exporter = metric_exporter or default_metrics
         self.url = url
         self._exporter = span_exporter
-        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[EventDoc] = queue.Queue(maxsize=max_queue)
         self._batch_size = batch_size
         self._delay = schedule_delay_s
         self._registry = registry
@@ -228,7 +228,8 @@ class OtlpExport:
             with self._pending_lock:
                 self._pending += 1
             try:
-                self._queue.put_nowait(dict(record))
+                # a stored request's record: the store kept it by its rules
+                self._queue.put_nowait(cast(EventDoc, dict(record)))
             except queue.Full:
                 dropped += 1
                 self._settle(1)
@@ -325,12 +326,12 @@ class OtlpExport:
             if backoff:
                 self._stop.wait(backoff * random.uniform(0.8, 1.2))
 
-    def _send(self, records: list[dict[str, Any]]) -> bool:
+    def _send(self, records: list[EventDoc]) -> bool:
         spans = [self._convert(record) for record in records]
         return self._exporter.export(spans) == SpanExportResult.SUCCESS
 
-    def _take(self) -> list[dict[str, Any]]:
-        batch: list[dict[str, Any]] = []
+    def _take(self) -> list[EventDoc]:
+        batch: list[EventDoc] = []
         deadline = time.monotonic() + self._delay
         while len(batch) < self._batch_size:
             left = deadline - time.monotonic()
@@ -341,7 +342,7 @@ class OtlpExport:
             batch.append(item)
         return batch
 
-    def _convert(self, doc: dict[str, Any]) -> ReadableSpan:
+    def _convert(self, doc: EventDoc) -> ReadableSpan:
         attrs = span_attributes(doc)
         start = start_ns(doc)
         e2e = seconds(doc.get("e2e_ms")) or 0.0
@@ -363,7 +364,7 @@ class OtlpExport:
         return self._ended.ended.pop()
 
     def _record_metrics(
-        self, doc: dict[str, Any], attrs: dict[str, AttributeValue], e2e: float
+        self, doc: EventDoc, attrs: dict[str, AttributeValue], e2e: float
     ) -> None:
         common: dict[str, AttributeValue] = {
             k: attrs[k]
