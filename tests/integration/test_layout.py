@@ -213,6 +213,60 @@ def test_the_private_name_check_sees_every_way_of_taking_one(tmp_path: Path) -> 
     }
 
 
+def tests_modules_taken(source: str, package: tuple[str, ...]) -> set[str]:
+    """The modules under tests/ that a file of `package` imports, at any depth: `from tests.x
+    import …`, `from tests import x`, `import tests.x`, or relative (`from .x import …`)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            if module.split(".")[0] != "tests":
+                continue
+            if (ROOT / module.replace(".", "/")).is_dir():  # `from tests.helpers import cli`
+                found.update(f"{module}.{alias.name}" for alias in node.names)
+            else:
+                found.add(module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "tests")
+    return found
+
+
+def test_test_modules_share_code_only_through_tests_helpers() -> None:
+    """A test module takes shared code from tests/helpers and fixtures from its conftest (by
+    name, never imported), nothing from another test module or a conftest: a test module can
+    change without breaking one of another tier. tests/helpers takes nothing from the tests."""
+    wrong = sorted(
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in (ROOT / "tests").rglob("*.py")
+        for module in tests_modules_taken(path.read_text(), path.relative_to(ROOT).parts[:-1])
+        if not module.startswith("tests.helpers.")
+    )
+    assert not wrong, wrong
+
+
+def test_the_tests_import_check_sees_every_way_of_taking_a_test_module() -> None:
+    probe = (
+        "from tests.helpers.cli import servescope\n"
+        "from tests.helpers import stats\n"
+        "from tests.integration.test_report import markdown_text\n"
+        "from tests import conftest\n"
+        "from . import test_lake\n"
+        "from ..unit.test_store import SEED_LINE\n"
+        "def late():\n"
+        "    import tests.e2e.conftest\n"
+    )
+    assert tests_modules_taken(probe, ("tests", "integration")) == {
+        "tests.helpers.cli",
+        "tests.helpers.stats",
+        "tests.integration.test_report",
+        "tests.conftest",
+        "tests.integration.test_lake",
+        "tests.unit.test_store",
+        "tests.e2e.conftest",
+    }
+
+
 def test_no_import_circle() -> None:
     edges = graph()
     # a package's __init__ re-exporting its own modules is not a circle between modules
