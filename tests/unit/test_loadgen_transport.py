@@ -21,6 +21,7 @@ from servescope.wire.stream import COMPLETIONS
 WAIT_S = 30.0  # a deadline for each handshake between the server, the loop and the test
 HOLD_S = 0.2  # the loop stays blocked this long after the rest is sent: read times come later
 EPS_S = 1e-6  # float rounding of the wire clock's seconds, nothing more
+LAG_S = HOLD_S / 4  # how late a deferred kernel delivery may stamp a segment after its send
 
 
 def sse(data: str) -> bytes:
@@ -161,10 +162,13 @@ def test_arrivals_are_kernel_stamps_not_read_times(
     first = stream.sent_at + event["ttft_ms"] / 1000
     second = first + event["itl_ms"][0] / 1000
     end = stream.sent_at + event["e2e_ms"] / 1000
-    # Each token's time is the kernel's stamp, taken while the server was sending it.
-    assert wire(server.first_ns[0]) - EPS_S <= first <= wire(server.first_ns[1]) + EPS_S
-    assert wire(server.rest_ns[0]) - EPS_S <= second <= wire(server.rest_ns[1]) + EPS_S
-    assert wire(server.rest_ns[0]) - EPS_S <= end <= wire(server.rest_ns[1]) + EPS_S
+    # Each token's time is the kernel's stamp, taken once the server had begun to send it and
+    # soon after: on loopback the stamp is usually taken inside the sender's `sendall`, but a
+    # loaded machine may defer that delivery to ksoftirqd, past the call's return (36 µs seen on
+    # a busy run). LAG_S allows that and still tells a stamp from a read time, which is HOLD_S late.
+    assert wire(server.first_ns[0]) - EPS_S <= first <= wire(server.first_ns[1]) + LAG_S
+    assert wire(server.rest_ns[0]) - EPS_S <= second <= wire(server.rest_ns[1]) + LAG_S
+    assert wire(server.rest_ns[0]) - EPS_S <= end <= wire(server.rest_ns[1]) + LAG_S
     # The loop read the rest only once it was free, HOLD_S after the send: a read-time clock
     # would have put the second token and the end there, not at the send.
     rest_read = [read_at for _, read_at, data in stream.reads if b'" b"' in data]
