@@ -27,11 +27,12 @@ import shutil
 import tempfile
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import msgspec
 import numpy as np
+from typing_extensions import TypeIs
 
 from servescope.store import queries, schema_sql
 from servescope.store.validation import (
@@ -41,7 +42,9 @@ from servescope.store.validation import (
     HTTP_STATUS,
     MAX_DEPTH,
     STATUSES,
+    EventDoc,
     InvalidEvent,
+    Record,
     is_runtime_event,
     parse_line,
     run_id_of,
@@ -142,7 +145,7 @@ _INSERT = {
 }
 
 
-Judged = tuple[int, bytes, "dict[str, Any] | str"]  # offset, line, the record or the reason
+Judged = tuple[int, bytes, "Record | str"]  # offset, line, the record or the reason
 
 
 def ingest_lines(
@@ -239,8 +242,8 @@ class _Counts(threading.Thread):
                 self.lines += int(np.count_nonzero(octets == ord("\n")))
                 nested = b"[" in piece
                 self.braces.append(None if nested else int(np.count_nonzero(octets == ord("{"))))
-        except BaseException as exc:  # raised again in the caller's thread by `check`
-            self.failed = exc
+        except BaseException as exc:  # noqa: BLE001 - whatever it is, the caller's thread raises
+            self.failed = exc  # it again in `check`: a thread's error must not pass unseen
 
     def check(self) -> None:
         if self.failed is not None:
@@ -290,8 +293,8 @@ def _insert(
     return inserted, rest, new_keys
 
 
-def _is_request(doc: dict[str, Any] | str) -> TypeGuard[dict[str, Any]]:
-    return isinstance(doc, dict) and "request_id" in doc and not is_runtime_event(doc)
+def _is_request(doc: Record | str) -> TypeIs[EventDoc]:
+    return isinstance(doc, dict) and not is_runtime_event(doc)
 
 
 def _screen(
@@ -468,7 +471,7 @@ def _store_judged(
     docs = [doc for _off, _line, doc in judged if isinstance(doc, dict)]
     if docs:
         result.events += store.add_events(docs, con)
-        result.keys.extend((run_id_of(d), d["request_id"]) for d in docs if "request_id" in d)
+        result.keys.extend((run_id_of(d), d["request_id"]) for d in docs if _is_request(d))
     for off, line, reason in judged:
         if isinstance(reason, str):
             store.add_ingest_error(source, off, reason, line, con)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import datetime
 from functools import cache
@@ -24,7 +24,14 @@ import duckdb
 from servescope.store import queries, reads, runtime, schema_sql, settings
 from servescope.store.clock import utcnow
 from servescope.store.merge import merge_docs
-from servescope.store.validation import clip, dumps, load_doc, run_id_of
+from servescope.store.validation import (
+    EventDoc,
+    Record,
+    clip,
+    dumps,
+    load_event,
+    run_id_of,
+)
 
 
 def quiet(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
@@ -159,12 +166,13 @@ class Store:
 
     def add_events(
         self,
-        docs: Iterable[dict[str, Any]],
+        docs: Iterable[Mapping[str, Any]],
         con: duckdb.DuckDBPyConnection | None = None,
         *,
         cursor: runtime.RuntimeCursor | None = None,
     ) -> int:
-        """Insert or merge validated records; returns how many distinct rows they touched.
+        """Insert or merge records that met the rules (`store.validation`'s `EventDoc` and
+        `RuntimeDoc`, or a producer's own); returns how many distinct rows they touched.
 
         Records of the same request (same run and request_id) become one row, merged with
         `merge_docs`, so ingesting the same record twice changes nothing. Agent-runtime lines
@@ -172,7 +180,7 @@ class Store:
         every batch of one file so each keeps its place among the requests.
         """
         requests, runtime_rows = runtime.split(docs, cursor or runtime.RuntimeCursor())
-        batch: dict[tuple[str, str], dict[str, Any]] = {}
+        batch: dict[tuple[str, str], EventDoc] = {}
         for doc in requests:
             key = (run_id_of(doc), doc["request_id"])
             batch[key] = merge_docs(batch[key], doc) if key in batch else doc
@@ -182,7 +190,7 @@ class Store:
             return self._add_events(tx, batch) + runtime.insert(tx, runtime_rows)
 
     def _add_events(
-        self, con: duckdb.DuckDBPyConnection, batch: dict[tuple[str, str], dict[str, Any]]
+        self, con: duckdb.DuckDBPyConnection, batch: dict[tuple[str, str], EventDoc]
     ) -> int:
         if not batch:
             return 0
@@ -193,7 +201,7 @@ class Store:
         if existing:
             for run_id, request_id, doc in existing:
                 key = (run_id, request_id)
-                batch[key] = merge_docs(load_doc(doc), batch[key])
+                batch[key] = merge_docs(load_event(doc), batch[key])
             con.execute(queries.STAGE_EVENTS)
             self._fill_stage(con, keys, [dumps(batch[k]) for k in keys])
             con.execute(queries.DELETE_STAGED_EVENTS)  # replaced by their merged rows
@@ -377,22 +385,22 @@ class Store:
             row = con.execute(queries.TRACED_REQUESTS, {"run_id": run_id}).fetchone()
         return (int(row[0]), int(row[1])) if row else (0, 0)
 
-    def export_lines(self, run_id: str) -> list[dict[str, Any]]:
+    def export_lines(self, run_id: str) -> list[Record]:
         """The run's request records and agent-runtime events, in the order of their file."""
         with self.read() as con:
             return runtime.export_lines(con, run_id)
 
-    def runtime_events(self, run_id: str) -> list[dict[str, Any]]:
+    def runtime_events(self, run_id: str) -> list[runtime.Joined]:
         """The run's agent-runtime events joined to their request (by request_id or trace_id):
         [{"event": doc, "request": doc or None}] in ingestion order."""
         with self.read() as con:
             return runtime.joined(con, run_id)
 
-    def export_events(self, run_id: str) -> list[dict[str, Any]]:
+    def export_events(self, run_id: str) -> list[EventDoc]:
         """The run's records exactly as they were ingested (merged per request)."""
         with self.read() as con:
             rows = con.execute(queries.EXPORT_EVENTS, {"run_id": run_id}).fetchall()
-        return [load_doc(doc) for (doc,) in rows]
+        return [load_event(doc) for (doc,) in rows]
 
 
 def _stamped(con: duckdb.DuckDBPyConnection) -> bool:

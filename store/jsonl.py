@@ -5,16 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from servescope.store.db import Store
 from servescope.store.runtime import RuntimeCursor
 from servescope.store.validation import (
     MAX_LINE_BYTES,
     InvalidEvent,
+    Record,
     dumps,
     is_runtime_event,
     parse_line,
+    run_id_of,
 )
 
 BATCH = 10_000
@@ -27,9 +28,21 @@ class ImportResult:
     runtime_events: int = 0  # agent-runtime lines (tool calls, approvals…), stored verbatim
     errors: int = 0
     runs: set[str] = field(default_factory=set)
-    examples: list[tuple[int, str]] = field(
-        default_factory=list
-    )  # the first refusals (offset, reason)
+    examples: list[tuple[int, str]] = field(default_factory=list)  # the first refusals
+
+    def took(self, doc: Record) -> None:
+        """A line stored: a request record or a runtime event, of its run."""
+        if is_runtime_event(doc):
+            self.runtime_events += 1
+        else:
+            self.events += 1
+        self.runs.add(run_id_of(doc))
+
+    def refused(self, offset: int, reason: str) -> None:
+        """A line refused at `offset` (the first three kept as examples, with their reason)."""
+        self.errors += 1
+        if len(self.examples) < 3:
+            self.examples.append((offset, reason))
 
 
 def read_lines(path: Path) -> Iterator[tuple[int, bytes, int]]:
@@ -52,10 +65,8 @@ def import_file(
 ) -> ImportResult:
     """Import every valid record; quarantine every other line in `ingest_errors` with a reason.
     `on_read(bytes)` is told of the bytes read (a progress bar)."""
-    from servescope.store.validation import run_id_of
-
     result = ImportResult()
-    batch: list[dict[str, Any]] = []
+    batch: list[Record] = []
     errors: list[tuple[int, str, bytes]] = []
     source = str(path)
     cursor = RuntimeCursor()
@@ -79,25 +90,24 @@ def import_file(
         if not line.strip():
             continue
         try:
-            if length > len(line):
-                raise InvalidEvent(f"line too long ({length} bytes; the limit is {MAX_LINE_BYTES})")
-            doc = parse_line(line)
+            doc = _parsed(line, length)
         except InvalidEvent as exc:
             errors.append((offset, str(exc), line))
-            result.errors += 1
-            if len(result.examples) < 3:
-                result.examples.append((offset, str(exc)))
+            result.refused(offset, str(exc))
         else:
             batch.append(doc)
-            if is_runtime_event(doc):
-                result.runtime_events += 1
-            else:
-                result.events += 1
-            result.runs.add(run_id_of(doc))
+            result.took(doc)
         if len(batch) + len(errors) >= BATCH:
             flush()
     flush()
     return result
+
+
+def _parsed(line: bytes, length: int) -> Record:
+    """A line read whole (`length` is what it had: more than `line` when it was cut)."""
+    if length > len(line):
+        raise InvalidEvent(f"line too long ({length} bytes; the limit is {MAX_LINE_BYTES})")
+    return parse_line(line)
 
 
 def export_run(store: Store, run_id: str, out: Path) -> int:

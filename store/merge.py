@@ -8,7 +8,10 @@ request's summed up from them.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import cast
+
+from servescope.store.validation import EventDoc
 
 # Kept from the record first seen: where the request was first seen from, and the model name the
 # client asked for (a server log names the same model by its served name).
@@ -37,7 +40,7 @@ PART_FIELDS = (
 )
 
 
-def merge_docs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+def merge_docs(old: EventDoc, new: EventDoc) -> EventDoc:
     """Field-by-field merge of two records of one request, whatever order they arrive in.
 
     A later piece fills and updates fields but never erases one with a null, and the record
@@ -50,12 +53,19 @@ def merge_docs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     twice, or a stored row merged again with new pieces, gives the same row. A request with
     one part is stored flat, as it always was.
     """
-    if _parted(old) or _parted(new) or _two_parts(old, new):
-        return _merge_parts(old, new)
-    return _merge_fields(old, new)
+    a, b = dict(old), dict(new)
+    if _parted(a) or _parted(b) or _two_parts(a, b):
+        return _record(_merge_parts(a, b))
+    return _record(_merge_fields(a, b))
 
 
-def _merge_fields(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+def _record(fields: dict[str, object]) -> EventDoc:
+    """The merge as a record: every key it has came from one of two records, each an EventDoc,
+    or is a part's figure summed with the type the part had (`_summable`)."""
+    return cast(EventDoc, fields)
+
+
+def _merge_fields(old: Mapping[str, object], new: Mapping[str, object]) -> dict[str, object]:
     merged = dict(old)
     for key, value in new.items():
         if value is None and merged.get(key) is not None:
@@ -66,12 +76,12 @@ def _merge_fields(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _part_id(doc: dict[str, Any]) -> str | None:
+def _part_id(doc: Mapping[str, object]) -> str | None:
     part = doc.get(PART_KEY)
     return part if isinstance(part, str) and part and _summable(doc) else None
 
 
-def _summable(fields: dict[str, Any]) -> bool:
+def _summable(fields: Mapping[str, object]) -> bool:
     """The part figures of a record have the types `_sum_parts` adds and compares (a record
     from outside may hold anything under these names; it is then merged as any record)."""
     for key in PART_FIELDS:
@@ -94,7 +104,7 @@ def _summable(fields: dict[str, Any]) -> bool:
     return True
 
 
-def _parted(doc: dict[str, Any]) -> bool:
+def _parted(doc: Mapping[str, object]) -> bool:
     """A row merged from several parts (as `_merge_parts` writes it, not any `parts` key a
     record from outside may hold: that one is kept verbatim like every unknown key)."""
     parts = doc.get(PARTS)
@@ -107,16 +117,17 @@ def _parted(doc: dict[str, Any]) -> bool:
     )
 
 
-def _two_parts(old: dict[str, Any], new: dict[str, Any]) -> bool:
+def _two_parts(old: Mapping[str, object], new: Mapping[str, object]) -> bool:
     a, b = _part_id(old), _part_id(new)
     return a is not None and b is not None and a != b
 
 
-def _split(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def _split(doc: dict[str, object]) -> tuple[dict[str, object], dict[str, dict[str, object]]]:
     """A record as (what it says of the whole request, its parts by part key)."""
-    if _parted(doc):  # its figures were summed from its parts, or said by a whole-request record
-        base = {k: v for k, v in doc.items() if k != PARTS}
-        return base, {k: dict(p) for k, p in doc[PARTS].items()}
+    parts = doc.get(PARTS)
+    if _parted(doc) and isinstance(parts, dict):  # summed from its parts, or a whole-request
+        base = {k: v for k, v in doc.items() if k != PARTS}  # record's figures
+        return base, {str(k): dict(p) for k, p in parts.items()}
     part = _part_id(doc)
     if part is None:  # a client's, a log's record: about the whole request
         return dict(doc), {}
@@ -125,7 +136,7 @@ def _split(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any
     return base, {part: fields}
 
 
-def _merge_parts(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+def _merge_parts(old: dict[str, object], new: dict[str, object]) -> dict[str, object]:
     old_base, old_parts = _split(old)
     new_base, new_parts = _split(new)
     base = _merge_fields(old_base, new_base)
@@ -136,11 +147,22 @@ def _merge_parts(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     summed = _sum_parts(parts)
     said_n = base.get("n")  # a log line's `n` (the request's), or what a stored row said
     if isinstance(said_n, int) and not isinstance(said_n, bool):
-        summed["n"] = max(summed["n"], said_n)
+        summed["n"] = max(_int(summed, "n"), said_n)
     return {**base, **summed, PARTS: parts}
 
 
-def _sum_parts(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _num(part: Mapping[str, object], key: str) -> float | None:
+    """A part's figure (`_summable` made it a number >= 0, when it has one)."""
+    value = part.get(key)
+    return value if isinstance(value, int | float) else None
+
+
+def _int(part: Mapping[str, object], key: str) -> int:
+    value = part.get(key)
+    return value if isinstance(value, int) else 0
+
+
+def _sum_parts(parts: dict[str, dict[str, object]]) -> dict[str, object]:
     """The request's figures from its parts, as the API's `usage` and a client see them (each
     replaces what a single part or a whole-request record said; a figure no part has is kept).
 
@@ -159,44 +181,60 @@ def _sum_parts(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """
     keys = sorted(parts)
     values = [parts[k] for k in keys]
-    out: dict[str, Any] = {}
-
-    def present(key: str) -> list[Any]:
-        return [p[key] for p in values if p.get(key) is not None]
-
-    if tokens := present("completion_tokens"):
-        out["completion_tokens"] = sum(tokens)
-    prompts: dict[str, int] = {}
-    samples: dict[str, int] = {}
-    for key, p in zip(keys, values, strict=True):
-        prompt = key.rpartition("#")[0] or key
-        samples[prompt] = samples.get(prompt, 0) + 1
-        if p.get("prompt_tokens") is not None:
-            prompts[prompt] = max(prompts.get(prompt, 0), p["prompt_tokens"])
-    if prompts:
-        out["prompt_tokens"] = sum(prompts.values())
-    for key in ("server_ts", "queue_ms", "server_ttft_ms"):
-        if found := present(key):
-            out[key] = min(found)
-    first = min(
-        (k for k, p in zip(keys, values, strict=True) if p.get("server_ttft_ms") is not None),
-        key=lambda k: (parts[k]["server_ttft_ms"], k),
-        default=None,
-    )
-    if first is not None and parts[first].get("prefill_ms") is not None:
-        out["prefill_ms"] = parts[first]["prefill_ms"]
-    for key in ("server_e2e_ms", "decode_ms", "inference_ms"):
-        if found := present(key):
-            out[key] = max(found)
+    out = _summed_tokens(keys, values)
+    out.update(_timings(parts))
     tpots = [
-        p["decode_ms"] / (p["completion_tokens"] - 1)
+        decode / (tokens - 1)
         for p in values
-        if p.get("decode_ms") is not None and (p.get("completion_tokens") or 0) > 1
+        if (decode := _num(p, "decode_ms")) is not None
+        and (tokens := _int(p, "completion_tokens")) > 1
     ]
     if tpots:
         out["server_tpot_ms"] = sum(tpots) / len(tpots)
+    samples: dict[str, int] = {}
+    for key in keys:
+        prompt = _prompt(key)
+        samples[prompt] = samples.get(prompt, 0) + 1
     out["n"] = max(samples.values())
     out["vllm_request_id"] = min(samples)
-    if found := present("trace_id"):
-        out["trace_id"] = found[0]
+    if traces := [p["trace_id"] for p in values if p.get("trace_id") is not None]:
+        out["trace_id"] = traces[0]
+    return out
+
+
+def _prompt(part: str) -> str:
+    """The prompt a part key names (`<prompt>#<sample>`, or the key itself)."""
+    return part.rpartition("#")[0] or part
+
+
+def _summed_tokens(keys: list[str], values: list[dict[str, object]]) -> dict[str, object]:
+    """`completion_tokens` summed over parts, `prompt_tokens` once per prompt."""
+    out: dict[str, object] = {}
+    if tokens := [t for p in values if (t := _num(p, "completion_tokens")) is not None]:
+        out["completion_tokens"] = sum(tokens)
+    prompts: dict[str, int] = {}
+    for key, p in zip(keys, values, strict=True):
+        if p.get("prompt_tokens") is not None:
+            prompt = _prompt(key)
+            prompts[prompt] = max(prompts.get(prompt, 0), _int(p, "prompt_tokens"))
+    if prompts:
+        out["prompt_tokens"] = sum(prompts.values())
+    return out
+
+
+def _timings(parts: dict[str, dict[str, object]]) -> dict[str, object]:
+    """The earliest part's start figures, the longest part's end figures."""
+    out: dict[str, object] = {}
+    if stamps := [s for p in parts.values() if isinstance(s := p.get("server_ts"), str)]:
+        out["server_ts"] = min(stamps)
+    for key in ("queue_ms", "server_ttft_ms"):
+        if found := [x for p in parts.values() if (x := _num(p, key)) is not None]:
+            out[key] = min(found)
+    ttfts = {k: x for k, p in parts.items() if (x := _num(p, "server_ttft_ms")) is not None}
+    first = min(ttfts, key=lambda k: (ttfts[k], k), default=None)
+    if first is not None and parts[first].get("prefill_ms") is not None:
+        out["prefill_ms"] = parts[first]["prefill_ms"]
+    for key in ("server_e2e_ms", "decode_ms", "inference_ms"):
+        if found := [x for p in parts.values() if (x := _num(p, key)) is not None]:
+            out[key] = max(found)
     return out

@@ -17,16 +17,26 @@ import bisect
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import duckdb
 
 from servescope.store import queries
 from servescope.store.clock import utcnow
-from servescope.store.validation import dumps, is_runtime_event, load_doc, run_id_of
+from servescope.store.validation import (
+    EventDoc,
+    InvalidEvent,
+    Record,
+    RuntimeDoc,
+    dumps,
+    is_runtime_event,
+    load_event,
+    load_runtime,
+    run_id_of,
+)
 
 
 @dataclass
@@ -42,21 +52,31 @@ class RuntimeRow:
     run_id: str
     event_id: str
     after_request_id: str | None
-    doc: dict[str, Any]
+    doc: RuntimeDoc
+
+
+class Joined(TypedDict):
+    """A runtime event and the request it belongs to (None when the run holds none)."""
+
+    event: RuntimeDoc
+    request: EventDoc | None
 
 
 def split(
-    docs: Iterable[dict[str, Any]], cursor: RuntimeCursor
-) -> tuple[list[dict[str, Any]], list[RuntimeRow]]:
-    """Request records and runtime rows of a batch in stream order, anchors taken as they come."""
-    requests: list[dict[str, Any]] = []
+    docs: Iterable[Mapping[str, Any]], cursor: RuntimeCursor
+) -> tuple[list[EventDoc], list[RuntimeRow]]:
+    """Request records and runtime rows of a batch in stream order, anchors taken as they come.
+    A record that is neither (no `request_id`) raises `InvalidEvent`: the store takes records
+    that met the rules, as `store.validation` checks them or a producer of ours writes them."""
+    requests: list[EventDoc] = []
     runtime: list[RuntimeRow] = []
     for doc in docs:
-        run_id = run_id_of(doc)
         if not is_runtime_event(doc):
-            requests.append(doc)
-            cursor.last_request[run_id] = doc["request_id"]
+            request = _request(doc)
+            requests.append(request)
+            cursor.last_request[run_id_of(request)] = request["request_id"]
             continue
+        run_id = run_id_of(doc)
         digest = hashlib.sha256(
             json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         ).hexdigest()[:32]
@@ -66,6 +86,15 @@ def split(
             RuntimeRow(run_id, f"{digest}-{occurrence}", cursor.last_request.get(run_id), doc)
         )
     return requests, runtime
+
+
+def _request(doc: Mapping[str, Any]) -> EventDoc:
+    """A request record as the write path reads it: one with a non-empty string `request_id`
+    (a producer's own record is not checked again key by key: `check_request` has its rules)."""
+    request_id = doc.get("request_id")
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidEvent("missing request_id")
+    return cast(EventDoc, doc)  # written by a producer of ours, or checked by `check_request`
 
 
 def insert(con: duckdb.DuckDBPyConnection, rows: list[RuntimeRow]) -> int:
@@ -94,9 +123,9 @@ def table_exists(con: duckdb.DuckDBPyConnection) -> bool:
 
 
 def interleave(
-    requests: list[tuple[datetime | None, dict[str, Any]]],
-    runtime: list[tuple[datetime | None, str | None, dict[str, Any]]],
-) -> list[dict[str, Any]]:
+    requests: list[tuple[datetime | None, EventDoc]],
+    runtime: list[tuple[datetime | None, str | None, RuntimeDoc]],
+) -> list[Record]:
     """Request records in export order with each runtime event placed where it stood.
 
     `requests` are (ts, doc) in export order; `runtime` are (ts, anchor request_id, doc) in
@@ -104,33 +133,33 @@ def interleave(
     before the first request that started after it (at the end when it has no time).
     """
     index = {doc["request_id"]: i for i, (_, doc) in enumerate(requests)}
-    after: dict[int, list[dict[str, Any]]] = {}  # slot i: after request i-1 (0 = before all)
+    after: dict[int, list[RuntimeDoc]] = {}  # slot i: after request i-1 (0 = before all)
     starts = [ts for ts, _ in requests if ts is not None]  # export order sorts ts first
-    for ts, anchor, doc in runtime:
+    for ts, anchor, event in runtime:
         if anchor is not None and anchor in index:
             slot = index[anchor] + 1
         elif ts is not None:
             slot = bisect.bisect_right(starts, ts)
         else:
             slot = len(requests)
-        after.setdefault(slot, []).append(doc)
-    out: list[dict[str, Any]] = list(after.get(0, []))
-    for i, (_, doc) in enumerate(requests, start=1):
-        out.append(doc)
+        after.setdefault(slot, []).append(event)
+    out: list[Record] = list(after.get(0, []))
+    for i, (_, request) in enumerate(requests, start=1):
+        out.append(request)
         out.extend(after.get(i, []))
     return out
 
 
-def export_lines(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
+def export_lines(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Record]:
     """Every line of the run, request records and runtime events, in file order."""
     requests = [
-        (ts, load_doc(doc))
+        (ts, load_event(doc))
         for ts, doc in con.execute(queries.EXPORT_EVENTS_TS, {"run_id": run_id}).fetchall()
     ]
-    runtime: list[tuple[datetime | None, str | None, dict[str, Any]]] = []
+    runtime: list[tuple[datetime | None, str | None, RuntimeDoc]] = []
     if table_exists(con):
         runtime = [
-            (ts, anchor, load_doc(doc))
+            (ts, anchor, load_runtime(doc))
             for ts, anchor, doc in con.execute(
                 queries.EXPORT_RUNTIME_EVENTS, {"run_id": run_id}
             ).fetchall()
@@ -138,13 +167,13 @@ def export_lines(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, 
     return interleave(requests, runtime)
 
 
-def joined(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
+def joined(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Joined]:
     """The run's runtime events, each with the request it belongs to (by request_id or
     trace_id) when there is one: {"event": doc, "request": doc or None}."""
     if not table_exists(con):
         return []
     return [
-        {"event": load_doc(event), "request": load_doc(request) if request else None}
+        Joined(event=load_runtime(event), request=load_event(request) if request else None)
         for event, request in con.execute(
             queries.RUNTIME_EVENTS_JOINED, {"run_id": run_id}
         ).fetchall()

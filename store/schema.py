@@ -23,7 +23,7 @@ class CompressedText(UserDefinedType[str]):
 
     cache_ok = True
 
-    def get_col_spec(self, **kw: Any) -> str:
+    def get_col_spec(self, **_kw: Any) -> str:  # SQLAlchemy passes the dialect's options
         return "VARCHAR USING COMPRESSION zstd"
 
 

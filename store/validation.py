@@ -32,10 +32,11 @@ import re
 import secrets
 import sys
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, NotRequired, TypedDict, get_args
+from typing import Annotated, Any, Literal, NotRequired, TypedDict, cast, get_args
 
 import msgspec
 import msgspec.inspect as mi
+from typing_extensions import TypeIs
 
 MAX_LINE_BYTES = 1024 * 1024  # longest line taken; the tailer hands longer ones over as such
 MAX_DEPTH = 64  # deepest nesting of arrays and objects in a line
@@ -198,7 +199,10 @@ class InvalidEvent(ValueError):
     """A record that cannot be stored; the message is the quarantine reason."""
 
 
-def run_id_of(doc: dict[str, Any]) -> str:
+Record = EventDoc | RuntimeDoc  # a line of `.events.jsonl` that met the rules
+
+
+def run_id_of(doc: Mapping[str, Any]) -> str:
     """The run of a record: its `run_id`, else its `request_id` less the `-<digits>` tail (the
     whole `request_id` when nothing precedes the tail)."""
     run_id = doc.get("run_id")
@@ -207,7 +211,7 @@ def run_id_of(doc: dict[str, Any]) -> str:
     return _RUN_SUFFIX.sub(r"\1", doc["request_id"])
 
 
-def is_runtime_event(doc: Mapping[str, Any]) -> bool:
+def is_runtime_event(doc: Mapping[str, Any]) -> TypeIs[RuntimeDoc]:
     """An agent-runtime line (tool call, approval, test result…), not a request record.
 
     The agent runtime writes `{"type": "tool_call", …}` lines into the same `.events.jsonl`
@@ -217,7 +221,7 @@ def is_runtime_event(doc: Mapping[str, Any]) -> bool:
     return isinstance(kind, str) and bool(kind) and kind != REQUEST_TYPE
 
 
-def check_runtime(doc: dict[str, Any]) -> dict[str, Any]:
+def check_runtime(doc: RuntimeDoc) -> RuntimeDoc:
     """Return a runtime event if it can be stored: it needs a run (`run_id` or `request_id`)."""
     try:
         line = msgspec.convert(doc, RuntimeLine)
@@ -228,7 +232,7 @@ def check_runtime(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def check(doc: Any) -> dict[str, Any]:
+def check(doc: object) -> Record:
     """Return `doc` if it is a storable request record or runtime event, else raise
     `InvalidEvent`. The record is checked as a `RequestEvent`; `doc` itself, every key of it,
     is what is stored."""
@@ -236,6 +240,12 @@ def check(doc: Any) -> dict[str, Any]:
         raise InvalidEvent(f"not a JSON object but {_kind(doc)}: one object per line")
     if is_runtime_event(doc):
         return check_runtime(doc)
+    return check_request(doc)
+
+
+def check_request(doc: Mapping[str, Any]) -> EventDoc:
+    """Return `doc` if it is a storable request record (a `RequestEvent`), else raise
+    `InvalidEvent` naming the key and what its value breaks."""
     request_id = doc.get("request_id")
     if not isinstance(request_id, str) or not request_id:  # the first thing a reason names
         raise InvalidEvent(
@@ -245,13 +255,13 @@ def check(doc: Any) -> dict[str, Any]:
         msgspec.convert(doc, RequestEvent)
     except msgspec.ValidationError as exc:
         raise InvalidEvent(_reason(doc, exc, CONTRACT_TYPES)) from None
-    return doc
+    return cast(EventDoc, doc)  # it met RequestEvent, whose keys EventDoc types
 
 
 _AT = re.compile(r"at `\$\.([^`\[]+)(\[\d+\])?`")
 
 
-def _reason(doc: dict[str, Any], exc: msgspec.ValidationError, types: Kinds) -> str:
+def _reason(doc: Mapping[str, Any], exc: msgspec.ValidationError, types: Kinds) -> str:
     """The quarantine reason of a record msgspec refused, in the contract's words: the key at
     the error's path, and what its value breaks (its type, or the rule of durations, counts,
     HTTP status codes or statuses)."""
@@ -279,7 +289,7 @@ def _reason(doc: dict[str, Any], exc: msgspec.ValidationError, types: Kinds) -> 
     return f"{key}: {message}"
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     """A refused value as a reason quotes it: its repr, cut at 40 characters."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**40:
         return "a number of more than 40 digits"
@@ -287,11 +297,11 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:39] + "…"
 
 
-def check_built(doc: dict[str, Any]) -> dict[str, Any]:
-    """`check` for a record built by a parser (a log line, a trace span) rather than read from
-    a line: also what reading a line guarantees — it serialises to strict JSON (no NaN or
-    infinity anywhere, no half surrogate in a string) nested at most `MAX_DEPTH` deep."""
-    check(doc)
+def check_built(doc: Mapping[str, Any]) -> EventDoc:
+    """`check` for a request record built by a parser (a log line, a trace span) rather than
+    read from a line: also what reading a line guarantees — it serialises to strict JSON (no
+    NaN or infinity anywhere, no half surrogate in a string) nested at most `MAX_DEPTH` deep."""
+    checked = check_request(doc)
     try:
         text = _BUILT.encode(doc).encode("utf-8")
     except ValueError:
@@ -301,7 +311,7 @@ def check_built(doc: dict[str, Any]) -> dict[str, Any]:
     except RecursionError:
         raise InvalidEvent(f"nested deeper than {MAX_DEPTH} levels") from None
     _check_depth(text)
-    return doc
+    return checked
 
 
 def decode(data: bytes | str, *, max_bytes: int = MAX_LINE_BYTES) -> Any:
@@ -331,18 +341,24 @@ def decode(data: bytes | str, *, max_bytes: int = MAX_LINE_BYTES) -> Any:
     return doc
 
 
-def parse_line(line: str | bytes) -> dict[str, Any]:
+def parse_line(line: str | bytes) -> Record:
     """Parse one `.events.jsonl` line; raise `InvalidEvent` with a reason when it is not one."""
     return check(decode(line))
 
 
-def load_doc(text: str) -> dict[str, Any]:
-    """A stored `doc` read back (it met the rules when it was stored)."""
-    doc: dict[str, Any] = decode(text, max_bytes=1 << 62)
+def load_event(text: str) -> EventDoc:
+    """A stored request record read back (it met the rules when it was stored)."""
+    doc: EventDoc = decode(text, max_bytes=1 << 62)
     return doc
 
 
-def dumps(doc: Any, *, ensure_ascii: bool = True) -> str:
+def load_runtime(text: str) -> RuntimeDoc:
+    """A stored runtime event read back (it met the rules when it was stored)."""
+    doc: RuntimeDoc = decode(text, max_bytes=1 << 62)
+    return doc
+
+
+def dumps(doc: object, *, ensure_ascii: bool = True) -> str:
     """A record as JSON text (stored, or exported). A float too large for a double (a line's
     `1e999` outside the contract) is written `1e999` — JSON that reads back the same — never
     `Infinity`."""

@@ -281,6 +281,14 @@ def _json_ts(asctime: Any) -> datetime | None:
 
 
 def _message(msg: str, ts: datetime | None) -> Item:
+    if msg.startswith(("Received request ", "Added request ", "Request ")):
+        return _request_line(msg, ts)
+    return _server_line(msg, ts)
+
+
+def _request_line(msg: str, ts: datetime | None) -> Item:
+    """A line about one request: received (its parameters), added to the engine, aborted or
+    failed."""
     if msg.startswith("Received request "):
         match = _RECEIVED.match(msg)
         if not match:
@@ -306,7 +314,12 @@ def _message(msg: str, ts: datetime | None) -> Item:
             detail = match["rest"].strip().removeprefix("due to").strip(" :.") or None
             fields = {"server_outcome": "failed", "server_error": detail}
             return _piece(match["id"], fields, engine=False)
-        return None
+    return None
+
+
+def _server_line(msg: str, ts: datetime | None) -> Item:
+    """A line about the server: its stats, flags, KV cache, version, address, shutdown or a
+    start-up phase; any other dated line is a tick of its clock."""
     if msg.startswith("Engine "):
         match = _STATS.match(msg)
         return _stats(match["engine"], match["body"], ts) if match else None
