@@ -50,26 +50,35 @@ def headline(change: str, rows: list[DiffRow], before: Arm, after: Arm, decided:
         for side in arm.repeats:
             if side.summary["overall"]["requests"] == 0:
                 return f"{change}: {side.name} has no events, nothing to compare"
-    kb, ka = len(before.repeats), len(after.repeats)
-    if kb + ka <= 2:
-        how = "one run a side: request noise only"
-    elif kb == ka:
-        how = f"{kb} repeats a side"
-    else:
-        how = f"{kb} repeats before, {ka} after"
+    how = _design_words(len(before.repeats), len(after.repeats))
     level = decided["level"]
     if level == WHOLE_RUN:  # a whole-run primary: the rest is read where the report leads
         level = next((r["level"] for r in rows if r["level"] != WHOLE_RUN), WHOLE_RUN)
     where = f"{how}; {level}" if level not in (WHOLE_RUN, STRATIFIED) else how
     by = at_level(rows, level)
-    by[decided["metric"]] = next(
+    lead = next(
         (r for r in rows if r["metric"] == decided["metric"] and r["level"] == decided["level"]),
         by.get(decided["metric"]),
-    )  # type: ignore[assignment]
+    )
+    if lead is not None:
+        by[decided["metric"]] = lead
+    parts = [decided["words"]] if lead is not None and decided["verdict"] != NOT_TESTED else []
+    parts += _also(by, lead)
+    return f"{change} ({where}): " + (
+        ", ".join(parts) if parts else "no TTFT, prefix hits or throughput measured on both sides"
+    )
+
+
+def _design_words(kb: int, ka: int) -> str:
+    if kb + ka <= 2:
+        return "one run a side: request noise only"
+    return f"{kb} repeats a side" if kb == ka else f"{kb} repeats before, {ka} after"
+
+
+def _also(by: dict[str, DiffRow], lead: DiffRow | None) -> list[str]:
+    """What the headline says after the decision: prefix hits, TTFT, throughput (or the
+    request rate where no tokens were counted), energy, and errors that changed."""
     parts = []
-    lead = by.get(decided["metric"])
-    if lead is not None and decided["verdict"] != NOT_TESTED:
-        parts.append(decided["words"])
     hit = by["server.prefix_cache_hit_ratio"]
     if hit["before"] is None or hit["after"] is None:
         hit = by["cached_token_ratio"]
@@ -87,9 +96,7 @@ def headline(change: str, rows: list[DiffRow], before: Arm, after: Arm, decided:
     err = by["error_rate"]
     if err["verdict"] in (IMPROVED, REGRESSED) and err is not lead:
         parts.append(f"error rate {_share(err['before'])} → {_share(err['after'])}")
-    return f"{change} ({where}): " + (
-        ", ".join(parts) if parts else "no TTFT, prefix hits or throughput measured on both sides"
-    )
+    return parts
 
 
 def _differences(a: Any, b: Any, path: str = "") -> list[str]:

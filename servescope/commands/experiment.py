@@ -54,6 +54,8 @@ from servescope.reports.outcome import outcome_table, verdict_table
 from servescope.store import Store, settings
 
 
+# A declarative table (argparse set-up, one statement per option): longer than 80 lines by
+# design, as the house rule allows.
 def register(sub: argparse._SubParsersAction) -> None:
     experiments = load_experiments()
     parser = sub.add_parser(

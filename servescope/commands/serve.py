@@ -9,6 +9,7 @@ from pathlib import Path
 from servescope.commands.common import console, sigterm_as_ctrl_c
 from servescope.loadgen.launcher import (
     ServerFailed,
+    VllmServer,
     has_gpu,
     load_profiles,
     server_set,
@@ -86,22 +87,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     sigterm_as_ctrl_c()
     try:
-        for server in servers:
-            with console.status(
-                f"starting vLLM ({args.profile}) on {server.url}; log {server.log_path}"
-            ):
-                server.start()
-            console.print(
-                f"vLLM ready at {server.url} after {server.ready_s:.0f} s (log {server.log_path})"
-            )
-            console.print(f"levers: {server.levers}")
-            console.print(_kv_line(server.kv_cache))
-        while all(s.process is not None and s.process.poll() is None for s in servers):
-            time.sleep(0.5)
-        for server in servers:
-            if server.process is not None and server.process.poll() is not None:
-                console.print(f"vLLM on {server.url} exited with code {server.process.returncode}")
-        return 1
+        return _serve(servers, args.profile)
     except ServerFailed as exc:
         console.print(f"{exc}", style="red")
         return 1
@@ -111,6 +97,24 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         for server in servers:
             server.stop()
+
+
+def _serve(servers: list[VllmServer], profile: str) -> int:
+    """Start each server in turn and keep them up; 1 when one exits (Ctrl-C ends it, 0)."""
+    for server in servers:
+        with console.status(f"starting vLLM ({profile}) on {server.url}; log {server.log_path}"):
+            server.start()
+        console.print(
+            f"vLLM ready at {server.url} after {server.ready_s:.0f} s (log {server.log_path})"
+        )
+        console.print(f"levers: {server.levers}")
+        console.print(_kv_line(server.kv_cache))
+    while all(s.process is not None and s.process.poll() is None for s in servers):
+        time.sleep(0.5)
+    for server in servers:
+        if server.process is not None and server.process.poll() is not None:
+            console.print(f"vLLM on {server.url} exited with code {server.process.returncode}")
+    return 1
 
 
 def _kv_line(kv: dict | None) -> str:
