@@ -27,6 +27,7 @@ from typing import Any, TypedDict
 from urllib.parse import urlparse
 
 from servescope.store import settings
+from servescope.store.clock import iso, naive_utc, utcnow
 from servescope.store.notes import SESSION_KIND, EngineNotes, KvStatement, ParallelNotes, RunNotes
 from servescope.store.validation import EventDoc
 from servescope.wire import vllm_log
@@ -195,7 +196,7 @@ class Session:
 
     def seen(self, ts: datetime | None) -> None:
         if ts is not None:
-            self.last_ts = _iso(ts)
+            self.last_ts = iso(ts)
 
     def configure(
         self, args: Levers, ts: datetime | None, port: int | None, host: str | None
@@ -210,7 +211,7 @@ class Session:
             shown = host if isinstance(host, str) and host not in ("", "0.0.0.0", "::") else None
             self.target = f"http://{shown or '127.0.0.1'}:{self.port}"
         if self.started_at is None:
-            self.started_at = _iso(ts or datetime.now(UTC))
+            self.started_at = iso(ts or utcnow())
         start = self.started()
         assert start is not None
         self.run_id = session_run_id(self.model or "model", self.port, start, self.instance)
@@ -283,7 +284,7 @@ class Session:
             self.cold_start["ready_s"] = round((at - start).total_seconds(), 3)
 
     def end(self, ts: datetime | None) -> None:
-        self.ended_at = _iso(ts) if ts else (self.last_ts or self.started_at)
+        self.ended_at = iso(ts) if ts else (self.last_ts or self.started_at)
 
     def run_row(self) -> SessionRow:
         """The session's `runs` row."""
@@ -349,15 +350,9 @@ def _as_flags(levers: Levers, args: Levers | None) -> Levers:
     return {k: v for k, v in levers.items() if k not in CACHE_FLAGS or k in args}
 
 
-def _iso(ts: datetime) -> str:
-    if ts.tzinfo is None:
-        ts = ts.replace(tzinfo=UTC)
-    return ts.astimezone(UTC).isoformat()
-
-
 def _parse(text: str | None) -> datetime | None:
     return datetime.fromisoformat(text) if text else None
 
 
 def _naive(ts: datetime | None) -> datetime | None:
-    return ts.astimezone(UTC).replace(tzinfo=None) if ts else None
+    return naive_utc(ts) if ts else None

@@ -11,7 +11,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import duckdb
@@ -21,6 +21,7 @@ from servescope.collector.batch import Batch
 from servescope.collector.sessions import Session
 from servescope.collector.tail import Chunk
 from servescope.store import Store, bulk, checkpoints, run_id_of
+from servescope.store.clock import naive_utc
 from servescope.store.lake import LakeWriter, Owed
 
 
@@ -151,7 +152,7 @@ class StoreWriter:
             return
         ts = session.started()
         assert ts is not None
-        at = ts.astimezone(UTC).replace(tzinfo=None)
+        at = naive_utc(ts)
         rows = [(lever, _json(old), _json(new)) for lever, old, new in session.flips()]
         note = f"server restarted: {session.previous} -> {session.run_id}"
         written = self.store.replace_flips(session.run_id, session.previous, rows, at, note, con)

@@ -460,14 +460,6 @@ SELECT ts, lever, before, after, note FROM lever_flips WHERE run_id = $run_id OR
 
 
 # -- a server's cold start and the GPU (reports/coldstart.py, reports/gpu.py) -----------------
-# The server sessions that served a run's requests, with their notes (their start-up phases).
-SERVING_SESSIONS = """
-SELECT r.run_id, r.notes
-FROM runs r
-WHERE r.run_id IN (SELECT DISTINCT vllm_session FROM events
-                   WHERE run_id = $run_id AND vllm_session IS NOT NULL)
-ORDER BY r.started_at
-"""
 # The GPU samples (dcgm-exporter's names) of a slice's window, $lo..$hi in epoch seconds: the
 # run's, those of the sessions that served it, and those of no session (servers sharing GPUs).
 GPU_SAMPLES = """

@@ -34,6 +34,7 @@ from servescope.reports.samples import CLIENT, FIXED_SOURCES, SERVER, SERVER_FIG
 from servescope.reports.sequential import Plan
 from servescope.reports.specdecode import spec_decode
 from servescope.store import reads
+from servescope.store.clock import iso_or_none
 from servescope.store.reads import RunRow
 from servescope.wire.exposition import prefix_cache_hit_ratio
 from servescope.wire.slo import SLO_METRICS
@@ -308,7 +309,7 @@ def summarize(
     return Summary(
         overall=Overall(
             **_shape(overall, itl_all, options.slo, samples.sources, errors_all),
-            first_ts=_iso(overall["first_ts"]),
+            first_ts=iso_or_none(overall["first_ts"]),
             models=overall["models"],
             shape=_shape_of(con, params),
             one_chunk_streams=samples.one_chunk(),
@@ -364,8 +365,8 @@ def run_meta(run: RunRow, models: str | None, cold_start: dict[str, Any] | None)
         target=run["target"],
         model=run["model"] or models,
         vllm_version=run["vllm_version"],
-        started_at=_iso(run["started_at"]),
-        ended_at=_iso(run["ended_at"]),
+        started_at=iso_or_none(run["started_at"]),
+        ended_at=iso_or_none(run["ended_at"]),
         status=run["status"],
         workload=run["workload"],
         memory_peak_gb=notes.get("memory_peak_gb"),
@@ -374,7 +375,3 @@ def run_meta(run: RunRow, models: str | None, cold_start: dict[str, Any] | None)
         notes=notes,
         cold_start=cold_start,
     )
-
-
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() + "Z" if value else None

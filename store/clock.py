@@ -30,9 +30,10 @@ def naive_utc(ts: datetime) -> datetime:
 
 
 def iso(ts: datetime) -> str:
-    """`ts` as UTC ISO-8601 text with a `Z`: `2026-05-12T09:30:00.123456Z` (an aware time
-    converted to UTC, a naive one taken as UTC; microseconds only when there are some)."""
-    return naive_utc(ts).isoformat() + "Z"
+    """`ts` as UTC ISO-8601 text with a `Z`, `2026-05-12T09:30:00.123456Z`, as `utc_now_iso`
+    writes now (an aware time converted to UTC, a naive one taken as UTC). Always six digits
+    of microseconds: texts of one width sort as their times do."""
+    return naive_utc(ts).isoformat(timespec="microseconds") + "Z"
 
 
 def iso_or_none(ts: datetime | None) -> str | None:

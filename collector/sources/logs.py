@@ -16,6 +16,7 @@ from servescope.collector.sessions import Session
 from servescope.collector.sources.tailed import Tailed
 from servescope.collector.tail import Chunk
 from servescope.store import InvalidEvent, check_built, checkpoints
+from servescope.store.clock import naive_utc, utcnow
 from servescope.store.validation import EventDoc
 from servescope.wire import container_log, vllm_log
 from servescope.wire.ids import UNATTRIBUTED_RUN
@@ -144,7 +145,7 @@ class VllmLog(Tailed):
                 self._server_line(batch, item)
         if not unwrap.pending:
             del self._unwrap[chunk.file.key]
-        now = datetime.now(UTC).replace(tzinfo=None)
+        now = utcnow()
         for (method, path, status), n in access.items():
             labels = {"method": method, "path": path, "status": status}
             batch.samples.append(
@@ -171,7 +172,7 @@ class VllmLog(Tailed):
             server.seen(item.ts)
         elif isinstance(item, vllm_log.Stats):
             server.seen(item.ts)
-            ts = (item.ts or datetime.now(UTC)).replace(tzinfo=None)
+            ts = naive_utc(item.ts) if item.ts else utcnow()
             run = server.run_id
             for key, value in item.values.items():
                 batch.samples.append(
@@ -191,7 +192,7 @@ class VllmLog(Tailed):
         """vLLM's start-up KV-cache statement as samples `vllm_log:kv_cache_tokens{device}` and
         `vllm_log:max_concurrency{max_model_len}` of the session's run; each data-parallel
         engine's with its `engine` label, as vLLM labels its `/metrics`."""
-        ts = (item.ts or datetime.now(UTC)).replace(tzinfo=None)
+        ts = naive_utc(item.ts) if item.ts else utcnow()
         run = self.server.run_id
         engine = {"engine": item.engine} if item.engine is not None else {}
         if "kv_cache_tokens" in item.values:
