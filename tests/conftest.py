@@ -60,6 +60,12 @@ SESSION_SERVERS = {"vllm_server", "predictable_vllm_server", "spec_vllm_server"}
 STARTS_VLLM = {"tiny_model", "predictable_model", "smollm2"}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """`xdist_group` is pytest-xdist's marker; it is declared here too, so that the grouping
+    below still passes `--strict-markers` in a run without xdist (`-p no:xdist`)."""
+    config.addinivalue_line("markers", "xdist_group(name): the tests pytest-xdist runs as a unit")
+
+
 @pytest.hookimpl(wrapper=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     used: dict[str, set[str]] = {}

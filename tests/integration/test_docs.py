@@ -369,8 +369,9 @@ def names_in_code() -> frozenset[str]:
     """Every word in the checkout's tracked files other than the docs: where an environment
     variable, a constant, a class or a function of ours is named."""
     words: set[str] = set()
+    this = Path(__file__).resolve().relative_to(ROOT).as_posix()  # its made-up names aside
     for path in tracked():
-        if path.endswith(".md") or not (ROOT / path).is_file():
+        if path.endswith(".md") or path == this or not (ROOT / path).is_file():
             continue
         try:
             words.update(re.findall(r"\w+", (ROOT / path).read_text(encoding="utf-8")))
