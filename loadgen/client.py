@@ -12,11 +12,12 @@ import json
 import time
 from collections.abc import Awaitable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from opentelemetry.trace import SpanKind, Tracer
 
+from servescope.loadgen.request import ClientEvent, RequestBody
 from servescope.loadgen.transport import Http1Pool, StreamCall, stream_request_http1
 from servescope.wire import tracing
 from servescope.wire.stream import (
@@ -32,14 +33,14 @@ def stream_request(
     session: aiohttp.ClientSession | Http1Pool,
     base_url: str,
     endpoint: Endpoint,
-    payload: dict[str, Any],
+    payload: RequestBody,
     request_id: str,
     *,
     headers: dict[str, str] | None = None,
     timeout_s: float | None = None,
     keep_text: bool = False,
     tracer: Tracer | None = None,
-) -> Awaitable[dict[str, Any]]:
+) -> Awaitable[ClientEvent]:
     """Send one streaming request and return (an awaitable of) its event (schema of
     docs/architecture.md).
 
@@ -65,7 +66,7 @@ async def _traced_request(
     session: aiohttp.ClientSession | Http1Pool,
     base_url: str,
     call: StreamCall,
-) -> dict[str, Any]:
+) -> ClientEvent:
     if tracer is None:  # the caller's own trace context
         event = await _stream_request(session, base_url, call)
         if trace_id := tracing.trace_id_from_headers(call.headers or {}):
@@ -93,9 +94,16 @@ async def _traced_request(
 
 async def _stream_request(
     session: aiohttp.ClientSession | Http1Pool, base_url: str, call: StreamCall
-) -> dict[str, Any]:
+) -> ClientEvent:
     if not isinstance(session, aiohttp.ClientSession):
         return await stream_request_http1(session, call)
+    # wire.stream's rules fill the event, under ClientEvent's keys
+    return cast(ClientEvent, await _exchange(session, base_url, call))
+
+
+async def _exchange(
+    session: aiohttp.ClientSession, base_url: str, call: StreamCall
+) -> dict[str, Any]:
     endpoint, event = call.endpoint, call.event()
     start = time.perf_counter()
     timing = StreamTiming(endpoint, start)

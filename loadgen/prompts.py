@@ -14,12 +14,12 @@ import hashlib
 import json
 import random
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 
 from servescope.loadgen.client import get_json
 from servescope.loadgen.plan import RequestPlan, prefix_size, rng_for
+from servescope.loadgen.request import Message, Prompt, RequestBody
 from servescope.loadgen.tiny_model import PASSAGE
 from servescope.loadgen.workload import Workload
 
@@ -94,8 +94,6 @@ WORDS = [
     "query",
     "percentile",
 ]
-
-Prompt = str | list[int]
 
 
 def seeded_text(rng: random.Random, words: int) -> str:
@@ -183,22 +181,23 @@ class PromptMaker:
         return (await self.count(prefix + text(rng, words)))[:n]
 
 
-def payload_for(prompt: Prompt, model: str, output_tokens: int, *, chat: bool) -> dict[str, Any]:
-    """The request body: `max_tokens` with `ignore_eos` makes the output length exact."""
-    body: dict[str, Any] = {
+def payload_for(prompt: Prompt, model: str, output_tokens: int, *, chat: bool) -> RequestBody:
+    """The request body: `max_tokens` with `ignore_eos` makes the output length exact (a chat
+    body's user message is a text prompt)."""
+    body: RequestBody = {
         "model": model,
         "max_tokens": output_tokens,
         "ignore_eos": True,
         "temperature": 0.0,
     }
     if chat:
-        body["messages"] = [{"role": "user", "content": prompt}]
+        body["messages"] = [{"role": "user", "content": str(prompt)}]
     else:
         body["prompt"] = prompt
     return body
 
 
-def prompt_digest(body: dict[str, Any]) -> str:
+def prompt_digest(body: RequestBody) -> str:
     """A short fingerprint of a request's prompt: equal digests mean identical prompts."""
     prompt = body.get("messages") if "messages" in body else body.get("prompt")
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
@@ -233,11 +232,11 @@ class PromptBook:
         )
         return made if isinstance(made, str) else await self.maker.detokenize(made)
 
-    async def body(self, plan: RequestPlan, model: str) -> dict[str, Any]:
+    async def body(self, plan: RequestPlan, model: str) -> RequestBody:
         prefix = await self.prefix()
         rng = random.Random(plan.text_seed)
         if self.chat:
-            messages = [{"role": "system", "content": prefix}] if prefix else []
+            messages: list[Message] = [{"role": "system", "content": prefix}] if prefix else []
             messages.append({"role": "user", "content": await self.part(plan)})
             body = payload_for("", model, plan.output_tokens, chat=True)
             body["messages"] = messages

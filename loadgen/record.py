@@ -15,10 +15,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, NotRequired, TextIO, TypedDict
+from typing import NotRequired, TextIO, TypedDict
 
 from servescope.loadgen.plan import RequestPlan, Unit, open_loop_units
 from servescope.loadgen.prompts import prompt_digest
+from servescope.loadgen.request import ClientEvent, RequestBody
 from servescope.loadgen.workload import Workload
 from servescope.store import Store
 
@@ -27,11 +28,15 @@ from servescope.store import Store
 SATURATION_LAG_MS = 50.0
 
 
-def meets_slo(event: dict[str, Any], slo: dict[str, float]) -> bool:
+def meets_slo(event: ClientEvent, slo: dict[str, float]) -> bool:
     """An ok request within every SLO bound (a bound the request has no value for is met)."""
     if event.get("status") != "ok":
         return False
-    return all(event.get(name) is None or event[name] <= bound for name, bound in slo.items())
+    return all(_within(event.get(name), bound) for name, bound in slo.items())
+
+
+def _within(value: object, bound: float) -> bool:
+    return not isinstance(value, int | float) or value <= bound
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -102,7 +107,7 @@ class LevelRecord:
 
     workload: Workload
     level: float
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[ClientEvent] = field(default_factory=list)
     sends: list[float] = field(default_factory=list)  # perf_counter of each first turn's send
     started: float = 0.0  # perf_counter at the level's start
     ended: float = 0.0
@@ -123,14 +128,14 @@ class Recorder:
         *,
         slo: dict[str, float],
         lock: asyncio.Lock,
-        on_request: Callable[[dict[str, Any]], None],
+        on_request: Callable[[ClientEvent], None],
     ) -> None:
         self.run_id = run_id
         self.store = store
         self.slo = slo
         self.model = ""  # the served model, once the server said it
         self.sink: TextIO | None = None
-        self.events: list[dict[str, Any]] = []  # every level's, in level order
+        self.events: list[ClientEvent] = []  # every level's, in level order
         self._lock = lock  # one store writer at a time in this process (the scrapers too)
         self._on_request = on_request
         self._seq = 0
@@ -146,8 +151,8 @@ class Recorder:
         unit: Unit,
         plan: RequestPlan,
         turn: int,
-        event: dict[str, Any],
-        body: dict[str, Any],
+        event: ClientEvent,
+        body: RequestBody,
         *,
         sent: float,
         intended: float | None,
@@ -155,7 +160,8 @@ class Recorder:
         """Stamp an answered request with what it was part of and keep it."""
         workload = level.workload
         name = f"{workload.name}:{plan.request_class}" if plan.request_class else workload.name
-        event.update(run_id=self.run_id, source="client", model=self.model, workload=name)
+        event["run_id"], event["source"] = self.run_id, "client"
+        event["model"], event["workload"] = self.model, name
         if workload.team:
             event["team"] = workload.team
         if workload.open_loop:
@@ -167,7 +173,7 @@ class Recorder:
         event["plan_index"] = plan.index
         event["prompt_sha"] = prompt_digest(body)
         if len(unit.turns) > 1:
-            event.update(session=unit.index, turn=turn)
+            event["session"], event["turn"] = unit.index, turn
         if intended is not None and turn == 0:
             wall = level.wall + timedelta(seconds=intended - level.started)
             event["intended_ts"] = wall.isoformat(timespec="microseconds").replace("+00:00", "Z")
@@ -218,7 +224,7 @@ class Recorder:
         """The whole run's requests as the client saw them."""
         events = self.events
         ok = [e for e in events if e["status"] == "ok"]
-        cached = [e["cached_tokens"] for e in ok if e.get("cached_tokens") is not None]
+        cached = [c for e in ok if (c := e.get("cached_tokens")) is not None]
         prompt = sum(e.get("prompt_tokens") or 0 for e in ok)
         good = [e for e in events if meets_slo(e, self.slo)]
         return {
@@ -237,7 +243,7 @@ class Recorder:
         classes: dict[str, int] = {}
         for event in self.events:
             if event["status"] != "ok":
-                cls = event.get("error", event["status"])
+                cls = str(event.get("error", event["status"]))
                 classes[cls] = classes.get(cls, 0) + 1
         return classes
 
@@ -260,7 +266,7 @@ def _open_loop_stats(stats: LevelStats, level: LevelRecord, achieved: float | No
     )
 
 
-def _class_latency(events: list[dict[str, Any]]) -> dict[str, ClassLatency]:
+def _class_latency(events: list[ClientEvent]) -> dict[str, ClassLatency]:
     """Latency of the ok requests per request class, for every class the level's requests
     name (a class whose requests all failed: a row of none)."""
     classes: dict[str, ClassLatency] = {}
@@ -268,11 +274,11 @@ def _class_latency(events: list[dict[str, Any]]) -> dict[str, ClassLatency]:
     named = {e["request_class"] for e in events if e.get("request_class") is not None}
     for cls in sorted(named):
         mine = [e for e in ok if e.get("request_class") == cls]
-        ttft = [e["ttft_ms"] for e in mine if e.get("ttft_ms") is not None]
+        ttft = [t for e in mine if (t := e.get("ttft_ms")) is not None]
         classes[cls] = {
             "requests": len(mine),
             "ttft_ms_p50": percentile(ttft, 0.5),
             "ttft_ms_p95": percentile(ttft, 0.95),
-            "e2e_ms_p50": percentile([e["e2e_ms"] for e in mine], 0.5),
+            "e2e_ms_p50": percentile([t for e in mine if (t := e.get("e2e_ms")) is not None], 0.5),
         }
     return classes

@@ -31,6 +31,7 @@ import aiohttp
 from servescope.loadgen.probe import ServerProbe
 from servescope.loadgen.prompts import PromptBook, PromptMaker
 from servescope.loadgen.record import ClientNumbers, LevelRecord, LevelStats, Recorder
+from servescope.loadgen.request import ClientEvent
 from servescope.loadgen.schedule import Scheduler, level_groups
 from servescope.loadgen.server_metrics import ServerNumbers
 from servescope.loadgen.transport import Http1Pool
@@ -51,7 +52,7 @@ def _no_level(_workload: Workload, _level: float, _total: int | None) -> None:
     """No display: a level starts unseen."""
 
 
-def _no_request(_event: dict[str, Any]) -> None:
+def _no_request(_event: ClientEvent) -> None:
     """No display: a request is answered unseen."""
 
 
@@ -61,7 +62,7 @@ class LevelProgress:
     `on_level` gets the workload, the level and the requests it will send (None: by duration)."""
 
     on_level: Callable[[Workload, float, int | None], None] = _no_level
-    on_request: Callable[[dict[str, Any]], None] = _no_request
+    on_request: Callable[[ClientEvent], None] = _no_request
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 
@@ -26,6 +25,7 @@ from servescope.loadgen.client import stream_request
 from servescope.loadgen.plan import Unit, open_loop_units, unit_plan, units_per_level, warmup_units
 from servescope.loadgen.prompts import PromptBook
 from servescope.loadgen.record import LevelRecord, Recorder
+from servescope.loadgen.request import Message, RequestBody
 from servescope.loadgen.transport import Http1Pool
 from servescope.loadgen.workload import BenchConfig, Workload
 from servescope.wire.stream import ENDPOINTS, Endpoint
@@ -51,6 +51,15 @@ def level_groups(config: BenchConfig) -> list[list[tuple[Workload, float]]]:
     return [[(w, w.levels[i]) for w in workloads if i < len(w.levels)] for i in range(depth)]
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A unit's prompts, made before it is sent: its first turn's body, and the new user
+    message of each later turn."""
+
+    first: RequestBody
+    parts: list[str]
+
+
 @dataclass
 class _Level:
     """A level as it is being sent: its record, its endpoint, its prompts made ahead."""
@@ -58,7 +67,7 @@ class _Level:
     record: LevelRecord
     endpoint: Endpoint
     book: PromptBook
-    prepared: dict[int, list[Any]] = field(default_factory=dict)  # unit → first body, parts
+    prepared: dict[int, _Prepared] = field(default_factory=dict)  # by unit index
 
     @property
     def workload(self) -> Workload:
@@ -169,18 +178,18 @@ class Scheduler:
         first turn's body, and the new user message of every later turn."""
         first = await level.book.body(unit.turns[0], self.recorder.model)
         parts = [await level.book.part(plan) for plan in unit.turns[1:]]
-        level.prepared[unit.index] = [first, *parts]
+        level.prepared[unit.index] = _Prepared(first, parts)
 
     async def _send_unit(
         self, level: _Level, unit: Unit, *, intended: float | None = None, record: bool = True
     ) -> None:
         prepared = level.prepared.pop(unit.index)
-        body: dict[str, Any] = prepared[0]
+        body = prepared.first
         agent = len(unit.turns) > 1
         output = ""
         for turn, plan in enumerate(unit.turns):
             if turn:
-                body = next_turn(body, output, prepared[turn], level.endpoint.chat)
+                body = next_turn(body, output, prepared.parts[turn - 1], level.endpoint.chat)
             # a warm-up goes out as an anonymous client's request (a random id, as vLLM makes
             # them up): a sidecar counts it in the server's session, not in this run
             request_id = self.recorder.request_id() if record else uuid.uuid4().hex
@@ -211,10 +220,10 @@ class Scheduler:
                 return  # an agent session cannot go on without the turn's output
 
 
-def next_turn(body: dict[str, Any], output: str, part: str, chat: bool) -> dict[str, Any]:
+def next_turn(body: RequestBody, output: str, part: str, chat: bool) -> RequestBody:
     """The next agent turn: the conversation so far, the real output, the new message."""
     if chat:
-        messages = [
+        messages: list[Message] = [
             *body["messages"],
             {"role": "assistant", "content": output},
             {"role": "user", "content": part},

@@ -39,11 +39,12 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
 
+from servescope.loadgen.request import ClientEvent, RequestBody
 from servescope.store.clock import utc_now_iso
 from servescope.wire.stream import (
     ROUTE_HEADER_PREFIX,
@@ -62,13 +63,13 @@ class StreamCall:
     whichever transport carries it."""
 
     endpoint: Endpoint
-    payload: dict[str, Any]
+    payload: RequestBody
     request_id: str
     headers: dict[str, str] | None = None
     timeout_s: float | None = None
     keep_text: bool = False  # return the generated text as `output_text`
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, object]:
         """The payload as sent: streamed, with the usage in the last message."""
         return {**self.payload, "stream": True, "stream_options": {"include_usage": True}}
 
@@ -375,10 +376,15 @@ class _Stream:
                 self.pieces.extend(self.endpoint.text_of(c) for c in chunk.get("choices") or ())
 
 
-async def stream_request_http1(pool: Http1Pool, call: StreamCall) -> dict[str, Any]:
+async def stream_request_http1(pool: Http1Pool, call: StreamCall) -> ClientEvent:
     """`loadgen.client.stream_request` over this transport (what `bench run` uses against
     `http://` targets): the same timing rules (`StreamTiming`), the same event, with the times
     of the module docstring."""
+    # wire.stream's rules fill the event, under ClientEvent's keys
+    return cast(ClientEvent, await _exchange(pool, call))
+
+
+async def _exchange(pool: Http1Pool, call: StreamCall) -> dict[str, Any]:
     body = json.dumps(call.body()).encode()
     event = call.event()
     stream = _Stream(event, call.endpoint, call.keep_text)

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from servescope.commands.common import add_slo_option, console, open_store, store_command
 from servescope.loadgen.probe import TargetUnreachable
+from servescope.loadgen.request import ClientEvent
 from servescope.loadgen.runner import BenchRun, LevelProgress, RunOptions, RunResult
 from servescope.loadgen.workload import BenchConfig, Workload, WorkloadError, load_config, shipped
 from servescope.store import Store, settings
@@ -196,7 +197,7 @@ def execute(config: BenchConfig, target: str, store: Store, **kwargs: Any) -> Ru
             what = f"rate {level}/s" if workload.open_loop else f"concurrency {int(level)}"
             level_task["id"] = progress.add_task(f"{workload.name} @ {what}", total=count)
 
-        def on_request(_event: dict[str, Any]) -> None:
+        def on_request(_event: ClientEvent) -> None:
             progress.advance(overall)
             progress.advance(level_task["id"])
 
