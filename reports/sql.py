@@ -447,13 +447,6 @@ WHERE target = $target AND started_at < $started AND run_id <> $run_id
            AND coalesce(json_extract_string(notes, '$.kind'), '') <> 'vllm-session'))
 ORDER BY started_at DESC LIMIT 1
 """
-# `report flips`: every lever flip, grouped by the change of runs it belongs to.
-FLIP_LIST = """
-SELECT min(ts) AS ts, run_id, before_run_id,
-       list({'lever': lever, 'before': before, 'after': after} ORDER BY lever) AS changes,
-       any_value(note) AS note
-FROM lever_flips GROUP BY run_id, before_run_id ORDER BY min(ts), run_id
-"""
 RUN_LEVER_FLIPS = """
 SELECT ts, lever, before, after, note FROM lever_flips WHERE run_id = $run_id ORDER BY ts, lever
 """

@@ -34,7 +34,6 @@ from servescope.reports import (
     build_diff,
     build_split,
     build_summary,
-    sql,
     write_report,
 )
 from servescope.reports.build import PREVIOUS, BadComparison, previous_run
@@ -348,27 +347,27 @@ def _brief(
 def run_flips(args: argparse.Namespace) -> int:
     store = open_store(args)
     with store.read() as con:
-        flips = reads.rows(con.execute(sql.FLIP_LIST))
-    for flip in flips:
-        before = flip["before_run_id"]
-        flip["report"] = (
-            f"servescope report build {flip['run_id']} --vs {before}"
-            if before
-            else f"servescope report build {flip['run_id']} --split-at-flip"
-        )
+        flips = reads.flips(con)
+    commands = [
+        f"servescope report build {flip['run_id']} --vs {flip['before_run_id']}"
+        if flip["before_run_id"]
+        else f"servescope report build {flip['run_id']} --split-at-flip"
+        for flip in flips
+    ]
     if args.json:
-        print(json.dumps(flips, default=str))
+        rows = [{**flip, "report": c} for flip, c in zip(flips, commands, strict=True)]
+        print(json.dumps(rows, default=str))
         return 0
     table = Table(title=f"lever flips in {store.path}")
     for column in ("when (UTC)", "from run", "to run", "levers", "report"):
         table.add_column(column)
-    for flip in flips:
+    for flip, command in zip(flips, commands, strict=True):
         levers = "\n".join(
             f"{c['lever']} {c['before'] or 'unset'} → {c['after'] or 'unset'}"
             for c in flip["changes"]
         )
         cells = (flip["ts"], flip["before_run_id"] or "", flip["run_id"] or "", levers,
-                 flip["report"])  # fmt: skip
+                 command)  # fmt: skip
         table.add_row(*(Text(str(c)) for c in cells))
     Console(width=None if sys.stdout.isatty() else 240).print(table)
     return 0
