@@ -459,7 +459,7 @@ def test_each_kind_of_reference_is_checked(tmp_path: Path) -> None:
     ]
     for text in made_up:
         assert [p for m in mentions_of(text, tmp_path) for p in problems(m)], text
-    real = "`tests/unit/test_docs.py` `servescope report build RUN --vs BASE` `make test`"
+    real = "`tests/integration/test_docs.py` `servescope report build RUN --vs BASE` `make test`"
     assert not [p for m in mentions_of(real, tmp_path) for p in problems(m)]
 
 
