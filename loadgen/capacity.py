@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -410,7 +411,7 @@ def worksheet(
     }  # fmt: skip
 
 
-def settings_of(levers: dict[str, Any], **given: Any) -> Settings:
+def settings_of(levers: Mapping[str, object], **given: Any) -> Settings:
     """The arithmetic's settings for a server started with these flags (vLLM's `non-default
     args`, or the launcher's levers: vLLM's names); `given` sets what flags do not hold (the KV
     space, the GPU's total and name)."""
@@ -438,7 +439,9 @@ def settings_of(levers: dict[str, Any], **given: Any) -> Settings:
     return Settings(**{**found, **given})
 
 
-def from_levers(model: Path, levers: dict[str, Any], env: dict[str, str]) -> dict[str, Any] | None:
+def from_levers(
+    model: Path, levers: Mapping[str, object], env: dict[str, str]
+) -> dict[str, float | int | str | None] | None:
     """servescope's numbers for a server the launcher started (its flags and environment), to
     record next to vLLM's own statement; None when the model is not a local folder."""
     if not _config_path_exists(model):

@@ -42,6 +42,7 @@ from typing import Any
 
 from servescope.loadgen.launcher import (
     ALWAYS_FLAGS,
+    Levers,
     Profile,
     VllmServer,
     levers_of,
@@ -368,5 +369,5 @@ class Experiment:
             arm=arm,
         )
 
-    def _profile_levers(self, profile: str) -> dict[str, Any]:
+    def _profile_levers(self, profile: str) -> Levers:
         return levers_of(ALWAYS_FLAGS + self.profiles[profile].flags)

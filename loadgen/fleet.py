@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from servescope.loadgen.experiment import FLEET
-from servescope.loadgen.launcher import Profile, VllmServer, load_profiles
+from servescope.loadgen.launcher import Levers, Profile, VllmServer, load_profiles
 from servescope.loadgen.rounds import Stopping
 from servescope.loadgen.sequence import (
     DEFAULT_REPEATS,
@@ -202,7 +202,7 @@ class FleetExperiment:
         teams = sorted({w.team for w in self.config.workloads if w.team})
         self.keys = {team: f"sk-{secrets.token_hex(16)}" for team in teams}
         self._sidecars: list[Sidecar] = []
-        self._levers: dict[str, Any] = {}
+        self._levers: Levers = {}
 
     def run(self) -> ExperimentResult:
         """Start the replicas (and their sidecars), run every (repeat, policy), stop them all."""

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import msgspec
 import psutil
@@ -32,6 +32,7 @@ import yaml
 
 from servescope.loadgen.capacity import from_levers
 from servescope.store import settings
+from servescope.store.notes import KvCacheNotes, KvStatement
 from servescope.store.typed import Named, typed
 from servescope.wire.kv_statement import kv_cache_from_log
 
@@ -100,6 +101,8 @@ class ProfileError(ValueError):
 
 # A flag or an environment value as YAML may give it (`--max-num-seqs, 8`): kept as its text.
 Scalar = str | int | float | bool
+# A server's levers as `levers_of` reads its flags: a flag's text, or a bare flag's truth
+Levers = dict[str, str | bool]
 
 
 class ServerEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -238,9 +241,9 @@ def server_set(
     ]
 
 
-def levers_of(flags: list[str]) -> dict[str, Any]:
+def levers_of(flags: list[str]) -> Levers:
     """vLLM flags as the lever dict stored with a run: `--no-enable-x` → `enable_x: false`."""
-    levers: dict[str, Any] = {}
+    levers: Levers = {}
     i = 0
     while i < len(flags):
         flag = flags[i]
@@ -249,7 +252,7 @@ def levers_of(flags: list[str]) -> dict[str, Any]:
             continue
         name, _, inline = flag[2:].partition("=")
         if inline:
-            value: Any = inline
+            value: str | bool = inline
         elif i + 1 < len(flags) and not flags[i + 1].startswith("--"):
             value = flags[i + 1]
             i += 1
@@ -307,12 +310,12 @@ class ServerState:
     model: str
     served_name: str
     profile: str
-    levers: dict[str, Any]
+    levers: Levers
     command: list[str]
     log: str
     started_at: str
     ready_s: float | None = None
-    kv_cache: dict[str, Any] | None = None
+    kv_cache: KvCacheNotes | None = None
 
 
 def state_for(url: str) -> ServerState | None:
@@ -375,12 +378,12 @@ class VllmServer:
         self.ready_timeout_s = ready_timeout_s
         self.process: subprocess.Popen[bytes] | None = None
         self.ready_s: float | None = None
-        self.kv_cache: dict[str, Any] | None = None
+        self.kv_cache: KvCacheNotes | None = None
         self._log_start = 0
         self._state_path = settings.servers_dir() / f"{port}.json"
 
     @property
-    def levers(self) -> dict[str, Any]:
+    def levers(self) -> Levers:
         levers = levers_of(ALWAYS_FLAGS + self.profile.flags)
         return {k: v for k, v in levers.items() if k not in OBSERVATION_LEVERS}
 
@@ -412,7 +415,7 @@ class VllmServer:
         self._write_state()
         return self
 
-    def _kv_cache(self) -> dict[str, Any]:
+    def _kv_cache(self) -> KvCacheNotes:
         """vLLM's start-up statement of its KV cache (`CPU KV cache size: N tokens, Maximum
         concurrency for L tokens per request: Xx`) next to servescope's arithmetic for the same
         model, flags and KV space (`bench.capacity`); either is None when unknown."""
@@ -424,7 +427,7 @@ class VllmServer:
             text = ""
         env = {**self.base_env, **self.profile.env, **self.extra_env}
         return {
-            "vllm": kv_cache_from_log(text),
+            "vllm": cast(KvStatement | None, kv_cache_from_log(text)),  # its keys are KvStatement's
             "servescope": from_levers(Path(self.model), self.levers, env),
         }
 

@@ -9,12 +9,11 @@ Nothing here sends a measured request; the scrapes and the memory samples run be
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import aiohttp
 
 from servescope.loadgen.client import get_json
-from servescope.loadgen.launcher import process_tree_rss, state_for
+from servescope.loadgen.launcher import Levers, process_tree_rss, state_for
 from servescope.loadgen.server_metrics import MetricsScraper, ServerNumbers
 from servescope.store import Store
 
@@ -36,7 +35,7 @@ class ServerProbe:
         target: str,
         *,
         replicas: dict[str, str],
-        levers: dict[str, Any] | None,
+        levers: Levers | None,
         server_pid: int | None,
     ) -> None:
         self.target = target

@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from servescope.loadgen.launcher import Levers
 from servescope.loadgen.probe import ServerProbe
 from servescope.loadgen.prompts import PromptBook, PromptMaker
 from servescope.loadgen.record import ClientNumbers, LevelRecord, LevelStats, Recorder
@@ -77,7 +78,7 @@ class RunOptions:
     model: str | None = None
     label: str | None = None
     slo: dict[str, float] = field(default_factory=dict)
-    levers: dict[str, Any] | None = None
+    levers: Levers | None = None
     server_pid: int | None = None
     replicas: dict[str, str] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from servescope.loadgen.launcher import VllmServer
+from servescope.loadgen.launcher import Levers, VllmServer
 from servescope.loadgen.rounds import Look, Rounds, Stopping, round_arms
 from servescope.loadgen.runner import RunResult
 from servescope.loadgen.spec import ExperimentError, ExperimentSpec
@@ -34,7 +34,7 @@ def order_letters(arms: list[str], repeats: int) -> str:
     return " ".join(letter[arm] for _repeat, arm in interleaved(arms, repeats))
 
 
-def lever_flips(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, str, str]]:
+def lever_flips(before: Levers, after: Levers) -> list[tuple[str, str, str]]:
     """(lever, before, after) for every lever whose value differs; a lever one side leaves
     unset is `default` (vLLM's own default) on that side."""
     flips = []
@@ -50,7 +50,7 @@ class ExperimentRun:
     profile: str
     repeat: int
     run_id: str
-    levers: dict[str, Any]
+    levers: Levers
     target: str
     result: RunResult | None = None
     server_ready_s: float | None = None

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from servescope.commands.common import console, sigterm_as_ctrl_c
 from servescope.loadgen.launcher import (
@@ -117,7 +119,7 @@ def _serve(servers: list[VllmServer], profile: str) -> int:
     return 1
 
 
-def _kv_line(kv: dict | None) -> str:
+def _kv_line(kv: Mapping[str, Any] | None) -> str:
     """vLLM's start-up KV-cache statement next to servescope's arithmetic for the same flags."""
     kv = kv or {}
     parts = []
