@@ -16,11 +16,12 @@ import duckdb
 from servescope.reports import bootstrap, coldstart, replicas, sql
 from servescope.reports.charts import charts
 from servescope.reports.checklist import checklist
-from servescope.reports.diagnosis import assess_flip, diagnose, primary_indicator
+from servescope.reports.diagnosis import Subject, assess_flip, diagnose, primary_indicator
 from servescope.reports.document import (
     Bootstrap,
     Compared,
     Decision,
+    Diagnosis,
     DiffRow,
     Flip,
     LeverChange,
@@ -111,9 +112,9 @@ def _with_slo(options: ReportOptions | None, run: RunRow) -> ReportOptions:
     return replace(options, slo=recorded_slo(run))
 
 
-def _diagnosis(side: SideReport, slo: dict[str, float] | None) -> dict[str, Any]:
+def _diagnosis(side: SideReport, slo: dict[str, float] | None) -> Diagnosis:
     """reports/diagnosis.py's findings for one side (it reads the side's numbers and SLOs)."""
-    return diagnose({**side, "slo": slo})
+    return diagnose(Subject(**side, slo=slo))
 
 
 def build_summary(
@@ -179,15 +180,15 @@ class Comparison:
         spec = headline_part(self.spec_decode, shown)
         return f"{line}; {spec}" if spec else line
 
-    def diagnosis(self, slo: dict[str, float] | None) -> dict[str, Any]:
+    def diagnosis(self, slo: dict[str, float] | None) -> Diagnosis:
         """The after side's diagnosis, the before side's first finding, and whether each lever
         change moved the symptom it was meant to move."""
         before, after = _diagnosis(self.before, slo), _diagnosis(self.after, slo)
-        return {
+        return Diagnosis(
             **after,
-            "before_first": before["first"],
-            "flip": assess_flip(before, after, self.changes),
-        }
+            before_first=before["first"],
+            flip=assess_flip(before, after, self.changes),
+        )
 
 
 def _compare(

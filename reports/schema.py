@@ -15,12 +15,20 @@ import msgspec
 from servescope.reports.document import Report
 
 
+def _any_json(kind: type) -> dict[str, Any]:
+    """`object` in a type (a value the producer writes free-form, e.g. a bench level's fields)
+    is any JSON value: no constraint."""
+    if kind is object:
+        return {"description": "any JSON value, as its producer wrote it"}
+    raise NotImplementedError(kind)
+
+
 def json_schema() -> dict[str, Any]:
     """report.json's JSON Schema (2020-12), generated from `Report`. Every object
     reports/document.py types is closed (`additionalProperties: false`): a key its type does not
     name is a change of the published shape, made by changing the type and regenerating the
     file."""
-    body = msgspec.json.schema(Report)
+    body = msgspec.json.schema(Report, schema_hook=_any_json)
     for definition in body.get("$defs", {}).values():
         if "properties" in definition:
             definition["additionalProperties"] = False

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -18,6 +17,7 @@ from servescope.commands.common import (
     store_command,
 )
 from servescope.reports import BadWindow, ReportOptions, UnknownRun, Window, build_summary
+from servescope.reports.document import Diagnosis, OfferedLever
 from servescope.store.lakeread import Lake
 
 DESCRIPTION = (
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _levers(levers: list[dict[str, Any]]) -> str:
+def _levers(levers: list[OfferedLever]) -> str:
     parts = []
     for lever in levers:
         how = f" → {lever['want']}" if lever["want"] is not None else f" ({lever['direction']})"
@@ -71,7 +71,7 @@ def _levers(levers: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
-def _print(run_id: str, d: dict[str, Any]) -> None:
+def _print(run_id: str, d: Diagnosis) -> None:
     out = Console(width=120, soft_wrap=False)
     shape = d["workload_shape"]
     out.print(Text(f"{run_id}: workload shape {shape['shape']} — {shape['why']}"))
