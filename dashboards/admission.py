@@ -28,6 +28,8 @@ def _rate(metric: str, by: str) -> str:
 
 
 def build() -> Dashboard:
+    """The admission dashboard. A declarative table of panels (a list of definitions, no
+    logic), long by nature, as the house rules allow."""
     panels = [
         row("Admission decisions per team"),
         timeseries(

@@ -45,6 +45,8 @@ def _percentiles(bucket: str, qs: tuple[float, ...] = (0.5, 0.95, 0.99)) -> list
 
 
 def core_indicators() -> list:
+    """The five core indicators' row. A declarative table of panels (a list of definitions,
+    no logic), long by nature, as the house rules allow."""
     return [
         row("Five core indicators"),
         timeseries(
