@@ -58,26 +58,16 @@ T0 = datetime(2026, 11, 16)
 _U = "(1.0 - random())"  # uniform (0, 1]: DuckDB's generator (the draws are not seeded)
 
 
-def _u(seed: int, k: int) -> str:
-    return _U
-
-
-def _normal(seed: int, k: int) -> str:
+def _normal() -> str:
     """A standard normal draw (Box-Muller)."""
     return f"(sqrt(-2 * ln({_U})) * cos(2 * pi() * random()))"
 
 
-def _normal_k(seed: int) -> str:
-    return _normal(seed, 0)
-
-
-def segment_sql(
-    run: str, first: int, n: int, start: datetime, seed: int, divisor: float, doc: bool
-) -> str:
+def segment_sql(run: str, first: int, n: int, start: datetime, divisor: float, doc: bool) -> str:
     """n events of `run` from `start` over one hour, as the lake holds them (every column of
     `store.schema_sql.event_columns()`, timestamps as UTC instants, and `run_key`)."""
     step_us = 3_600_000_000 // max(n, 1)
-    gap = f"greatest(0.5, round(30 + 5 * {_normal_k(seed)}, 3))"
+    gap = f"greatest(0.5, round(30 + 5 * {_normal()}, 3))"
     record = (
         "json_object('request_id', request_id, 'run_id', run_id, 'ts', strftime(ts, '%Y-%m-%dT%H:%M:%S.%fZ'),"  # noqa: E501
         " 'source', 'client', 'model', 'tiny', 'workload', workload, 'concurrency', concurrency,"
@@ -94,10 +84,10 @@ WITH base AS (
            '{run}' AS run_id,
            '{run}-' || lpad(CAST(i + {first} AS VARCHAR), 9, '0') AS request_id,
            TIMESTAMP '{start.isoformat()}' + to_microseconds(CAST(i * {step_us} AS BIGINT)) AS ts,
-           {_u(seed, 9)} < 0.01 AS failed,
-           round(exp(5.3 + 0.4 * {_normal(seed, 1)}) / {divisor}, 3) AS ttft,
-           greatest(1.0, round(30 + 5 * {_normal(seed, 3)}, 3)) AS tpot,
-           CAST(floor({_u(seed, 5)} * 512) AS INTEGER) AS cached
+           {_U} < 0.01 AS failed,
+           round(exp(5.3 + 0.4 * {_normal()}) / {divisor}, 3) AS ttft,
+           greatest(1.0, round(30 + 5 * {_normal()}, 3)) AS tpot,
+           CAST(floor({_U} * 512) AS INTEGER) AS cached
     FROM range({n}) t(i)
 ), rows AS (
     SELECT run_id, request_id, 'client' AS source, ts, 'tiny' AS model,
@@ -156,10 +146,10 @@ def build_lake(lake: Path, total: int, run_events: int, doc: bool) -> int:
             (RUNS[0], s * per_run, per_run, T0 + timedelta(days=2, hours=10), 1.0),
             (RUNS[1], s * per_run, per_run, T0 + timedelta(days=5, hours=10), 1.3),
         ]
-        for seq, (run, first, n, start, divisor) in enumerate(segments, 1):
+        for run, first, n, start, divisor in segments:
             if n <= 0:
                 continue
-            sql = segment_sql(run, first, n, start, s * 100 + seq, divisor, doc)
+            sql = segment_sql(run, first, n, start, divisor, doc)
             reader = con.sql(sql).to_arrow_reader(batch_size=1 << 18)
             write_deltalake(events, reader, mode="append")
             events.update_incremental()

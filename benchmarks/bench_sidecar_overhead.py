@@ -57,7 +57,7 @@ class NullSink(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    def log_message(self, *args: object) -> None:
+    def log_message(self, *_args: object) -> None:
         return
 
 

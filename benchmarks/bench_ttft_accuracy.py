@@ -50,7 +50,7 @@ class Spans:
         self.lock = threading.Lock()
 
     def submit(
-        self, pieces: list[dict[str, Any]], refused: list[tuple[str, str]]
+        self, pieces: list[dict[str, Any]], _refused: list[tuple[str, str]]
     ) -> threading.Event:
         with self.lock:
             for piece in pieces:

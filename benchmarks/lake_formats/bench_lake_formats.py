@@ -312,7 +312,8 @@ class Iceberg(Fmt):
                 best = max(best, int(str(s["batch"])))
         return best
 
-    def merge(self, t: pa.Table, run: str | None = None) -> None:
+    # `run` is the formats' shared signature (a partitioned format rewrites only that run)
+    def merge(self, t: pa.Table, run: str | None = None) -> None:  # noqa: ARG002
         self.table().upsert(t, join_cols=["run_id", "request_id"])
 
     def keys(self) -> pa.Table:

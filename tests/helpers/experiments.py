@@ -88,7 +88,7 @@ class FakeServer:
     made: list[FakeServer] = []
     calls: list[tuple[str, str]] = []
 
-    def __init__(self, model: Any, *, profile: Any, port: int, extra_flags: list[str],
+    def __init__(self, _model: Any, *, profile: Any, port: int, extra_flags: list[str],
                  env: dict[str, str], log_path: Path | None) -> None:  # fmt: skip
         self.profile, self.port, self.env, self.log_path = profile, port, env, log_path
         self.flags = profile.flags + list(extra_flags)
@@ -131,7 +131,7 @@ class FakeBench:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.levers = levers or {}
 
-    def __call__(self, config: Any, target: str, store: Store, options: dict[str, Any]) -> Any:
+    def __call__(self, _config: Any, target: str, store: Store, options: dict[str, Any]) -> Any:
         run_id, notes = options["run_id"], options["notes"]
         self.calls.append((target, options))
         position = len(self.calls)

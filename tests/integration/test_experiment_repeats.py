@@ -248,8 +248,8 @@ def test_gpu_servers_start_once_in_turn_and_sleep_while_the_other_arm_runs(
         repeats=3,
         hooks=ExperimentHooks(
             sidecar=sidecar,
-            slept=lambda arm, seconds: shown.append(("asleep", arm)),
-            woke=lambda arm, seconds: shown.append(("awake", arm)),
+            slept=lambda arm, _seconds: shown.append(("asleep", arm)),
+            woke=lambda arm, _seconds: shown.append(("awake", arm)),
         ),
     )
     assert exp.design == SLEEP
@@ -617,7 +617,7 @@ def test_a_bad_option_is_exit_2_before_any_server_starts(
 
 
 def test_a_missing_profiles_file_is_exit_2(
-    operator_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out = _cli("experiment", "list", "--profiles", str(tmp_path / "nope.yaml"),
                      capsys=capsys)  # fmt: skip
@@ -743,7 +743,7 @@ def test_a_fleet_experiment_interleaves_and_resets_its_replicas(
     from servescope.loadgen import fleet
 
     class FakeGateway:
-        def __init__(self, config: dict, folder: Path, store: Store) -> None:
+        def __init__(self, config: dict, folder: Path, _store: Store) -> None:
             self.config_path, self.url = folder / "gateway.yaml", "http://gateway"
             self.policy = next(iter(config["models"].values()))["routing"]
 

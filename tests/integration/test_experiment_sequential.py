@@ -8,12 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from servescope.commands import experiment as command
 from servescope.loadgen.experiment import Experiment, ExperimentHooks, load_experiments
 from servescope.loadgen.rounds import MAX_GROWTH, Look, Stopping
 from servescope.reports import build_diff
 from servescope.store import Store
-from tests.helpers.experiments import FakeBench, FakeServer
+from tests.helpers.experiments import FakeBench
 
 
 def _experiment(store: Store, tmp_path: Path, stopping: Stopping, judge: Any = None,
@@ -27,9 +29,8 @@ def _experiment(store: Store, tmp_path: Path, stopping: Stopping, judge: Any = N
     return exp, bench
 
 
-def test_a_clear_effect_stops_at_the_first_look_and_the_report_says_why(
-    tmp_path: Path, fake_servers: list[FakeServer]
-) -> None:
+@pytest.mark.usefixtures("fake_servers")  # VllmServer replaced by FakeServer
+def test_a_clear_effect_stops_at_the_first_look_and_the_report_says_why(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.duckdb")
     stopping = Stopping(3, 8, None, 10.0)
     exp, _bench = _experiment(store, tmp_path, stopping)
@@ -53,9 +54,8 @@ def test_a_clear_effect_stops_at_the_first_look_and_the_report_says_why(
     assert again["plan"] == [3, 8] and again["verdict"] == "improved" and again["stopped"] is None
 
 
-def test_an_undecided_experiment_runs_to_the_plans_last_round(
-    tmp_path: Path, fake_servers: list[FakeServer]
-) -> None:
+@pytest.mark.usefixtures("fake_servers")  # VllmServer replaced by FakeServer
+def test_an_undecided_experiment_runs_to_the_plans_last_round(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.duckdb")
     looks: list[int] = []
 
@@ -70,9 +70,8 @@ def test_an_undecided_experiment_runs_to_the_plans_last_round(
     assert result.stop_words == "the plan's 5 repeats a side were run (--max-repeats)"
 
 
-def test_the_budget_starts_no_round_that_would_end_after_it(
-    tmp_path: Path, fake_servers: list[FakeServer]
-) -> None:
+@pytest.mark.usefixtures("fake_servers")  # VllmServer replaced by FakeServer
+def test_the_budget_starts_no_round_that_would_end_after_it(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.duckdb")
     exp, _bench = _experiment(store, tmp_path, Stopping(3, 10, 0.001, 10.0))
     result = exp.run()
@@ -84,12 +83,11 @@ def test_the_budget_starts_no_round_that_would_end_after_it(
     assert "one run a side: request noise only" in decision["words"]
 
 
-def test_runs_grow_when_their_requests_make_most_of_their_noise(
-    tmp_path: Path, fake_servers: list[FakeServer]
-) -> None:
+@pytest.mark.usefixtures("fake_servers")  # VllmServer replaced by FakeServer
+def test_runs_grow_when_their_requests_make_most_of_their_noise(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.duckdb")
     exp, bench = _experiment(store, tmp_path, Stopping(3, 4, None, 10.0),
-                             lambda result: Look(False, ["undecided"], 0.95))  # fmt: skip
+                             lambda _result: Look(False, ["undecided"], 0.95))  # fmt: skip
     first = exp.config.workloads[0].requests_per_level
     result = exp.run()
     assert len(result.runs) == 8

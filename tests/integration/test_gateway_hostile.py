@@ -143,11 +143,11 @@ class Recorder:
     def __init__(self) -> None:
         self.seen: list[Request] = []
 
-    async def echo(self, request: Request, reply: Reply) -> Response:
+    async def echo(self, request: Request, _reply: Reply) -> Response:
         self.seen.append(request)
         return Response(200, request.body, {"Content-Type": "text/plain"})
 
-    async def ok(self, request: Request, reply: Reply) -> Response:
+    async def ok(self, _request: Request, _reply: Reply) -> Response:
         return json_response({"ok": True})
 
     def server(self) -> Server:

@@ -211,7 +211,7 @@ class DcgmPage(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, *args: object) -> None:
+    def log_message(self, *_args: object) -> None:
         return
 
 

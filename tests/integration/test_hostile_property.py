@@ -200,7 +200,7 @@ def test_import_and_collector_agree_and_lose_nothing(lines: list[bytes]) -> None
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.builds(lambda i, line: line, st.integers(), a_line(1)))
+@given(st.builds(lambda _i, line: line, st.integers(), a_line(1)))
 def test_parse_line_only_ever_raises_invalid_event(line: bytes) -> None:
     try:
         doc = parse_line(line)

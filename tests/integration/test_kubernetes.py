@@ -352,7 +352,7 @@ def check_gateway(objects: list[Object], vllm_pod: dict[str, Any]) -> None:
     assert _port(container, "http") == gateway["listen"]["port"]
 
 
-def test_the_gateway_config_passes_the_gateways_own_check(tmp_path: Path) -> None:
+def test_the_gateway_config_passes_the_gateways_own_check() -> None:
     config = KUBE / "components" / "gateway" / "gateway-config.yaml"
     result = servescope("gateway", "--config", str(config), "--check")
     assert result.returncode == 0, result.stderr

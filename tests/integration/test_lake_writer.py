@@ -110,7 +110,7 @@ def test_a_crash_after_the_stores_commit_loses_and_doubles_nothing(
     writer = _writer(lake, store)
     _flush(store, writer, [_doc("run-a", i) for i in range(10)])
     if dies == "before any table":
-        monkeypatch.setattr(LakeWriter, "_write_after_commit", lambda self, pending: None)
+        monkeypatch.setattr(LakeWriter, "_write_after_commit", lambda _self, _pending: None)
     else:
 
         def crash(*_args: Any) -> None:

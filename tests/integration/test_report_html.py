@@ -35,7 +35,7 @@ HOSTILE_LEVER = '"><img src=x onerror=alert(2)>'
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
     requests: list[str]
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib's name)
+    def log_message(self, _format: str, *_args: Any) -> None:
         self.requests.append(self.path)
 
 

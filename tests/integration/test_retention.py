@@ -35,8 +35,8 @@ OTHER_TABLES = ("events", "runs", "lever_flips", "runtime_events", "ingest_error
 Row = tuple[datetime, str, str, str, str | None, float]
 
 
-def _seconds(now: datetime) -> list[int]:
-    """Seconds before `now` sampled: 20 days, at 1 s around each line the retention draws (the
+def _seconds() -> list[int]:
+    """Seconds before now sampled: 20 days, at 1 s around each line the retention draws (the
     14-day cutoff, the 24-hour line), for ten minutes a week ago and the last ten minutes, at
     40 s between them (1 s throughout would be 5 million rows: a minute of the suite)."""
     dense = [
@@ -53,7 +53,7 @@ def _seconds(now: datetime) -> list[int]:
 
 def _samples(now: datetime) -> list[tuple[datetime, str, str, dict[str, str], str | None, float]]:
     rows = []
-    for ago in _seconds(now):
+    for ago in _seconds():
         ts = now - timedelta(seconds=ago)
         for i, (target, name, labels, run_id) in enumerate(SERIES):
             value = float(20 * 86400 - ago) if name.endswith("_total") else float((ago + i) % 17)
@@ -138,7 +138,7 @@ def test_retention_drops_downsamples_and_keeps_the_rest(
     rows = _rows(store.path)
     others = _other_tables(store.path)
     assert all(others.values())  # every other table holds rows older than the retention
-    assert len(rows) == len(_seconds(now)) * len(SERIES)
+    assert len(rows) == len(_seconds()) * len(SERIES)
     before = now - 14 * DAY
     started = time.monotonic()
     result = retention.prune(store, before, now=now)

@@ -25,7 +25,7 @@ def test_each_replica_gets_its_own_gpu(tmp_path: Path, monkeypatch: pytest.Monke
     spec = read_experiments_file(GPU_EXPERIMENTS)["routing-two-gpus"]
     assert spec.fleet is not None and spec.fleet.gpus == ("0", "1")
 
-    def never(*args: Any) -> Any:
+    def never(*_args: Any) -> Any:
         raise AssertionError("nothing runs here")
 
     experiment = fleet.FleetExperiment(

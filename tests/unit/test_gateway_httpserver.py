@@ -73,7 +73,7 @@ def run(request: pytest.FixtureRequest) -> Runner:
 def test_a_big_stream_reaches_a_slow_reader_whole(
     run: Runner,
 ) -> None:
-    async def stream(request: Request, reply: Reply) -> Reply:
+    async def stream(_request: Request, reply: Reply) -> Reply:
         reply.start(200, {"Content-Type": "text/event-stream"})
         for _ in range(BIG_CHUNKS - 1):
             await reply.write(BIG_CHUNK)
@@ -100,7 +100,7 @@ def test_a_big_stream_reaches_a_slow_reader_whole(
 def test_pipelined_requests_are_answered_in_order(
     run: Runner,
 ) -> None:
-    async def echo(request: Request, reply: Reply) -> Response:
+    async def echo(request: Request, _reply: Reply) -> Response:
         await asyncio.sleep(0.01 if request.body == b"first" else 0)
         return Response(200, request.body, {"Content-Type": "text/plain"})
 
@@ -126,7 +126,7 @@ def test_a_client_that_leaves_cancels_its_handler(
     started = asyncio.Event()
     cancelled = asyncio.Event()
 
-    async def wait_forever(request: Request, reply: Reply) -> Response:
+    async def wait_forever(_request: Request, _reply: Reply) -> Response:
         started.set()
         try:
             await asyncio.sleep(3600)
@@ -146,7 +146,7 @@ def test_a_client_that_leaves_cancels_its_handler(
     run(main)
 
 
-async def ok(request: Request, reply: Reply) -> Response:
+async def ok(_request: Request, _reply: Reply) -> Response:
     return json_response({"ok": True})
 
 
@@ -174,7 +174,7 @@ def test_bad_requests_and_unknown_routes_are_refused(
 
 
 def test_http10_streams_unchunked_and_closes(run: Runner) -> None:
-    async def stream(request: Request, reply: Reply) -> Reply:
+    async def stream(_request: Request, reply: Reply) -> Reply:
         reply.start(200, {"Content-Type": "text/event-stream"})
         await reply.write(b"data: 1\n\n")
         await reply.write_eof(b"data: [DONE]\n\n")
@@ -226,7 +226,7 @@ def test_oversized_heads_and_idle_connections_are_closed(
 def test_a_client_pipelining_without_reading_is_not_buffered_for(run: Runner) -> None:
     body = b"m" * 2**20
 
-    async def metrics(request: Request, reply: Reply) -> Response:
+    async def metrics(_request: Request, _reply: Reply) -> Response:
         return Response(200, body, {"Content-Type": "text/plain"})
 
     async def main() -> None:
@@ -252,13 +252,13 @@ def test_shutdown_waits_then_cancels_what_is_left_before_returning(run: Runner) 
         started = {b"/quick": asyncio.Event(), b"/slow": asyncio.Event()}
         release = asyncio.Event()
 
-        async def quick(request: Request, reply: Reply) -> Response:
+        async def quick(_request: Request, _reply: Reply) -> Response:
             started[b"/quick"].set()
             await release.wait()  # set once shutdown is under way: it finishes while waited on
             finished.append("quick")
             return json_response({})
 
-        async def slow(request: Request, reply: Reply) -> Response:
+        async def slow(_request: Request, _reply: Reply) -> Response:
             started[b"/slow"].set()
             try:
                 await asyncio.sleep(3600)

@@ -31,7 +31,7 @@ def chat(system: str, user: str = "hi") -> dict[str, Any]:
     return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
 
 
-def everyone_up(name: str) -> bool:
+def everyone_up(_name: str) -> bool:
     return True
 
 

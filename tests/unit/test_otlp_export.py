@@ -100,7 +100,7 @@ def test_stored_requests_arrive_as_genai_spans_and_metrics_over_http(tmp_path: P
     assert "servescope_collector_export_spans_total 2.0" in generate_latest(registry).decode()
 
 
-def test_vllm_legacy_span_keys_map_to_the_current_conventions(tmp_path: Path) -> None:
+def test_vllm_legacy_span_keys_map_to_the_current_conventions() -> None:
     legacy = {
         "gen_ai.usage.prompt_tokens": 7,
         "gen_ai.usage.completion_tokens": 3,
@@ -155,12 +155,12 @@ def test_grpc_export_reaches_a_grpc_endpoint(tmp_path: Path) -> None:
     received: list[trace_service_pb2.ExportTraceServiceRequest] = []
 
     class Traces(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - the gRPC API
+        def Export(self, request: Any, _context: Any) -> Any:  # noqa: N802 - the gRPC API
             received.append(request)
             return trace_service_pb2.ExportTraceServiceResponse()
 
     class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
-        def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - the gRPC API
+        def Export(self, _request: Any, _context: Any) -> Any:  # noqa: N802 - the gRPC API
             return metrics_service_pb2.ExportMetricsServiceResponse()
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
