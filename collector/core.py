@@ -231,8 +231,20 @@ class Collector:
     def run(self, stop: threading.Event) -> None:
         """Tail, scrape and flush until `stop` is set; then a last read and flush."""
         self.start()
-        helpers = []
         caught_up = threading.Event()  # the scrapes start once the files' backlog is read
+        helpers = self._start_helpers(stop, caught_up)
+        self._ingest(stop, caught_up)
+        self._drain()
+        for thread, join_s in helpers:
+            thread.join(timeout=join_s)
+        self.close()
+
+    def _start_helpers(
+        self, stop: threading.Event, caught_up: threading.Event
+    ) -> list[tuple[threading.Thread, float]]:
+        """The scrape loop (when a source is periodic) and the lake's upkeep (with a lake),
+        started; each with how long a stop waits for it."""
+        helpers = []
         if any(source.periodic for source in self.sources):
             loop = threading.Thread(target=self._scrape_loop, args=(stop, caught_up))
             helpers.append((loop, 10.0))
@@ -241,6 +253,10 @@ class Collector:
         for thread, _join_s in helpers:
             thread.daemon = True
             thread.start()
+        return helpers
+
+    def _ingest(self, stop: threading.Event, caught_up: threading.Event) -> None:
+        """The ingest loop: read, flush when the batch is full or due, retention when due."""
         last_flush = next_retention = time.monotonic()  # retention: once at start
         while not stop.is_set():
             # bounded memory: while flushes fail, reading stops at one flush's worth pending
@@ -254,16 +270,22 @@ class Collector:
             since = time.monotonic() - last_flush
             if full or not backlog and (since >= self.flush_interval or not read):
                 last_flush = time.monotonic()  # from its start: slow flushes run back to back
-                try:
-                    self.flush()
-                except Exception:  # noqa: BLE001 - the loop must outlive any flush failure; flush logged it, the batch is kept and retried
-                    stop.wait(1.0)
+                self._flush_or_wait(stop)
             if not full and not backlog:  # a trickle: wait for more, never spin on it
                 wait = self.poll_interval if not read else self.flush_interval - since
                 stop.wait(max(0.0, min(self.poll_interval, wait)))
             if self.retention is not None and time.monotonic() >= next_retention:
                 done = self.apply_retention()  # a backlog of it: a slice, then a flush, …
                 next_retention = time.monotonic() + (self.retain_interval_s if done else 0.0)
+
+    def _flush_or_wait(self, stop: threading.Event) -> None:
+        try:
+            self.flush()
+        except Exception:  # noqa: BLE001 - the loop must outlive any flush failure; flush logged it, the batch is kept and retried
+            stop.wait(1.0)
+
+    def _drain(self) -> None:
+        """After `stop`: what the sources still hold, read and flushed."""
         try:
             while self.poll():
                 if self.pending_bytes() >= self.max_flush_bytes:
@@ -272,9 +294,6 @@ class Collector:
         except Exception:  # noqa: BLE001 - stopping must finish whatever the last flush hit; flush said it, what was not committed is read again at the next start
             log.warning("stopping with %d bytes read but not committed: the next start reads "
                         "them again from the checkpoints", self.pending_bytes())  # fmt: skip
-        for thread, join_s in helpers:
-            thread.join(timeout=join_s)
-        self.close()
 
     def apply_retention(self) -> bool:
         """One retention pass over the metric samples (store/retention.py), counted on the

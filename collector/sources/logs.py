@@ -108,13 +108,7 @@ class VllmLog(Tailed):
         server = self.server
         before = server.snapshot()
         access: Counter[tuple[str, str, str]] = Counter()
-        unwrap = self._unwrap.get(chunk.file.key)
-        if unwrap is None:
-            unwrap = self._unwrap[chunk.file.key] = container_log.Unwrapper(self.tailer.max_line)
-            if chunk.start and chunk.file.key not in self._resumed:  # a restart: read on
-                read, whole = _read_before(chunk, unwrap.lookback)
-                unwrap.resume(read, whole=whole)
-        self._resumed.add(chunk.file.key)
+        unwrap = self._unwrapper(chunk)
         for line in lines:
             here, offset = offset, offset + len(line) + 1
             if not line.strip():
@@ -129,31 +123,66 @@ class VllmLog(Tailed):
                 continue
             year = record.ts.astimezone().year if record.ts else chunk.year
             item = container_log.dated(vllm_log.parse_line(record.text, year=year), record.ts)
-            if isinstance(item, vllm_log.Piece):
-                item = _checked(item)
-            if isinstance(item, vllm_log.Piece):
-                server.seen(parse_ts(item.doc.get("log_ts")))
-                # a piece `_checked` let through: the store's rules hold for it
-                batch.docs.append(server.attribute(cast(EventDoc, item.doc)))
-            elif isinstance(item, vllm_log.Bad):
-                batch.errors.append((chunk.file.error_source, here, item.reason, record.text))
-            elif isinstance(item, vllm_log.Access):
+            if isinstance(item, vllm_log.Access):
                 access[(item.method, item.path, str(item.status))] += 1
                 if item.status >= 400 and item.path.split("?", 1)[0] in INFERENCE_PATHS:
                     self._refused(batch, item, chunk, here)
             elif item is not None:
-                self._server_line(batch, item)
+                self._item(batch, item, (chunk.file.error_source, here, record.text))
         if not unwrap.pending:
             del self._unwrap[chunk.file.key]
+        self._access_samples(batch, access)
+        state = server.changed_state(before)
+        if state is not None:
+            batch.checkpoint_state(self.name, state)
+
+    def _unwrapper(self, chunk: Chunk) -> container_log.Unwrapper:
+        """The container-log reader of the chunk's file: kept while a split line is pending;
+        a new one after a restart reads the bytes before the chunk first."""
+        unwrap = self._unwrap.get(chunk.file.key)
+        if unwrap is None:
+            unwrap = self._unwrap[chunk.file.key] = container_log.Unwrapper(self.tailer.max_line)
+            if chunk.start and chunk.file.key not in self._resumed:  # a restart: read on
+                read, whole = _read_before(chunk, unwrap.lookback)
+                unwrap.resume(read, whole=whole)
+        self._resumed.add(chunk.file.key)
+        return unwrap
+
+    def _item(
+        self,
+        batch: Batch,
+        item: vllm_log.Piece
+        | vllm_log.Bad
+        | vllm_log.Stats
+        | vllm_log.Levers
+        | vllm_log.KvCache
+        | vllm_log.Startup
+        | vllm_log.Phase
+        | vllm_log.Tick,
+        where: tuple[str, int, bytes],
+    ) -> None:
+        """A parsed line other than an access line: a request's piece (checked by the store's
+        rules), a refused line (`where` it was: source, offset, text), or a server line."""
+        if isinstance(item, vllm_log.Piece):
+            item = _checked(item)
+        if isinstance(item, vllm_log.Piece):
+            self.server.seen(parse_ts(item.doc.get("log_ts")))
+            # a piece `_checked` let through: the store's rules hold for it
+            batch.docs.append(self.server.attribute(cast(EventDoc, item.doc)))
+        elif isinstance(item, vllm_log.Bad):
+            source, offset, text = where
+            batch.errors.append((source, offset, item.reason, text))
+        else:
+            self._server_line(batch, item)
+
+    def _access_samples(self, batch: Batch, access: Counter[tuple[str, str, str]]) -> None:
+        """The chunk's access lines counted by method, path and status, as samples."""
         now = utcnow()
         for (method, path, status), n in access.items():
             labels = {"method": method, "path": path, "status": status}
             batch.samples.append(
-                (now, self.name, "vllm_log:http_responses", labels, server.run_id, float(n))
+                (now, self.name, "vllm_log:http_responses", labels, self.server.run_id, float(n))
             )
-        state = server.changed_state(before)
-        if state is not None:
-            batch.checkpoint_state(self.name, state)
 
     def _server_line(
         self,
