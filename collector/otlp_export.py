@@ -363,9 +363,7 @@ class OtlpExport:
         self._record_metrics(doc, attrs, e2e)
         return self._ended.ended.pop()
 
-    def _record_metrics(
-        self, doc: EventDoc, attrs: dict[str, AttributeValue], e2e: float
-    ) -> None:
+    def _record_metrics(self, doc: EventDoc, attrs: dict[str, AttributeValue], e2e: float) -> None:
         common: dict[str, AttributeValue] = {
             k: attrs[k]
             for k in ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model")
