@@ -328,7 +328,7 @@ def upstream_client(
     }
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -359,7 +359,11 @@ def main() -> int:
         default="prefix-affinity",
         help="the pool's routing policy (with --pool > 1)",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
 
     load_start = os.getloadavg()[0]
     folder = Path(tempfile.mkdtemp(prefix="bench-gateway-"))

@@ -257,7 +257,7 @@ class Probe(threading.Thread):
                         self.tokens += 1
                         if self.tokens == 3:
                             self.streaming.set()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - whatever ends the stream, the test fails on
             self.error = exc
         finally:
             self.ended.set()
@@ -270,11 +270,32 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
     config = gateway_config(replicas, "tiny", "round-robin", {"fleet": KEY}, tmp_path / "events")
     config["models"][PROBE_MODEL] = {"upstream": "r2"}  # the probe's route: r2 alone
     gateway = GatewayProcess(config, tmp_path / "gateway", store).start()
-    workload = tmp_path / "fleet.yaml"
-    workload.write_text(json.dumps(WORKLOAD))
     run_id = "run-fleet-kill"
     probe = Probe(gateway.url)
-    bench = subprocess.Popen(
+    bench = start_bench(tmp_path / "fleet.yaml", gateway.url, run_id, store, replicas)
+    try:
+        unsent, marked_down = kill_r2_under_the_probe(bench, probe, replicas, gateway.url, run_id)
+        output, _ = bench.communicate(timeout=900)
+        assert probe.ended.wait(60) and probe.error is None, probe.error
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        gateway.stop()
+
+    # the probe: cut part-way, told so in the stream (OpenAI's error message), never [DONE]
+    assert 3 <= probe.tokens < PROBE_TOKENS and "data: [DONE]" not in probe.lines
+    assert any(line.startswith('data: {"error"') for line in probe.lines), probe.lines[-3:]
+    failed = check_every_request_accounted_for(store, run_id, bench.returncode, output, tmp_path)
+    check_the_gateways_events(tmp_path / "events", unsent, marked_down)
+    check_one_collector_counts_each_request_once(replicas, store, run_id, failed)
+
+
+def start_bench(
+    workload: Path, url: str, run_id: str, store: Store, replicas: dict[str, Any]
+) -> subprocess.Popen[str]:
+    """`servescope bench run` through the gateway, each replica named for its `/metrics`."""
+    workload.write_text(json.dumps(WORKLOAD))
+    return subprocess.Popen(
         [
             *SERVESCOPE,
             "bench",
@@ -282,7 +303,7 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
             "--config",
             str(workload),
             "--target",
-            gateway.url,
+            url,
             "--run-id",
             run_id,
             "--store",
@@ -296,53 +317,54 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
         env={**os.environ, "SERVESCOPE_KEY_FLEET": KEY},
     )
 
+
+def kill_r2_under_the_probe(
+    bench: subprocess.Popen[str], probe: Probe, replicas: dict[str, Any], url: str, run_id: str
+) -> tuple[int, datetime]:
+    """A quarter of the run in, the bench frozen (what is left goes after the kill), the probe's
+    stream open on r2 with its first tokens in hand, then r2 killed, until the gateway marks it
+    down; the bench resumed. Returns the requests not sent yet (at the least) and when r2 was
+    seen down."""
     events_file = settings.events_dir() / f"{run_id}.events.jsonl"
 
     def finished() -> int:
         """Requests the bench has recorded (its events file: a line when one ends)."""
         return len(events_file.read_text().splitlines()) if events_file.exists() else 0
 
+    deadline = time.monotonic() + 600
+    while finished() < REQUESTS // 4:
+        assert bench.poll() is None and time.monotonic() < deadline, "the run never got going"
+        time.sleep(0.02)
+    os.kill(bench.pid, signal.SIGSTOP)
+    unsent = REQUESTS - finished() - CONCURRENCY  # not sent yet, at the least
     try:
-        deadline = time.monotonic() + 600
-        while finished() < REQUESTS // 4:
-            assert bench.poll() is None and time.monotonic() < deadline, "the run never got going"
+        probe.start()
+        while not probe.streaming.wait(0.1):
+            assert not probe.ended.is_set(), f"the probe ended early: {probe.error!r}"
+        assert probe.upstream == "r2"
+        killed = replicas["r2"]
+        assert killed.process is not None
+        os.killpg(killed.process.pid, signal.SIGKILL)
+        killed.process.wait(timeout=60)  # its sockets close as it exits (its memory first)
+        # the gateway stops using it: the probe's dropped stream marks it down
+        deadline = time.monotonic() + 60
+        while metric(url, "servescope_gateway_upstream_up")[(("upstream", "r2"),)]:
+            assert time.monotonic() < deadline, "r2 still marked up a minute after it died"
             time.sleep(0.02)
-        os.kill(bench.pid, signal.SIGSTOP)  # the bench frozen: what is left goes after the kill
-        unsent = REQUESTS - finished() - CONCURRENCY  # not sent yet, at the least
-        try:
-            # the probe's stream open on r2, its first tokens in hand, then r2 killed
-            probe.start()
-            while not probe.streaming.wait(0.1):
-                assert not probe.ended.is_set(), f"the probe ended early: {probe.error!r}"
-            assert probe.upstream == "r2"
-            killed = replicas["r2"]
-            assert killed.process is not None
-            os.killpg(killed.process.pid, signal.SIGKILL)
-            killed.process.wait(timeout=60)  # its sockets close as it exits (its memory first)
-            # the gateway stops using it: the probe's dropped stream marks it down
-            deadline = time.monotonic() + 60
-            while metric(gateway.url, "servescope_gateway_upstream_up")[(("upstream", "r2"),)]:
-                assert time.monotonic() < deadline, "r2 still marked up a minute after it died"
-                time.sleep(0.02)
-            marked_down = datetime.now(UTC).replace(tzinfo=None)
-        finally:
-            os.kill(bench.pid, signal.SIGCONT)
-        output, _ = bench.communicate(timeout=900)
-        assert probe.ended.wait(60) and probe.error is None, probe.error
+        return unsent, datetime.now(UTC).replace(tzinfo=None)
     finally:
-        if bench.poll() is None:
-            bench.kill()
-        gateway.stop()
+        os.kill(bench.pid, signal.SIGCONT)
 
-    # the probe: cut part-way, told so in the stream (OpenAI's error message), never [DONE]
-    assert 3 <= probe.tokens < PROBE_TOKENS and "data: [DONE]" not in probe.lines
-    assert any(line.startswith('data: {"error"') for line in probe.lines), probe.lines[-3:]
 
-    # every request accounted for, per replica
+def check_every_request_accounted_for(
+    store: Store, run_id: str, returncode: int, output: str, tmp_path: Path
+) -> int:
+    """Every request of the run stored once, per replica; only r2's in-flight ones failed, and
+    the run says so. Returns how many failed."""
     events = {e["request_id"]: e for e in store.export_events(run_id)}
     assert len(events) == REQUESTS
     failed = [e for e in events.values() if e["status"] != "ok"]
-    assert bench.returncode == (1 if failed else 0), output  # the run says when some failed
+    assert returncode == (1 if failed else 0), output  # the run says when some failed
     assert all(e.get("upstream") == "r2" for e in failed)  # only r2's in-flight ones
     assert all("upstream" in e["error_detail"] for e in failed), failed
     served_by = {e.get("upstream") for e in events.values() if e["status"] == "ok"}
@@ -354,11 +376,13 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
     assert rows["r1"]["requests"] > rows["r2"]["requests"]  # the run went on on r1
     assert rows["r1"]["server_requests_finished"] == rows["r1"]["ok"]  # vLLM's own count agrees
     assert report["skew"]["requests"]["max_over_mean"] > 1
+    return len(failed)
 
-    # the gateway's own events: the probe's and the bench's; a bench request that came after r2
-    # was seen marked down was not served on it
-    gateway_events = [e for f in sorted((tmp_path / "events").glob("*.jsonl"))
-                      for e in read_events(f)]  # fmt: skip
+
+def check_the_gateways_events(folder: Path, unsent: int, marked_down: datetime) -> None:
+    """The gateway's own events: the probe's and the bench's; a bench request that came after
+    r2 was seen marked down was not served on it."""
+    gateway_events = [e for f in sorted(folder.glob("*.jsonl")) for e in read_events(f)]
     (cut_probe,) = [e for e in gateway_events if e["request_id"] == PROBE_ID]
     assert cut_probe["upstream"] == "r2" and cut_probe["status"] == "error", cut_probe
     assert cut_probe["error"] == "disconnect" and "upstream" in cut_probe["error_detail"]
@@ -374,7 +398,12 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
         assert e["failed_upstreams"] in (["r2:connect"], ["r2:disconnect"]), e
         assert e["route_reason"] == "retry" and e["upstream"] == "r1", e
 
-    # one collector following both replicas' logs counts no request twice
+
+def check_one_collector_counts_each_request_once(
+    replicas: dict[str, Any], store: Store, run_id: str, failed: int
+) -> None:
+    """One collector following both replicas' logs counts no request twice, and finds one
+    server session per replica."""
     logs = [a for s in replicas.values() for a in ("--vllm-log", str(log_of(s)))]
     collected = servescope("collect", "--once", *logs, "--store", str(store.path))
     assert collected.returncode == 0, collected.stderr
@@ -389,6 +418,6 @@ def test_a_replica_killed_mid_run_every_request_accounted_for(
             "WHERE run_id = ? AND status = 'ok' AND doc->>'route_reason' = 'round-robin' "
             "GROUP BY 1", [run_id]).fetchall())  # fmt: skip
     assert rows_after[0] == rows_after[1] == REQUESTS
-    assert rows_after[2] >= REQUESTS - len(failed)  # vLLM's log reached the served requests
+    assert rows_after[2] >= REQUESTS - failed  # vLLM's log reached the served requests
     assert len(sessions["r1"]) == 1 and len(sessions["r2"]) == 1  # one session per replica
     assert sessions["r1"] != sessions["r2"]

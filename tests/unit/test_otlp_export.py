@@ -44,7 +44,14 @@ def test_stored_requests_arrive_as_genai_spans_and_metrics_over_http(tmp_path: P
         sink.wait_for(lambda s: len(s.spans) == 2 and "gen_ai.client.token.usage" in s.metrics)
 
     spans = {s["attributes"]["servescope.request_id"]: s for s in sink.spans}
-    ok = spans[f"{RUN}-000001"]
+    check_the_answered_span(spans[f"{RUN}-000001"])
+    check_the_rejected_span(spans[f"{RUN}-000002"])
+    check_the_genai_metrics(sink.metrics)
+    assert "servescope_collector_export_spans_total 2.0" in generate_latest(registry).decode()
+
+
+def check_the_answered_span(ok: dict[str, Any]) -> None:
+    """A request answered: its own trace, its times, usage and phases in GenAI's words."""
     assert ok["name"] == "text_completion tiny"
     assert ok["trace_id"] == TRACE  # the request's own trace
     start = datetime.fromisoformat("2026-11-22T05:00:00.250000+00:00").timestamp()
@@ -69,13 +76,18 @@ def test_stored_requests_arrive_as_genai_spans_and_metrics_over_http(tmp_path: P
     assert a["servescope.team"] == "team-a"
     assert ok["status"] == 0  # unset
 
-    rejected = spans[f"{RUN}-000002"]["attributes"]
-    assert rejected["error.type"] == "rejected:queue_full"
-    assert rejected["http.response.status_code"] == 429
-    assert spans[f"{RUN}-000002"]["status"] == 2  # error
-    assert len(spans[f"{RUN}-000002"]["trace_id"]) == 32
 
-    m = sink.metrics
+def check_the_rejected_span(span: dict[str, Any]) -> None:
+    """A request the gateway refused: an error span with the error's class, a trace of its own."""
+    assert span["attributes"]["error.type"] == "rejected:queue_full"
+    assert span["attributes"]["http.response.status_code"] == 429
+    assert span["status"] == 2  # error
+    assert len(span["trace_id"]) == 32
+
+
+def check_the_genai_metrics(m: dict[str, Any]) -> None:
+    """The GenAI histograms: the conventions' buckets, TTFT of successes only, durations by error
+    class, tokens by type."""
     assert bounds(m["gen_ai.server.time_to_first_token"][-1]) == TTFT_BUCKETS
     assert bounds(m["gen_ai.server.time_per_output_token"][-1]) == TPOT_BUCKETS
     assert bounds(m["gen_ai.server.request.duration"][-1]) == DURATION_BUCKETS
@@ -97,7 +109,6 @@ def test_stored_requests_arrive_as_genai_spans_and_metrics_over_http(tmp_path: P
     }
     assert by_type == {"input": 1842, "output": 419}
     assert m["gen_ai.client.token.usage"][-1].unit == "{token}"
-    assert "servescope_collector_export_spans_total 2.0" in generate_latest(registry).decode()
 
 
 def test_vllm_legacy_span_keys_map_to_the_current_conventions() -> None:
