@@ -30,6 +30,7 @@ import numpy as np
 
 from servescope.reports import sql
 from servescope.reports.bootstrap import Draws, Floats, ratio_draws, total_draws
+from servescope.reports.sql import SliceParams
 
 POWER = "DCGM_FI_DEV_POWER_USAGE"
 ENERGY = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"
@@ -208,7 +209,7 @@ def gpu_numbers(
 
 
 def replica_energy(
-    con: duckdb.DuckDBPyConnection, params: dict[str, Any], urls: dict[str, str]
+    con: duckdb.DuckDBPyConnection, params: SliceParams, urls: dict[str, str]
 ) -> dict[str, dict[str, Any]]:
     """Per replica of a fleet slice (`params`: the slice's run and window): the energy of the
     GPUs its server session(s) used alone, over the slice's span (the first request's start

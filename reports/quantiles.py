@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
-from typing import Any
+from typing import TypedDict
 
 import duckdb
 import numpy as np
@@ -37,6 +37,7 @@ from numpy.typing import NDArray
 
 from servescope.reports import sql
 from servescope.reports.bootstrap import Floats
+from servescope.reports.sql import SliceParams
 
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 BUCKETS = 1 << 12  # per histogram pass (more: a bigger hash table costs more than the fetch saves)
@@ -127,9 +128,16 @@ class _Want:
     within: int  # rank among the group's gaps in the current range
 
 
+class Itl(TypedDict):
+    """A slice's (or a level's) pooled ITL: [p50, p90, p95, p99] (None: no gaps) and the mean."""
+
+    q: list[float | None] | None
+    mean: float | None
+
+
 def pooled_itl(
-    con: duckdb.DuckDBPyConnection, params: dict[str, Any], gaps: int, levels: list[int]
-) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    con: duckdb.DuckDBPyConnection, params: SliceParams, gaps: int, levels: list[int]
+) -> tuple[Itl, dict[int, Itl]]:
     """The pooled ITL of a slice with at most `gaps` gaps and these level keys (of its
     successful requests): {"q": [p50, p90, p95, p99] or None, "mean": …} overall and per
     level key."""
@@ -150,19 +158,19 @@ def pooled_itl(
             for rank in _ranks(n)
         ]
         _find(con, params, lo, hi, wants, found)
-    out = {}
+    out: dict[int | None, Itl] = {}
     for group, (n, _lo, _hi, mean) in groups.items():
         q = None
         if n:
             q = _quantiles(n, {r: found.get((group, r), math.nan) for r in _ranks(n)})
-        out[group] = {"q": q, "mean": mean}
-    overall = out.pop(OVERALL, {"q": None, "mean": None})
+        out[group] = Itl(q=q, mean=mean)
+    overall = out.pop(OVERALL, Itl(q=None, mean=None))
     return overall, {k: v for k, v in out.items() if k is not None}
 
 
 def _pooled_in_memory(
-    con: duckdb.DuckDBPyConnection, params: dict[str, Any], levels: list[int]
-) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    con: duckdb.DuckDBPyConnection, params: SliceParams, levels: list[int]
+) -> tuple[Itl, dict[int, Itl]]:
     """`pooled_itl` over the gaps fetched once with their level (NULL gaps left out; a level is
     there when its requests hold a gap, a NULL one too, as in an aggregate over the gaps). One
     slice at a time: a report's two sides would hold twice the memory."""
@@ -180,7 +188,7 @@ def _pooled_in_memory(
             gaps = np.require(fetched, dtype=np.float64, requirements="W")
             present = np.bincount(place, minlength=len(levels) + 1)
         del fetched
-        out: dict[int, dict[str, Any]] = {}
+        out: dict[int, Itl] = {}
         total: int | float = 0
         for i, key in enumerate(levels, 1):
             if not present[i]:
@@ -193,11 +201,11 @@ def _pooled_in_memory(
         return _itl(gaps, total), out
 
 
-def _itl(gaps: Floats, sum_: int | float) -> dict[str, Any]:
-    """{"q": [p50, p90, p95, p99] or None, "mean": …} of some gaps (partially sorted in place)."""
+def _itl(gaps: Floats, sum_: int | float) -> Itl:
+    """The quantiles and mean of some gaps (partially sorted in place)."""
     if not len(gaps):
-        return {"q": None, "mean": None}
-    return {"q": _order_quantiles(gaps), "mean": _mean(sum_, len(gaps))}
+        return Itl(q=None, mean=None)
+    return Itl(q=_order_quantiles(gaps), mean=_mean(sum_, len(gaps)))
 
 
 # Exact sums: a double is m·2^e with an integer m of 53 bits; per exponent, the mantissas'
@@ -242,7 +250,7 @@ def _mean(sum_: int | float, n: int) -> float:
 
 def _find(
     con: duckdb.DuckDBPyConnection,
-    params: dict[str, Any],
+    params: SliceParams,
     lo: float,
     hi: float,
     wants: list[_Want],

@@ -24,6 +24,7 @@ from servescope.reports import sql
 from servescope.reports.bootstrap import Floats, quantile
 from servescope.reports.document import OneChunkStreams
 from servescope.reports.quantiles import QUANTILES, by_level
+from servescope.reports.sql import SliceParams
 from servescope.reports.svg import cdf_series
 from servescope.store import reads
 from servescope.wire.slo import SLO_METRICS
@@ -55,8 +56,8 @@ class Slice:
     until: datetime | None = None
     label: str = ""
 
-    def params(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "since": self.since, "until": self.until}
+    def params(self) -> SliceParams:
+        return SliceParams(run_id=self.run_id, since=self.since, until=self.until)
 
     @property
     def name(self) -> str:

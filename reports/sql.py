@@ -10,6 +10,9 @@ session-run rule are the store's (`store.queries`), shared with its own run-scop
 
 from __future__ import annotations
 
+from datetime import datetime
+from typing import TypedDict
+
 from servescope.store.queries import (
     counter_deltas,
     counter_growth,
@@ -18,6 +21,15 @@ from servescope.store.queries import (
     session_run,
 )
 from servescope.wire.slo import SLO_METRICS
+
+
+class SliceParams(TypedDict):
+    """A slice as the `SLICE_*` statements bind it: `$run_id`, `$since`, `$until`."""
+
+    run_id: str
+    since: datetime | None
+    until: datetime | None
+
 
 # -- a slice ----------------------------------------------------------------------------------
 IN_WINDOW = """

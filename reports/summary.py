@@ -5,6 +5,7 @@ Every field with no data is None (null in JSON): a report never shows a 0 it did
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -29,10 +30,11 @@ from servescope.reports.document import (
     Team,
     Throughput,
 )
-from servescope.reports.quantiles import pooled_itl
+from servescope.reports.quantiles import Itl, pooled_itl
 from servescope.reports.samples import CLIENT, FIXED_SOURCES, SERVER, SERVER_FIGURES, Samples, Slice
 from servescope.reports.sequential import Plan
 from servescope.reports.specdecode import spec_decode
+from servescope.reports.sql import SliceParams
 from servescope.store import reads
 from servescope.store.clock import iso_or_none
 from servescope.store.reads import RunRow
@@ -114,7 +116,7 @@ def _level(row: dict[str, Any]) -> tuple[Any, Any, Any]:
 QUANTILES = ("p50", "p90", "p95", "p99")
 
 
-def _percentiles(q: list[float] | None, mean: float | None) -> Percentiles:
+def _percentiles(q: Sequence[float | None] | None, mean: float | None) -> Percentiles:
     """A list-quantile result ([p50, p90, p95, p99] or NULL) and the mean, by name."""
     p50, p90, p95, p99 = q or (None, None, None, None)
     return Percentiles(p50=p50, p90=p90, p95=p95, p99=p99, mean=mean)
@@ -122,7 +124,7 @@ def _percentiles(q: list[float] | None, mean: float | None) -> Percentiles:
 
 def _shape(
     row: dict[str, Any],
-    itl: dict[str, Any] | None,
+    itl: Itl | None,
     slo: dict[str, float],
     sources: dict[str, str],
     errors: dict[str, int],
@@ -144,7 +146,7 @@ def _shape(
         sources={**FIXED_SOURCES, **sources},
         ttft_ms=latency("ttft_ms"),
         tpot_ms=latency("tpot_ms"),
-        itl_ms=_percentiles((itl or {}).get("q"), (itl or {}).get("mean")),
+        itl_ms=_percentiles(itl["q"], itl["mean"]) if itl else _percentiles(None, None),
         e2e_ms=latency("e2e_ms"),
         queue_ms=latency("queue_ms"),
         prefill_ms=latency("prefill_ms"),
@@ -252,7 +254,7 @@ def _phase_means(deltas: dict[str, float | None]) -> PhaseMeans:
     )
 
 
-def _shape_of(con: duckdb.DuckDBPyConnection, params: dict[str, Any]) -> Shape:
+def _shape_of(con: duckdb.DuckDBPyConnection, params: SliceParams) -> Shape:
     """Token quantiles: what the workload looked like (t-digest estimates: a shape needs no
     exact rank, and a long-lived run's tokens are not held to sort them)."""
     row = reads.rows(con.execute(sql.SLICE_SHAPE, params))[0]
@@ -335,7 +337,7 @@ def summarize(
     )
 
 
-def _admission(con: duckdb.DuckDBPyConnection, params: dict[str, Any]) -> Admission:
+def _admission(con: duckdb.DuckDBPyConnection, params: SliceParams) -> Admission:
     """What admission control refused, by team and reason, and what each team got."""
     return Admission(
         rejections=[
