@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from servescope.loadgen.launcher import (
     ALWAYS_FLAGS,
@@ -50,6 +49,7 @@ from servescope.loadgen.launcher import (
     state_for,
 )
 from servescope.loadgen.rounds import Stopping
+from servescope.loadgen.runner import RunOptions
 from servescope.loadgen.sequence import (
     DEFAULT_REPEATS,
     Comparison,
@@ -348,12 +348,7 @@ class Experiment:
         self, run: ExperimentRun, previous: ExperimentRun | None, sidecar: Sidecar | None
     ) -> None:
         record_flips(self.store, self.spec.name, run, previous)
-        options: dict[str, Any] = {
-            "run_id": run.run_id,
-            "label": run.arm,
-            "slo": self.slo,
-            "notes": run.notes,
-        }
+        options = RunOptions(run_id=run.run_id, label=run.arm, slo=self.slo, notes=run.notes)
         run.result = self.execute(self.config, run.target, self.store, options)
         if sidecar is not None:
             sidecar.settle(run.run_id)

@@ -36,6 +36,7 @@ import yaml
 from servescope.loadgen.experiment import FLEET
 from servescope.loadgen.launcher import Levers, Profile, VllmServer, load_profiles
 from servescope.loadgen.rounds import Stopping
+from servescope.loadgen.runner import RunOptions
 from servescope.loadgen.sequence import (
     DEFAULT_REPEATS,
     Executor,
@@ -310,14 +311,14 @@ class FleetExperiment:
         try:
             run.target = gateway.url
             record_flips(self.store, self.spec.name, run, previous)
-            options: dict[str, Any] = {
-                "run_id": run.run_id,
-                "label": run.profile,
-                "slo": self.slo,
-                "levers": run.levers,
-                "replicas": {name: server.url for name, server in replicas.items()},
-                "notes": {**run.notes, "gateway_config": str(gateway.config_path)},
-            }
+            options = RunOptions(
+                run_id=run.run_id,
+                label=run.profile,
+                slo=self.slo,
+                levers=run.levers,
+                replicas={name: server.url for name, server in replicas.items()},
+                notes={**run.notes, "gateway_config": str(gateway.config_path)},
+            )
             run.result = self.execute(self.config, gateway.url, self.store, options)
             for sidecar in self._sidecars:
                 sidecar.settle(run.run_id)

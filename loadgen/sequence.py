@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from servescope.loadgen.launcher import Levers, VllmServer
 from servescope.loadgen.rounds import Look, Rounds, Stopping, round_arms
-from servescope.loadgen.runner import RunResult
+from servescope.loadgen.runner import RunOptions, RunResult
 from servescope.loadgen.spec import ExperimentError, ExperimentSpec
 from servescope.loadgen.workload import BenchConfig
 from servescope.store import Store
@@ -125,7 +125,7 @@ class ExperimentHooks:
 
 
 # (config, target, store, run options) -> the run's result
-Executor = Callable[[BenchConfig, str, Store, dict[str, Any]], RunResult]
+Executor = Callable[[BenchConfig, str, Store, RunOptions], RunResult]
 
 
 @dataclass

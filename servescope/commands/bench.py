@@ -121,16 +121,10 @@ def run_bench(args: argparse.Namespace) -> int:
         console.print(f"{exc}", style="red")
         return 2
     try:
-        result = execute(
-            config,
-            args.target,
-            open_store(args, create=True),
-            run_id=args.run_id,
-            model=args.model,
-            slo=slo,
-            label=args.label,
-            replicas=replicas,
+        options = RunOptions(
+            run_id=args.run_id, model=args.model, slo=slo, label=args.label, replicas=replicas
         )
+        result = execute(config, args.target, open_store(args, create=True), options)
     except TargetUnreachable as exc:
         console.print(f"{exc}", style="red")
         return 1
@@ -178,7 +172,7 @@ def report_result(result: RunResult) -> int:
     return 0 if result.status == "complete" else 1
 
 
-def execute(config: BenchConfig, target: str, store: Store, **kwargs: Any) -> RunResult:
+def execute(config: BenchConfig, target: str, store: Store, options: RunOptions) -> RunResult:
     """Run with a progress bar: one task for the run, one per workload level."""
     total = config.requests_total()
     with Progress(
@@ -205,7 +199,7 @@ def execute(config: BenchConfig, target: str, store: Store, **kwargs: Any) -> Ru
             config,
             target,
             store=store,
-            options=RunOptions(**kwargs),
+            options=options,
             progress=LevelProgress(on_level, on_request),
         )
         return asyncio.run(run.run())

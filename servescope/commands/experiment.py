@@ -7,7 +7,7 @@ import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from rich.text import Text
 
@@ -34,7 +34,7 @@ from servescope.loadgen.experiment import (
 from servescope.loadgen.fleet import FleetExperiment
 from servescope.loadgen.launcher import Profile, ProfileError, VllmServer, load_profiles
 from servescope.loadgen.rounds import Look, Stopping
-from servescope.loadgen.runner import RunResult
+from servescope.loadgen.runner import RunOptions, RunResult
 from servescope.loadgen.sidecar import CollectorSidecar
 from servescope.loadgen.tiny_model import KINDS, is_built, make_tiny_model, model_dir
 from servescope.loadgen.workload import BenchConfig, WorkloadError
@@ -396,8 +396,8 @@ def looked(done: int, look: Look) -> None:
         console.print(Text(f"look after {done} repeats a side: {line}", style="cyan"))
 
 
-def execute(config: BenchConfig, target: str, store: Store, options: dict[str, Any]) -> RunResult:
-    return bench.execute(config, target, store, **options)
+def execute(config: BenchConfig, target: str, store: Store, options: RunOptions) -> RunResult:
+    return bench.execute(config, target, store, options)
 
 
 def _notice(message: str, warning: bool = False) -> None:

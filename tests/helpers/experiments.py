@@ -16,7 +16,7 @@ from servescope.loadgen.launcher import (
     OBSERVATION_LEVERS,
     levers_of,
 )
-from servescope.loadgen.runner import RunResult
+from servescope.loadgen.runner import RunOptions, RunResult
 from servescope.reports.experiment import OUTCOME_INDICATORS
 from servescope.store import Store
 
@@ -128,11 +128,11 @@ class FakeBench:
 
     def __init__(self, store: Store, levers: dict[str, dict[str, Any]] | None = None) -> None:
         self.store = store
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.calls: list[tuple[str, RunOptions]] = []
         self.levers = levers or {}
 
-    def __call__(self, _config: Any, target: str, store: Store, options: dict[str, Any]) -> Any:
-        run_id, notes = options["run_id"], options["notes"]
+    def __call__(self, _config: Any, target: str, store: Store, options: RunOptions) -> Any:
+        run_id, notes = options.run_id, options.notes
         self.calls.append((target, options))
         position = len(self.calls)
         rng = random.Random(position)
@@ -164,7 +164,7 @@ class FakeBench:
         store.upsert_run(
             run_id,
             model="tiny",
-            label=options["label"],
+            label=options.label,
             target=target,
             levers=self.levers.get(notes["arm"], {}),
             notes=notes,

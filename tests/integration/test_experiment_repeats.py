@@ -45,7 +45,7 @@ from servescope.loadgen.launcher import (
     ProfileError,
     load_profiles,
 )
-from servescope.loadgen.runner import RunResult
+from servescope.loadgen.runner import RunOptions, RunResult
 from servescope.reports import build_summary
 from servescope.reports import experiment as experiment_reports
 from servescope.reports.experiment import (
@@ -706,8 +706,8 @@ def test_a_failed_pooled_report_is_a_line_not_a_traceback(
     runs = []
     for i, arm in enumerate(["x", "y", "y", "x"]):
         run = ExperimentRun(arm, 1 + i // 2, f"run-t-{arm}-r{1 + i // 2}", {}, "t")
-        bench(None, "t", store, {"run_id": run.run_id, "label": arm,
-                                  "notes": {"profile": arm, "arm": arm}})  # fmt: skip
+        bench(None, "t", store, RunOptions(run_id=run.run_id, label=arm,
+                                           notes={"profile": arm, "arm": arm}))  # fmt: skip
         run.result = RunResult(run.run_id, Path("unused"), events=40)
         runs.append(run)
     result = ExperimentResult("t", "exp-t", runs=runs, arms=["x", "y"])

@@ -91,7 +91,7 @@ def test_runs_grow_when_their_requests_make_most_of_their_noise(tmp_path: Path) 
     first = exp.config.workloads[0].requests_per_level
     result = exp.run()
     assert len(result.runs) == 8
-    sent = [options["notes"]["repeat"] for _target, options in bench.calls]
+    sent = [options.notes["repeat"] for _target, options in bench.calls]
     assert sent == [1, 1, 2, 2, 3, 3, 4, 4]
     assert exp.config.workloads[0].requests_per_level == first * MAX_GROWTH
     assert result.sizing is not None and "95 %" in result.sizing and "×4" in result.sizing
