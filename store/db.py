@@ -220,7 +220,7 @@ class Store:
         self, run_id: str, con: duckdb.DuckDBPyConnection | None = None, **fields: Any
     ) -> None:
         """Create or update a `runs` row; fields left out (or None) keep their stored value."""
-        params: dict[str, Any] = {
+        params: dict[str, object] = {
             name: None
             for name in (
                 "started_at",

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import duckdb
 import pyarrow as pa
@@ -68,7 +68,7 @@ from servescope.store.lakelayout import (
     storage_options,
     table_uri,
 )
-from servescope.store.lakeowed import Mark, Owed, changed_flips
+from servescope.store.lakeowed import Mark, Owed, OwedState, changed_flips
 
 if TYPE_CHECKING:
     from servescope.store.db import Store
@@ -80,6 +80,15 @@ log = logging.getLogger("servescope.lake")
 INTERVAL_S = 5.0
 HELD_ROWS = 250_000  # or sooner, once the flushes not yet written hold this many requests
 FRESH_ROWS = 10_000  # a flush of this many new requests and nothing else is read after its commit
+
+
+class LakeState(TypedDict, total=False):
+    """What a writer keeps in the store (its checkpoint's state): its name in the lake, the
+    last flush it committed, and what the lake is owed."""
+
+    sidecar: str
+    seq: int
+    owed: OwedState
 
 
 @dataclass
@@ -123,18 +132,28 @@ class LakeWriter:
         except (DeltaError, OSError) as exc:
             raise LakeUnavailable(brief(exc)) from exc
 
-    def _state_of(self, con: duckdb.DuckDBPyConnection | None) -> dict[str, Any]:
-        if con is None:
-            return checkpoints.state_of(checkpoints.load(self.store, self.source))
-        return checkpoints.state_of(checkpoints.rows_in(con, self.source))
+    def _state_of(self, con: duckdb.DuckDBPyConnection | None) -> LakeState:
+        """This writer's state as the store holds it (`con`'s transaction, or a read)."""
+        rows = (
+            checkpoints.load(self.store, self.source)
+            if con is None
+            else checkpoints.rows_in(con, self.source)
+        )
+        raw = checkpoints.state_of(rows)
+        state = LakeState(seq=int(raw.get("seq") or 0))
+        if raw.get("sidecar"):
+            state["sidecar"] = str(raw["sidecar"])
+        if raw.get("owed"):
+            state["owed"] = raw["owed"]  # as `_save` wrote it: an OwedState
+        return state
 
     def _name_sidecar(self) -> str:
         sidecar = new_sidecar_id()
         with self.store.write() as con:
-            self._save(con, {"sidecar": sidecar, "seq": 0})
+            self._save(con, LakeState(sidecar=sidecar, seq=0))
         return sidecar
 
-    def _save(self, con: duckdb.DuckDBPyConnection, state: dict[str, Any]) -> None:
+    def _save(self, con: duckdb.DuckDBPyConnection, state: LakeState) -> None:
         checkpoints.save(con, self.source, [{"file_key": checkpoints.STATE_KEY, "state": state}])
 
     # -- tables ----------------------------------------------------------------------------------
@@ -216,7 +235,7 @@ class LakeWriter:
             return None
         if self._owed is not None:
             owed = self._owed.then(owed)
-        self._save(con, {"sidecar": self.sidecar, "seq": owed.seq, "owed": owed.state()})
+        self._save(con, LakeState(sidecar=self.sidecar, seq=owed.seq, owed=owed.state()))
         return owed
 
     def _note_updates(self, con: duckdb.DuckDBPyConnection, mark: Mark, owed: Owed) -> None:

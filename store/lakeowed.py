@@ -5,8 +5,8 @@ the flush so that a crash never loses it; two unwritten flushes join into one wr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TypedDict
 
 import duckdb
 import pyarrow as pa
@@ -18,6 +18,20 @@ class Mark:
 
     rowids: dict[str, int]
     events: int
+
+
+class OwedState(TypedDict):
+    """An `Owed` as the store keeps it (JSON: pairs come back as lists, read by `from_state`)."""
+
+    seq: int
+    after: dict[str, int]
+    updated: list[tuple[str, str]]
+    moved: list[tuple[str, str]]
+    touched: list[str | None]
+    fresh: int
+    since: str | None
+    runs: list[str]
+    flips: list[tuple[str, str]]
 
 
 @dataclass
@@ -48,9 +62,13 @@ class Owed:
     flips: list[tuple[str, str]] = field(default_factory=list)
     held: pa.Table | None = field(default=None, repr=False, compare=False)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> OwedState:
         """What the store keeps (not the rows held in memory)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "held"}
+        return OwedState(
+            seq=self.seq, after=self.after, updated=self.updated, moved=self.moved,
+            touched=self.touched, fresh=self.fresh, since=self.since, runs=self.runs,
+            flips=self.flips,
+        )  # fmt: skip
 
     def then(self, later: Owed) -> Owed:
         """This unwritten flush and a later one as one write: the later flush's rows win where
@@ -82,7 +100,7 @@ class Owed:
         return self.held.num_rows if self.held is not None else 0
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Owed:
+    def from_state(cls, state: OwedState) -> Owed:
         return cls(
             seq=int(state["seq"]),
             after={k: int(v) for k, v in state.get("after", {}).items()},

@@ -27,10 +27,11 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
-from typing import Any
+
+import duckdb
 
 from servescope.store import queries
-from servescope.store.clock import iso_or_none, naive_utc, utcnow
+from servescope.store.clock import iso, iso_or_none, naive_utc, utcnow
 from servescope.store.db import Store
 
 RECENT = timedelta(hours=24)  # kept at full resolution
@@ -95,11 +96,11 @@ class Pruned:
     done: bool = True  # False: stopped at its time budget, the rest is for the next pass
     dry_run: bool = False
 
-    def as_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        for key in ("before", "downsample_from", "downsample_until"):
-            out[key] = iso_or_none(out[key])
-        return out
+    def as_json(self) -> dict[str, str | int | bool | None]:
+        """The result as `store prune --json` prints it: times as UTC ISO text."""
+        times = {"before": iso(self.before), "downsample_from": iso_or_none(self.downsample_from),
+                 "downsample_until": iso_or_none(self.downsample_until)}  # fmt: skip
+        return {**asdict(self), **times}
 
 
 def prune(
@@ -176,7 +177,9 @@ def sample_count(store: Store) -> int:
         return _count(con, queries.COUNT_SAMPLES, {})
 
 
-def _count(con: Any, sql: str, params: dict[str, Any], column: int = 0) -> int:
+def _count(
+    con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, datetime], column: int = 0
+) -> int:
     row = con.execute(sql, params).fetchone()
     return int(row[column]) if row and row[column] is not None else 0
 

@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 PROPAGATOR = TraceContextTextMapPropagator()
 _PROVIDERS: dict[str, TracerProvider] = {}
@@ -82,7 +83,7 @@ def start_request_span(
     name: str,
     *,
     kind: SpanKind,
-    attributes: dict[str, Any],
+    attributes: Mapping[str, AttributeValue],
     parent_headers: Mapping[str, str] | None = None,
     start_time: int | None = None,
 ) -> tuple[Span, dict[str, str]]:
@@ -97,8 +98,9 @@ def start_request_span(
     return span, carrier
 
 
-def genai_attributes(operation: str, model: Any, request_id: str) -> dict[str, Any]:
-    attrs: dict[str, Any] = {
+def genai_attributes(operation: str, model: object, request_id: str) -> dict[str, AttributeValue]:
+    """A request span's GenAI attributes (the model only when the request named one)."""
+    attrs: dict[str, AttributeValue] = {
         "gen_ai.operation.name": operation,
         "gen_ai.provider.name": "vllm",
         "servescope.request_id": request_id,
@@ -135,7 +137,11 @@ def end_request_span(span: Span, event: Mapping[str, Any]) -> None:
 
 
 def record_child_span(
-    tracer: Tracer, parent: Span, name: str, start_time: int, attributes: dict[str, Any]
+    tracer: Tracer,
+    parent: Span,
+    name: str,
+    start_time: int,
+    attributes: Mapping[str, AttributeValue],
 ) -> None:
     """A finished phase of a request (e.g. the gateway's admission wait), ending now."""
     span = tracer.start_span(
