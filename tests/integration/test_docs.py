@@ -53,6 +53,11 @@ DOTTED = re.compile(rf"{IDENT}(\.{IDENT})+")
 CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
 FENCE = re.compile(r"^(```|~~~)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+# A path of the checkout written in prose, outside code: it starts with one of its folders.
+PROSE_PATH = re.compile(
+    r"(?<![\w/.`-])((?:store|wire|collector|loadgen|gateway|reports|dashboards|servescope"
+    r"|benchmarks|tests|docs|compose)/[\w./-]*[\w/])"
+)
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,7 @@ class Mention:
     doc: Path
     line: int
     text: str
-    kind: str  # "span", "block" or "link"
+    kind: str  # "span", "block", "link" or "path" (in prose)
 
     def where(self) -> str:
         return f"{self.doc.relative_to(ROOT)}:{self.line}"
@@ -75,7 +80,8 @@ def docs() -> list[Path]:
 
 
 def mentions(doc: Path) -> Iterator[Mention]:
-    """Every code span, code block line (a `\\` continuation joined) and local link of `doc`."""
+    """Every code span, code block line (a `\\` continuation joined), local link and path in
+    prose of `doc`."""
     text = doc.read_text(encoding="utf-8")
     lines = text.split("\n")
     prose: list[str] = []
@@ -99,10 +105,13 @@ def mentions(doc: Path) -> Iterator[Mention]:
     for match in CODE_SPAN.finditer(body):
         line = body.count("\n", 0, match.start()) + 1
         yield Mention(doc, line, " ".join(match[2].split()), "span")
-    outside = CODE_SPAN.sub(lambda m: " " * len(m[0]), body)
+    outside = CODE_SPAN.sub(lambda m: re.sub(r"[^\n]", " ", m[0]), body)
     for match in LINK.finditer(outside):
         line = outside.count("\n", 0, match.start()) + 1
         yield Mention(doc, line, match[1], "link")
+    for match in PROSE_PATH.finditer(outside):
+        line = outside.count("\n", 0, match.start()) + 1
+        yield Mention(doc, line, match[1].rstrip("."), "path")
 
 
 # --- paths -----------------------------------------------------------------------------------
@@ -407,6 +416,10 @@ def problems(mention: Mention) -> Iterator[str]:
         if not link_exists(mention.text, mention.doc):
             yield f"link to a missing file: {mention.text}"
         return
+    if mention.kind == "path":
+        if not path_exists(mention.text, mention.doc):
+            yield f"no file or folder {mention.text}"
+        return
     words = command_words(mention.text)
     if words is not None and (problem := command_problem(words)):
         yield problem
@@ -455,6 +468,7 @@ def test_each_kind_of_reference_is_checked(tmp_path: Path) -> None:
         "`NO_SUCH_CONSTANT`",
         "`make no-such-target`",
         "[a link](no-such-file.md)",
+        "as reports/no_such_module.py says",
         "```sh\nservescope store runs --no-such-flag\n```",
     ]
     for text in made_up:
