@@ -31,6 +31,7 @@ from servescope.reports.document import (
     RepeatStates,
     Report,
     SideReport,
+    SpecDecodeDiff,
 )
 from servescope.reports.document import Design as RepeatsDesign
 from servescope.reports.indicators import BY_METRIC, Arm
@@ -167,7 +168,7 @@ class Comparison:
     power: Power | None
     cold_start: list[dict[str, Any]]
     replicas_diff: list[dict[str, Any]] | None
-    spec_decode: dict[str, Any] | None
+    spec_decode: SpecDecodeDiff | None
     warnings: list[str]
     flips: list[Flip]
     bootstrap: Bootstrap

@@ -326,7 +326,7 @@ def _server(report: Subject) -> Values:
     overall, server = report["overall"], report["server"]
     means = server["phase_means_ms"]
     hit = server["prefix_cache_hit_ratio"]
-    spec = server["spec_decode"] or {}
+    spec = server["spec_decode"]
     scraped = server["prefix_cache_queries"] is not None  # /metrics was read for the slice
     return {
         "queue_share_of_ttft": _phase_share(
@@ -340,9 +340,9 @@ def _server(report: Subject) -> Values:
         ),
         "prefix_cache_hit_ratio": hit if hit is not None else overall["cached_token_ratio"],
         "cached_token_ratio": overall["cached_token_ratio"],
-        "spec_draft_tokens": spec.get("draft_tokens") if spec else (0 if scraped else None),
-        "spec_acceptance_rate": spec.get("acceptance_rate"),
-        "spec_accepted_per_draft": spec.get("accepted_per_draft"),
+        "spec_draft_tokens": spec["draft_tokens"] if spec else (0 if scraped else None),
+        "spec_acceptance_rate": spec["acceptance_rate"] if spec else None,
+        "spec_accepted_per_draft": spec["accepted_per_draft"] if spec else None,
         "kv_cache_usage_peak": server["kv_cache_usage_peak"],
         "preemptions": server["preemptions"],
         "waiting_peak": server["waiting_peak"],

@@ -5,7 +5,7 @@ TypedDicts rather than classes because a report is a document: the templates, th
 every script that reads report.json index it by key, and a TypedDict is that dict at run time
 while a type checker holds each key to its type, and a builder that writes a key twice or leaves
 one out does not pass. A part another module fills with numbers of its own (the
-GPU, speculative decoding, the fleet's replicas, the cold start) is an open object here; its
+GPU, the fleet's replicas, the cold start) is an open object here; its
 module documents its keys. reports/schema.py publishes the schema (docs/report.schema.json).
 """
 
@@ -125,6 +125,35 @@ class PhaseMeans(TypedDict):
     e2e: float | None
 
 
+class AcceptedAt(TypedDict):
+    """Drafts accepted up to a position (reports/specdecode.py)."""
+
+    position: int
+    accepted: float
+    rate: float | None  # accepted at the position / drafts
+
+
+class SpecNumbers(TypedDict):
+    """Speculative decoding over a slice, from `/metrics` deltas (reports/specdecode.py)."""
+
+    drafts: float
+    draft_tokens: float | None
+    accepted_tokens: float | None
+    acceptance_rate: float | None  # accepted / draft tokens
+    accepted_per_draft: float | None  # accepted tokens / drafts
+    per_position: list[AcceptedAt]
+
+
+class SpecWorkload(SpecNumbers):
+    workload: str | None
+
+
+class SpecDecode(SpecNumbers):
+    """A slice's speculative decoding, overall and per workload; null without speculation."""
+
+    workloads: list[SpecWorkload]
+
+
 class Server(TypedDict):
     """The slice's scraped `/metrics`: counter growth and gauge peaks (null: not scraped)."""
 
@@ -138,7 +167,7 @@ class Server(TypedDict):
     running_peak: float | None
     waiting_peak: float | None
     phase_means_ms: PhaseMeans
-    spec_decode: dict[str, Any] | None  # reports/specdecode.py; null without speculation
+    spec_decode: SpecDecode | None
 
 
 class Rejection(TypedDict):
@@ -468,6 +497,37 @@ class Diagnosis(TypedDict):
     flip: NotRequired[list[FlipAssessment]]  # a diff's
 
 
+class SpecWorkloadDiff(TypedDict):
+    """One workload of a diff's speculative-decoding section: acceptance on each side next to
+    TPOT p50 (tested as the diff's rows are) and ITL p50."""
+
+    workload: str | None
+    acceptance_before: float | None
+    acceptance_after: float | None
+    accepted_per_draft_after: float | None
+    tpot_ms_p50_before: float | None
+    tpot_ms_p50_after: float | None
+    tpot_ms_p50_change_pct: float | None
+    tpot_ms_p50_ci95_pct: list[float] | None
+    tpot_verdict: str
+    itl_ms_p50_before: float | None
+    itl_ms_p50_after: float | None
+    itl_ms_p50_change_pct: float | None
+
+
+class SpecDecodeDiff(TypedDict):
+    """A diff's speculative decoding (reports/specdecode.py): null when neither side ran it."""
+
+    on_before: bool
+    on_after: bool
+    acceptance_before: float | None
+    acceptance_after: float | None
+    tpot: list[DiffRow]  # the diff's own TPOT rows
+    itl_ms_p50_before: float | None
+    itl_ms_p50_after: float | None
+    workloads: list[SpecWorkloadDiff]
+
+
 class Fleet(TypedDict):
     """A fleet run's replicas (reports/replicas.py): null for a run of one server."""
 
@@ -507,7 +567,7 @@ class Compared(TypedDict, total=False):
     repeat_states: RepeatStates
     power: Power | None
     replicas_diff: list[dict[str, Any]] | None
-    spec_decode: dict[str, Any] | None  # reports/specdecode.py; null without speculation
+    spec_decode: SpecDecodeDiff | None  # reports/specdecode.py; null without speculation
     bootstrap: Bootstrap
 
 

@@ -322,7 +322,7 @@ def outcome_rows(
 
 def _outcome_row(run: ArmRun, side: Numbers) -> OutcomeRow:
     overall, server = side["overall"], side["server"]
-    spec = server.get("spec_decode") or {}
+    spec = server["spec_decode"]
     probes = _probes(side["groups"])
     return OutcomeRow(
         run_id=run.run_id,
@@ -341,7 +341,7 @@ def _outcome_row(run: ArmRun, side: Numbers) -> OutcomeRow:
         server_prefix_cache_hit_ratio=server["prefix_cache_hit_ratio"],
         client_cached_token_ratio=overall["cached_token_ratio"],
         preemptions=server["preemptions"],
-        spec_decode_acceptance_rate=spec.get("acceptance_rate"),
+        spec_decode_acceptance_rate=spec["acceptance_rate"] if spec else None,
         speculative=run.speculative,
         server_ready_s=run.server_ready_s,
         repeat_state=run.repeat_state,

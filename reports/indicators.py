@@ -195,8 +195,8 @@ def _cached_token_ratio(side: Side, group: Level) -> tuple[float | None, Draws |
 
 
 def _acceptance_rate(side: Side, _group: Level) -> tuple[float | None, Draws | None]:
-    spec = side.summary["server"].get("spec_decode")
-    return (spec or {}).get("acceptance_rate"), None
+    spec = side.summary["server"]["spec_decode"]
+    return (spec["acceptance_rate"] if spec else None), None
 
 
 @dataclass(frozen=True)

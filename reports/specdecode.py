@@ -16,13 +16,24 @@ without speculation exports none of them, and the section is then None ("off"), 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TypedDict
 
 import duckdb
 import numpy as np
 
 from servescope.reports import bootstrap, sql
+from servescope.reports.document import (
+    AcceptedAt,
+    DiffRow,
+    Group,
+    SpecDecode,
+    SpecDecodeDiff,
+    SpecNumbers,
+    SpecWorkload,
+    SpecWorkloadDiff,
+    Summary,
+)
 from servescope.reports.samples import Slice
 from servescope.reports.verdict import (
     LOWER,
@@ -38,7 +49,10 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
-def shape(rows: list[tuple[str, str | None, float, int]]) -> dict[str, Any] | None:
+Row = tuple[str, str | None, float, int]  # (counter, position, delta, steps) of SLICE_SPEC_DECODE
+
+
+def shape(rows: list[Row]) -> SpecNumbers | None:
     """(name, position, delta, steps) rows into the report's numbers; None when the server
     exported no spec-decode counter (speculation off) or the samples measure no step of them."""
     totals: dict[str, float] = {}
@@ -55,61 +69,75 @@ def shape(rows: list[tuple[str, str | None, float, int]]) -> dict[str, Any] | No
     drafts = totals[DRAFTS]
     draft_tokens = totals.get(DRAFT_TOKENS)
     accepted = totals.get(ACCEPTED)
-    return {
-        "drafts": drafts,
-        "draft_tokens": draft_tokens,
-        "accepted_tokens": accepted,
-        "acceptance_rate": (
-            accepted / draft_tokens if accepted is not None and draft_tokens else None
-        ),
-        "accepted_per_draft": accepted / drafts if accepted is not None and drafts else None,
-        "per_position": [
-            {"position": p, "accepted": n, "rate": n / drafts if drafts else None}
+    return SpecNumbers(
+        drafts=drafts,
+        draft_tokens=draft_tokens,
+        accepted_tokens=accepted,
+        acceptance_rate=accepted / draft_tokens if accepted is not None and draft_tokens else None,
+        accepted_per_draft=accepted / drafts if accepted is not None and drafts else None,
+        per_position=[
+            AcceptedAt(position=p, accepted=n, rate=n / drafts if drafts else None)
             for p, n in sorted(positions.items())
         ],
-    }
+    )
 
 
-def spec_decode(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, Any] | None:
+def spec_decode(con: duckdb.DuckDBPyConnection, part: Slice) -> SpecDecode | None:
     """The slice's speculative-decoding numbers, overall and per workload (None: not on)."""
     params = part.params()
     overall = shape(con.execute(sql.SLICE_SPEC_DECODE, params).fetchall())
     if overall is None:
         return None
-    by_workload: dict[str, list[tuple[str, str | None, float, int]]] = {}
-    for workload, *row in con.execute(sql.SLICE_SPEC_DECODE_BY_WORKLOAD, params).fetchall():
-        by_workload.setdefault(workload, []).append(tuple(row))
+    by_workload: dict[str | None, list[Row]] = {}
+    for workload, name, position, delta, steps in con.execute(
+        sql.SLICE_SPEC_DECODE_BY_WORKLOAD, params
+    ).fetchall():
+        by_workload.setdefault(workload, []).append((name, position, delta, steps))
     workloads = [
-        {"workload": name, **numbers}
+        SpecWorkload(workload=name, **numbers)
         for name, rows in by_workload.items()
         if (numbers := shape(rows)) is not None
     ]
-    return {**overall, "workloads": workloads}
+    return SpecDecode(**overall, workloads=workloads)
 
 
-def _p(group: dict[str, Any] | None, metric: str, q: str) -> float | None:
-    return None if group is None else group[metric][q]
+def _itl_p50(group: Group | None) -> float | None:
+    return None if group is None else group["itl_ms"]["p50"]
 
 
 def _change(before: float | None, after: float | None) -> float | None:
     return (after - before) / before * 100.0 if before and after is not None else None
 
 
-def _by_workload(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def _by_workload(summary: Summary) -> dict[str | None, Group]:
     """Each workload's latency group (the first level of it: speculation runs at one level)."""
-    groups: dict[str, dict[str, Any]] = {}
+    groups: dict[str | None, Group] = {}
     for group in summary["groups"]:
         groups.setdefault(group["workload"], group)
     return groups
 
 
-def _tpots(con: duckdb.DuckDBPyConnection, part: Slice, source: str) -> dict[str, np.ndarray]:
+def _tpots(
+    con: duckdb.DuckDBPyConnection, part: Slice, source: str
+) -> dict[str | None, np.ndarray]:
     figure = "server_tpot_ms" if source == "server" else "tpot_ms"
     rows = con.execute(sql.SLICE_WORKLOAD_TPOT[figure], part.params()).fetchall()
     return {name: np.asarray(values, dtype=np.float64) for name, values in rows}
 
 
-def _tpot_test(before: np.ndarray | None, after: np.ndarray | None, seed: int, key: str) -> dict:
+class TpotTest(TypedDict):
+    """TPOT p50 of one workload on both sides, tested as the diff's rows are."""
+
+    tpot_ms_p50_before: float | None
+    tpot_ms_p50_after: float | None
+    tpot_ms_p50_change_pct: float | None
+    tpot_ms_p50_ci95_pct: list[float] | None
+    tpot_verdict: str
+
+
+def _tpot_test(
+    before: np.ndarray | None, after: np.ndarray | None, seed: int, key: str
+) -> TpotTest:
     """TPOT p50 of one workload on both sides, with the diff's bootstrap interval and verdict."""
     b = bootstrap.quantile(before, 0.5) if before is not None else None
     a = bootstrap.quantile(after, 0.5) if after is not None else None
@@ -126,61 +154,61 @@ def _tpot_test(before: np.ndarray | None, after: np.ndarray | None, seed: int, k
         verdict = NOT_MEASURED
     elif min(len(before), len(after)) * 0.5 < MIN_TAIL_SAMPLES:
         verdict = TOO_FEW
-    return {
-        "tpot_ms_p50_before": b,
-        "tpot_ms_p50_after": a,
-        "tpot_ms_p50_change_pct": _change(b, a),
-        "tpot_ms_p50_ci95_pct": list(ci_pct) if ci_pct else None,
-        "tpot_verdict": verdict,
-    }
+    return TpotTest(
+        tpot_ms_p50_before=b,
+        tpot_ms_p50_after=a,
+        tpot_ms_p50_change_pct=_change(b, a),
+        tpot_ms_p50_ci95_pct=list(ci_pct) if ci_pct else None,
+        tpot_verdict=verdict,
+    )
 
 
 def spec_diff(
     con: duckdb.DuckDBPyConnection,
     parts: tuple[Slice, Slice],
-    summaries: tuple[Mapping[str, Any], Mapping[str, Any]],
-    rows: Sequence[Mapping[str, Any]],
+    summaries: tuple[Summary, Summary],
+    rows: Sequence[DiffRow],
     seed: int,
-) -> dict[str, Any] | None:
+) -> SpecDecodeDiff | None:
     """The diff's speculative-decoding section: per workload the acceptance on each side next
     to TPOT p50 (with a bootstrap interval and verdict, as the diff's rows) and ITL p50; overall,
     the diff's own TPOT rows. None when neither side ran with speculation."""
     before, after = summaries
-    b_spec, a_spec = before["server"].get("spec_decode"), after["server"].get("spec_decode")
+    b_spec, a_spec = before["server"]["spec_decode"], after["server"]["spec_decode"]
     if b_spec is None and a_spec is None:
         return None
     by_metric = {r["metric"]: r for r in rows}
     b_groups, a_groups = _by_workload(before), _by_workload(after)
     source = before["overall"]["sources"]["tpot_ms"]  # the diff's TPOT source, both sides
     b_tpot, a_tpot = _tpots(con, parts[0], source), _tpots(con, parts[1], source)
-    b_accept = {w["workload"]: w for w in (b_spec or {}).get("workloads", [])}
-    a_accept = {w["workload"]: w for w in (a_spec or {}).get("workloads", [])}
+    b_accept = {w["workload"]: w for w in b_spec["workloads"]} if b_spec else {}
+    a_accept = {w["workload"]: w for w in a_spec["workloads"]} if a_spec else {}
     workloads = []
     for name in [*a_groups, *(n for n in b_groups if n not in a_groups)]:
-        b_group, a_group = b_groups.get(name), a_groups.get(name)
-        itl_b, itl_a = _p(b_group, "itl_ms", "p50"), _p(a_group, "itl_ms", "p50")
+        itl_b, itl_a = _itl_p50(b_groups.get(name)), _itl_p50(a_groups.get(name))
+        b_w, a_w = b_accept.get(name), a_accept.get(name)
         workloads.append(
-            {
-                "workload": name,
-                "acceptance_before": (b_accept.get(name) or {}).get("acceptance_rate"),
-                "acceptance_after": (a_accept.get(name) or {}).get("acceptance_rate"),
-                "accepted_per_draft_after": (a_accept.get(name) or {}).get("accepted_per_draft"),
+            SpecWorkloadDiff(
+                workload=name,
+                acceptance_before=b_w["acceptance_rate"] if b_w else None,
+                acceptance_after=a_w["acceptance_rate"] if a_w else None,
+                accepted_per_draft_after=a_w["accepted_per_draft"] if a_w else None,
                 **_tpot_test(b_tpot.get(name), a_tpot.get(name), seed, f"spec.tpot.{name}"),
-                "itl_ms_p50_before": itl_b,
-                "itl_ms_p50_after": itl_a,
-                "itl_ms_p50_change_pct": _change(itl_b, itl_a),
-            }
+                itl_ms_p50_before=itl_b,
+                itl_ms_p50_after=itl_a,
+                itl_ms_p50_change_pct=_change(itl_b, itl_a),
+            )
         )
-    return {
-        "on_before": b_spec is not None,
-        "on_after": a_spec is not None,
-        "acceptance_before": (b_spec or {}).get("acceptance_rate"),
-        "acceptance_after": (a_spec or {}).get("acceptance_rate"),
-        "tpot": [by_metric[m] for m in ("tpot_ms.p50", "tpot_ms.p95") if m in by_metric],
-        "itl_ms_p50_before": before["overall"]["itl_ms"]["p50"],
-        "itl_ms_p50_after": after["overall"]["itl_ms"]["p50"],
-        "workloads": workloads,
-    }
+    return SpecDecodeDiff(
+        on_before=b_spec is not None,
+        on_after=a_spec is not None,
+        acceptance_before=b_spec["acceptance_rate"] if b_spec else None,
+        acceptance_after=a_spec["acceptance_rate"] if a_spec else None,
+        tpot=[by_metric[m] for m in ("tpot_ms.p50", "tpot_ms.p95") if m in by_metric],
+        itl_ms_p50_before=before["overall"]["itl_ms"]["p50"],
+        itl_ms_p50_after=after["overall"]["itl_ms"]["p50"],
+        workloads=workloads,
+    )
 
 
 def _pct(value: float) -> str:
@@ -199,7 +227,7 @@ def _tpot_change(before: float | None, after: float | None, pct: float | None) -
     return "n/a"
 
 
-def headline_part(section: dict[str, Any] | None, rows: Sequence[Mapping[str, Any]]) -> str | None:
+def headline_part(section: SpecDecodeDiff | None, rows: Sequence[DiffRow]) -> str | None:
     """E.g. "TPOT p50 −31 % [improved], draft acceptance off → 62 %" for the headline."""
     if section is None:
         return None
