@@ -52,7 +52,6 @@ from servescope.loadgen.rounds import Stopping
 from servescope.loadgen.runner import RunOptions
 from servescope.loadgen.sequence import (
     DEFAULT_REPEATS,
-    Comparison,
     Executor,
     ExperimentHooks,
     ExperimentResult,
@@ -60,8 +59,6 @@ from servescope.loadgen.sequence import (
     RunFailed,
     Sidecar,
     fixed_or_sequential,
-    interleaved,
-    lever_flips,
     order_letters,
     record_flips,
     run_notes,
@@ -71,13 +68,10 @@ from servescope.loadgen.servers import (
     DEV_MODE,
     SLEEP_FLAGS,
     STATE_FRESH,
-    STATE_REFUSED,
     STATE_RESET,
     STATE_WARM,
     STATE_WOKEN,
     ResetUnavailable,
-    SleepFailed,
-    is_sleeping,
     reset_prefix_cache,
     set_sleeping,
     start_together,
@@ -85,39 +79,9 @@ from servescope.loadgen.servers import (
 from servescope.loadgen.spec import (
     ExperimentError,
     ExperimentSpec,
-    arm_names,
     check_profiles,
-    load_experiments,
-    read_experiments_file,
 )
 from servescope.store import Store, settings
-
-# what other modules imported from here before the experiment was split; they move to the
-# modules named above
-__all__ = [
-    "Comparison",
-    "Experiment",
-    "ExperimentError",
-    "ExperimentHooks",
-    "ExperimentResult",
-    "ExperimentRun",
-    "ExperimentSpec",
-    "SleepFailed",
-    "STATE_FRESH",
-    "STATE_REFUSED",
-    "STATE_RESET",
-    "STATE_WARM",
-    "STATE_WOKEN",
-    "arm_names",
-    "interleaved",
-    "is_sleeping",
-    "lever_flips",
-    "load_experiments",
-    "order_letters",
-    "read_experiments_file",
-    "reset_prefix_cache",
-    "set_sleeping",
-]
 
 # notes["repeat_design"]: how the experiment sequenced servers and rounds
 KEPT_UP = "servers kept up: one server per arm, all up at once, rounds alternated"

@@ -18,8 +18,9 @@ from rich.text import Text
 from servescope.commands import experiment
 from servescope.commands.common import console, open_store, sigterm_as_ctrl_c, store_command
 from servescope.dashboards import build as build_dashboards
-from servescope.loadgen.experiment import Experiment, load_experiments
+from servescope.loadgen.experiment import Experiment
 from servescope.loadgen.rounds import Stopping
+from servescope.loadgen.spec import load_experiments
 from servescope.loadgen.tiny_model import is_built, make_tiny_model, model_dir
 from servescope.reports.sequential import FIRST_LOOK, MARGIN_PCT, MAX_REPEATS
 from servescope.store import settings

@@ -20,22 +20,20 @@ from servescope.commands.common import (
     sigterm_as_ctrl_c,
     store_command,
 )
-from servescope.loadgen.experiment import (
-    Comparison,
-    Experiment,
-    ExperimentError,
-    ExperimentHooks,
-    ExperimentResult,
-    ExperimentRun,
-    ExperimentSpec,
-    load_experiments,
-    order_letters,
-)
+from servescope.loadgen.experiment import Experiment
 from servescope.loadgen.fleet import FleetExperiment
 from servescope.loadgen.launcher import Profile, ProfileError, VllmServer, load_profiles
 from servescope.loadgen.rounds import Look, Stopping
 from servescope.loadgen.runner import RunOptions, RunResult
+from servescope.loadgen.sequence import (
+    Comparison,
+    ExperimentHooks,
+    ExperimentResult,
+    ExperimentRun,
+    order_letters,
+)
 from servescope.loadgen.sidecar import CollectorSidecar
+from servescope.loadgen.spec import ExperimentError, ExperimentSpec, load_experiments
 from servescope.loadgen.tiny_model import KINDS, is_built, make_tiny_model, model_dir
 from servescope.loadgen.workload import BenchConfig, WorkloadError
 from servescope.reports import sequential

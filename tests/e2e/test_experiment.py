@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from servescope.loadgen.experiment import KEPT_UP, STATE_RESET
+from servescope.loadgen.experiment import KEPT_UP
+from servescope.loadgen.servers import STATE_RESET
 from servescope.reports.experiment import OUTCOME_INDICATORS
 from servescope.store import Store, settings
 from tests.helpers.cli import servescope

@@ -16,36 +16,36 @@ from rich.console import Console
 from servescope.cli import main
 from servescope.commands import experiment as command
 from servescope.loadgen import experiment as loadgen_experiment
-from servescope.loadgen.experiment import (
-    FRESH,
-    KEPT_UP,
-    SLEEP,
-    STATE_FRESH,
-    STATE_REFUSED,
-    STATE_RESET,
-    STATE_WARM,
-    STATE_WOKEN,
-    TARGETS,
-    Experiment,
-    ExperimentError,
-    ExperimentHooks,
-    ExperimentResult,
-    ExperimentRun,
-    SleepFailed,
-    arm_names,
-    interleaved,
-    is_sleeping,
-    load_experiments,
-    order_letters,
-    read_experiments_file,
-    reset_prefix_cache,
-    set_sleeping,
-)
+from servescope.loadgen.experiment import FRESH, KEPT_UP, SLEEP, TARGETS, Experiment
 from servescope.loadgen.launcher import (
     ProfileError,
     load_profiles,
 )
 from servescope.loadgen.runner import RunOptions, RunResult
+from servescope.loadgen.sequence import (
+    ExperimentHooks,
+    ExperimentResult,
+    ExperimentRun,
+    interleaved,
+    order_letters,
+)
+from servescope.loadgen.servers import (
+    STATE_FRESH,
+    STATE_REFUSED,
+    STATE_RESET,
+    STATE_WARM,
+    STATE_WOKEN,
+    SleepFailed,
+    is_sleeping,
+    reset_prefix_cache,
+    set_sleeping,
+)
+from servescope.loadgen.spec import (
+    ExperimentError,
+    arm_names,
+    load_experiments,
+    read_experiments_file,
+)
 from servescope.reports import build_summary
 from servescope.reports import experiment as experiment_reports
 from servescope.reports.experiment import (

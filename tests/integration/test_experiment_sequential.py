@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 from servescope.commands import experiment as command
-from servescope.loadgen.experiment import Experiment, ExperimentHooks, load_experiments
+from servescope.loadgen.experiment import Experiment
 from servescope.loadgen.rounds import MAX_GROWTH, Look, Stopping
+from servescope.loadgen.sequence import ExperimentHooks
+from servescope.loadgen.spec import load_experiments
 from servescope.reports import build_diff
 from servescope.store import Store
 from tests.helpers.experiments import FakeBench

@@ -7,7 +7,6 @@ import statistics
 import pytest
 import yaml
 
-from servescope.loadgen.experiment import lever_flips, load_experiments
 from servescope.loadgen.launcher import load_profiles
 from servescope.loadgen.plan import (
     open_loop_units,
@@ -17,6 +16,8 @@ from servescope.loadgen.plan import (
     warmup_units,
 )
 from servescope.loadgen.record import meets_slo
+from servescope.loadgen.sequence import lever_flips
+from servescope.loadgen.spec import load_experiments
 from servescope.loadgen.workload import WorkloadError, load_config, parse_config, shipped
 from servescope.wire.routing import ROUTING_POLICIES
 from servescope.wire.slo import parse_slo

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from servescope.loadgen import fleet
-from servescope.loadgen.experiment import ExperimentError, read_experiments_file
 from servescope.loadgen.launcher import load_profiles
+from servescope.loadgen.spec import ExperimentError, read_experiments_file
 from servescope.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
