@@ -412,14 +412,25 @@ def symbol_problem(span: str) -> str | None:
 
 
 def problems(mention: Mention) -> Iterator[str]:
+    """What is wrong with what `mention` names, one line each."""
     if mention.kind == "link":
         if not link_exists(mention.text, mention.doc):
             yield f"link to a missing file: {mention.text}"
-        return
-    if mention.kind == "path":
+    elif mention.kind == "path":
         if not path_exists(mention.text, mention.doc):
             yield f"no file or folder {mention.text}"
-        return
+    else:
+        yield from command_problems(mention)
+        if mention.kind == "span":
+            yield from span_problems(mention.text)
+        tokens = mention.text.split()
+        for token in tokens:
+            if is_path(token, alone=len(tokens) == 1) and not path_exists(token, mention.doc):
+                yield f"no file or folder {token}"
+
+
+def command_problems(mention: Mention) -> Iterator[str]:
+    """A servescope command line's, a benchmark script's, a make target's."""
     words = command_words(mention.text)
     if words is not None and (problem := command_problem(words)):
         yield problem
@@ -428,17 +439,16 @@ def problems(mention: Mention) -> Iterator[str]:
         for target in mention.text.split("#", 1)[0].split()[1:]:
             if re.fullmatch(r"[\w-]+", target) and target not in make_targets():
                 yield f"no make target {target}"
-    if mention.kind == "span":
-        if re.fullmatch(r"--[\w-]+", flag := mention.text.split("=", 1)[0].split(" ", 1)[0]):
-            known = every_flag() | benchmark_flags() | NOT_OURS
-            if words is None and flag not in known:
-                yield f"no flag {flag} in any servescope command"
-        if problem := symbol_problem(mention.text):
-            yield problem
-    tokens = mention.text.split()
-    for token in tokens:
-        if is_path(token, alone=len(tokens) == 1) and not path_exists(token, mention.doc):
-            yield f"no file or folder {token}"
+
+
+def span_problems(text: str) -> Iterator[str]:
+    """A code span's own: a flag named alone (`--lake`), a Python symbol."""
+    flag = text.split("=", 1)[0].split(" ", 1)[0]
+    known = every_flag() | benchmark_flags() | NOT_OURS
+    if re.fullmatch(r"--[\w-]+", flag) and command_words(text) is None and flag not in known:
+        yield f"no flag {flag} in any servescope command"
+    if problem := symbol_problem(text):
+        yield problem
 
 
 def bad_references() -> list[str]:
