@@ -171,6 +171,33 @@ def sequential(trials: int, plan: Plan) -> list[dict[str, Any]]:
     return figures
 
 
+def print_sequential(trials: int, max_repeats: int, as_json: bool) -> int:
+    """`--sequential`: the stopping rule's calibration, one line per kind of experiment."""
+    rows = sequential(trials, Plan(last=max_repeats))
+    if as_json:
+        print(json.dumps(rows))
+        return 0
+    for r in rows:
+        shares = ", ".join(f"{k} {v:.1%}" for k, v in r["verdicts"].items())
+        seen = r["any_row_verdict"]
+        anyrow = f"; any row {seen:.1%}" if seen is not None else ""
+        print(f"{r['comparisons']:<11} n={r['n']}: {shares}{anyrow}; "
+              f"mean {r['mean_repeats']:.1f} repeats a side")  # fmt: skip
+    return 0
+
+
+def print_methods(trials: int, as_json: bool) -> int:
+    """`--methods`: the candidate tests' rates of verdicts, one line per method and case."""
+    rows = compare_methods(trials)
+    if as_json:
+        print(json.dumps(rows))
+        return 0
+    for r in rows:
+        kind = "A/A" if r["effect"] == 1.0 else "−25 %"
+        print(f"n={r['requests']:<5} σ={r['sigma']:<4} {kind:<6} {r['rate']:>5.1%}  {r['method']}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--comparisons", type=int, default=60, help="A/A comparisons")
@@ -196,28 +223,9 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.sequential:
-        rows = sequential(args.sequential, Plan(last=args.max_repeats))
-        if args.json:
-            print(json.dumps(rows))
-            return 0
-        for r in rows:
-            shares = ", ".join(f"{k} {v:.1%}" for k, v in r["verdicts"].items())
-            seen = r["any_row_verdict"]
-            anyrow = f"; any row {seen:.1%}" if seen is not None else ""
-            print(f"{r['comparisons']:<11} n={r['n']}: {shares}{anyrow}; "
-                  f"mean {r['mean_repeats']:.1f} repeats a side")  # fmt: skip
-        return 0
+        return print_sequential(args.sequential, args.max_repeats, args.json)
     if args.methods:
-        rows = compare_methods(args.methods)
-        if args.json:
-            print(json.dumps(rows))
-            return 0
-        for r in rows:
-            kind = "A/A" if r["effect"] == 1.0 else "−25 %"
-            print(
-                f"n={r['requests']:<5} σ={r['sigma']:<4} {kind:<6} {r['rate']:>5.1%}  {r['method']}"
-            )
-        return 0
+        return print_methods(args.methods, args.json)
     started = time.perf_counter()
     designs = ["3 repeats a side", "5 repeats a side", "one run, corrected",
                "one run, uncorrected"]  # fmt: skip

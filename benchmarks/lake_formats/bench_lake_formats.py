@@ -826,152 +826,180 @@ def reader_cell(r: dict[str, Any]) -> str:
 
 
 def render(out: dict[str, Any]) -> str:
-    fm = out["formats"]
     parts = [f"{out['date']}  {out['machine']}  rows={out['rows']} trickle={out['trickle']}"]
-    if "a" in out:
-        rows = []
-        for x in fm:
-            a = out["a"][x]
-            rows.append(
-                [
-                    x,
-                    a["kills"],
-                    a.get("readable"),
-                    a.get("lost"),
-                    a.get("duplicated"),
-                    a.get("unreferenced_files"),
-                    a.get("writer_errors"),
-                    a.get("commits_per_s"),
-                    ",".join(a.get("writer_error_kinds", [])),
-                ]
-            )
-        parts.append(
-            table(
-                "a. 3 writers, writer 0 SIGKILLed and restarted",
-                [
-                    "format",
-                    "kills",
-                    "readable",
-                    "lost",
-                    "dup",
-                    "orphans",
-                    "errors",
-                    "commit/s",
-                    "error kinds",
-                ],
-                rows,
-            )
-        )
-        if "ducklake" in out["a"]:
-            parts.append(
-                "   DuckLake, DuckDB-file catalog, 2nd process: "
-                + out["a"]["ducklake"]["duckdb_file_catalog_second_process"]
-            )
-    if "b" in out:
-        rows = []
-        for x in fm:
-            b = out["b"][x]
-            rows.append(
-                [
-                    x,
-                    b.get("merge_5k_into_100k_s"),
-                    b.get("merge_correct"),
-                    b.get("files_after_merge"),
-                ]
-            )
-        parts.append(
-            table(
-                "b. merge 4k updates + 1k new into 100k", ["format", "s", "correct", "files"], rows
-            )
-        )
-        rows = []
-        for x in fm:
-            for key, v in out["b"][x].items():
-                if key.startswith("concurrent"):
-                    rows.append(
-                        [
-                            x,
-                            key.removeprefix("concurrent "),
-                            v["merges_ok"],
-                            v["merges_failed"],
-                            v["merges_unfinished_at_deadline"],
-                            v["merge_s_max"],
-                            v["appends_ok"],
-                            v["appends_failed"],
-                            v["duplicates"],
-                            (v["merge_error"] or v["append_error"] or "")[:80],
-                        ]
-                    )
-        parts.append(
-            table(
-                "b. 5 merges into run-0 while another process appends",
-                [
-                    "format",
-                    "case",
-                    "merge ok",
-                    "merge fail",
-                    "unfinished",
-                    "max s",
-                    "appends",
-                    "app fail",
-                    "dup",
-                    "first error",
-                ],
-                rows,
-            )
-        )
-    if "c" in out:
-        rows = []
-        for x in out["c"]:
-            c = out["c"][x]
-            for when in ("before", "after"):
-                if when not in c:
-                    continue
-                for rd, r in c[when]["read"].items():
-                    rows.append(
-                        [
-                            x,
-                            when,
-                            c["commits_per_s"],
-                            c.get("compact_s", "-"),
-                            c[when]["live_files"],
-                            c[when]["disk_files"],
-                            rd,
-                            reader_cell(r),
-                        ]
-                    )
-            if "compact_error" in c:
-                rows.append([x, "compact", "", "", "", "", "", c["compact_error"][:80]])
-        parts.append(
-            table(
-                f"c. {out['trickle']} commits of {BATCH} rows, compaction",
-                [
-                    "format",
-                    "when",
-                    "commit/s",
-                    "compact s",
-                    "live",
-                    "disk",
-                    "reader",
-                    "report query",
-                ],
-                rows,
-            )
-        )
-    if "d" in out:
-        rows = []
-        for x in fm:
-            d = out["d"][x]
-            for rd, r in d["read"].items():
-                rows.append([x, d["rows_per_s"], d["live_files"], rd, reader_cell(r)])
-        parts.append(
-            table(
-                f"d/e. ingest {out['rows']} rows in 50k commits; report query",
-                ["format", "rows/s", "files", "reader", "report query"],
-                rows,
-            )
-        )
+    for criterion, render_one in (
+        ("a", render_a),
+        ("b", render_b),
+        ("c", render_c),
+        ("d", render_d),
+    ):
+        if criterion in out:
+            parts.extend(render_one(out))
     return "\n\n".join(parts)
+
+
+def render_a(out: dict[str, Any]) -> list[str]:
+    """Criterion a: three writers, one SIGKILLed and restarted, what each format kept."""
+    fm = out["formats"]
+    parts: list[str] = []
+    rows = []
+    for x in fm:
+        a = out["a"][x]
+        rows.append(
+            [
+                x,
+                a["kills"],
+                a.get("readable"),
+                a.get("lost"),
+                a.get("duplicated"),
+                a.get("unreferenced_files"),
+                a.get("writer_errors"),
+                a.get("commits_per_s"),
+                ",".join(a.get("writer_error_kinds", [])),
+            ]
+        )
+    parts.append(
+        table(
+            "a. 3 writers, writer 0 SIGKILLed and restarted",
+            [
+                "format",
+                "kills",
+                "readable",
+                "lost",
+                "dup",
+                "orphans",
+                "errors",
+                "commit/s",
+                "error kinds",
+            ],
+            rows,
+        )
+    )
+    if "ducklake" in out["a"]:
+        parts.append(
+            "   DuckLake, DuckDB-file catalog, 2nd process: "
+            + out["a"]["ducklake"]["duckdb_file_catalog_second_process"]
+        )
+    return parts
+
+
+def render_b(out: dict[str, Any]) -> list[str]:
+    """Criterion b: a merge into 100k rows, then merges racing an appending process."""
+    fm = out["formats"]
+    parts: list[str] = []
+    rows = []
+    for x in fm:
+        b = out["b"][x]
+        rows.append(
+            [
+                x,
+                b.get("merge_5k_into_100k_s"),
+                b.get("merge_correct"),
+                b.get("files_after_merge"),
+            ]
+        )
+    parts.append(
+        table("b. merge 4k updates + 1k new into 100k", ["format", "s", "correct", "files"], rows)
+    )
+    rows = []
+    for x in fm:
+        for key, v in out["b"][x].items():
+            if key.startswith("concurrent"):
+                rows.append(
+                    [
+                        x,
+                        key.removeprefix("concurrent "),
+                        v["merges_ok"],
+                        v["merges_failed"],
+                        v["merges_unfinished_at_deadline"],
+                        v["merge_s_max"],
+                        v["appends_ok"],
+                        v["appends_failed"],
+                        v["duplicates"],
+                        (v["merge_error"] or v["append_error"] or "")[:80],
+                    ]
+                )
+    parts.append(
+        table(
+            "b. 5 merges into run-0 while another process appends",
+            [
+                "format",
+                "case",
+                "merge ok",
+                "merge fail",
+                "unfinished",
+                "max s",
+                "appends",
+                "app fail",
+                "dup",
+                "first error",
+            ],
+            rows,
+        )
+    )
+    return parts
+
+
+def render_c(out: dict[str, Any]) -> list[str]:
+    """Criterion c: a trickle of small commits, before and after compaction."""
+    parts: list[str] = []
+    rows = []
+    for x in out["c"]:
+        c = out["c"][x]
+        for when in ("before", "after"):
+            if when not in c:
+                continue
+            for rd, r in c[when]["read"].items():
+                rows.append(
+                    [
+                        x,
+                        when,
+                        c["commits_per_s"],
+                        c.get("compact_s", "-"),
+                        c[when]["live_files"],
+                        c[when]["disk_files"],
+                        rd,
+                        reader_cell(r),
+                    ]
+                )
+        if "compact_error" in c:
+            rows.append([x, "compact", "", "", "", "", "", c["compact_error"][:80]])
+    parts.append(
+        table(
+            f"c. {out['trickle']} commits of {BATCH} rows, compaction",
+            [
+                "format",
+                "when",
+                "commit/s",
+                "compact s",
+                "live",
+                "disk",
+                "reader",
+                "report query",
+            ],
+            rows,
+        )
+    )
+    return parts
+
+
+def render_d(out: dict[str, Any]) -> list[str]:
+    """Criterion d/e: bulk ingest and the report query."""
+    fm = out["formats"]
+    parts: list[str] = []
+    rows = []
+    for x in fm:
+        d = out["d"][x]
+        for rd, r in d["read"].items():
+            rows.append([x, d["rows_per_s"], d["live_files"], rd, reader_cell(r)])
+    parts.append(
+        table(
+            f"d/e. ingest {out['rows']} rows in 50k commits; report query",
+            ["format", "rows/s", "files", "reader", "report query"],
+            rows,
+        )
+    )
+    return parts
 
 
 def main() -> None:
