@@ -16,7 +16,7 @@ import duckdb
 from servescope.reports import bootstrap, coldstart, replicas, sql
 from servescope.reports.charts import charts
 from servescope.reports.checklist import checklist
-from servescope.reports.diagnosis import Subject, assess_flip, diagnose, primary_indicator
+from servescope.reports.diagnosis import assess_flip, diagnose, primary_indicator
 from servescope.reports.document import (
     Bootstrap,
     Compared,
@@ -36,6 +36,7 @@ from servescope.reports.document import (
 from servescope.reports.document import Design as RepeatsDesign
 from servescope.reports.indicators import BY_METRIC, Arm
 from servescope.reports.judge import judge, power
+from servescope.reports.readings import Subject
 from servescope.reports.rows import at_level, design, diff_rows, primary_level
 from servescope.reports.samples import Slice
 from servescope.reports.sequential import Plan
