@@ -3,7 +3,9 @@ was, in the words of its day) are read for what they name of ours — a file or 
 `servescope` command, subcommand or flag, a make target, a Python symbol — and each name is
 resolved against the repository: paths against the checkout, commands and flags against the
 parsers `servescope` itself builds, symbols by importing them. A name that is legitimately not
-ours (vLLM's flags, Prometheus's metric names, other tools' files) sits in `NOT_OURS`, with why.
+ours (vLLM's flags, other projects' names, a model's files) sits in `NOT_OURS`, with why; what
+cannot be ours by its shape (Prometheus's `vllm:` metric names, URL paths such as `/metrics`, a
+JSON key path such as `notes.instance`) is not read as a reference at all.
 
 This is what makes "the tests keep it true" true of the docs: a module renamed, a command
 removed or a flag dropped fails here with the doc's file:line until the doc follows."""
@@ -62,7 +64,8 @@ PROSE_PATH = re.compile(
 
 @dataclass(frozen=True)
 class Mention:
-    """What a doc names at one place: a code span, a code block's command line or a link."""
+    """What a doc names at one place: a code span, a code block's command line, a link or a path
+    written in prose."""
 
     doc: Path
     line: int
