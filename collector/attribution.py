@@ -25,7 +25,6 @@ from servescope.collector.sessions import (
     same_instance,
     session_run_id,
 )
-from servescope.store.notes import KvStatement
 from servescope.store.validation import EventDoc
 from servescope.wire import vllm_log
 from servescope.wire.exposition import Sample
@@ -164,8 +163,7 @@ class ServerLog:
         session = self.session
         if session is not None:
             session.seen(item.ts)
-            # the keys wire.kv_statement reads are KvStatement's
-            session.statement(cast(KvStatement, item.values), item.engine)
+            session.statement(item.values, item.engine)
             self._attribution.touch(session)
 
     def phase(self, item: vllm_log.Phase) -> None:

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal
 
 import msgspec
 import psutil
@@ -32,7 +32,7 @@ import yaml
 
 from servescope.loadgen.capacity import from_levers
 from servescope.store import settings
-from servescope.store.notes import KvCacheNotes, KvStatement
+from servescope.store.notes import KvCacheNotes
 from servescope.store.typed import Named, typed
 from servescope.wire.kv_statement import kv_cache_from_log
 
@@ -427,7 +427,7 @@ class VllmServer:
             text = ""
         env = {**self.base_env, **self.profile.env, **self.extra_env}
         return {
-            "vllm": cast(KvStatement | None, kv_cache_from_log(text)),  # its keys are KvStatement's
+            "vllm": kv_cache_from_log(text),
             "servescope": from_levers(Path(self.model), self.levers, env),
         }
 

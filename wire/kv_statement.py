@@ -11,7 +11,7 @@ parser serves both, as `wire.exposition` serves both their `/metrics` scrapes.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TypedDict
 
 _SIZE = re.compile(
     r"\b(?P<device>[A-Za-z]+(?: \+ host)?) KV cache size: (?P<tokens>\d[\d,]*) tokens"
@@ -21,10 +21,20 @@ _CONCURRENCY = re.compile(
 )
 
 
-def kv_cache_statement(message: str) -> dict[str, Any] | None:
+class KvStatement(TypedDict, total=False):
+    """What vLLM states (the store keeps it in a session's notes as `store.notes.KvStatement`,
+    the same keys: the store imports nothing of ours, and a test holds the two alike)."""
+
+    kv_cache_device: str  # where vLLM put the cache: `CPU`, `GPU`, `CPU + host`…
+    kv_cache_tokens: int  # tokens the cache holds
+    max_model_len: int  # the request length the concurrency is stated for
+    max_concurrency: float  # requests of that length the cache holds at once
+
+
+def kv_cache_statement(message: str) -> KvStatement | None:
     """The numbers one log message states: `kv_cache_tokens` and `kv_cache_device` (`CPU`,
     `GPU`…), and/or `max_model_len` and `max_concurrency`; None when it states neither."""
-    found: dict[str, Any] = {}
+    found = KvStatement()
     if size := _SIZE.search(message):
         found["kv_cache_device"] = size["device"]
         found["kv_cache_tokens"] = int(size["tokens"].replace(",", ""))
@@ -37,10 +47,10 @@ def kv_cache_statement(message: str) -> dict[str, Any] | None:
     return found or None
 
 
-def kv_cache_from_log(text: str) -> dict[str, Any] | None:
+def kv_cache_from_log(text: str) -> KvStatement | None:
     """The last complete statement in a log's text (a restarted server appends a new one)."""
-    merged: dict[str, Any] = {}
-    last: dict[str, Any] | None = None
+    merged = KvStatement()
+    last: KvStatement | None = None
     for line in text.splitlines():
         if "KV cache size" not in line and "Maximum concurrency" not in line:
             continue
@@ -48,7 +58,7 @@ def kv_cache_from_log(text: str) -> dict[str, Any] | None:
         if not stated:
             continue
         if "kv_cache_tokens" in stated:
-            merged = {}
+            merged = KvStatement()
         merged.update(stated)
-        last = dict(merged)
+        last = merged.copy()
     return last

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from servescope.wire.ids import client_request_id
-from servescope.wire.kv_statement import kv_cache_statement
+from servescope.wire.kv_statement import KvStatement, kv_cache_statement
 
 SOURCE = "vllm-log"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -129,7 +129,7 @@ class KvCache:
     rank of the engine that stated it (`(EngineCore_DP1 …)`), None for a server of one engine."""
 
     ts: datetime | None
-    values: dict[str, Any]
+    values: KvStatement
     engine: str | None = None
 
 

@@ -547,3 +547,18 @@ def test_the_shapes_check_names_each_drift() -> None:
     assert "extra: a column, not a key" in found
     assert any(f.startswith("ttft_ms: ") for f in found)
     assert "model: not in Record" in found
+
+
+def test_the_kv_statement_has_one_shape_in_the_wire_and_in_the_notes() -> None:
+    """vLLM's KV statement is typed twice, where it is read (`wire.kv_statement`) and where a
+    session's notes keep it (`store.notes`: the store imports nothing of ours): the same keys
+    of the same types."""
+    from servescope.store import notes
+    from servescope.wire import kv_statement
+
+    read, kept = kv_statement.KvStatement, notes.KvStatement
+    assert typing.get_type_hints(read) == typing.get_type_hints(kept)
+    assert (read.__required_keys__, read.__optional_keys__) == (
+        kept.__required_keys__,
+        kept.__optional_keys__,
+    )
