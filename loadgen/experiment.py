@@ -82,6 +82,7 @@ from servescope.loadgen.spec import (
     check_profiles,
 )
 from servescope.store import Store, settings
+from servescope.store.notes import RunNotes
 
 # notes["repeat_design"]: how the experiment sequenced servers and rounds
 KEPT_UP = "servers kept up: one server per arm, all up at once, rounds alternated"
@@ -234,13 +235,13 @@ class Experiment:
         self.hooks.slept(arm, seconds)
         return seconds
 
-    def _wake(self, arm: str) -> dict[str, float]:
+    def _wake(self, arm: str) -> RunNotes:
         """Make `arm`'s server the one awake: the one awake put to sleep first (a level-1 sleep
         frees its weights and KV cache, which the woken one takes back), then this one woken.
         The seconds each took, as the run's notes keep them; none when it was awake already."""
         if self._awake == arm:
             return {}
-        timings: dict[str, float] = {}
+        timings: RunNotes = {}
         if self._awake is not None:
             timings["sleep_s"] = round(self._sleep(self._awake), 3)
         seconds = set_sleeping(self._servers[arm].url, asleep=False)

@@ -14,8 +14,9 @@ import aiohttp
 
 from servescope.loadgen.client import get_json
 from servescope.loadgen.launcher import Levers, process_tree_rss, state_for
-from servescope.loadgen.server_metrics import MetricsScraper, ServerNumbers
+from servescope.loadgen.server_metrics import MetricsScraper
 from servescope.store import Store
+from servescope.store.notes import ServerNotes
 
 MEMORY_SAMPLE_S = 0.5
 
@@ -88,7 +89,7 @@ class ServerProbe:
         for scraper in self._scrapers:
             await scraper.stop()
 
-    def server_numbers(self) -> ServerNumbers:
+    def server_numbers(self) -> ServerNotes:
         """The run's counters summed over every scraped server: a fleet's totals."""
         numbers = self._scrapers[0].server_numbers()
         numbers["scrapes"] = sum(s.scrapes for s in self._scrapers)

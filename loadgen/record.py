@@ -15,13 +15,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import NotRequired, TextIO, TypedDict
+from typing import TextIO
 
 from servescope.loadgen.plan import RequestPlan, Unit, open_loop_units
 from servescope.loadgen.prompts import prompt_digest
 from servescope.loadgen.request import ClientEvent, RequestBody
 from servescope.loadgen.workload import Workload
 from servescope.store import Store
+from servescope.store.notes import ClassLatency, ClientNotes, LevelNotes
 
 # An open-loop level whose sends lag their schedule by more than this (p99), or reach less than
 # 90 % of the scheduled rate, was limited by the client, not the server.
@@ -47,58 +48,6 @@ def percentile(values: list[float], q: float) -> float | None:
     rank = q * (len(ordered) - 1)
     low, high = math.floor(rank), math.ceil(rank)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-class ScheduleLag(TypedDict):
-    """How late an open loop's sends left against their schedule, in milliseconds."""
-
-    p50: float | None
-    p99: float | None
-    max: float | None
-
-
-class ClassLatency(TypedDict):
-    """One request class of a level: its ok requests and their latency."""
-
-    requests: int
-    ttft_ms_p50: float | None
-    ttft_ms_p95: float | None
-    e2e_ms_p50: float | None
-
-
-class LevelStats(TypedDict):
-    """One level's numbers in the run's notes (`notes.levels`); the open-loop keys only for an
-    open loop, the goodput keys only with an SLO, `classes` only where requests have classes."""
-
-    workload: str
-    loop: str  # open | closed
-    concurrency: int | None
-    target_rate: float | None
-    requests: int
-    ok: int
-    errors: int
-    duration_s: float
-    completed_per_s: float | None
-    achieved_rate: float | None
-    scheduled_rate: NotRequired[float | None]
-    schedule_lag_ms: NotRequired[ScheduleLag]
-    client_saturated: NotRequired[bool]
-    goodput_per_s: NotRequired[float | None]
-    good_fraction: NotRequired[float | None]
-    classes: NotRequired[dict[str, ClassLatency]]
-
-
-class ClientNumbers(TypedDict):
-    """The run's numbers as the client saw them (`notes.client`)."""
-
-    requests: int
-    ok: int
-    prompt_tokens: int
-    cached_tokens: int | None
-    cached_token_ratio: float | None
-    slo: dict[str, float]
-    good_requests: int | None
-    good_fraction: float | None
 
 
 @dataclass
@@ -191,14 +140,14 @@ class Recorder:
             async with self._lock:
                 await asyncio.to_thread(self.store.add_events, level.events)
 
-    def level_stats(self, level: LevelRecord) -> LevelStats:
+    def level_stats(self, level: LevelRecord) -> LevelNotes:
         """Achieved vs target load, schedule lag, goodput and per-class latency of one level."""
         workload, events = level.workload, level.events
         duration = level.ended - level.started
         ok = [e for e in events if e["status"] == "ok"]
         sends = sorted(level.sends)
         achieved = (len(sends) - 1) / (sends[-1] - sends[0]) if len(sends) > 1 else None
-        stats: LevelStats = {
+        stats: LevelNotes = {
             "workload": workload.name,
             "loop": "open" if workload.open_loop else "closed",
             "concurrency": None if workload.open_loop else int(level.level),
@@ -220,7 +169,7 @@ class Recorder:
             stats["classes"] = classes
         return stats
 
-    def client_numbers(self) -> ClientNumbers:
+    def client_numbers(self) -> ClientNotes:
         """The whole run's requests as the client saw them."""
         events = self.events
         ok = [e for e in events if e["status"] == "ok"]
@@ -248,7 +197,7 @@ class Recorder:
         return classes
 
 
-def _open_loop_stats(stats: LevelStats, level: LevelRecord, achieved: float | None) -> None:
+def _open_loop_stats(stats: LevelNotes, level: LevelRecord, achieved: float | None) -> None:
     """An open loop's scheduled rate and schedule lag, and whether the client kept up."""
     lags = [e["schedule_lag_ms"] for e in level.events if "schedule_lag_ms" in e]
     offsets = sorted(u.offset_s or 0.0 for u in open_loop_units(level.workload, level.level, 1.0))

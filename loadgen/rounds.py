@@ -22,7 +22,8 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+from servescope.store.notes import PlanNotes
 
 MAX_GROWTH = 4.0  # later runs send at most this many times the requests of the first ones
 MIN_GROWTH = 1.5  # below this, growing the runs is not worth changing them
@@ -57,7 +58,7 @@ class Stopping:
     budget_s: float | None
     margin_pct: float
 
-    def notes(self) -> dict[str, Any]:
+    def notes(self) -> PlanNotes:
         """What every run records (`notes.plan`): a report of the stored runs reads them with
         the same rule."""
         return {"first": self.first, "last": self.last, "margin_pct": self.margin_pct,

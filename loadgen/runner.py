@@ -31,14 +31,14 @@ import aiohttp
 from servescope.loadgen.launcher import Levers
 from servescope.loadgen.probe import ServerProbe
 from servescope.loadgen.prompts import PromptBook, PromptMaker
-from servescope.loadgen.record import ClientNumbers, LevelRecord, LevelStats, Recorder
+from servescope.loadgen.record import LevelRecord, Recorder
 from servescope.loadgen.request import ClientEvent
 from servescope.loadgen.schedule import Scheduler, level_groups
-from servescope.loadgen.server_metrics import ServerNumbers
 from servescope.loadgen.transport import Http1Pool
 from servescope.loadgen.workload import BenchConfig, Workload
 from servescope.store import Store, settings
 from servescope.store.clock import utcnow
+from servescope.store.notes import ClientNotes, LevelNotes, RunNotes, ServerNotes
 from servescope.store.paths import inside
 from servescope.wire.tracing import tracer_from_env
 
@@ -81,7 +81,7 @@ class RunOptions:
     levers: Levers | None = None
     server_pid: int | None = None
     replicas: dict[str, str] = field(default_factory=dict)
-    notes: dict[str, Any] = field(default_factory=dict)
+    notes: RunNotes = field(default_factory=lambda: RunNotes())
     events_dir: Path | None = None
     request_timeout_s: float = 600.0
 
@@ -95,14 +95,14 @@ class RunResult:
     memory_peak_gb: float | None = None
     status: str = "complete"
     error_classes: dict[str, int] = field(default_factory=dict)
-    levels: list[LevelStats] = field(default_factory=list)
-    server: ServerNumbers | None = None
-    client: ClientNumbers | None = None
+    levels: list[LevelNotes] = field(default_factory=list)
+    server: ServerNotes | None = None
+    client: ClientNotes | None = None
     cancelled_in_flight: int = 0
     failure: str | None = None
 
     @property
-    def saturated_levels(self) -> list[LevelStats]:
+    def saturated_levels(self) -> list[LevelNotes]:
         return [lv for lv in self.levels if lv.get("client_saturated")]
 
     def to_json(self) -> dict[str, Any]:
@@ -234,7 +234,8 @@ class BenchRun:
         result.cancelled_in_flight = scheduler.cancelled
         result.memory_peak_gb = self.probe.memory_peak_gb
 
-    def _notes(self, result: RunResult) -> dict[str, Any]:
+    def _notes(self, result: RunResult) -> RunNotes:
+        assert result.server is not None and result.client is not None  # `_tally` set them
         return {
             **self.options.notes,
             "memory_peak_gb": result.memory_peak_gb,

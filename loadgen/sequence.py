@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from servescope.loadgen.launcher import Levers, VllmServer
 from servescope.loadgen.rounds import Look, Rounds, Stopping, round_arms
@@ -18,6 +18,7 @@ from servescope.loadgen.runner import RunOptions, RunResult
 from servescope.loadgen.spec import ExperimentError, ExperimentSpec
 from servescope.loadgen.workload import BenchConfig
 from servescope.store import Store
+from servescope.store.notes import RunNotes
 
 DEFAULT_LEVER = "default"  # a lever a profile leaves to vLLM's own default
 DEFAULT_REPEATS = 3  # rounds of a fixed design when no stopping plan is given
@@ -55,7 +56,7 @@ class ExperimentRun:
     result: RunResult | None = None
     server_ready_s: float | None = None
     arm: str = ""  # the arm's name: the profile's, or `<profile>-a` in an A/A experiment
-    notes: dict[str, Any] = field(default_factory=dict)
+    notes: RunNotes = field(default_factory=lambda: RunNotes())
 
     def __post_init__(self) -> None:
         self.arm = self.arm or self.profile
@@ -138,12 +139,22 @@ class Comparison:
     after_runs: list[ExperimentRun]
 
 
+class Described(Protocol):
+    """What `run_notes` reads of an experiment (Experiment and loadgen/fleet.py's)."""
+
+    spec: ExperimentSpec
+    experiment_id: str
+    repeats: int
+    design: str
+    stopping: Stopping | None
+
+
 def run_notes(
-    experiment: Any, run: ExperimentRun, position: int, order: str, design: str | None = None
-) -> dict[str, Any]:
+    experiment: Described, run: ExperimentRun, position: int, order: str, design: str | None = None
+) -> RunNotes:
     """What every experiment run records in its notes: which experiment, arm and repeat, where
     it fell in the order, and how its servers were sequenced (`repeat_design`)."""
-    return {
+    notes: RunNotes = {
         "experiment": experiment.spec.name,
         "experiment_id": experiment.experiment_id,
         "profile": run.profile,
@@ -153,8 +164,10 @@ def run_notes(
         "position": position,
         "order": order,
         "repeat_design": design or experiment.design,
-        **({"plan": experiment.stopping.notes()} if experiment.stopping else {}),
     }
+    if experiment.stopping:
+        notes["plan"] = experiment.stopping.notes()
+    return notes
 
 
 @dataclass

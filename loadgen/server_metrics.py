@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from datetime import datetime
-from typing import TypedDict
 
 import aiohttp
 
 from servescope.store import Store
 from servescope.store.clock import utcnow
+from servescope.store.notes import ServerNotes
 from servescope.wire.exposition import Sample, parse_exposition, prefix_cache_hit_ratio
 
 INTERVAL_S = 1.0
@@ -42,28 +42,6 @@ COUNTERS = (
     "vllm:spec_decode_num_accepted_tokens_total",
 )
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
-
-
-class ServerNumbers(TypedDict):
-    """A run's numbers as the server counted them (`notes.server`): None where the run has too
-    few samples or the server exports no such counter."""
-
-    prefix_cache_hit_ratio: float | None
-    prefix_cache_hit_ratio_basis: str | None
-    prefix_cache_hits: float | None
-    prefix_cache_queries: float | None
-    preemptions: float | None
-    prompt_tokens: float | None
-    generation_tokens: float | None
-    requests_finished: float | None
-    spec_decode_draft_tokens: float | None
-    spec_decode_accepted_tokens: float | None
-    spec_decode_acceptance_rate: float | None
-    peak_running: float | None
-    peak_waiting: float | None
-    kv_cache_usage_peak: float | None
-    scrapes: int
-    scrape_failures: int
 
 
 class MetricsScraper:
@@ -157,7 +135,7 @@ class MetricsScraper:
                 self.failures += 1
         self.store.add_metric_samples(rows)
 
-    def server_numbers(self) -> ServerNumbers:
+    def server_numbers(self) -> ServerNotes:
         """The run-scoped server numbers: counter deltas, gauge peaks, the prefix-cache hit
         ratio (Δhits / Δqueries, in tokens) — None where the run has too few samples."""
         deltas = self.store.counter_deltas(self.run_id, COUNTERS)

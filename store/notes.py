@@ -9,7 +9,7 @@ store fewer, and a run imported from a file none. The store decodes the JSON onc
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from typing import Literal, NotRequired, TypedDict
 
 SESSION_KIND = "vllm-session"  # `kind` of a server session's run (collector/sessions.py)
 
@@ -52,6 +52,9 @@ class ServerNotes(TypedDict, total=False):
     peak_running: float | None
     peak_waiting: float | None
     kv_cache_usage_peak: float | None  # 0-1
+    spec_decode_draft_tokens: float | None  # None without speculative decoding
+    spec_decode_accepted_tokens: float | None
+    spec_decode_acceptance_rate: float | None
     scrapes: int  # pages had
     scrape_failures: int  # pages not had, or that did not parse
 
@@ -59,12 +62,53 @@ class ServerNotes(TypedDict, total=False):
 class ClientNotes(TypedDict, total=False):
     """What the bench client counted over the run."""
 
+    requests: int
+    ok: int
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None  # None: the server reported no cached tokens
     cached_token_ratio: float | None
     slo: dict[str, float]  # the SLO the run was sent with: metric → ms
     good_requests: int | None  # requests that met it (None without an SLO)
     good_fraction: float | None
+
+
+class ScheduleLag(TypedDict):
+    """How late an open loop's sends left against their schedule, in milliseconds."""
+
+    p50: float | None
+    p99: float | None
+    max: float | None
+
+
+class ClassLatency(TypedDict):
+    """One request class of a level: its ok requests and their latency."""
+
+    requests: int
+    ttft_ms_p50: float | None
+    ttft_ms_p95: float | None
+    e2e_ms_p50: float | None
+
+
+class LevelNotes(TypedDict):
+    """One load level of a bench run (loadgen/record.py); the open-loop keys only for an open
+    loop, the goodput keys only with an SLO, `classes` only where requests have classes."""
+
+    workload: str
+    loop: str  # open | closed
+    concurrency: int | None
+    target_rate: float | None
+    requests: int
+    ok: int
+    errors: int
+    duration_s: float
+    completed_per_s: float | None
+    achieved_rate: float | None
+    scheduled_rate: NotRequired[float | None]
+    schedule_lag_ms: NotRequired[ScheduleLag]
+    client_saturated: NotRequired[bool]
+    goodput_per_s: NotRequired[float | None]
+    good_fraction: NotRequired[float | None]
+    classes: NotRequired[dict[str, ClassLatency]]
 
 
 class ParallelNotes(TypedDict):
@@ -91,7 +135,7 @@ class RunNotes(TypedDict, total=False):
     # -- bench run (loadgen/runner.py) ---------------------------------------------------------
     server: ServerNotes  # the server's /metrics over the run
     client: ClientNotes  # the client's counts
-    levels: list[dict[str, object]]  # per workload level: loop, rates, schedule lag, classes…
+    levels: list[LevelNotes]  # per workload level: loop, rates, schedule lag, classes…
     errors_by_class: dict[str, int]  # failed requests by error class
     cancelled_in_flight: int  # requests cut off by Ctrl-C
     failure: str | None  # why the run failed
