@@ -170,7 +170,6 @@ async def _relay(
     upstream = state.upstream
     assert upstream is not None
     timing = a.timing
-    reply = a.reply
     pending = b""
     loop = asyncio.get_running_loop()
     while True:
@@ -178,37 +177,11 @@ async def _relay(
         if not data:
             break
         now, now_loop = time.perf_counter(), loop.time()
-        had_first = timing.first is not None
         if pending:
             data = pending + data
         cut = data.rfind(b"\n") + 1
         pending = data[cut:]
-        if not cut:
-            continue
-        data = data[:cut]
-        # The client gets the bytes before the gateway times them (the timing is the slower
-        # part). Except while a prefill deadline waits for the first token: a write that waits
-        # on a slow client must then already run under the decode deadline.
-        timed_first = a.prefill_timeout_s is not None and not had_first
-        if timed_first and (error := timing.feed(data, now)) is not None:
-            state.stream_error = error
-        # `data` ending in `data: [DONE]` is a stream the rules call done: last bytes and the
-        # end of the chunked body go in one send.
-        ends = timing.done if timed_first else data.endswith(b"data: [DONE]\n\n")
-        if state.response is None:  # status and headers leave with the first bytes
-            state.response = _start_reply(a, upstream)
-        try:
-            await _to_client(reply.write_eof(data) if ends else reply.write(data))
-        finally:  # timed even when the write fails or times out: the bytes were relayed
-            if not timed_first and (error := timing.feed(data, now)) is not None:
-                state.stream_error = error
-        if deadline is not None and not had_first and timing.first is not None:
-            limit = a.decode_timeout_s
-            deadline.reschedule(now_loop + limit + TICK_S if limit else None)
-        if timing.done:
-            if not ends:  # [DONE] earlier in the read, or spelt otherwise
-                await _to_client(reply.write_eof())
-            state.end = now
+        if cut and await _relay_lines(a, state, deadline, data[:cut], (now, now_loop)):
             break
     if state.response is None:
         raise UpstreamFailed("disconnect", "upstream closed before sending anything", 502)
@@ -216,6 +189,46 @@ async def _relay(
         await _fail(a, state, event, "error", "disconnect", "upstream ended before [DONE]", 502)
         return
     _complete(a, state, event)
+
+
+async def _relay_lines(
+    a: Attempt,
+    state: _Relay,
+    deadline: asyncio.Timeout | None,
+    data: bytes,
+    at: tuple[float, float],
+) -> bool:
+    """One read's complete lines to the client and into the timing, read `at` (perf counter,
+    loop time); the decode deadline set once the first token came. True: the stream is done."""
+    upstream, timing, reply = state.upstream, a.timing, a.reply
+    assert upstream is not None
+    now, now_loop = at
+    had_first = timing.first is not None
+    # The client gets the bytes before the gateway times them (the timing is the slower
+    # part). Except while a prefill deadline waits for the first token: a write that waits
+    # on a slow client must then already run under the decode deadline.
+    timed_first = a.prefill_timeout_s is not None and not had_first
+    if timed_first and (error := timing.feed(data, now)) is not None:
+        state.stream_error = error
+    # `data` ending in `data: [DONE]` is a stream the rules call done: last bytes and the
+    # end of the chunked body go in one send.
+    ends = timing.done if timed_first else data.endswith(b"data: [DONE]\n\n")
+    if state.response is None:  # status and headers leave with the first bytes
+        state.response = _start_reply(a, upstream)
+    try:
+        await _to_client(reply.write_eof(data) if ends else reply.write(data))
+    finally:  # timed even when the write fails or times out: the bytes were relayed
+        if not timed_first and (error := timing.feed(data, now)) is not None:
+            state.stream_error = error
+    if deadline is not None and not had_first and timing.first is not None:
+        limit = a.decode_timeout_s
+        deadline.reschedule(now_loop + limit + TICK_S if limit else None)
+    if not timing.done:
+        return False
+    if not ends:  # [DONE] earlier in the read, or spelt otherwise
+        await _to_client(reply.write_eof())
+    state.end = now
+    return True
 
 
 def _start_reply(a: Attempt, upstream: UpstreamResponse) -> Reply:
