@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from rich.console import Console
 from rich.table import Table
@@ -37,7 +37,7 @@ from servescope.reports import (
     write_report,
 )
 from servescope.reports.build import PREVIOUS, BadComparison, previous_run
-from servescope.reports.document import DiffRow, Report
+from servescope.reports.document import Design, DiffRow, Primary, Report
 from servescope.reports.judge import WHOLE_RUN
 from servescope.reports.summary import require_run
 from servescope.store import Store, reads, settings
@@ -310,19 +310,47 @@ def _arms_problem(args: argparse.Namespace, window: Window, base_window: Window)
     return None
 
 
+class FailingRow(TypedDict):
+    metric: str
+    level: str
+    verdict: str
+    delta_pct: float | None
+    ci95_pct: list[float] | None
+    p_adjusted: float | None
+
+
+class FailOn(TypedDict):
+    verdicts: list[str]
+    exit: int
+    rows: list[FailingRow]
+
+
+class Brief(TypedDict):
+    """`report build --json`: what a CI step reads of the report (report.json has the rest)."""
+
+    report_id: str
+    paths: list[str]
+    headline: str | None
+    warnings: list[str]
+    repeats: Design | None
+    primary: Primary | None
+    verdicts: dict[str, str]  # metric (metric@level with several levels) → its verdict
+    fail_on: FailOn
+
+
 def _brief(
     report: Report, paths: list[Path], fail_on: tuple[str, ...], failing: list[DiffRow]
-) -> dict[str, Any]:
+) -> Brief:
     rows = report.get("diff", [])
     several = len({r["level"] for r in rows if r["level"] != WHOLE_RUN}) > 1
-    return {
-        "report_id": report["report_id"],
-        "paths": [str(p) for p in paths],
-        "headline": report.get("headline"),
-        "warnings": report.get("warnings", []),
-        "repeats": report.get("repeats"),
-        "primary": report.get("primary"),
-        "verdicts": {
+    return Brief(
+        report_id=report["report_id"],
+        paths=[str(p) for p in paths],
+        headline=report.get("headline"),
+        warnings=report.get("warnings", []),
+        repeats=report.get("repeats"),
+        primary=report.get("primary"),
+        verdicts={
             (
                 f"{d['metric']}@{d['level']}"
                 if several and d["level"] != WHOLE_RUN
@@ -330,18 +358,22 @@ def _brief(
             ): d["verdict"]
             for d in rows
         },
-        "fail_on": {
-            "verdicts": list(fail_on),
-            "exit": EXIT_VERDICT if failing else 0,
-            "rows": [
-                {
-                    k: r[k]
-                    for k in ("metric", "level", "verdict", "delta_pct", "ci95_pct", "p_adjusted")
-                }  # fmt: skip
+        fail_on=FailOn(
+            verdicts=list(fail_on),
+            exit=EXIT_VERDICT if failing else 0,
+            rows=[
+                FailingRow(
+                    metric=r["metric"],
+                    level=r["level"],
+                    verdict=r["verdict"],
+                    delta_pct=r["delta_pct"],
+                    ci95_pct=r["ci95_pct"],
+                    p_adjusted=r.get("p_adjusted"),
+                )
                 for r in failing
             ],
-        },
-    }
+        ),
+    )
 
 
 def run_flips(args: argparse.Namespace) -> int:
