@@ -24,7 +24,7 @@ from typing import Any
 from servescope.gateway.httpserver import Reply, Response, json_response
 from servescope.gateway.timing import RelayTiming
 from servescope.gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
-from servescope.wire.stream import Endpoint, usage_into
+from servescope.wire.stream import Endpoint, Usage, usage_into
 
 # uvloop keeps its clock and its timers in whole milliseconds, so a deadline taken from it can
 # fire up to a tick before the limit measured on `perf_counter` (the clock of TTFT and e2e):
@@ -146,7 +146,7 @@ async def _whole(a: Attempt, upstream: UpstreamResponse, event: dict[str, Any]) 
         event["status"] = "ok"
         try:
             doc = json.loads(body)
-            usage_into(event, doc.get("usage") or {})
+            usage_into(event, doc.get("usage") or Usage())
             reasons = [c.get("finish_reason") for c in doc.get("choices") or ()]
             event["finish_reason"] = next((r for r in reasons if r), None)
         except (ValueError, AttributeError):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from servescope.wire.stream import StreamTiming
+from servescope.wire.stream import Chunk, StreamTiming
 
 _NOT_PLAIN = re.compile(rb'["\\\x00-\x1f]')  # what a JSON string cannot hold unescaped
 _WS = b" \t\r\n"
@@ -76,17 +76,17 @@ class RelayTiming(StreamTiming):
                 lp, ls = len(prefix), len(suffix)
         return error
 
-    def _learn(self, line: bytes, chunk: dict[str, Any]) -> bool:
+    def _learn(self, line: bytes, chunk: Chunk) -> bool:
         """Make `line` the template when it is a plain one-token message whose text value can
         be found unambiguously in its bytes; whether it did."""
         choices = chunk.get("choices")
         if (
             not isinstance(choices, list)
             or len(choices) != 1
-            or not isinstance(choice := choices[0], dict)
+            or not isinstance(choices[0], dict)
             or chunk.get("usage")
             or "error" in chunk
-            or choice.get("finish_reason")
+            or (choice := choices[0]).get("finish_reason")
             or not self.endpoint.is_token(choice)
             or b"\\" in line  # with no escapes, every quote opens or closes a string
         ):

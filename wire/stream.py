@@ -22,12 +22,50 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import aiohttp
 
 DONE = b"[DONE]"
 _decode = json.JSONDecoder().decode  # str in: skips json.loads' per-call encoding sniffing
+
+
+class TokenDetails(TypedDict, total=False):
+    cached_tokens: int | None  # prompt tokens served from the prefix cache
+
+
+class Usage(TypedDict, total=False):
+    """An OpenAI `usage` object (in the last chunk of a stream, or a whole answer)."""
+
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    total_tokens: int | None
+    prompt_tokens_details: TokenDetails | None
+
+
+class Delta(TypedDict, total=False):
+    role: str
+    content: str | None
+
+
+class Choice(TypedDict, total=False):
+    """One choice of a stream chunk: a completion's `text`, a chat's `delta`."""
+
+    index: int
+    text: str
+    delta: Delta
+    finish_reason: str | None
+
+
+class Chunk(TypedDict, total=False):
+    """One `data:` message of an OpenAI stream, as vLLM sends it (`error` instead of choices
+    when the server fails mid-stream)."""
+
+    id: str
+    model: str
+    choices: list[Choice]
+    usage: Usage | None
+    error: object
 
 
 @dataclass(frozen=True)
@@ -37,13 +75,13 @@ class Endpoint:
     path: str
     chat: bool
 
-    def is_token(self, choice: dict[str, Any]) -> bool:
+    def is_token(self, choice: Choice) -> bool:
         """Whether a stream choice carries a generated token (see the module's timing rules)."""
         if self.chat:
             return bool((choice.get("delta") or {}).get("content"))
         return "text" in choice
 
-    def text_of(self, choice: dict[str, Any]) -> str:
+    def text_of(self, choice: Choice) -> str:
         if self.chat:
             return (choice.get("delta") or {}).get("content") or ""
         return choice.get("text") or ""
@@ -91,11 +129,11 @@ class StreamTiming:
         self.first: float | None = None
         self.last: float | None = None
         self.gaps: list[float] = []
-        self.usage: dict[str, Any] | None = None
+        self.usage: Usage | None = None
         self.finish_reason: str | None = None
         self.done = False
 
-    def feed_line(self, line: bytes, now: float) -> dict[str, Any] | None:
+    def feed_line(self, line: bytes, now: float) -> Chunk | None:
         """Take one line of the stream; returns the parsed chunk (None for `[DONE]`/non-data)."""
         line = line.strip()
         if not line.startswith(b"data:"):
@@ -104,7 +142,7 @@ class StreamTiming:
         if data == DONE:
             self.done = True
             return None
-        chunk = _decode(data.decode())
+        chunk: Chunk = _decode(data.decode())  # the JSON object vLLM sends
         for choice in chunk.get("choices") or ():
             if self.endpoint.is_token(choice):
                 if self.first is None:
@@ -139,7 +177,7 @@ class StreamTiming:
         return event
 
 
-def usage_into(event: dict[str, Any], usage: dict[str, Any]) -> None:
+def usage_into(event: dict[str, Any], usage: Usage) -> None:
     """Copy an OpenAI `usage` object into the event's token fields."""
     event["prompt_tokens"] = usage.get("prompt_tokens")
     event["completion_tokens"] = usage.get("completion_tokens")
