@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
 
 from markupsafe import Markup
 
@@ -244,7 +244,21 @@ def _sentence(text: str) -> str:
     return text[0].upper() + text[1:] + ("" if text[-1] in ".!?" else ".")
 
 
-def decision_of(report: Report) -> dict[str, Any] | None:
+class DecisionView(TypedDict):
+    """The first screen's decision, as the templates show it: every figure already words."""
+
+    verdict: str
+    words: str
+    before: str
+    after: str
+    change: str
+    interval: str
+    margin: str | None
+    confidence: str
+    stopped: str
+
+
+def decision_of(report: Report) -> DecisionView | None:
     """What the first screen says: the primary indicator's verdict, its change and interval,
     and why the experiment stopped. From report.json's `decision` (its one sentence, `words`,
     leads) when it has one; an older report reads its primary row instead, at 95 %, and says
@@ -264,16 +278,16 @@ def decision_of(report: Report) -> dict[str, Any] | None:
                          else after - before)  # fmt: skip
         words = found.get("words") or f"{_where(metric, level)} {found['verdict']}: {change}"
         margin = found.get("margin_pct")
-        return {
-            "verdict": found.get("verdict") or "not tested", "words": words,
-            "before": _value(metric, before), "after": _value(metric, after), "change": change,
-            "interval": f"the {confidence * 100:.3g} % interval is a repeated one: it holds "
+        return DecisionView(
+            verdict=found.get("verdict") or "not tested", words=words,
+            before=_value(metric, before), after=_value(metric, after), change=change,
+            interval=f"the {confidence * 100:.3g} % interval is a repeated one: it holds "
             "however many looks the experiment took" if confidence > 0.951
             else f"{confidence * 100:.3g} % interval",
-            "margin": f"±{float(forest.MARGIN_PCT if margin is None else margin):g} %",
-            "confidence": f"{confidence * 100:.3g} % interval",
-            "stopped": _sentence(found.get("reason") or ""),
-        }  # fmt: skip
+            margin=f"±{float(forest.MARGIN_PCT if margin is None else margin):g} %",
+            confidence=f"{confidence * 100:.3g} % interval",
+            stopped=_sentence(found.get("reason") or ""),
+        )  # fmt: skip
     primary = view.get("primary") or {}
     row = next((r for r in rows if r.get("role") == "primary"), None) or next(
         (r for r in rows
@@ -284,13 +298,13 @@ def decision_of(report: Report) -> dict[str, Any] | None:
     metric = row["metric"]
     change = _change(metric, row["delta_pct"], row["ci95_pct"], row["ci95"], row["delta"])
     kb, ka = design.get("before", 1), design.get("after", 1)
-    return {
-        "verdict": row["verdict"], "words": f"{_where(metric, row['level'])} {row['verdict']}: "
-        f"{change}", "before": _value(metric, row["before"]),
-        "after": _value(metric, row["after"]), "change": change, "interval": "95 % interval",
-        "margin": None, "confidence": "95 % interval",
-        "stopped": f"Stored runs compared ({ka} after, {kb} before): no stopping rule ran.",
-    }  # fmt: skip
+    return DecisionView(
+        verdict=row["verdict"], words=f"{_where(metric, row['level'])} {row['verdict']}: "
+        f"{change}", before=_value(metric, row["before"]),
+        after=_value(metric, row["after"]), change=change, interval="95 % interval",
+        margin=None, confidence="95 % interval",
+        stopped=f"Stored runs compared ({ka} after, {kb} before): no stopping rule ran.",
+    )  # fmt: skip
 
 
 # What could start Markdown of its own inside a value: emphasis, code, links and images, HTML
