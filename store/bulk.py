@@ -266,7 +266,7 @@ def _insert(
         _has_long_line(p, MAX_CSV_LINE) for p in pieces
     )
     lines = queries.BULK_LINES_CSV if csv else queries.BULK_LINES_TEXT
-    params: dict[str, Any] = {"max_line": MAX_CSV_LINE} if csv else {}
+    params: dict[str, int | str] = {"max_line": MAX_CSV_LINE} if csv else {}
     params["path"] = path
     row = con.execute(queries.BULK_LAST_ROWID).fetchone()
     after = int(row[0]) if row else -1

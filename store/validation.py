@@ -411,7 +411,7 @@ def _key_tokens(text: bytes) -> int:
     return count(b'":') + count(b'" ') + count(b'"\t') + count(b'"\r') + count(b'"\n')
 
 
-def _first_wins(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _first_wins(pairs: list[tuple[str, object]]) -> dict[str, object]:
     doc = dict(pairs)
     if len(doc) != len(pairs):
         doc = {}

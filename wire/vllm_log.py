@@ -15,7 +15,7 @@ import ast
 import re
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 
@@ -388,20 +388,28 @@ def gpu_key(engine: str | None, rank: str | None) -> str:
     return f"dp{engine or 0}-tp{rank or 0}"
 
 
-def start_from_log(text: str, *, year: int) -> dict[str, Any]:
+class LoggedStart(TypedDict):
+    """What one server start logged about its size (`start_from_log`)."""
+
+    levers: dict[str, Any]  # its `non-default args`, as `Levers.levers`
+    engines: dict[str, KvStatement]  # data-parallel engine → its KV statement
+    gpus: dict[str, dict[str, float]]  # `gpu_key` → that GPU's memory lines, GiB
+
+
+def start_from_log(text: str, *, year: int) -> LoggedStart:
     """What the last server start in a log's text said about its size, process by process:
     `levers` (its `non-default args`), `engines` (each data-parallel engine's KV statement, "0"
     for a server of one engine) and `gpus` (each GPU's memory lines, `gpu_key` → GiB figures).
     For scripts and tests that compare a recorded start with a prediction."""
-    out: dict[str, Any] = {"levers": {}, "engines": {}, "gpus": {}}
+    out = LoggedStart(levers={}, engines={}, gpus={})
     for line in text.splitlines():
         item = parse_line(line.encode("utf-8", "replace"), year=year)
         if isinstance(item, Startup) and item.version is not None:
-            out = {"levers": {}, "engines": {}, "gpus": {}}
+            out = LoggedStart(levers={}, engines={}, gpus={})
         elif isinstance(item, Levers):
             out["levers"] = item.levers
         elif isinstance(item, KvCache):
-            engine = out["engines"].setdefault(item.engine or "0", {})
+            engine = out["engines"].setdefault(item.engine or "0", KvStatement())
             engine.update(item.values)
         elif isinstance(item, Phase):
             memory = {k: v for k, v in item.values.items() if k.endswith("_gib")}
