@@ -26,7 +26,7 @@ def _cdfs(sides: list[Side]) -> dict[str, str]:
     return out
 
 
-class _Timeline:
+class Timeline:
     """Seconds since the first request, with long idle gaps between the sides folded away.
 
     Two runs of an experiment are minutes apart (a vLLM restart between them); drawn on one
@@ -77,7 +77,7 @@ def _over_time(sides: list[Side], flips: Sequence[Mapping[str, Any]]) -> dict[st
     spans = [span for s in sides if (span := s.samples.span) is not None]
     if not spans:
         return {}
-    clock = _Timeline(spans)
+    clock = Timeline(spans)
     drawn = []
     dots = True
     for side in sides:

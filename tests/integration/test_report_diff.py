@@ -247,16 +247,16 @@ def test_pictures_are_inline_svg_with_the_flip_marked(ab: dict[str, Any]) -> Non
 
 
 def test_the_idle_gap_between_runs_is_folded_and_time_stays_monotonic() -> None:
-    from servescope.reports.charts import _Timeline
+    from servescope.reports.charts import Timeline
 
-    clock = _Timeline([(100.0, 120.0), (400.0, 420.0)])  # each side's first and last start
+    clock = Timeline([(100.0, 120.0), (400.0, 420.0)])  # each side's first and last start
     assert clock.x(100.0) == 0.0 and clock.x(120.0) == 20.0
     assert clock.x(400.0) == pytest.approx(20.0 + clock.pad)  # drawn gap: 5 % of 40 s, ≥ 1 s
     assert clock.folded == pytest.approx(280.0 - clock.pad)
     grid = np.linspace(90.0, 430.0, 500)
     assert np.all(np.diff(clock.xs(grid)) >= 0)  # a flip inside the gap lands inside it
     assert clock.label == "seconds of measurement (278 s between the runs not drawn)"
-    one_run = _Timeline([(0.0, 12.0)])
+    one_run = Timeline([(0.0, 12.0)])
     assert one_run.label == "seconds since the first request"
 
 
