@@ -21,7 +21,9 @@ A line is good when:
 
 The two types are the contract's one definition: msgspec checks a record against them (its error
 names the key, and the reason says what the key's value breaks), and `store.bulk` derives its SQL
-from the same fields (`CONTRACT_TYPES`, `DURATIONS`, `COUNTS`).
+from the same fields (`CONTRACT_TYPES`, `DURATIONS`, `COUNTS`). What passes leaves typed, as
+`EventDoc` or `RuntimeDoc`: the line's own object (every key, in its order, for the byte-exact
+export), its contract keys typed as the Structs type them.
 """
 
 from __future__ import annotations
