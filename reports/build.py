@@ -16,12 +16,12 @@ import duckdb
 from servescope.reports import bootstrap, coldstart, replicas, sql
 from servescope.reports.charts import charts
 from servescope.reports.checklist import checklist
+from servescope.reports.diagnosed import Diagnosis
 from servescope.reports.diagnosis import assess_flip, diagnose, primary_indicator
 from servescope.reports.document import (
     Bootstrap,
     Compared,
     Decision,
-    Diagnosis,
     DiffRow,
     Flip,
     LeverChange,

@@ -22,20 +22,20 @@ from typing import Any, NotRequired, Required, TypedDict
 
 import yaml
 
-from servescope.reports.document import (
+from servescope.reports.diagnosed import (
     AlreadySet,
     Diagnosis,
     Finding,
     FirstFinding,
     FlipAssessment,
     HeldLever,
-    LeverChange,
     MeasuredIndicator,
     MovedIndicator,
     NotJudged,
     OfferedLever,
     WorkloadShape,
 )
+from servescope.reports.document import LeverChange
 from servescope.reports.readings import INDICATORS, Subject, Values, indicators, show
 
 RULES_FILE = Path(__file__).with_name("diagnosis.yaml")

@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from servescope.reports.document import IndicatorValue, Percentiles, SideReport
+from servescope.reports.diagnosed import IndicatorValue
+from servescope.reports.document import Percentiles, SideReport
 
 
 class Subject(SideReport):

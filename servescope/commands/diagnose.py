@@ -17,7 +17,7 @@ from servescope.commands.common import (
     store_command,
 )
 from servescope.reports import BadWindow, ReportOptions, UnknownRun, Window, build_summary
-from servescope.reports.document import Diagnosis, OfferedLever
+from servescope.reports.diagnosed import Diagnosis, OfferedLever
 from servescope.store.lakeread import Lake
 
 DESCRIPTION = (
