@@ -343,7 +343,7 @@ class Store:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def runs(self) -> list[dict[str, Any]]:
+    def runs(self) -> list[reads.RunListing]:
         """Every run with its event counts (all, ok, errors, rejected) and flips, oldest first."""
         with self.read() as con:
             return reads.runs(con)

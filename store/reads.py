@@ -39,6 +39,17 @@ class RunRow(TypedDict):
     notes: RunNotes | None
 
 
+class RunListing(RunRow):
+    """A run as `store runs` and `report list` show it: its row (or what its events say:
+    model and times), its requests by outcome and its lever flips."""
+
+    events: int
+    ok: int
+    errors: int
+    rejected: int  # refused by admission control
+    flips: int
+
+
 class FlipChange(TypedDict):
     """One lever's change in a flip: its JSON values before and after (None: unset)."""
 
@@ -102,10 +113,20 @@ def notes(raw: str | RunNotes | None) -> RunNotes:
     return value if isinstance(value, dict) else {}
 
 
-def runs(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+def runs(con: duckdb.DuckDBPyConnection) -> list[RunListing]:
     """Every run with its event counts (all, ok, errors, rejected) and flips, oldest first;
     a run known only from its events is one too."""
-    return [_decoded(run) for run in rows(con.execute(queries.LIST_RUNS))]
+    return [
+        RunListing(
+            **_run_row(found),
+            events=found["events"],
+            ok=found["ok"],
+            errors=found["errors"],
+            rejected=found["rejected"],
+            flips=found["flips"],
+        )  # fmt: skip
+        for found in rows(con.execute(queries.LIST_RUNS))
+    ]
 
 
 def run_ids(con: duckdb.DuckDBPyConnection) -> list[str]:
@@ -122,8 +143,11 @@ def has_run(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
 def run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunRow | None:
     """The run's `runs` row, its JSON columns decoded (None when it has none)."""
     found = row(con.execute(queries.GET_RUN, {"run_id": run_id}))
-    if found is None:
-        return None
+    return None if found is None else _run_row(found)
+
+
+def _run_row(found: dict[str, Any]) -> RunRow:
+    """A `runs` row read as a dict, as a `RunRow`."""
     found = _decoded(found)
     return RunRow(
         run_id=found["run_id"], started_at=found["started_at"], ended_at=found["ended_at"],

@@ -154,7 +154,7 @@ def list_runs(args: argparse.Namespace) -> int:
         started = run["started_at"]
         cells = (
             run["run_id"],
-            *(run[c] for c in counts),
+            *(run["events"], run["ok"], run["errors"], run["rejected"], run["flips"]),
             started.isoformat(" ", "seconds") if started else "",
             run["model"] or "",
             run["status"] or "",
