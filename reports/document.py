@@ -4,9 +4,10 @@
 TypedDicts rather than classes because a report is a document: the templates, the JSON writer and
 every script that reads report.json index it by key, and a TypedDict is that dict at run time
 while a type checker holds each key to its type, and a builder that writes a key twice or leaves
-one out does not pass. A part another module fills with numbers of its own (the
-GPU, the fleet's replicas, the cold start) is an open object here; its
-module documents its keys. reports/schema.py publishes the schema (docs/report.schema.json).
+one out does not pass. A part another module fills with numbers of its own (the fleet's
+replicas, a server's engines, the cold start) is an open object here; its module documents its
+keys. The diagnosis's types are reports/diagnosed.py's. reports/schema.py publishes the schema
+(docs/report.schema.json).
 """
 
 from __future__ import annotations
@@ -194,6 +195,24 @@ class Admission(TypedDict):
     teams: list[Team]
 
 
+class GpuFigures(TypedDict):
+    """A slice's GPUs over its throughput windows (reports/gpu.py); only `measured` (false) and
+    `gpus` (0) where no GPU was sampled."""
+
+    measured: bool
+    gpus: int
+    gpu_ids: NotRequired[list[str]]
+    devices: NotRequired[list[str]]  # product names, as the samples label them
+    energy_basis: NotRequired[str | None]  # the energy counter, or power integrated
+    energy_j: NotRequired[float | None]
+    mean_power_w: NotRequired[float | None]
+    sampled_power_w: NotRequired[float | None]
+    gpu_util_pct: NotRequired[float | None]
+    fb_used_mib_peak: NotRequired[float | None]
+    j_per_output_token: NotRequired[float | None]
+    j_per_request: NotRequired[float | None]
+
+
 class Summary(TypedDict):
     """One slice's numbers (reports/summary.py); `gpu` is reports/gpu.py's."""
 
@@ -201,7 +220,7 @@ class Summary(TypedDict):
     groups: list[Group]
     server: Server
     admission: Admission
-    gpu: dict[str, Any] | None
+    gpu: GpuFigures | None
 
 
 class RunMeta(TypedDict):

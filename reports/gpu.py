@@ -23,13 +23,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import duckdb
 import numpy as np
 
 from servescope.reports import sql
 from servescope.reports.bootstrap import Draws, Floats, ratio_draws, total_draws
+from servescope.reports.document import GpuFigures
 from servescope.reports.sql import SliceParams
 
 POWER = "DCGM_FI_DEV_POWER_USAGE"
@@ -155,12 +156,12 @@ def gpu_numbers(
     run_id: str,
     window: Window | None,
     totals: Callable[[], tuple[Floats | None, Floats | None]],
-) -> tuple[dict[str, Any], dict[str, Draws | None]]:
+) -> tuple[GpuFigures, dict[str, Draws | None]]:
     """The slice's GPU figures for the report and the bootstrap draws of those a diff tests.
     `totals`: the slice's per-window output tokens and successful requests (by completion),
     asked for only when the slice has GPU samples."""
     params = {"power": POWER, "energy": ENERGY, "fb_used": FB_USED, "gpu_util": GPU_UTIL}
-    none: dict[str, Any] = {"measured": False, "gpus": 0}
+    none = GpuFigures(measured=False, gpus=0)
     if window is None:
         return none, {}
     rows = con.execute(
@@ -180,20 +181,20 @@ def gpu_numbers(
     power = _window_means(rows, POWER, window)
     fb = _window_means(rows, FB_USED, window)
     gpus = sorted({key[1] for key in (_series(rows, POWER) | _series(rows, ENERGY))})
-    out: dict[str, Any] = {
-        "measured": True,
-        "gpus": len(gpus),
-        "gpu_ids": gpus,
-        "devices": device_names(rows),
-        "energy_basis": basis,
-        "energy_j": float(energy.sum()) if energy is not None else None,
-        "mean_power_w": float(energy.sum() / seconds) if energy is not None else None,
-        "sampled_power_w": float(power.mean()) if power is not None else None,
-        "gpu_util_pct": float(util.mean()) if util is not None else None,
-        "fb_used_mib_peak": float(fb.max()) if fb is not None else None,
-        "j_per_output_token": None,
-        "j_per_request": None,
-    }
+    out = GpuFigures(
+        measured=True,
+        gpus=len(gpus),
+        gpu_ids=gpus,
+        devices=device_names(rows),
+        energy_basis=basis,
+        energy_j=float(energy.sum()) if energy is not None else None,
+        mean_power_w=float(energy.sum() / seconds) if energy is not None else None,
+        sampled_power_w=float(power.mean()) if power is not None else None,
+        gpu_util_pct=float(util.mean()) if util is not None else None,
+        fb_used_mib_peak=float(fb.max()) if fb is not None else None,
+        j_per_output_token=None,
+        j_per_request=None,
+    )
     draws: dict[str, Draws | None] = {"gpu.gpu_util_pct": _mean_draws(util) if util is not None
                                       else None}  # fmt: skip
     if energy is not None:
@@ -208,9 +209,23 @@ def gpu_numbers(
     return out, draws
 
 
+class ReplicaEnergy(TypedDict):
+    """A replica's own GPUs over a fleet slice's span (`measured` false: none of its own)."""
+
+    measured: bool
+    sessions: list[str]  # the server sessions it ran as
+    gpus: NotRequired[int]
+    gpu_ids: NotRequired[list[str]]
+    energy_basis: NotRequired[str | None]
+    energy_j: NotRequired[float]
+    mean_power_w: NotRequired[float]
+    j_per_output_token: NotRequired[float | None]
+    j_per_request: NotRequired[float | None]
+
+
 def replica_energy(
     con: duckdb.DuckDBPyConnection, params: SliceParams, urls: dict[str, str]
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, ReplicaEnergy]:
     """Per replica of a fleet slice (`params`: the slice's run and window): the energy of the
     GPUs its server session(s) used alone, over the slice's span (the first request's start
     to the last completion, the same for every replica), per output token and per successful
@@ -227,7 +242,7 @@ def replica_energy(
         return {}
     window = Window(float(first), float(last) - float(first), 1)
     names = {"power": POWER, "energy": ENERGY, "fb_used": FB_USED, "gpu_util": GPU_UTIL}
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, ReplicaEnergy] = {}
     for replica, sessions, ok, output_tokens, _first, _last in rows:
         runs = [s for s in sessions or [] if s]
         if not runs and urls.get(replica):
@@ -246,19 +261,19 @@ def replica_energy(
         )
         energy, basis = window_energy(samples, window) if samples else (None, None)
         if energy is None:
-            out[replica] = {"measured": False, "sessions": runs}
+            out[replica] = ReplicaEnergy(measured=False, sessions=runs)
             continue
         joules = float(energy.sum())
         gpus = sorted({key[1] for key in (_series(samples, POWER) | _series(samples, ENERGY))})
-        out[replica] = {
-            "measured": True,
-            "sessions": runs,
-            "gpus": len(gpus),
-            "gpu_ids": gpus,
-            "energy_basis": basis,
-            "energy_j": joules,
-            "mean_power_w": joules / window.width,
-            "j_per_output_token": joules / output_tokens if output_tokens else None,
-            "j_per_request": joules / ok if ok else None,
-        }
+        out[replica] = ReplicaEnergy(
+            measured=True,
+            sessions=runs,
+            gpus=len(gpus),
+            gpu_ids=gpus,
+            energy_basis=basis,
+            energy_j=joules,
+            mean_power_w=joules / window.width,
+            j_per_output_token=joules / output_tokens if output_tokens else None,
+            j_per_request=joules / ok if ok else None,
+        )
     return out

@@ -10,7 +10,7 @@ run, labelled so). reports/rows.py builds the diff's rows from these."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -138,8 +138,10 @@ def _gpu(metric: str) -> Estimator:
     key = metric.partition(".")[2]
 
     def estimate(side: Side, _group: Level) -> tuple[float | None, Draws | None]:
-        figures = side.summary["gpu"]
-        return (figures.get(key) if figures else None), side.cache.get("gpu", {}).get(metric)
+        figures: Mapping[str, object] = side.summary["gpu"] or {}
+        value = figures.get(key)
+        figure = float(value) if isinstance(value, int | float) else None
+        return figure, side.cache.get("gpu", {}).get(metric)
 
     return estimate
 

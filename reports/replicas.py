@@ -137,6 +137,7 @@ def replica_rows(
         scraped = server.get(url, {}) if url else {}
         hits = scraped.get("vllm:prefix_cache_hits_total")
         queries_ = scraped.get("vllm:prefix_cache_queries_total")
+        own = energy.get(name) if name is not None else None
         out.append(
             {
                 "replica": name,
@@ -162,10 +163,8 @@ def replica_rows(
                 "preemptions": scraped.get("vllm:num_preemptions_total"),
                 "server_requests_finished": scraped.get("vllm:request_success_total"),
                 "scraped": bool(scraped),
-                "gpu": energy.get(name) if name is not None else None,
-                "j_per_output_token": (energy.get(name) or {}).get("j_per_output_token")
-                if name is not None
-                else None,
+                "gpu": own,
+                "j_per_output_token": own.get("j_per_output_token") if own else None,
             }
         )
     return sorted(out, key=lambda r: (r["replica"] is None, r["replica"] or ""))
