@@ -29,6 +29,7 @@ from servescope.reports.document import (
     Primary,
     RepeatState,
     RepeatStates,
+    ReplicaChange,
     Report,
     SideReport,
     SpecDecodeDiff,
@@ -168,7 +169,7 @@ class Comparison:
     repeat_states: RepeatStates
     power: Power | None
     cold_start: list[dict[str, Any]]
-    replicas_diff: list[dict[str, Any]] | None
+    replicas_diff: list[ReplicaChange] | None
     spec_decode: SpecDecodeDiff | None
     warnings: list[str]
     flips: list[Flip]

@@ -437,11 +437,88 @@ class SpecDecodeDiff(TypedDict):
     workloads: list[SpecWorkloadDiff]
 
 
+class ReplicaEnergy(TypedDict):
+    """A replica's own GPUs over a fleet slice's span (`measured` false: none of its own)."""
+
+    measured: bool
+    sessions: list[str]  # the server sessions it ran as
+    gpus: NotRequired[int]
+    gpu_ids: NotRequired[list[str]]
+    energy_basis: NotRequired[str | None]
+    energy_j: NotRequired[float]
+    mean_power_w: NotRequired[float]
+    j_per_output_token: NotRequired[float | None]
+    j_per_request: NotRequired[float | None]
+
+
+class ReplicaRow(TypedDict):
+    """One replica of a fleet run (reports/replicas.py), its events joined with its server's
+    numbers by its URL; `replica` null: the requests that reached none."""
+
+    replica: str | None
+    url: str | None
+    requests: int
+    ok: int
+    errors: int
+    errors_by_class: dict[str, int]
+    route_reasons: dict[str, int]
+    ttft_ms_p50: float | None
+    ttft_ms_p95: float | None
+    cached_token_ratio: float | None
+    queue_ms_p95: float | None
+    server_ttft_ms_p95: float | None
+    prefill_ms_p95: float | None
+    decode_ms_p95: float | None
+    prefix_cache_hit_ratio: float | None
+    prefix_cache_hits: float | None
+    prefix_cache_queries: float | None
+    kv_cache_usage_peak: float | None
+    running_peak: float | None
+    waiting_peak: float | None
+    preemptions: float | None
+    server_requests_finished: float | None
+    scraped: bool
+    gpu: NotRequired[ReplicaEnergy | None]  # its own GPUs (reports written since they were)
+    j_per_output_token: NotRequired[float | None]
+
+
+class Spread(TypedDict):
+    """One indicator across the replicas (or engines) that measured it; `min` when one did."""
+
+    n: int
+    max: float | None
+    min: NotRequired[float]
+    mean: float | None
+    max_over_mean: float | None
+    cv: float | None  # coefficient of variation (population)
+
+
+class Change(TypedDict):
+    before: float | None
+    after: float | None
+    delta: float | None
+
+
+class ReplicaChange(TypedDict):
+    """A replica's change in a diff, per indicator of reports/replicas.py's INDICATORS."""
+
+    replica: str | None
+    requests: Change
+    ttft_ms_p50: Change
+    ttft_ms_p95: Change
+    queue_ms_p95: Change
+    prefix_cache_hit_ratio: Change
+    kv_cache_usage_peak: Change
+    preemptions: Change
+    errors: Change
+    j_per_output_token: NotRequired[Change]  # reports written since replicas' energy
+
+
 class Fleet(TypedDict):
     """A fleet run's replicas (reports/replicas.py): null for a run of one server."""
 
-    replicas: list[dict[str, Any]] | None
-    skew: dict[str, Any] | None
+    replicas: list[ReplicaRow] | None
+    skew: dict[str, Spread] | None
     replicas_server: dict[str, Any] | None
 
 
@@ -475,7 +552,7 @@ class Compared(TypedDict, total=False):
     repeats: Design
     repeat_states: RepeatStates
     power: Power | None
-    replicas_diff: list[dict[str, Any]] | None
+    replicas_diff: list[ReplicaChange] | None
     spec_decode: SpecDecodeDiff | None  # reports/specdecode.py; null without speculation
     bootstrap: Bootstrap
 

@@ -23,14 +23,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NotRequired, TypedDict
+from typing import Any
 
 import duckdb
 import numpy as np
 
 from servescope.reports import sql
 from servescope.reports.bootstrap import Draws, Floats, ratio_draws, total_draws
-from servescope.reports.document import GpuFigures
+from servescope.reports.document import GpuFigures, ReplicaEnergy
 from servescope.reports.sql import SliceParams
 
 POWER = "DCGM_FI_DEV_POWER_USAGE"
@@ -207,20 +207,6 @@ def gpu_numbers(
             out["j_per_request"] = float(energy.sum() / ok_requests.sum())
             draws["gpu.j_per_request"] = ratio_draws(energy, ok_requests)
     return out, draws
-
-
-class ReplicaEnergy(TypedDict):
-    """A replica's own GPUs over a fleet slice's span (`measured` false: none of its own)."""
-
-    measured: bool
-    sessions: list[str]  # the server sessions it ran as
-    gpus: NotRequired[int]
-    gpu_ids: NotRequired[list[str]]
-    energy_basis: NotRequired[str | None]
-    energy_j: NotRequired[float]
-    mean_power_w: NotRequired[float]
-    j_per_output_token: NotRequired[float | None]
-    j_per_request: NotRequired[float | None]
 
 
 def replica_energy(

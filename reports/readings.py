@@ -245,17 +245,16 @@ def _fleet(report: Subject, values: Values) -> Values:
     rows = [r for r in report["replicas"] or [] if r.get("replica") is not None]
     skew = report["skew"] or {}
     served = [r for r in rows if r.get("requests")]
-    ratios = [r["prefix_cache_hit_ratio"] for r in rows
-              if r.get("prefix_cache_hit_ratio") is not None]  # fmt: skip
+    ratios = [r for row in rows if (r := row["prefix_cache_hit_ratio"]) is not None]
     hit, shared = values.get("prefix_cache_hit_ratio"), values.get("shared_prefix_share")
     gap = None
     if rows and isinstance(hit, float | int) and isinstance(shared, float | int):
         gap = max(0.0, shared - hit)
+    load, hits = skew.get("requests"), skew.get("prefix_cache_hit_ratio")
     return {
         "replicas": len(served) if rows else 1,
-        "replica_load_skew": (skew.get("requests") or {}).get("max_over_mean") if rows else None,
-        "replica_hit_ratio_cv": (skew.get("prefix_cache_hit_ratio") or {}).get("cv")
-        if len(ratios) >= 2 else None,
+        "replica_load_skew": load["max_over_mean"] if rows and load else None,
+        "replica_hit_ratio_cv": hits["cv"] if len(ratios) >= 2 and hits else None,
         "replica_hit_ratio_range": f"{min(ratios) * 100:.1f} % → {max(ratios) * 100:.1f} %"
         if len(ratios) >= 2 else None,
         "prefix_hit_gap": gap,

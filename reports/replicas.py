@@ -25,13 +25,13 @@ policy (`routing`, written by the gateway for pooled models): other runs pay one
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import duckdb
 
 from servescope.reports import gpu, sql
-from servescope.reports.document import Fleet
+from servescope.reports.document import Change, Fleet, ReplicaChange, ReplicaRow, Spread
 from servescope.reports.histograms import bucket_bound, histogram_quantile
 from servescope.reports.prometheus import server_side
 from servescope.reports.samples import Slice
@@ -72,10 +72,14 @@ def is_fleet(con: duckdb.DuckDBPyConnection, run: Mapping[str, Any]) -> bool:
     return reads.is_routed(con, run["run_id"])
 
 
-def _server_side(con: duckdb.DuckDBPyConnection, part: Slice) -> dict[str, dict[str, Any]]:
+# Per scraped target (a URL): counter growth, gauge peaks and `<key>_p95_s` by name
+ServerNumbers = dict[str, dict[str, float | None]]
+
+
+def _server_side(con: duckdb.DuckDBPyConnection, part: Slice) -> ServerNumbers:
     """Per scraped target: counter deltas, gauge peaks and the queue-time histogram's p95."""
     params = part.params()
-    out: dict[str, dict[str, Any]] = {}
+    out: ServerNumbers = {}
     for target, name, delta, steps in con.execute(
         sql.COUNTERS_BY_TARGET, {**params, "names": list(COUNTERS)}
     ).fetchall():
@@ -108,8 +112,8 @@ def replica_rows(
     con: duckdb.DuckDBPyConnection,
     part: Slice,
     urls: dict[str, str],
-    server: dict[str, dict[str, Any]] | None = None,
-) -> list[dict[str, Any]]:
+    server: ServerNumbers | None = None,
+) -> list[ReplicaRow]:
     """One row per replica (and one for requests that reached none), events and server numbers
     joined by the replica's URL in the run's notes; `server` (by URL) replaces servescope's own
     scrapes (reports/prometheus.py)."""
@@ -139,60 +143,62 @@ def replica_rows(
         queries_ = scraped.get("vllm:prefix_cache_queries_total")
         own = energy.get(name) if name is not None else None
         out.append(
-            {
-                "replica": name,
-                "url": url,
-                "requests": row["requests"],
-                "ok": row["ok"],
-                "errors": row["errors"],
-                "errors_by_class": errors.get(name, {}),
-                "route_reasons": reasons.get(name, {}),
-                "ttft_ms_p50": row["ttft_ms_p50"],
-                "ttft_ms_p95": row["ttft_ms_p95"],
-                "cached_token_ratio": _ratio(row["cached_tokens"], row["prompt_tokens"]),
-                "queue_ms_p95": _ms(scraped.get("queue_p95_s")),
-                "server_ttft_ms_p95": _ms(scraped.get("server_ttft_p95_s")),
-                "prefill_ms_p95": _ms(scraped.get("prefill_p95_s")),
-                "decode_ms_p95": _ms(scraped.get("decode_p95_s")),
-                "prefix_cache_hit_ratio": _ratio(hits, queries_),
-                "prefix_cache_hits": hits,
-                "prefix_cache_queries": queries_,
-                "kv_cache_usage_peak": scraped.get("vllm:kv_cache_usage_perc"),
-                "running_peak": scraped.get("vllm:num_requests_running"),
-                "waiting_peak": scraped.get("vllm:num_requests_waiting"),
-                "preemptions": scraped.get("vllm:num_preemptions_total"),
-                "server_requests_finished": scraped.get("vllm:request_success_total"),
-                "scraped": bool(scraped),
-                "gpu": own,
-                "j_per_output_token": own.get("j_per_output_token") if own else None,
-            }
+            ReplicaRow(
+                replica=name,
+                url=url,
+                requests=row["requests"],
+                ok=row["ok"],
+                errors=row["errors"],
+                errors_by_class=errors.get(name, {}),
+                route_reasons=reasons.get(name, {}),
+                ttft_ms_p50=row["ttft_ms_p50"],
+                ttft_ms_p95=row["ttft_ms_p95"],
+                cached_token_ratio=_ratio(row["cached_tokens"], row["prompt_tokens"]),
+                queue_ms_p95=_ms(scraped.get("queue_p95_s")),
+                server_ttft_ms_p95=_ms(scraped.get("server_ttft_p95_s")),
+                prefill_ms_p95=_ms(scraped.get("prefill_p95_s")),
+                decode_ms_p95=_ms(scraped.get("decode_p95_s")),
+                prefix_cache_hit_ratio=_ratio(hits, queries_),
+                prefix_cache_hits=hits,
+                prefix_cache_queries=queries_,
+                kv_cache_usage_peak=scraped.get("vllm:kv_cache_usage_perc"),
+                running_peak=scraped.get("vllm:num_requests_running"),
+                waiting_peak=scraped.get("vllm:num_requests_waiting"),
+                preemptions=scraped.get("vllm:num_preemptions_total"),
+                server_requests_finished=scraped.get("vllm:request_success_total"),
+                scraped=bool(scraped),
+                gpu=own,
+                j_per_output_token=own.get("j_per_output_token") if own else None,
+            )
         )
     return sorted(out, key=lambda r: (r["replica"] is None, r["replica"] or ""))
 
 
 def skew(
-    rows: list[dict[str, Any]], indicators: tuple[str, ...] = INDICATORS, key: str = "replica"
-) -> dict[str, dict[str, Any]]:
+    rows: Sequence[Mapping[str, object]],
+    indicators: tuple[str, ...] = INDICATORS,
+    key: str = "replica",
+) -> dict[str, Spread]:
     """Per indicator, across the named replicas (or another `key`: a server's engines) that
     measured it: max, mean, max / mean and the coefficient of variation (population). Ratios
     are None where the mean is 0."""
     named = [r for r in rows if r[key] is not None]
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, Spread] = {}
     for name in indicators:
-        values = [float(r[name]) for r in named if r.get(name) is not None]
+        values = [float(v) for r in named if isinstance(v := r.get(name), int | float)]
         if not values:
-            out[name] = {"n": 0, "max": None, "mean": None, "max_over_mean": None, "cv": None}
+            out[name] = Spread(n=0, max=None, mean=None, max_over_mean=None, cv=None)
             continue
         mean = sum(values) / len(values)
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-        out[name] = {
-            "n": len(values),
-            "max": max(values),
-            "min": min(values),
-            "mean": mean,
-            "max_over_mean": max(values) / mean if mean else None,
-            "cv": std / mean if mean else None,
-        }
+        out[name] = Spread(
+            n=len(values),
+            max=max(values),
+            min=min(values),
+            mean=mean,
+            max_over_mean=max(values) / mean if mean else None,
+            cv=std / mean if mean else None,
+        )
     return out
 
 
@@ -231,24 +237,40 @@ def fleet(
 
 
 def replicas_diff(
-    before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None
-) -> list[dict[str, Any]] | None:
+    before: list[ReplicaRow] | None, after: list[ReplicaRow] | None
+) -> list[ReplicaChange] | None:
     """Per replica (matched by name) and indicator: before, after and the change."""
     if not before and not after:
         return None
     by_name = {r["replica"]: r for r in before or []}
     after_by = {r["replica"]: r for r in after or []}
     names = sorted({*by_name, *after_by}, key=lambda n: (n is None, n or ""))
-    out = []
-    for name in names:
-        b, a = by_name.get(name) or {}, after_by.get(name) or {}
-        changes = {}
-        for ind in INDICATORS:
-            old, new = b.get(ind), a.get(ind)
-            changes[ind] = {
-                "before": old,
-                "after": new,
-                "delta": None if old is None or new is None else new - old,
-            }
-        out.append({"replica": name, **changes})
-    return out
+    return [_change(name, by_name.get(name), after_by.get(name)) for name in names]
+
+
+def _change(name: str | None, b: ReplicaRow | None, a: ReplicaRow | None) -> ReplicaChange:
+    """One replica's before, after and change per indicator (a side it is missing on: null)."""
+
+    def of(row: ReplicaRow | None, ind: str) -> float | None:
+        view: Mapping[str, object] = row or {}
+        value = view.get(ind)
+        return value if isinstance(value, int | float) else None  # an int stays one
+
+    def change(ind: str) -> Change:
+        old, new = of(b, ind), of(a, ind)
+        return Change(
+            before=old, after=new, delta=None if old is None or new is None else new - old
+        )
+
+    return ReplicaChange(
+        replica=name,
+        requests=change("requests"),
+        ttft_ms_p50=change("ttft_ms_p50"),
+        ttft_ms_p95=change("ttft_ms_p95"),
+        queue_ms_p95=change("queue_ms_p95"),
+        prefix_cache_hit_ratio=change("prefix_cache_hit_ratio"),
+        kv_cache_usage_peak=change("kv_cache_usage_peak"),
+        preemptions=change("preemptions"),
+        errors=change("errors"),
+        j_per_output_token=change("j_per_output_token"),
+    )
