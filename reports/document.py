@@ -514,12 +514,25 @@ class ReplicaChange(TypedDict):
     j_per_output_token: NotRequired[Change]  # reports written since replicas' energy
 
 
+class ReplicasServer(TypedDict):
+    """Where a fleet's replica server numbers came from: servescope's own scrapes, or a
+    Prometheus (`report build --prometheus`), with what was asked of it."""
+
+    source: str  # "servescope scrapes" | "prometheus"
+    url: NotRequired[str]
+    instances: NotRequired[dict[str, str]]  # replica → Prometheus instance
+    since: NotRequired[str]
+    until: NotRequired[str]
+    range: NotRequired[str]
+    evaluated_at: NotRequired[str]
+
+
 class Fleet(TypedDict):
     """A fleet run's replicas (reports/replicas.py): null for a run of one server."""
 
     replicas: list[ReplicaRow] | None
     skew: dict[str, Spread] | None
-    replicas_server: dict[str, Any] | None
+    replicas_server: ReplicasServer | None
 
 
 class Numbers(Summary, Fleet):

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from servescope.reports.document import ReplicasServer
 from servescope.store.clock import utcnow
 
 UNKNOWN_INTERVAL_PAD_S = 30.0
@@ -90,10 +91,10 @@ def scrape_pad_s(base: str, instances: list[str]) -> float:
     return 2 * max(intervals) if intervals else UNKNOWN_INTERVAL_PAD_S
 
 
-def _vector(base: str, promql: str, at: datetime) -> dict[str, Any]:
-    """An instant query's result by instance: {instance: value} or, with `le`, nested."""
+def _vector(base: str, promql: str, at: datetime) -> dict[str, float | None]:
+    """An instant query's result by instance: {instance: value} (NaN: None)."""
     data = _get(base, "/api/v1/query", {"query": promql, "time": f"{at.timestamp():.3f}"})
-    out: dict[str, Any] = {}
+    out: dict[str, float | None] = {}
     for sample in data.get("result", []):
         labels = sample.get("metric", {})
         value = float(sample["value"][1])
@@ -107,7 +108,7 @@ def server_side(
     start: datetime,
     end: datetime,
     names: tuple[Sequence[str], Sequence[str], dict[str, str]],
-) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+) -> tuple[dict[str, dict[str, float | None]], ReplicasServer]:
     """Per replica URL the numbers `reports.replicas` reads from its own scrapes (the growth
     of `names`' counters, its gauges' peaks, `<key>_p95_s` of its histograms by key), from
     Prometheus; and what was asked (URL, window, instances) for the report. `start`/`end` are
@@ -124,7 +125,7 @@ def server_side(
     # a regex of the exact instances, inside a PromQL string literal (its backslashes doubled)
     match = "|".join(re.escape(i) for i in instances).replace("\\", "\\\\")
     selector = f'{{instance=~"{match}"}}'
-    found: dict[str, dict[str, Any]] = {url: {} for url in by_instance.values()}
+    found: dict[str, dict[str, float | None]] = {url: {} for url in by_instance.values()}
 
     def fill(key: str, promql: str) -> None:
         for instance, value in _vector(base, promql, at).items():
@@ -160,12 +161,13 @@ def server_side(
         fill(name, f"max by (instance) (max_over_time({name}{selector}[{window}]))")
     for key, name in histograms.items():
         fill(f"{key}_p95_s", f"histogram_quantile(0.95, {growth(name, 'instance, le')})")
-    asked = {
-        "url": base,
-        "instances": {name: instance_of(url) for name, url in urls.items()},
-        "since": start.isoformat() + "Z",
-        "until": until.isoformat() + "Z",
-        "range": window,
-        "evaluated_at": at.isoformat().replace("+00:00", "Z"),
-    }
+    asked = ReplicasServer(
+        source="prometheus",
+        url=base,
+        instances={name: instance_of(url) for name, url in urls.items()},
+        since=start.isoformat() + "Z",
+        until=until.isoformat() + "Z",
+        range=window,
+        evaluated_at=at.isoformat().replace("+00:00", "Z"),
+    )
     return found, asked

@@ -31,7 +31,14 @@ from typing import Any
 import duckdb
 
 from servescope.reports import gpu, sql
-from servescope.reports.document import Change, Fleet, ReplicaChange, ReplicaRow, Spread
+from servescope.reports.document import (
+    Change,
+    Fleet,
+    ReplicaChange,
+    ReplicaRow,
+    ReplicasServer,
+    Spread,
+)
 from servescope.reports.histograms import bucket_bound, histogram_quantile
 from servescope.reports.prometheus import server_side
 from servescope.reports.samples import Slice
@@ -224,14 +231,13 @@ def fleet(
         )
     if not is_fleet(con, run):
         return {"replicas": None, "skew": None, "replicas_server": None}
-    server, source = None, {"source": "servescope scrapes"}
+    server, source = None, ReplicasServer(source="servescope scrapes")
     if prometheus:
         start = part.since or run.get("started_at")
         end = part.until or run.get("ended_at")
         if start is None or end is None:
             raise NotAFleet(f"run {run['run_id']!r} has no start or end to ask Prometheus about")
-        server, asked = server_side(prometheus, urls, start, end, (COUNTERS, GAUGES, HISTOGRAMS))
-        source = {"source": "prometheus", **asked}
+        server, source = server_side(prometheus, urls, start, end, (COUNTERS, GAUGES, HISTOGRAMS))
     rows = replica_rows(con, part, urls, server)
     return {"replicas": rows, "skew": skew(rows), "replicas_server": source}
 
