@@ -13,7 +13,7 @@ is "not measurable here", so an operator does not look for a run that would fill
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import duckdb
 
@@ -21,7 +21,6 @@ from servescope.reports import sql
 from servescope.reports.document import ChecklistItem
 from servescope.reports.samples import Slice
 from servescope.reports.summary import ReportOptions
-from servescope.store import reads
 
 PASS, FAIL, NOT_MEASURED = "pass", "fail", "not measured"
 NOT_MEASURABLE = "not measurable here"
@@ -68,7 +67,7 @@ def _loading(meta: Mapping[str, Any]) -> ChecklistItem:
     )
 
 
-def _compatibility(checks: dict[str, Any]) -> ChecklistItem:
+def _compatibility(checks: Checks) -> ChecklistItem:
     criterion = "an OpenAI client completes a chat call"
     if not checks["chat_requests"]:
         return _item("API compatibility", criterion, NOT_MEASURED, "no chat requests in this run")
@@ -81,7 +80,7 @@ def _compatibility(checks: dict[str, Any]) -> ChecklistItem:
     )
 
 
-def _stability(checks: dict[str, Any]) -> ChecklistItem:
+def _stability(checks: Checks) -> ChecklistItem:
     criterion = f"≤ {STABILITY_LIMIT_PER_100:g} timeouts/OOMs per 100 requests"
     n = checks["requests"]
     if not n:
@@ -125,7 +124,7 @@ def _cost(overall: Mapping[str, Any], options: ReportOptions) -> ChecklistItem:
     )
 
 
-def _observability(checks: dict[str, Any]) -> ChecklistItem:
+def _observability(checks: Checks) -> ChecklistItem:
     criterion = "request_id, model, tokens and latency on every event"
     if not checks["ok"]:
         return _item("Observability", criterion, NOT_MEASURED, "no successful requests")
@@ -164,6 +163,33 @@ def _admission(admission: Mapping[str, Any]) -> ChecklistItem:
     return _item("Admission control", criterion, status, evidence)
 
 
+class Checks(TypedDict):
+    """A slice's counts the pass criteria read (`sql.SLICE_CHECKS`, `sql.SLICE_OOMS`)."""
+
+    requests: int
+    timeouts: int
+    ok: int
+    ok_missing_fields: int  # successful events without model, tokens or e2e
+    chat_requests: int
+    chat_ok: int
+    ooms: int
+
+
+def _checks(con: duckdb.DuckDBPyConnection, params: Mapping[str, object], part: Slice) -> Checks:
+    counts = con.execute(sql.SLICE_CHECKS, params).fetchone()
+    requests, timeouts, ok, missing, chat, chat_ok = counts or (0, 0, 0, 0, 0, 0)
+    ooms = con.execute(sql.SLICE_OOMS, part.params()).fetchone()
+    return Checks(
+        requests=requests,
+        timeouts=timeouts,
+        ok=ok,
+        ok_missing_fields=missing,
+        chat_requests=chat,
+        chat_ok=chat_ok,
+        ooms=ooms[0] if ooms else 0,
+    )
+
+
 def checklist(
     con: duckdb.DuckDBPyConnection,
     part: Slice,
@@ -172,9 +198,7 @@ def checklist(
     options: ReportOptions,
 ) -> list[ChecklistItem]:
     params = {**part.params(), "chat_workloads": _chat_workloads(meta.get("workload"))}
-    checks = reads.row(con.execute(sql.SLICE_CHECKS, params)) or {}
-    row = con.execute(sql.SLICE_OOMS, part.params()).fetchone()
-    checks["ooms"] = row[0] if row else 0
+    checks = _checks(con, params, part)
     return [
         _loading(meta),
         _compatibility(checks),
