@@ -11,7 +11,7 @@ timeline are aggregated in SQL. Peak memory is one metric's column on each side 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -340,7 +340,7 @@ def choose_sources(*sides: Samples) -> dict[str, str]:
     return chosen
 
 
-def _spread_totals(data: dict[str, Any], column: str, count: int) -> Floats:
+def _spread_totals(data: Mapping[str, np.ndarray], column: str, count: int) -> Floats:
     """One column's per-window totals from `sql.SLICE_WINDOW_TOTALS`' changes at the edges."""
     rows = np.asarray(data["col"]) == column
     edge: NDArray[np.int64] = np.asarray(data["k"], dtype=np.int64)[rows]
