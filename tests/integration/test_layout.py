@@ -213,7 +213,7 @@ def test_the_private_name_check_sees_every_way_of_taking_one(tmp_path: Path) -> 
     }
 
 
-def tests_modules_taken(source: str, package: tuple[str, ...]) -> set[str]:
+def modules_of_tests_taken(source: str, package: tuple[str, ...]) -> set[str]:
     """The modules under tests/ that a file of `package` imports, at any depth: `from tests.x
     import …`, `from tests import x`, `import tests.x`, or relative (`from .x import …`)."""
     found: set[str] = set()
@@ -239,7 +239,7 @@ def test_test_modules_share_code_only_through_tests_helpers() -> None:
     wrong = sorted(
         f"{path.relative_to(ROOT)}: {module}"
         for path in (ROOT / "tests").rglob("*.py")
-        for module in tests_modules_taken(path.read_text(), path.relative_to(ROOT).parts[:-1])
+        for module in modules_of_tests_taken(path.read_text(), path.relative_to(ROOT).parts[:-1])
         if not module.startswith("tests.helpers.")
     )
     assert not wrong, wrong
@@ -256,7 +256,7 @@ def test_the_tests_import_check_sees_every_way_of_taking_a_test_module() -> None
         "def late():\n"
         "    import tests.e2e.conftest\n"
     )
-    assert tests_modules_taken(probe, ("tests", "integration")) == {
+    assert modules_of_tests_taken(probe, ("tests", "integration")) == {
         "tests.helpers.cli",
         "tests.helpers.stats",
         "tests.integration.test_report",
