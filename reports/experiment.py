@@ -349,8 +349,8 @@ def _outcome_row(run: ArmRun, side: Numbers) -> OutcomeRow:
 
 
 # One indicator of the outcome table: (heading, OutcomeRow key, format)
-Indicator = tuple[str, str, str]
-OUTCOME_INDICATORS: list[Indicator] = [
+Shown = tuple[str, str, str]
+OUTCOME_INDICATORS: list[Shown] = [
     ("requests", "requests", ""),
     ("errors", "errors", ""),
     ("TTFT p50 ms", "ttft_ms_p50", ".0f"),
@@ -373,7 +373,7 @@ POOLED_METRICS: dict[str, str] = {
 }
 
 
-def shown_indicators(rows: Sequence[Mapping[str, object]]) -> list[Indicator]:
+def shown_indicators(rows: Sequence[Mapping[str, object]]) -> list[Shown]:
     """The indicators that mean something for these runs: no probe TTFT where the workload
     has no probe class, no draft acceptance where neither arm speculates."""
     probes = any(r.get("has_probes") or r.get("probe_ttft_ms_p50") is not None for r in rows)

@@ -13,7 +13,7 @@ from rich.text import Text
 from servescope.reports.experiment import (
     POOLED_METRICS,
     Built,
-    Indicator,
+    Shown,
     primary_level,
     shown_indicators,
     verdict_rows,
@@ -28,7 +28,7 @@ NOTES = {
 }
 
 
-def _note(rows: Sequence[Row], indicators: list[Indicator]) -> str:
+def _note(rows: Sequence[Row], indicators: list[Shown]) -> str:
     """What the figures are: whose TTFT (the client's, or vLLM's where the client had none),
     and how the ratios shown are computed."""
     sources = sorted({str(r["ttft_source"]) for r in rows if r.get("ttft_source")})
@@ -38,7 +38,7 @@ def _note(rows: Sequence[Row], indicators: list[Indicator]) -> str:
 
 
 def outcome_table(
-    rows: Sequence[Row], console: Console, indicators: list[Indicator] | None = None
+    rows: Sequence[Row], console: Console, indicators: list[Shown] | None = None
 ) -> RenderableType:
     """The runs' indicators: one line per run where the console is wide enough for every
     indicator side by side, else one column per run (as many runs a table as fit), so that a
@@ -65,14 +65,14 @@ def _cell(row: Row, key: str, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def _runs_by_row(rows: Sequence[Row], indicators: list[Indicator], note: str) -> Table:
+def _runs_by_row(rows: Sequence[Row], indicators: list[Shown], note: str) -> Table:
     table = Table("run", *(h for h, _k, _f in indicators), title=f"runs ({note})")
     for row, label in zip(rows, run_labels(rows), strict=True):
         table.add_row(label, *(_cell(row, k, f) for _h, k, f in indicators))
     return table
 
 
-def _runs_by_column(rows: Sequence[Row], labels: list[str], indicators: list[Indicator]) -> Table:
+def _runs_by_column(rows: Sequence[Row], labels: list[str], indicators: list[Shown]) -> Table:
     table = Table("run", *labels, title="runs")
     for column in table.columns[1:]:
         column.justify = "right"
@@ -100,7 +100,7 @@ def _change(delta_pct: float | None, ci: list[float] | None) -> str:
     return f"{_signed(delta_pct)} %{interval}"
 
 
-def verdict_table(built: Built, indicators: list[Indicator]) -> Table:
+def verdict_table(built: Built, indicators: list[Shown]) -> Table:
     """One pooled comparison at its primary level: before and after (the repeats pooled),
     Δ % with the interval its verdict reads (the primary's: the stopping rule's; the others':
     their correction's) and the verdict, row by row from the pooled report."""
