@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from servescope.loadgen import experiment as loadgen_experiment
-from tests.helpers.experiments import FakeServer
+from tests.helpers.experiments import FakeServer, ResetServer
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -63,3 +63,12 @@ def chromium() -> Iterator[str]:
             process.kill()
             process.wait()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def reset_servers() -> Iterator[list[ResetServer]]:
+    """Servers answering vLLM's reset (and sleep) endpoints that a test makes; closed after it."""
+    made: list[ResetServer] = []
+    yield made
+    for server in made:
+        server.close()
