@@ -62,21 +62,15 @@ class ArmPair:
 @dataclass(frozen=True)
 class Arms:
     """An experiment as its reports need it: every run in run order, the pairs of consecutive
-    arms, and why the rounds stopped (the stopping rule's `stopped` and its words), if they
-    stopped early."""
+    arms (pooled), the (before, after) runs of each pair within each repeat both arms ran in
+    (a report each, beside the pooled one), and why the rounds stopped (the stopping rule's
+    `stopped` and its words), if they stopped early. The experiment says which runs pair up
+    (loadgen.experiment.ExperimentResult.comparisons and .pairs): the reports only read it."""
 
     runs: list[ArmRun]
     comparisons: list[ArmPair]
+    repeats: list[tuple[ArmRun, ArmRun]] = field(default_factory=list)
     stopped: tuple[str, str] | None = None
-
-    def pairs(self) -> list[tuple[ArmRun, ArmRun]]:
-        """(before, after) of every comparison within each repeat both arms ran in: the
-        per-repeat reports kept beside the pooled one."""
-        out = []
-        for comparison in self.comparisons:
-            after = {run.repeat: run for run in comparison.after_runs}
-            out += [(r, after[r.repeat]) for r in comparison.before_runs if r.repeat in after]
-        return out
 
 
 def _ids(runs: Sequence[ArmRun]) -> str | list[str]:
@@ -237,7 +231,7 @@ def _pooled(
 
 def _per_repeat(store: Store, arms: Arms, out: Path, reports: ExperimentReports) -> None:
     pooled = {c.before: c for c in arms.comparisons}
-    for before_run, after_run in arms.pairs():
+    for before_run, after_run in arms.repeats:
         comparison = pooled[before_run.arm]
         if len(comparison.before_runs) == len(comparison.after_runs) == 1:
             continue  # the pooled report is this one

@@ -475,6 +475,7 @@ def arms_of(result: ExperimentResult) -> Arms:
     return Arms(
         runs=[_arm_run(run) for run in result.runs],
         comparisons=[_arm_pair(c) for c in result.comparisons()],
+        repeats=[(_arm_run(b), _arm_run(a)) for b, a in result.pairs()],
         stopped=(result.stopped, result.stop_words) if result.stopped else None,
     )
 
