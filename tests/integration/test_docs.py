@@ -1,11 +1,11 @@
-"""The docs name only what exists. README.md and docs/ (docs/history/ aside: a notebook of what
-was, in the words of its day) are read for what they name of ours — a file or folder, a
-`servescope` command, subcommand or flag, a make target, a Python symbol — and each name is
-resolved against the repository: paths against the checkout, commands and flags against the
-parsers `servescope` itself builds, symbols by importing them. A name that is legitimately not
-ours (vLLM's flags, other projects' names, a model's files) sits in `NOT_OURS`, with why; what
-cannot be ours by its shape (Prometheus's `vllm:` metric names, URL paths such as `/metrics`, a
-JSON key path such as `notes.instance`) is not read as a reference at all.
+"""The docs name only what exists. README.md and docs/ (docs/history/ aside, a notebook of what was
+in the words of its day, and the reports servescope wrote) are read for what they name of ours —
+a file or folder, a `servescope` command, subcommand or flag, a make target, a Python symbol —
+and each name is resolved against the repository: paths against the checkout, commands and flags
+against the parsers `servescope` itself builds, symbols by importing them. A name that is
+legitimately not ours (vLLM's flags, other projects' names, a model's files) sits in `NOT_OURS`,
+with why; what cannot be ours by its shape (Prometheus's `vllm:` metric names, URL paths such as
+`/metrics`, a JSON key path such as `notes.instance`) is not read as a reference at all.
 
 This is what makes "the tests keep it true" true of the docs: a module renamed, a command
 removed or a flag dropped fails here with the doc's file:line until the doc follows."""
@@ -77,8 +77,14 @@ class Mention:
 
 
 def docs() -> list[Path]:
+    """The docs people write: README.md and docs/, less docs/history/ and the reports servescope
+    wrote into docs/gpu/ (each folder with a report.json), which say what their run said."""
     folder = ROOT / "docs"
-    found = [p for p in folder.rglob("*.md") if p.relative_to(folder).parts[0] != "history"]
+    found = [
+        p
+        for p in folder.rglob("*.md")
+        if p.relative_to(folder).parts[0] != "history" and not (p.parent / "report.json").exists()
+    ]
     return [ROOT / "README.md", *sorted(found)]
 
 
