@@ -474,6 +474,23 @@ def test_the_docs_name_only_what_exists() -> None:
     assert not bad, "the docs name what does not exist:\n" + "\n".join(bad)
 
 
+def test_the_code_names_only_commands_that_exist() -> None:
+    """A command the code's docstrings, comments and help texts name in backticks (`servescope
+    model make-tiny`, `report build RUN --vs BASE`) exists, with its flags: what a user is told
+    to type."""
+    bad = []
+    for room in (*ROOMS, "servescope", "benchmarks"):
+        for path in sorted((ROOT / room).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            for match in CODE_SPAN.finditer(text):
+                if "\n" in match[2] or (words := command_words(match[2])) is None:
+                    continue
+                if problem := command_problem(words):
+                    line = text.count("\n", 0, match.start()) + 1
+                    bad.append(f"{path.relative_to(ROOT)}:{line}: {problem}  [{match[2][:80]}]")
+    assert not bad, "the code names commands that do not exist:\n" + "\n".join(bad)
+
+
 def test_each_kind_of_reference_is_checked(tmp_path: Path) -> None:
     """The checks fail on what is made up: a path, a command, a subcommand, a flag, a symbol, a
     make target, a link; and pass what exists."""
