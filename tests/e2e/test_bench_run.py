@@ -8,7 +8,6 @@ import json
 import signal
 import subprocess
 import time
-from datetime import datetime
 from pathlib import Path
 
 import aiohttp
@@ -20,12 +19,8 @@ from servescope.loadgen.record import SATURATION_LAG_MS
 from servescope.loadgen.workload import load_config
 from servescope.store import Store, settings
 from tests.helpers.cli import ROOT, SERVESCOPE, bench_args, read_events, servescope
+from tests.helpers.stored import epoch
 from tests.helpers.vllm import RunningServer
-
-
-def _epoch(ts: str) -> float:
-    return datetime.fromisoformat(ts).timestamp()
-
 
 OPEN_LOOP = """
 workloads:
@@ -94,13 +89,13 @@ def test_open_loop_records_intended_and_actual_send_times(open_loop: dict) -> No
     for event in events:
         assert event["target_rate"] == 4.0 and event["team"] == "lab"
         assert event["schedule_lag_ms"] >= 0  # never sent before its time
-        assert _epoch(event["ts"]) >= _epoch(event["intended_ts"])
+        assert epoch(event["ts"]) >= epoch(event["intended_ts"])
     (level,) = result["levels"]
     assert level["loop"] == "open" and level["target_rate"] == 4.0
     lags = [e["schedule_lag_ms"] for e in events]
     assert level["schedule_lag_ms"]["max"] == max(lags)
     assert min(lags) <= level["schedule_lag_ms"]["p50"] <= level["schedule_lag_ms"]["p99"]
-    sends = sorted(_epoch(e["ts"]) for e in events)
+    sends = sorted(epoch(e["ts"]) for e in events)
     assert level["achieved_rate"] == pytest.approx(15 / (sends[-1] - sends[0]), rel=0.05)
     saturated = level["schedule_lag_ms"]["p99"] > SATURATION_LAG_MS or (
         level["achieved_rate"] < 0.9 * level["scheduled_rate"]
@@ -127,7 +122,7 @@ def test_same_seed_same_prompts_and_schedule_across_runs(open_loop: dict) -> Non
     assert by_plan(a) == by_plan(b)
 
     def schedule(events: list[dict]) -> list[float]:
-        intended = sorted(_epoch(e["intended_ts"]) for e in events)
+        intended = sorted(epoch(e["intended_ts"]) for e in events)
         return [t - intended[0] for t in intended]
 
     # the seeded arrival times, wherever each run began
@@ -260,12 +255,12 @@ workloads:
     # what is bounded is the number of requests sent after the deadline, not seconds.
     assert level["duration_s"] >= 3.0
     assert level["requests"] == result["events"] == len(events) >= 2  # one per worker at least
-    sends = sorted(_epoch(e["ts"]) for e in events)
+    sends = sorted(epoch(e["ts"]) for e in events)
     # the deadline falls at most 3 s after the first send; past it, a worker sends only the
     # request it was preparing when the deadline came: at most one per worker
     assert sum(t > sends[0] + 3.0 for t in sends) <= 2, sends
     # the level's duration covers its requests, first send to last answer (wall and monotonic
     # clocks are mixed here: 50 ms covers their drift over a few seconds)
-    span = max(_epoch(e["ts"]) + e["e2e_ms"] / 1000 for e in events) - sends[0]
+    span = max(epoch(e["ts"]) + e["e2e_ms"] / 1000 for e in events) - sends[0]
     assert level["duration_s"] >= span - 0.05, (level["duration_s"], span)
     assert len({e["plan_index"] for e in events}) == len(events)

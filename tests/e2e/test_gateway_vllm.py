@@ -28,7 +28,6 @@ from tests.helpers.gateway import (
     KEYS,
     Gateway,
     auth,
-    epoch,
     gateway,
     one_upstream,
     p95,
@@ -38,6 +37,7 @@ from tests.helpers.gateway import (
     until_reloaded,
     write_config,
 )
+from tests.helpers.stored import epoch
 from tests.helpers.vllm import RunningServer, paused
 
 pytestmark = pytest.mark.vllm

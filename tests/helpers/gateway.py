@@ -11,7 +11,6 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -191,10 +190,6 @@ async def until_reloaded(gw: Gateway, outcome: str, count: int, timeout_s: float
             pass
         assert time.monotonic() < deadline, f"no {outcome} reload counted in {timeout_s:.0f} s"
         await asyncio.sleep(0.05)
-
-
-def epoch(ts: str) -> float:
-    return datetime.fromisoformat(ts).timestamp()
 
 
 def p95(values: list[float]) -> float:

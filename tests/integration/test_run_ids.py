@@ -20,6 +20,7 @@ from servescope.collector.sessions import default_instance, instance_name, sessi
 from servescope.collector.sources.logs import VllmLog
 from servescope.store import Store
 from tests.helpers.cli import servescope
+from tests.helpers.stored import rows
 
 QWEN3 = Path(__file__).resolve().parents[1] / "fixtures" / "gpu2" / "vllm-qwen3.log"
 # vllm-qwen3.log: one server, qwen3-8b-dummy on the default port 8000, started 11-27 00:13:17
@@ -67,11 +68,6 @@ def _share(parts: list[Path], shared: Path) -> None:
             for table in SHARED_TABLES:
                 con.execute(f"INSERT INTO {table} SELECT * FROM part{i}.{table}")  # noqa: S608
             con.execute(f"DETACH part{i}")
-
-
-def _rows(store: Path, sql: str) -> list[tuple]:
-    with duckdb.connect(str(store), read_only=True) as con:
-        return con.execute(sql).fetchall()
 
 
 def _runs(store: Path) -> dict[str, dict]:
@@ -127,10 +123,10 @@ def test_two_hosts_same_model_port_and_second_stay_two_runs_with_their_own_lever
     assert runs[run_b]["levers"]["gpu_memory_utilization"] == 0.9
     assert runs[run_a]["events"] == runs[run_b]["events"] == requests
     assert runs[run_a]["target"] == runs[run_b]["target"] == "http://127.0.0.1:8000"
-    notes = dict(_rows(shared, "SELECT run_id, notes FROM runs"))
+    notes = dict(rows(shared, "SELECT run_id, notes FROM runs"))
     assert {json.loads(notes[r])["instance"] for r in (run_a, run_b)} == {"node-a", "node-b"}
-    assert _rows(shared, "SELECT count(*) FROM lever_flips") == [(0,)]
-    sessions = _rows(shared, "SELECT run_id, count(DISTINCT vllm_session) FROM events GROUP BY 1")
+    assert rows(shared, "SELECT count(*) FROM lever_flips") == [(0,)]
+    sessions = rows(shared, "SELECT run_id, count(DISTINCT vllm_session) FROM events GROUP BY 1")
     assert sorted(sessions) == [(run_a, 1), (run_b, 1)]
 
     # the reports read them apart: node b against node a, and neither follows the other
@@ -164,12 +160,12 @@ def test_a_restart_pairs_only_with_a_session_of_its_own_host(tmp_path: Path) -> 
     a1, a2 = "vllm-tiny-node-a-8001-20261124T201001Z", "vllm-tiny-node-a-8001-20261124T202001Z"
     b1, b2 = "vllm-tiny-node-b-8001-20261124T201001Z", "vllm-tiny-node-b-8001-20261124T203001Z"
     assert sorted(_runs(shared)) == [a1, a2, b1, b2]
-    flips = _rows(shared, "SELECT lever, before, after, before_run_id, run_id FROM lever_flips")
+    flips = rows(shared, "SELECT lever, before, after, before_run_id, run_id FROM lever_flips")
     assert flips == [("enable_prefix_caching", "false", "true", a1, a2)]  # b's restart: no flip
-    notes = _rows(shared, "SELECT run_id, notes FROM runs")
+    notes = rows(shared, "SELECT run_id, notes FROM runs")
     previous = {run: json.loads(text).get("previous") for run, text in notes}
     assert previous == {a1: None, a2: a1, b1: None, b2: b1}
-    served = _rows(shared, "SELECT vllm_session FROM events WHERE run_id = 'fleet' ORDER BY 1")
+    served = rows(shared, "SELECT vllm_session FROM events WHERE run_id = 'fleet' ORDER BY 1")
     assert served == [(a1,), (b1,)]
     for after, before in ((a2, a1), (b2, b1)):
         built = servescope("report", "build", after, "--vs", "previous", "--format", "json",
@@ -192,8 +188,8 @@ def test_hosts_taking_turns_with_one_store_never_pair_across_hosts(tmp_path: Pat
     _collect("node-b", log, store)
     a1, b1 = "vllm-tiny-node-a-8001-20261124T201001Z", "vllm-tiny-node-b-8001-20261124T202001Z"
     assert sorted(_runs(store)) == [a1, b1]
-    assert _rows(store, "SELECT count(*) FROM lever_flips") == [(0,)]
-    notes = dict(_rows(store, "SELECT run_id, notes FROM runs"))
+    assert rows(store, "SELECT count(*) FROM lever_flips") == [(0,)]
+    notes = dict(rows(store, "SELECT run_id, notes FROM runs"))
     assert json.loads(notes[b1])["previous"] is None
     alone = servescope("report", "build", b1, "--vs", "previous", "--store", str(store))
     assert alone.returncode == 2 and "follows no other run" in alone.stderr, alone.stderr
@@ -216,8 +212,8 @@ def test_an_older_stores_ids_stay_and_the_first_restart_after_upgrading_pairs(
     new = "vllm-tiny-node-a-8001-20261124T202001Z"
     runs = _runs(store)
     assert sorted(runs) == sorted([old, new]) and runs[old]["events"] == runs[new]["events"] == 1
-    flips = _rows(store, "SELECT lever, before, after, before_run_id, run_id FROM lever_flips")
+    flips = rows(store, "SELECT lever, before, after, before_run_id, run_id FROM lever_flips")
     assert flips == [("enable_prefix_caching", "false", "true", old, new)]
-    notes = dict(_rows(store, "SELECT run_id, notes FROM runs"))
+    notes = dict(rows(store, "SELECT run_id, notes FROM runs"))
     assert "instance" not in json.loads(notes[old])
     assert json.loads(notes[new])["instance"] == "node-a"

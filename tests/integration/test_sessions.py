@@ -13,10 +13,9 @@ import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import duckdb
-
 from tests.helpers.cli import servescope
 from tests.helpers.stand_ins import RestartableVllmMetrics
+from tests.helpers.stored import rows
 
 
 def _server_log(port: int, minute: int, caching: bool, requests: list[str]) -> list[str]:
@@ -50,11 +49,6 @@ def _collect(*args: str, env: dict[str, str] | None = None) -> None:
     servescope("collect", "--once", "--instance", "gpu-1", *args, env=env, check=True)
 
 
-def _rows(store: Path, sql: str) -> list[tuple]:
-    with duckdb.connect(str(store), read_only=True) as con:
-        return con.execute(sql).fetchall()
-
-
 def test_a_log_across_a_restart_and_two_slices_give_their_sessions(tmp_path: Path) -> None:
     slice_a, slice_b = tmp_path / "mig-a.log", tmp_path / "mig-b.log"
     slice_a.write_text("\n".join(
@@ -64,7 +58,7 @@ def test_a_log_across_a_restart_and_two_slices_give_their_sessions(tmp_path: Pat
     slice_b.write_text("\n".join(_server_log(8002, 10, True, ["3b2c3d4e5f6a7b8c"])) + "\n")
     store = tmp_path / "s.duckdb"
     _collect("--vllm-log", str(slice_a), "--vllm-log", str(slice_b), "--store", str(store))
-    runs = _rows(store, "SELECT run_id, target, model, vllm_version, status, levers FROM runs "
+    runs = rows(store, "SELECT run_id, target, model, vllm_version, status, levers FROM runs "
                         "ORDER BY run_id")  # fmt: skip
     first, second, other = (
         "vllm-tiny-gpu-1-8001-20261124T201001Z",
@@ -79,7 +73,7 @@ def test_a_log_across_a_restart_and_two_slices_give_their_sessions(tmp_path: Pat
     levers = json.loads(runs[0][5])
     assert levers["enable_prefix_caching"] is False and "api_key" not in levers
     assert "port" not in levers  # identity, not configuration
-    events = _rows(store, "SELECT run_id, request_id, status, http_status, vllm_session, model "
+    events = rows(store, "SELECT run_id, request_id, status, http_status, vllm_session, model "
                           "FROM events ORDER BY run_id, request_id")  # fmt: skip
     assert [(e[0], e[1]) for e in events if e[2] == "ok"] == [
         ("run-x", "run-x-000001"),  # a client's id keeps the client's run…
@@ -92,12 +86,12 @@ def test_a_log_across_a_restart_and_two_slices_give_their_sessions(tmp_path: Pat
     refused = [(e[0], e[3]) for e in events if e[2] == "error"]
     assert sorted(refused) == [(first, 400), (second, 400), (other, 400)]
     assert all(e[5] == "tiny" for e in events)
-    flips = _rows(store, "SELECT lever, before, after, before_run_id, run_id FROM lever_flips")
+    flips = rows(store, "SELECT lever, before, after, before_run_id, run_id FROM lever_flips")
     assert flips == [("enable_prefix_caching", "false", "true", first, second)]
 
     # reading again changes nothing; the reports of the sessions
     _collect("--vllm-log", str(slice_a), "--vllm-log", str(slice_b), "--store", str(store))
-    assert len(_rows(store, "SELECT * FROM events")) == len(events)
+    assert len(rows(store, "SELECT * FROM events")) == len(events)
     listing = servescope("report", "flips", "--json", "--store", str(store), check=True)
     (flip,) = json.loads(listing.stdout)
     assert flip["report"] == f"servescope report build {second} --vs {first}"
@@ -232,7 +226,7 @@ def test_a_restart_not_scraped_yet_flips_only_the_lever_that_changed(tmp_path: P
             out.write("\n".join([first[-1], *second]) + "\n")
         collector.poll()
         collector.flush()  # the new process is not scraped yet
-        assert _rows(store.path, flips_sql) == [("enable_prefix_caching", "false", "true")]
+        assert rows(store.path, flips_sql) == [("enable_prefix_caching", "false", "true")]
         _RestartingVllmMetrics.CONFIG = {**REAL_CACHE_CONFIG, "enable_prefix_caching": "True"}
         _RestartingVllmMetrics.STARTED += 600
         collector.scrape_all()
@@ -240,7 +234,7 @@ def test_a_restart_not_scraped_yet_flips_only_the_lever_that_changed(tmp_path: P
     finally:
         server.shutdown()
         collector.close()
-    assert _rows(store.path, flips_sql) == [("enable_prefix_caching", "false", "true")]
+    assert rows(store.path, flips_sql) == [("enable_prefix_caching", "false", "true")]
     annotated = {
         (s.labels["lever"], s.labels["before"], s.labels["after"])
         for metric in collector.metrics.registry.collect()
@@ -285,14 +279,14 @@ def test_a_refusal_read_live_is_dated_when_it_was_written_not_at_the_last_dated_
         after = datetime.now(UTC).replace(tzinfo=None)
     finally:
         collector.close()
-    ((ts, status),) = _rows(store.path, "SELECT ts, status FROM events")
+    ((ts, status),) = rows(store.path, "SELECT ts, status FROM events")
     # between the write and the flush that read it, however long those took (a second either
     # side for the stored precision)
     second = timedelta(seconds=1)
     assert status == "error" and before - second <= ts <= after + second, (before, ts, after)
     once = tmp_path / "once.duckdb"
     _collect("--vllm-log", str(log), "--store", str(once))
-    assert _rows(once, "SELECT count(*), min(status) FROM events") == [(1, "error")]
+    assert rows(once, "SELECT count(*), min(status) FROM events") == [(1, "error")]
 
 
 # Lines of a real vLLM 0.32 serving, without X-Request-Id, a chat call and a completion with
@@ -336,7 +330,7 @@ def test_parallel_samples_and_responses_calls_are_one_request_each_in_their_sess
     store = tmp_path / "s.duckdb"
     _collect("--vllm-log", str(log), "--store", str(store))
     session = "vllm-tiny-gpu-1-18123-20261125T002249Z"
-    assert _rows(store, "SELECT run_id, request_id FROM events ORDER BY request_id") == [
+    assert rows(store, "SELECT run_id, request_id FROM events ORDER BY request_id") == [
         (session, "8d338686ca4c395a"),
         (session, "aba708d7335bfac1"),
         (session, "b22e175ad4d0dc57"),
@@ -353,13 +347,13 @@ def test_a_server_logging_local_time_is_read_in_utc(tmp_path: Path) -> None:
     log.write_text("\n".join(line.replace("11-24 20:", "11-24 21:") for line in lines) + "\n")
     store = tmp_path / "s.duckdb"
     _collect("--vllm-log", str(log), "--store", str(store), env={"TZ": "Europe/Berlin"})
-    assert _rows(store, "SELECT run_id, started_at, ended_at FROM runs") == [
+    assert rows(store, "SELECT run_id, started_at, ended_at FROM runs") == [
         (
             "vllm-tiny-gpu-1-8001-20261124T201001Z",
             datetime(2026, 11, 24, 20, 10, 1),
             datetime(2026, 11, 24, 20, 10, 59),
         )
     ]
-    assert _rows(store, "SELECT min(ts) FROM events WHERE status = 'ok'") == [
+    assert rows(store, "SELECT min(ts) FROM events WHERE status = 'ok'") == [
         (datetime(2026, 11, 24, 20, 10, 40),)
     ]
