@@ -267,6 +267,62 @@ def test_the_tests_import_check_sees_every_way_of_taking_a_test_module() -> None
     }
 
 
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+TABLE = re.compile(r"declarative table", re.IGNORECASE)
+# The "at most N `dict[str, Any]`" that docs/architecture.md states, read from its sentence.
+ANY_DICTS = re.compile(r"at most (\d+) `dict\[str, Any\]`")
+
+
+def long_functions(path: Path, base: Path = ROOT) -> list[str]:
+    """The functions of `path` over MAX_FUNCTION_LINES that do not call themselves a declarative
+    table, in their docstring or in the comment lines right above their `def`."""
+    lines = path.read_text().splitlines()
+    found = []
+    for node in ast.walk(ast.parse("\n".join(lines), str(path))):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.end_lineno is None:
+            continue
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        if node.end_lineno - first + 1 <= MAX_FUNCTION_LINES:
+            continue
+        above, row = [], first - 2
+        while row >= 0 and lines[row].lstrip().startswith("#"):
+            above.append(lines[row])
+            row -= 1
+        if not TABLE.search(" ".join(above) + (ast.get_docstring(node) or "")):
+            found.append(f"{path.relative_to(base)}:{node.lineno} {node.name}")
+    return found
+
+
+def room_files() -> list[Path]:
+    return [f for room in ROOMS for f in sorted((ROOT / room).rglob("*.py"))]
+
+
+def test_units_stay_small() -> None:
+    big = [
+        f"{f.relative_to(ROOT)} ({n} lines)"
+        for f in room_files()
+        if (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not big, big
+    long = [name for f in room_files() for name in long_functions(f)]
+    assert not long, long
+
+
+def test_the_long_function_check_sees_an_unmarked_one(tmp_path: Path) -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"def long():\n{body}\n\n# A declarative table.\ndef marked():\n{body}")
+    assert long_functions(probe, tmp_path) == ["probe.py:1 long"]
+
+
+def test_the_untyped_dicts_stay_within_what_the_architecture_states() -> None:
+    stated = ANY_DICTS.findall((ROOT / "docs" / "architecture.md").read_text())
+    assert len(stated) == 1, "docs/architecture.md states the `dict[str, Any]` bound once"
+    count = sum(f.read_text().count("dict[str, Any]") for f in room_files())
+    assert count <= int(stated[0]) <= 200, (count, stated[0])
+
+
 def test_no_import_circle() -> None:
     edges = graph()
     # a package's __init__ re-exporting its own modules is not a circle between modules
