@@ -21,6 +21,7 @@ from servescope.reports import sql
 from servescope.reports.document import ChecklistItem
 from servescope.reports.samples import Slice
 from servescope.reports.summary import ReportOptions
+from servescope.store.reads import picked, row
 
 PASS, FAIL, NOT_MEASURED = "pass", "fail", "not measured"
 NOT_MEASURABLE = "not measurable here"
@@ -176,18 +177,10 @@ class Checks(TypedDict):
 
 
 def _checks(con: duckdb.DuckDBPyConnection, params: Mapping[str, object], part: Slice) -> Checks:
-    counts = con.execute(sql.SLICE_CHECKS, params).fetchone()
-    requests, timeouts, ok, missing, chat, chat_ok = counts or (0, 0, 0, 0, 0, 0)
-    ooms = con.execute(sql.SLICE_OOMS, part.params()).fetchone()
-    return Checks(
-        requests=requests,
-        timeouts=timeouts,
-        ok=ok,
-        ok_missing_fields=missing,
-        chat_requests=chat,
-        chat_ok=chat_ok,
-        ooms=ooms[0] if ooms else 0,
-    )
+    # Both are aggregates without GROUP BY: one row each, its columns named as Checks' keys.
+    counts = row(con.execute(sql.SLICE_CHECKS, params)) or {}
+    ooms = row(con.execute(sql.SLICE_OOMS, part.params())) or {}
+    return picked(Checks, {**counts, **ooms})
 
 
 def checklist(

@@ -21,7 +21,7 @@ from servescope.reports.summary import ReportOptions, run_meta, summarize
 from servescope.reports.windows import Window, resolve
 from servescope.reports.windows import label as window_label
 from servescope.store.clock import utc_from_epoch
-from servescope.store.reads import RunRow
+from servescope.store.reads import RunRow, picked, rows
 
 
 def slice_of(con: duckdb.DuckDBPyConnection, run: RunRow, window: Window, label: str = "") -> Slice:
@@ -99,18 +99,8 @@ def flips_in(con: duckdb.DuckDBPyConnection, run_ids: list[str], sides: list[Sid
     start, end = _span(sides)
     params = {"run_ids": run_ids, "start": start, "end": end}
     return [
-        Flip(
-            ts=ts.isoformat() + "Z",
-            t=t,
-            lever=lever,
-            before=before,
-            after=after,
-            note=note,
-            run_id=run_id,
-        )  # fmt: skip
-        for ts, t, lever, before, after, note, run_id in con.execute(
-            sql.REPORT_LEVER_FLIPS, params
-        ).fetchall()
+        picked(Flip, {**flip, "ts": flip["ts"].isoformat() + "Z"})
+        for flip in rows(con.execute(sql.REPORT_LEVER_FLIPS, params))
     ]
 
 
@@ -152,14 +142,4 @@ def side_report(
 def only_numbers(side: SideReport) -> Numbers:
     """A side's numbers without its name, run id, levers and run (what a report's top level
     repeats of its after side)."""
-    return Numbers(
-        overall=side["overall"],
-        groups=side["groups"],
-        server=side["server"],
-        admission=side["admission"],
-        gpu=side["gpu"],
-        replicas=side["replicas"],
-        skew=side["skew"],
-        replicas_server=side["replicas_server"],
-        engines=side["engines"],
-    )
+    return picked(Numbers, side)

@@ -344,18 +344,7 @@ def _admission(con: duckdb.DuckDBPyConnection, params: SliceParams) -> Admission
             Rejection(team=team, reason=reason, n=n)
             for team, reason, n in con.execute(sql.SLICE_REJECTIONS, params).fetchall()
         ],
-        teams=[
-            Team(
-                team=t["team"],
-                requests=t["requests"],
-                ok=t["ok"],
-                rejected=t["rejected"],
-                failed=t["failed"],
-                queue_ms_p95=t["queue_ms_p95"],
-                rejected_without_reason=t["rejected_without_reason"],
-            )
-            for t in reads.rows(con.execute(sql.SLICE_TEAMS, params))
-        ],
+        teams=[reads.picked(Team, t) for t in reads.rows(con.execute(sql.SLICE_TEAMS, params))],
     )
 
 

@@ -11,14 +11,16 @@ reads go through the same functions.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
 import duckdb
 
 from servescope.store import queries
 from servescope.store.notes import RunNotes
+
+T = TypeVar("T")
 
 
 class RunRow(TypedDict):
@@ -83,6 +85,14 @@ def rows(cursor: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     return [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
 
 
+def picked(kind: Callable[..., T], source: Mapping[str, object]) -> T:
+    """The TypedDict `kind` of `source`'s values under its own keys, in its order (None for
+    one `source` lacks): a row, or a wider record, read into a type by the type's own key
+    list, so that a key the type gains is read without a second list to keep in step."""
+    keys: dict[str, object] = kind.__annotations__  # a TypedDict's keys, its bases' first
+    return kind(**{key: source.get(key) for key in keys})
+
+
 def row(cursor: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
     """The first row of an executed statement as a dict (None when there is none)."""
     names = [d[0] for d in cursor.description or ()]
@@ -116,17 +126,7 @@ def notes(raw: str | RunNotes | None) -> RunNotes:
 def runs(con: duckdb.DuckDBPyConnection) -> list[RunListing]:
     """Every run with its event counts (all, ok, errors, rejected) and flips, oldest first;
     a run known only from its events is one too."""
-    return [
-        RunListing(
-            **_run_row(found),
-            events=found["events"],
-            ok=found["ok"],
-            errors=found["errors"],
-            rejected=found["rejected"],
-            flips=found["flips"],
-        )  # fmt: skip
-        for found in rows(con.execute(queries.LIST_RUNS))
-    ]
+    return [picked(RunListing, _decoded(found)) for found in rows(con.execute(queries.LIST_RUNS))]
 
 
 def run_ids(con: duckdb.DuckDBPyConnection) -> list[str]:
@@ -148,13 +148,7 @@ def run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunRow | None:
 
 def _run_row(found: dict[str, Any]) -> RunRow:
     """A `runs` row read as a dict, as a `RunRow`."""
-    found = _decoded(found)
-    return RunRow(
-        run_id=found["run_id"], started_at=found["started_at"], ended_at=found["ended_at"],
-        label=found["label"], target=found["target"], model=found["model"],
-        vllm_version=found["vllm_version"], levers=found["levers"], workload=found["workload"],
-        status=found["status"], notes=found["notes"],
-    )  # fmt: skip
+    return picked(RunRow, _decoded(found))
 
 
 def serving_sessions(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[str, RunNotes]]:

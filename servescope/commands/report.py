@@ -361,17 +361,7 @@ def _brief(
         fail_on=FailOn(
             verdicts=list(fail_on),
             exit=EXIT_VERDICT if failing else 0,
-            rows=[
-                FailingRow(
-                    metric=r["metric"],
-                    level=r["level"],
-                    verdict=r["verdict"],
-                    delta_pct=r["delta_pct"],
-                    ci95_pct=r["ci95_pct"],
-                    p_adjusted=r.get("p_adjusted"),
-                )
-                for r in failing
-            ],
+            rows=[reads.picked(FailingRow, r) for r in failing],
         ),
     )
 
