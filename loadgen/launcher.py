@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -215,26 +216,14 @@ def server_set(
 ) -> list[VllmServer]:
     """The servers a profile defines: one, or one per MIG slice (each pinned to its slice
     with `CUDA_VISIBLE_DEVICES`, on its own port, under its own served model name)."""
+    server = partial(VllmServer, model, host=host, extra_flags=extra_flags)
     if not profile.servers:
-        return [
-            VllmServer(
-                model,
-                profile=profile,
-                port=port,
-                host=host,
-                served_name=served_name,
-                extra_flags=extra_flags,
-                log_path=log_path,
-            )
-        ]
+        return [server(profile=profile, port=port, served_name=served_name, log_path=log_path)]
     return [
-        VllmServer(
-            model,
+        server(
             profile=replace(profile, flags=profile.flags + spec.flags),
             port=spec.port,
-            host=host,
             served_name=spec.served_model_name,
-            extra_flags=extra_flags,
             env={"CUDA_VISIBLE_DEVICES": spec.mig_uuid},
         )
         for spec in profile.servers
