@@ -25,13 +25,13 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.completions import complete  # noqa: E402
 from servescope.loadgen.launcher import VllmServer  # noqa: E402
 from servescope.loadgen.tiny_model import model_dir  # noqa: E402
 from servescope.store import settings  # noqa: E402
@@ -63,29 +63,16 @@ def _sleepers(seconds: float) -> dict[str, subprocess.Popen[str]]:
     return out
 
 
-def _complete(url: str, tokens: int) -> float:
-    body = {"model": "tiny", "prompt": "the model reads a document and", "max_tokens": tokens,
-            "ignore_eos": True}  # fmt: skip
-    request = urllib.request.Request(
-        f"{url}/v1/completions", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )  # fmt: skip
-    began = time.monotonic()
-    with urllib.request.urlopen(request, timeout=600) as resp:
-        resp.read()
-    return time.monotonic() - began
-
-
 def measure(placement: str, tokens: int, port: int) -> dict[str, Any]:
     log = ROOT / settings.logs_dir() / f"bench-decode-starvation-{placement}.log"
     server = VllmServer(ROOT / model_dir(), port=port, served_name="tiny",
                         env=PLACEMENTS[placement], log_path=log)  # fmt: skip
     with server:
-        _complete(server.url, 16)  # warm
-        decode_s = _complete(server.url, tokens)  # how long the sleepers must cover
+        complete(server.url, 16, timeout_s=600)  # warm
+        decode_s = complete(server.url, tokens, timeout_s=600)  # how long the sleepers must cover
         sleepers = _sleepers(decode_s + 1.0)
         time.sleep(0.5)
-        _complete(server.url, tokens)
+        complete(server.url, tokens, timeout_s=600)
         late = {name: float(p.communicate()[0]) for name, p in sleepers.items()}
     return {"decode_s": round(decode_s, 2), "worst_lateness_s": late,
             "worst_s": round(max(late.values()), 2)}  # fmt: skip

@@ -26,7 +26,6 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.completions import complete  # noqa: E402
 from servescope.loadgen.launcher import VllmServer  # noqa: E402
 from servescope.loadgen.tiny_model import model_dir  # noqa: E402
 from servescope.store import settings  # noqa: E402
@@ -59,17 +59,6 @@ def _cpu_s(root: psutil.Process) -> float:
     return total
 
 
-def _complete(url: str, tokens: int) -> None:
-    body = {"model": "tiny", "prompt": "the model reads a document and", "max_tokens": tokens,
-            "ignore_eos": True}  # fmt: skip
-    request = urllib.request.Request(
-        f"{url}/v1/completions", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )  # fmt: skip
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        resp.read()
-
-
 def measure(setting: str, requests: int, tokens: int, port: int) -> dict[str, Any]:
     for name in {k for env in SETTINGS.values() for k in env}:
         os.environ.pop(name, None)  # only this setting's variable reaches the server
@@ -81,7 +70,7 @@ def measure(setting: str, requests: int, tokens: int, port: int) -> dict[str, An
         root = psutil.Process(server.process.pid)
         start_cpu, began = _cpu_s(root), time.monotonic()
         for _ in range(requests):
-            _complete(server.url, tokens)
+            complete(server.url, tokens, timeout_s=300)
         serve_wall = time.monotonic() - began
         serve_cpu = _cpu_s(root) - start_cpu
     return {"ready_s": round(server.ready_s or 0.0, 1), "start_cpu_s": round(start_cpu, 1),
