@@ -36,29 +36,25 @@ run is joined with vLLM's own timings.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from pathlib import Path
+from typing import Unpack
 
 from servescope.loadgen.launcher import (
     ALWAYS_FLAGS,
     Levers,
-    Profile,
     VllmServer,
     levers_of,
     load_profiles,
     state_for,
 )
-from servescope.loadgen.rounds import Stopping
 from servescope.loadgen.runner import RunOptions
 from servescope.loadgen.sequence import (
-    DEFAULT_REPEATS,
-    Executor,
-    ExperimentHooks,
+    ExperimentBase,
+    ExperimentOptions,
     ExperimentResult,
     ExperimentRun,
     RunFailed,
     Sidecar,
-    fixed_or_sequential,
     order_letters,
     record_flips,
     run_notes,
@@ -81,7 +77,7 @@ from servescope.loadgen.spec import (
     ExperimentSpec,
     check_profiles,
 )
-from servescope.store import Store, settings
+from servescope.store import settings
 from servescope.store.notes import RunNotes
 
 # notes["repeat_design"]: how the experiment sequenced servers and rounds
@@ -95,27 +91,19 @@ TARGETS = "operator's servers (--target): kept up, rounds alternated"
 FLEET = "replicas kept up: one gateway per run, rounds alternated"
 
 
-class Experiment:
+class Experiment(ExperimentBase):
     """One experiment: the spec's workload against each arm, `repeats` times interleaved."""
 
     def __init__(
         self,
         spec: ExperimentSpec,
         *,
-        store: Store,
-        execute: Executor,
-        model: Path,
         targets: dict[str, str] | None = None,
-        repeats: int | None = None,
-        scale: float | None = None,
-        requests: int | None = None,
-        slo: dict[str, float] | None = None,
-        hooks: ExperimentHooks | None = None,
         server_flags: list[str] | None = None,
-        profiles: dict[str, Profile] | None = None,
         fresh_servers: bool = False,
-        stopping: Stopping | None = None,
+        **options: Unpack[ExperimentOptions],
     ) -> None:
+        profiles = options.get("profiles")
         profiles = profiles if profiles is not None else load_profiles()
         check_profiles(spec, profiles)
         self.arms = spec.arms
@@ -130,23 +118,12 @@ class Experiment:
                 f"experiment {spec.name}: --target for {extra}, which is no arm of it "
                 f"({', '.join(self.arms)})"
             )
-        self.fixed, self.stopping = fixed_or_sequential(spec, repeats, stopping)
-        self.repeats = self.fixed or (self.stopping.last if self.stopping else DEFAULT_REPEATS)
-        self.spec = spec
+        super().__init__(spec, options)
         self.profiles = profiles
-        self.store = store
-        self.execute = execute
-        self.model = model
         self.targets = targets
-        self.slo = slo or {}
-        self.hooks = hooks or ExperimentHooks()
         self.server_flags = list(server_flags or [])  # after every profile's own: they win
-        self.config = spec.bench_config(scale, requests)
         gpu = any(profiles[p].device == "gpu" for p in spec.profiles)
         self.design = TARGETS if targets else FRESH if fresh_servers else SLEEP if gpu else KEPT_UP
-        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-        self.experiment_id = f"exp-{stamp}-{spec.name}"
-        self._stamp = stamp
         self._sidecars: dict[str, Sidecar] = {}  # per arm (kept up) or "" (one for all)
         self._servers: dict[str, VllmServer] = {}  # per arm, kept up
         self._served: dict[str, int] = {}  # runs each arm's server has served so far

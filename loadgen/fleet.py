@@ -27,24 +27,20 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import yaml
 
 from servescope.loadgen.experiment import FLEET
-from servescope.loadgen.launcher import Levers, Profile, VllmServer, load_profiles
-from servescope.loadgen.rounds import Stopping
+from servescope.loadgen.launcher import Levers, VllmServer, load_profiles
 from servescope.loadgen.runner import RunOptions
 from servescope.loadgen.sequence import (
-    DEFAULT_REPEATS,
-    Executor,
-    ExperimentHooks,
+    ExperimentBase,
+    ExperimentOptions,
     ExperimentResult,
     ExperimentRun,
     Sidecar,
-    fixed_or_sequential,
     order_letters,
     record_flips,
     run_notes,
@@ -154,25 +150,11 @@ def _overlap(gpus: tuple[str, ...]) -> bool:
     return False
 
 
-class FleetExperiment:
+class FleetExperiment(ExperimentBase):
     """The spec's workload through the gateway to `fleet.replicas` replicas, once per routing
     policy in `profiles`, `repeats` times interleaved (A B B A …)."""
 
-    def __init__(
-        self,
-        spec: ExperimentSpec,
-        *,
-        store: Store,
-        execute: Executor,
-        model: Path,
-        repeats: int | None = None,
-        scale: float | None = None,
-        requests: int | None = None,
-        slo: dict[str, float] | None = None,
-        hooks: ExperimentHooks | None = None,
-        profiles: dict[str, Profile] | None = None,
-        stopping: Stopping | None = None,
-    ) -> None:
+    def __init__(self, spec: ExperimentSpec, **options: Unpack[ExperimentOptions]) -> None:
         if spec.fleet is None:
             raise WorkloadError(f"experiment {spec.name}: no `fleet` to start")
         if unknown := [p for p in spec.profiles if p not in ROUTING_POLICIES]:
@@ -182,23 +164,13 @@ class FleetExperiment:
             )
         if len(set(spec.profiles)) < len(spec.profiles):
             raise WorkloadError(f"experiment {spec.name}: a routing policy named twice")
+        profiles = options.get("profiles")
         profiles = profiles if profiles is not None else load_profiles()
         if spec.fleet.profile not in profiles:
             raise WorkloadError(f"experiment {spec.name}: unknown profile {spec.fleet.profile}")
-        self.spec = spec
+        super().__init__(spec, options)
         self.profile = profiles[spec.fleet.profile]
-        self.store = store
-        self.execute = execute
-        self.model = model
-        self.fixed, self.stopping = fixed_or_sequential(spec, repeats, stopping)
-        self.repeats = self.fixed or (self.stopping.last if self.stopping else DEFAULT_REPEATS)
         self.design = FLEET
-        self.slo = slo or {}
-        self.hooks = hooks or ExperimentHooks()
-        self.config = spec.bench_config(scale, requests)
-        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-        self.experiment_id = f"exp-{stamp}-{spec.name}"
-        self._stamp = stamp
         self.folder = settings.fleet_dir() / self.experiment_id
         teams = sorted({w.team for w in self.config.workloads if w.team})
         self.keys = {team: f"sk-{secrets.token_hex(16)}" for team in teams}

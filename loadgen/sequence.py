@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Required, TypedDict
 
-from servescope.loadgen.launcher import Levers, VllmServer
+from servescope.loadgen.launcher import Levers, Profile, VllmServer
 from servescope.loadgen.rounds import Look, Rounds, Stopping, round_arms
 from servescope.loadgen.runner import RunOptions, RunResult
 from servescope.loadgen.spec import ExperimentError, ExperimentSpec
@@ -240,6 +241,46 @@ def fixed_or_sequential(
     if fixed is None and stopping is None:
         fixed = DEFAULT_REPEATS
     return fixed, None if fixed is not None else stopping
+
+
+class ExperimentOptions(TypedDict, total=False):
+    """The options both kinds of experiment take (`Experiment`, loadgen/fleet.py's
+    `FleetExperiment`): where runs are stored and what makes one, the model, how many rounds
+    (`repeats`, or a `stopping` plan), their size (`scale`, `requests`), the SLOs, the display's
+    hooks, the lever profiles (default: profiles.yaml)."""
+
+    store: Required[Store]
+    execute: Required[Executor]
+    model: Required[Path]
+    repeats: int | None
+    scale: float | None
+    requests: int | None
+    slo: dict[str, float] | None
+    hooks: ExperimentHooks | None
+    profiles: dict[str, Profile] | None
+    stopping: Stopping | None
+
+
+class ExperimentBase:
+    """What both kinds of experiment hold of their spec and options: the store, the executor,
+    the model, the rounds' design (fixed or sequential), the bench config, the SLOs, the hooks
+    and the experiment's id."""
+
+    def __init__(self, spec: ExperimentSpec, options: ExperimentOptions) -> None:
+        self.spec = spec
+        self.store = options["store"]
+        self.execute = options["execute"]
+        self.model = options["model"]
+        self.fixed, self.stopping = fixed_or_sequential(
+            spec, options.get("repeats"), options.get("stopping")
+        )
+        self.repeats = self.fixed or (self.stopping.last if self.stopping else DEFAULT_REPEATS)
+        self.slo = options.get("slo") or {}
+        self.hooks = options.get("hooks") or ExperimentHooks()
+        self.config = spec.bench_config(options.get("scale"), options.get("requests"))
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        self.experiment_id = f"exp-{stamp}-{spec.name}"
+        self._stamp = stamp
 
 
 class Sequenced(Protocol):

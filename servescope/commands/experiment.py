@@ -28,6 +28,7 @@ from servescope.loadgen.runner import RunOptions, RunResult
 from servescope.loadgen.sequence import (
     Comparison,
     ExperimentHooks,
+    ExperimentOptions,
     ExperimentResult,
     ExperimentRun,
     order_letters,
@@ -302,35 +303,26 @@ def _experiment(
             f"experiment {spec.name} starts its own replicas behind a gateway: --target is "
             "not for it"
         )
-    if spec.fleet is not None:
-        return FleetExperiment(
-            spec,
-            store=store,
-            execute=execute,
-            model=model,
-            repeats=args.repeats,
-            scale=args.scale,
-            requests=args.requests,
-            slo=args.slo,
-            hooks=hooks(store, stopping),
-            profiles=profiles,
-            stopping=stopping,
-        )
-    return Experiment(
-        spec,
+    options = ExperimentOptions(
         store=store,
         execute=execute,
         model=model,
-        targets=_targets(args.target),
         repeats=args.repeats,
         scale=args.scale,
         requests=args.requests,
         slo=args.slo,
         hooks=hooks(store, stopping),
-        server_flags=args.server_arg,
         profiles=profiles,
-        fresh_servers=args.fresh_servers,
         stopping=stopping,
+    )
+    if spec.fleet is not None:
+        return FleetExperiment(spec, **options)
+    return Experiment(
+        spec,
+        targets=_targets(args.target),
+        server_flags=args.server_arg,
+        fresh_servers=args.fresh_servers,
+        **options,
     )
 
 
