@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -64,23 +64,17 @@ def _contiguous(chunks: list[tuple[str, Chunk]]) -> list[tuple[str, list[Chunk]]
     return groups
 
 
+@dataclass(eq=False)
 class StoreWriter:
     """Commits batches. `attribution` places trace pieces in their sessions inside the
     transaction (it may look up where the log put a request); `want_keys` asks every report for
     the requests it touched (the OTLP forwarder reads them back)."""
 
-    def __init__(
-        self,
-        store: Store,
-        attribution: Attribution,
-        *,
-        lake: LakeWriter | None = None,
-        want_keys: bool = False,
-    ) -> None:
-        self.store = store
-        self.attribution = attribution
-        self.lake = lake
-        self.want_keys = want_keys
+    store: Store
+    attribution: Attribution
+    _: KW_ONLY
+    lake: LakeWriter | None = None
+    want_keys: bool = False
 
     def commit(self, batch: Batch) -> FlushReport:
         """The batch in one store transaction, then (after the commit) into the lake."""

@@ -17,7 +17,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import aiohttp
 
@@ -74,29 +74,21 @@ class _Level:
         return self.record.workload
 
 
+@dataclass(eq=False)
 class Scheduler:
     """Sends a run's units over `client` (the lean HTTP/1.1 pool for plain http targets, else
     the aiohttp session) and hands every answer of a measured request to `recorder`."""
 
-    def __init__(
-        self,
-        config: BenchConfig,
-        target: str,
-        client: aiohttp.ClientSession | Http1Pool,
-        recorder: Recorder,
-        *,
-        request_timeout_s: float,
-        tracer: Tracer | None,
-        on_level: Callable[[Workload, float, int | None], None],
-    ) -> None:
-        self.config = config
-        self.target = target
-        self.client = client
-        self.recorder = recorder
-        self.request_timeout_s = request_timeout_s
-        self.tracer = tracer
-        self.on_level = on_level
-        self.cancelled = 0  # measured requests in flight when the run was cancelled
+    config: BenchConfig
+    target: str
+    client: aiohttp.ClientSession | Http1Pool
+    recorder: Recorder
+    _: KW_ONLY
+    request_timeout_s: float
+    tracer: Tracer | None
+    on_level: Callable[[Workload, float, int | None], None]
+    # measured requests in flight when the run was cancelled
+    cancelled: int = field(default=0, init=False)
 
     async def warm_up(self, books: dict[str, PromptBook]) -> None:
         """Warm-up requests (compile paths, the prefix cache a steady state would have);
