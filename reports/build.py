@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import duckdb
 
@@ -20,10 +20,12 @@ from servescope.reports.diagnosed import Diagnosis
 from servescope.reports.diagnosis import assess_flip, diagnose, primary_indicator
 from servescope.reports.document import (
     Bootstrap,
+    ChecklistItem,
     Compared,
     Decision,
     DiffRow,
     Flip,
+    Kind,
     LeverChange,
     Power,
     Primary,
@@ -35,6 +37,7 @@ from servescope.reports.document import (
     SpecDecodeDiff,
 )
 from servescope.reports.document import Design as RepeatsDesign
+from servescope.reports.document import Window as WindowDoc
 from servescope.reports.indicators import BY_METRIC, Arm
 from servescope.reports.judge import judge, power
 from servescope.reports.readings import Subject
@@ -369,17 +372,45 @@ def build_diff(
         )
     change = describe_change(changes, f"no lever changed: {_arm_name(after_runs)} vs "
                              f"{_arm_name(before_runs)}")  # fmt: skip
-    slo = options.slo or None
-    return Report(
+    head = Head(
         report_id=f"{_arm_id(after)}-vs-{_arm_id(before)}",
         kind="diff",
         run_id=after_ids[0],
         base_run_id=before_ids[0],
         window=window_of(after[0]),
         base_window=window_of(before[0]),
-        levers=compared.after["levers"],
-        run=compared.after["run"],
-        **only_numbers(compared.after),
+    )
+    return _comparison_report(head, compared.after, compared, change, checks, options.slo)
+
+
+class Head(TypedDict):
+    """A diff's or a split's report keys of its own: what it is and what it compares."""
+
+    report_id: str
+    kind: Kind
+    run_id: str
+    base_run_id: NotRequired[str]
+    window: NotRequired[WindowDoc | None]
+    base_window: NotRequired[WindowDoc | None]
+    split_at: NotRequired[str]
+
+
+def _comparison_report(
+    head: Head,
+    shown: SideReport,
+    compared: Comparison,
+    change: str,
+    checks: list[ChecklistItem],
+    slo: dict[str, float] | None,
+) -> Report:
+    """A diff's or a split's report: its `head`, the numbers of the side it shows at the top
+    level, the comparison's keys, the checklist and what the comparison read."""
+    slo = slo or None
+    return Report(
+        **head,
+        levers=shown["levers"],
+        run=shown["run"],
+        **only_numbers(shown),
         **_compared(compared, change),
         slo=slo,
         checklist=checks,
@@ -457,20 +488,9 @@ def build_split(
             0, f"the run has {len(flips)} lever flips; split at the first ({at.isoformat()}Z)"
         )
     change = describe_change(changes, f"{run_id} at {at.isoformat()}Z")
-    slo = options.slo or None
-    return Report(
-        report_id=f"{run_id}-at-flip",
-        kind="split",
-        run_id=run_id,
-        split_at=at.isoformat() + "Z",
-        levers=shown["levers"],
-        run=shown["run"],
-        **only_numbers(shown),
-        **_compared(replace(compared, warnings=warnings), change),
-        slo=slo,
-        checklist=checks,
-        flips=compared.flips,
-        charts=compared.charts,
-        cold_start=compared.cold_start,
-        diagnosis=compared.diagnosis(slo),
+    head = Head(
+        report_id=f"{run_id}-at-flip", kind="split", run_id=run_id, split_at=at.isoformat() + "Z"
+    )
+    return _comparison_report(
+        head, shown, replace(compared, warnings=warnings), change, checks, options.slo
     )
