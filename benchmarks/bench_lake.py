@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from deltalake import DeltaTable, write_deltalake  # noqa: E402
 
-from benchmarks.bench_report import REFERENCE_SQL, _peak_rss  # noqa: E402
+from benchmarks.bench_report import REFERENCE_SQL, _peak_rss, print_timing, versus  # noqa: E402
 from servescope.store import Store, settings  # noqa: E402
 from servescope.store.lake import LakeWriter  # noqa: E402
 from servescope.store.lakelayout import RUN_KEY, RUN_KEY_SQL, run_key  # noqa: E402
@@ -244,13 +244,12 @@ def measure(folder: Path, args: argparse.Namespace) -> int:
         reference, reference_cpu = min(reference, wall), min(reference_cpu, cpu)
         wall, cpu, peak = ours_s(lake, folder / "reports")
         ours, ours_cpu, rss = min(ours, wall), min(ours_cpu, cpu), max(rss, peak)
-    report = json.loads(
-        (folder / "reports" / f"{RUNS[1]}-vs-{RUNS[0]}" / "report.json").read_text()
+    print_timing(
+        folder / "reports" / f"{RUNS[1]}-vs-{RUNS[0]}",
+        reference=("bare DuckDB percentiles over the files, 2 runs", reference),
+        ours=("report build --vs --lake --format json, new process", ours),
+        rss=rss,
     )
-    print(f"headline: {report['headline']}")
-    print(f"reference (bare DuckDB percentiles over the files, 2 runs): {reference:.3f} s")
-    print(f"ours (report build --vs --lake --format json, new process): {ours:.3f} s")
-    print(f"report process peak RSS: {rss / 2**20:.0f} MiB (target ≤ 1024 MiB)")
     print(f"ratio: {ours / reference:.2f} (target ≤ 3); in CPU seconds "
           f"{ours_cpu:.2f} / {reference_cpu:.2f} = {ours_cpu / reference_cpu:.2f}")  # fmt: skip
     print(
@@ -261,9 +260,7 @@ def measure(folder: Path, args: argparse.Namespace) -> int:
                 "run_events": built["run_events"],
                 "files": built["files"],
                 "doc": built["doc"],
-                "ours": round(ours, 4),
-                "reference": round(reference, 4),
-                "ratio": round(ours / reference, 3),
+                **versus(ours, reference),
                 "ours_cpu": round(ours_cpu, 3),
                 "reference_cpu": round(reference_cpu, 3),
                 "cpu_ratio": round(ours_cpu / reference_cpu, 3),
