@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -178,24 +178,10 @@ def run(args: argparse.Namespace) -> int:
     except CapacityError as exc:
         console.print(str(exc), style="red")
         return 2
-    settings = Settings(
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=args.max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        kv_cache_gib=args.kv_cache_gib,
-        gpu_memory_gib=gpu_gib,
-        gpu_name=gpu_name,
-        gpu_memory_source=gpu_source,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        overhead_gib=args.overhead_gib,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        enforce_eager=args.enforce_eager,
-        device=args.device,
-    )
+    # The options are named as Settings' fields (vLLM's flags); the GPU's memory was resolved.
+    given = {f.name: getattr(args, f.name) for f in fields(Settings) if hasattr(args, f.name)}
+    resolved = {"gpu_memory_gib": gpu_gib, "gpu_name": gpu_name, "gpu_memory_source": gpu_source}
+    settings = Settings(**{**given, **resolved})
     traffic = Traffic(args.p50_prompt_tokens, args.p95_prompt_tokens,
                       args.p50_output_tokens, args.p95_output_tokens)  # fmt: skip
     measured: dict[str, Any] | None = None
