@@ -28,6 +28,7 @@ from types import ModuleType
 
 from servescope.cli import build_parser
 from servescope.commands import NAMES
+from servescope.store.settings import DEFAULT_DATA_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 ROOMS = ("store", "wire", "collector", "loadgen", "gateway", "reports", "dashboards")
@@ -159,12 +160,30 @@ def is_path(token: str, alone: bool) -> bool:
     return top in tracked_names() or bool(FILE_SUFFIX.search(token))
 
 
+@cache
+def tracked_folders() -> frozenset[str]:
+    """Every folder that holds a tracked file."""
+    return frozenset(str(parent) for path in tracked() for parent in Path(path).parents)
+
+
+def in_checkout(path: Path) -> bool:
+    """Whether `path` is a tracked file or a folder of tracked files: what a fresh clone has,
+    not what this working tree has made since (the data folder, build outputs)."""
+    try:
+        relative = str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return False
+    return relative in tracked() or relative in tracked_folders()
+
+
 def path_exists(token: str, doc: Path) -> bool:
     token = token.rstrip(".,;:")
     if token in NOT_OURS or token.removeprefix("./") in NOT_OURS:
         return True
-    bare = token.rstrip("/")
-    if (ROOT / bare).exists() or (doc.parent / bare).exists():
+    bare = token.rstrip("/").removeprefix("./")
+    if bare.split("/")[0] == str(DEFAULT_DATA_DIR):
+        return True  # the data folder: what servescope writes when run, never in a checkout
+    if in_checkout(ROOT / bare) or in_checkout(doc.parent / bare):
         return True
     return "/" not in bare and bare in tracked_names()
 
@@ -173,7 +192,7 @@ def link_exists(target: str, doc: Path) -> bool:
     target = target.split("#", 1)[0]
     if not target or re.match(r"^[a-z]+:", target):
         return True  # an anchor in the same file, a URL
-    return (doc.parent / target).resolve().exists()
+    return in_checkout(doc.parent / target)
 
 
 # --- commands and flags ----------------------------------------------------------------------
