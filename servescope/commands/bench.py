@@ -9,7 +9,13 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from servescope.commands.common import add_slo_option, console, open_store, store_command
+from servescope.commands.common import (
+    add_slo_option,
+    command_group,
+    console,
+    open_store,
+    store_command,
+)
 from servescope.loadgen.probe import TargetUnreachable
 from servescope.loadgen.request import ClientEvent
 from servescope.loadgen.runner import BenchRun, LevelProgress, RunOptions, RunResult
@@ -24,8 +30,7 @@ EXIT_HELP = (
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("bench", help="run benchmark workloads against a vLLM server")
-    benches = parser.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
+    benches = command_group(sub, "bench", help="run benchmark workloads against a vLLM server")
     run = benches.add_parser(
         "run",
         help="run a workload file: a benchmark config (name, model, input_tokens, output_tokens, "

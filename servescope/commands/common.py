@@ -25,6 +25,15 @@ from servescope.wire.slo import BadSlo, parse_slo
 console = Console(stderr=True, markup=False)
 
 
+def command_group(
+    sub: argparse._SubParsersAction, name: str, help: str, description: str | None = None
+) -> argparse._SubParsersAction:
+    """A command that is only its subcommands (`servescope model make-tiny`): its parser and
+    the required SUBCOMMAND slot (dest `NAME_command`), for the caller to fill."""
+    parser = sub.add_parser(name, help=help, description=description)
+    return parser.add_subparsers(dest=f"{name}_command", required=True, metavar="SUBCOMMAND")
+
+
 def add_store_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--store",

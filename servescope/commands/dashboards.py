@@ -6,14 +6,15 @@ import argparse
 import json
 from pathlib import Path
 
-from servescope.commands.common import console
+from servescope.commands.common import command_group, console
 from servescope.dashboards import RULES_DIR, LintFailed, build
 from servescope.store import settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("dashboards", help="build the Grafana dashboards (JSON + provisioning)")
-    commands = parser.add_subparsers(dest="dashboards_command", required=True, metavar="SUBCOMMAND")
+    commands = command_group(
+        sub, "dashboards", help="build the Grafana dashboards (JSON + provisioning)"
+    )
     cmd = commands.add_parser(
         "build",
         help="write the dashboards' JSON and Grafana provisioning YAML",

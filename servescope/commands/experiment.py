@@ -15,6 +15,7 @@ from servescope.commands import bench
 from servescope.commands.common import (
     UsageError,
     add_slo_option,
+    command_group,
     console,
     open_store,
     sigterm_as_ctrl_c,
@@ -57,11 +58,11 @@ from servescope.store import Store, settings
 # design, as the house rule allows.
 def register(sub: argparse._SubParsersAction) -> None:
     experiments = load_experiments()
-    parser = sub.add_parser(
+    commands = command_group(
+        sub,
         "experiment",
         help="lever-flip experiments: one workload, several server profiles, before/after",
     )
-    commands = parser.add_subparsers(dest="experiment_command", required=True, metavar="SUBCOMMAND")
     listing = commands.add_parser("list", help="the built-in experiments (and those of --file)")
     _add_files(listing)
     listing.set_defaults(func=run_list)

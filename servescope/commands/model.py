@@ -5,16 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from servescope.commands.common import console
+from servescope.commands.common import command_group, console
 from servescope.loadgen import real_model
 from servescope.loadgen.tiny_model import KINDS, checksum, is_built, make_tiny_model, model_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "model", help="make the local models vLLM serves in tests and demo (tiny, or SmolLM2)"
+    models = command_group(
+        sub, "model", help="make the local models vLLM serves in tests and demo (tiny, or SmolLM2)"
     )
-    models = parser.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
     make = models.add_parser(
         "make-tiny",
         help="build a 1.5M-parameter Llama model and tokenizer, deterministically",

@@ -15,6 +15,7 @@ from rich.text import Text
 from servescope.commands.common import (
     add_slo_option,
     add_window_options,
+    command_group,
     console,
     list_runs,
     open_store,
@@ -49,8 +50,7 @@ DESCRIPTION = "Render stored runs as self-contained HTML, Markdown and JSON repo
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("report", help="build run reports", description=DESCRIPTION)
-    add_subcommands(parser)
+    add_subcommands(command_group(sub, "report", help="build run reports", description=DESCRIPTION))
 
 
 def _verdicts(text: str) -> tuple[str, ...]:
@@ -64,8 +64,7 @@ def _verdicts(text: str) -> tuple[str, ...]:
 
 # A declarative table (argparse set-up, one statement per option): longer than 80 lines by
 # design, as the house rule allows.
-def add_subcommands(parser: argparse.ArgumentParser) -> None:
-    reports = parser.add_subparsers(dest="report_command", required=True, metavar="SUBCOMMAND")
+def add_subcommands(reports: argparse._SubParsersAction) -> None:
     build = reports.add_parser(
         "build",
         help="write DIR/REPORT/index.html, report.md and report.json",

@@ -11,6 +11,7 @@ from pathlib import Path
 from servescope.commands.common import (
     UsageError,
     byte_progress,
+    command_group,
     console,
     list_runs,
     open_store,
@@ -23,7 +24,8 @@ from servescope.store.parquet import count_parquet, export_parquet
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    stores = command_group(
+        sub,
         "store",
         help="import, export and list runs in the DuckDB store",
         description="The DuckDB store every command reads: one file (--store, $SERVESCOPE_STORE, "
@@ -32,7 +34,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "as Parquet, list the runs. Exit codes: 0 done, 1 the store or a file cannot be read or "
         "written, 2 bad usage or an unknown run.",
     )
-    stores = parser.add_subparsers(dest="store_command", required=True, metavar="SUBCOMMAND")
 
     imp = stores.add_parser(
         "import",
