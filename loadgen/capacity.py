@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from servescope.loadgen import gpu_memory
+from servescope.loadgen import architecture, checkpoint, gpu_memory
+from servescope.loadgen.architecture import Architecture, Dims
+from servescope.loadgen.checkpoint import Checkpoint
 from servescope.store import Store
 
 GIB = 1 << 30
@@ -54,6 +55,17 @@ class ModelShape:
     max_position_embeddings: int | None
     intermediate_size: int | None = None
     vocab_size: int | None = None
+    architecture: Architecture | None = None
+    checkpoint: Checkpoint | None = None
+
+    def dims(self) -> Dims:
+        return Dims(self.layers, self.hidden_size, self.attention_heads,
+                                 self.kv_heads, self.head_dim, self.intermediate_size or 0,
+                                 self.vocab_size or 0)  # fmt: skip
+
+    def arch(self) -> Architecture:
+        """The layout (a dense Llama's full attention when none was read)."""
+        return self.architecture or Architecture("llama", ("full",) * self.layers)
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,8 @@ class Settings:
     default block size. `gpu_name` (a card's or NVML's) picks vLLM's scheduler defaults (an A100
     keeps the small ones); `gpu_memory_source` says where `gpu_memory_gib` was read. Each of
     `data_parallel_size` engines holds a whole copy of the model on its own GPUs and sizes its
-    own KV cache: the numbers are per engine, the totals of all engines beside them."""
+    own KV cache: the numbers are per engine, the totals of all engines beside them. With
+    `enable_expert_parallel` the routed experts are spread whole over TP × DP ranks."""
 
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -84,6 +97,7 @@ class Settings:
     gpu_name: str | None = None
     gpu_memory_source: str | None = None
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
 
 def _config_path(model: Path) -> Path:
@@ -101,50 +115,30 @@ def _int(config: dict[str, Any], *keys: str) -> int | None:
     return None
 
 
-def weights_parameters(folder: Path) -> int | None:
-    """Parameters counted from the `*.safetensors` headers (no tensor is loaded); None without
-    weight files."""
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-    if not files:
-        return None
-    total = 0
-    for path in files:
-        with path.open("rb") as fh:
-            raw = fh.read(8)
-            if len(raw) != 8:
-                raise CapacityError(f"{path} is not a safetensors file")
-            (size,) = struct.unpack("<Q", raw)
-            if size > 100 * 1024 * 1024:
-                raise CapacityError(f"{path}: safetensors header of {size} bytes")
-            try:
-                header = json.loads(fh.read(size))
-            except ValueError as exc:
-                raise CapacityError(f"{path}: unreadable safetensors header ({exc})") from None
-        for name, tensor in header.items():
-            if name != "__metadata__" and isinstance(tensor, dict):
-                total += math.prod(int(d) for d in tensor.get("shape", []))
-    return total
+def _architecture(config: dict[str, Any], layers: int, path: Path) -> architecture.Architecture:
+    try:
+        return architecture.parse(config, layers)
+    except architecture.ArchitectureError as exc:
+        raise CapacityError(f"{path}: {exc}") from None
 
 
-def config_parameters(config: dict[str, Any], shape: ModelShape) -> int | None:
-    """A Llama-style count from the config: embeddings, attention, gated MLP (times the experts
-    of a mixture-of-experts model), norms, and an untied LM head."""
-    vocab = _int(config, "vocab_size")
-    inter = _int(config, "intermediate_size")
-    if vocab is None or inter is None:
-        return None
-    h, hd = shape.hidden_size, shape.head_dim
-    attention = h * shape.attention_heads * hd * 2 + h * shape.kv_heads * hd * 2
-    experts = _int(config, "num_local_experts", "num_experts") or 1
-    mlp = 3 * h * inter * experts + (h * experts if experts > 1 else 0)
-    per_layer = attention + mlp + 2 * h
-    head = 0 if config.get("tie_word_embeddings") else vocab * h
-    return vocab * h + shape.layers * per_layer + h + head
+def _estimate_basis(arch: architecture.Architecture) -> str:
+    """What the config-based parameter count took into account."""
+    parts = []
+    if (moe := arch.moe) is not None:
+        shared = f" + shared ({moe.shared_intermediate:,} wide)" if moe.shared_intermediate else ""
+        dense = f", {len(moe.dense_layers)} dense layer(s)" if moe.dense_layers else ""
+        parts.append(f"{moe.experts} routed experts{shared}{dense}")
+    if arch.mla is not None:
+        parts.append("MLA projections")
+    parts.append("tied embeddings" if arch.tied_embeddings else "untied LM head")
+    return f"config.json (architecture-aware estimate: {', '.join(parts)})"
 
 
 def load_shape(model: Path) -> ModelShape:
-    """The shape of the model in a folder (or of a bare `config.json`); parameters from the
-    weights when the folder has them, else estimated from the config."""
+    """The shape of the model in a folder (or of a bare `config.json`); its weights from the
+    checkpoint's safetensors headers when the folder has them, else estimated from the config
+    for its architecture."""
     path = _config_path(model)
     try:
         config = json.loads(path.read_text())
@@ -158,15 +152,18 @@ def load_shape(model: Path) -> ModelShape:
     hidden = _int(config, "hidden_size", "n_embd", "d_model")
     if layers is None or heads is None or hidden is None:
         raise CapacityError(f"{path} lacks num_hidden_layers, num_attention_heads or hidden_size")
-    kv_heads = _int(config, "num_key_value_heads", "num_kv_heads") or heads
-    head_dim = _int(config, "head_dim") or hidden // heads
+    arch = _architecture(config, layers, path)
     dtype = config.get("torch_dtype") or config.get("dtype")
+    try:
+        found = checkpoint.read(path.parent)
+    except checkpoint.CheckpointError as exc:
+        raise CapacityError(str(exc)) from None
     shape = ModelShape(
         name=model.name if model.is_dir() else model.parent.name,
         layers=layers,
         attention_heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
+        kv_heads=_int(config, "num_key_value_heads", "num_kv_heads") or heads,
+        head_dim=_int(config, "head_dim") or hidden // heads,
         hidden_size=hidden,
         dtype=str(dtype) if dtype else None,
         parameters=None,
@@ -174,18 +171,17 @@ def load_shape(model: Path) -> ModelShape:
         max_position_embeddings=_int(config, "max_position_embeddings", "n_positions"),
         intermediate_size=_int(config, "intermediate_size", "n_inner", "ffn_dim"),
         vocab_size=_int(config, "vocab_size"),
+        architecture=arch,
+        checkpoint=found,
     )
-    counted = weights_parameters(path.parent)
-    if counted:
-        return _with_params(shape, counted, "weights (safetensors headers)")
-    estimated = config_parameters(config, shape)
-    if estimated:
-        return _with_params(shape, estimated, "config.json (Llama-style estimate)")
-    return shape
-
-
-def _with_params(shape: ModelShape, parameters: int, basis: str) -> ModelShape:
-    return ModelShape(**{**asdict(shape), "parameters": parameters, "parameters_basis": basis})
+    if found is not None and found.parameters:
+        return replace(shape, parameters=found.parameters, parameters_basis=found.basis)
+    if shape.vocab_size is None or (shape.intermediate_size is None and arch.moe is None):
+        return shape
+    estimated = architecture.parameters(arch, shape.dims())
+    basis = _estimate_basis(arch) if found is None else f"{found.basis}; parameters from the " \
+        "config"  # fmt: skip
+    return replace(shape, parameters=estimated, parameters_basis=basis)
 
 
 def dtype_bytes(name: str, what: str) -> int:
@@ -201,8 +197,11 @@ def kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_bytes: int, tp: int = 1) -> int:
-    """2 (K, V) × layers × KV heads per GPU × head dim × bytes per value: one GPU's share."""
-    return 2 * shape.layers * kv_heads_per_gpu(shape, tp) * shape.head_dim * kv_bytes
+    """One GPU's KV bytes a token over all layers: 2 (K, V) × KV heads per GPU × head dim ×
+    bytes per value a layer, or MLA's latent (`kv_lora_rank + qk_rope_head_dim` values a
+    layer, whole on every GPU)."""
+    layer = architecture.layer_kv_bytes_per_token(shape.arch(), shape.dims(), tp, kv_bytes)
+    return shape.layers * layer
 
 
 def concurrency(blocks: int, tokens_per_request: float, block_size: int) -> float:
@@ -232,30 +231,75 @@ def device_of(settings: Settings) -> str:
     return "cuda" if settings.gpu_memory_gib is not None else "cpu"
 
 
+@dataclass(frozen=True)
+class Weights:
+    """The weights' bytes: the model's and one GPU's (allocator rounding included when
+    `rounded`), and where they come from."""
+
+    total: int | None
+    per_gpu: int | None
+    rounded: bool
+
+
+def _weights(shape: ModelShape, settings: Settings, dtype: str) -> Weights:
+    """From the checkpoint's headers when read, else parameters × dtype: split over TP (experts
+    over the expert ranks); an MoE or MLA model as vLLM lays out each tensor."""
+    size = dtype_bytes(dtype, "--dtype")
+    par = _parallel(settings)
+    if shape.checkpoint is not None:
+        ckpt = shape.checkpoint
+        return Weights(ckpt.total_bytes(size), ckpt.bytes_per_gpu(size, par.tp, par.expert_ranks),
+                       rounded=False)  # fmt: skip
+    if not shape.parameters:
+        return Weights(None, None, rounded=False)
+    arch = shape.arch()
+    if (arch.moe or arch.mla) and shape.vocab_size:
+        per_gpu = architecture.weight_bytes_per_gpu(arch, shape.dims(), par, size)
+        return Weights(shape.parameters * size, per_gpu, rounded=True)
+    return Weights(shape.parameters * size, math.ceil(shape.parameters * size / par.tp), False)
+
+
+def _parallel(settings: Settings) -> architecture.Parallel:
+    return architecture.Parallel(settings.tensor_parallel_size, settings.data_parallel_size,
+                                 settings.enable_expert_parallel)  # fmt: skip
+
+
 def _kv_space(
-    shape: ModelShape, settings: Settings, weight_bytes_per_gpu: int | None, dtype: str
+    shape: ModelShape, settings: Settings, weights: Weights, dtype: str
 ) -> tuple[int | None, str, dict[str, Any] | None]:
     if settings.kv_cache_gib is not None:
         return int(settings.kv_cache_gib * GIB), "--kv-cache-gib", None
     if settings.gpu_memory_gib is None:
         return None, "not given (--kv-cache-gib, or --gpu-memory-gib)", None
-    if weight_bytes_per_gpu is None:
+    if weights.per_gpu is None:
         raise CapacityError("the weights' size is unknown: give --kv-cache-gib instead")
     if shape.intermediate_size is None or shape.vocab_size is None:
         raise CapacityError("the config lacks intermediate_size or vocab_size: give --kv-cache-gib")
+    arch, size = shape.arch(), dtype_bytes(dtype, "--dtype")
+    total = int(settings.gpu_memory_gib * GIB)
+    tokens = settings.max_num_batched_tokens or gpu_memory.scheduler_defaults(
+        settings.gpu_memory_gib, settings.gpu_name)[0]  # fmt: skip
+    sized = arch.moe is not None or arch.mla is not None
+    qk = arch.mla.qk_nope_head_dim + arch.mla.qk_rope_head_dim if arch.mla else shape.head_dim
     model = gpu_memory.predict(
-        gpu_memory.Shape(shape.layers, shape.hidden_size, shape.intermediate_size,
-                         shape.attention_heads, shape.kv_heads, shape.head_dim, shape.vocab_size),
-        total_bytes=int(settings.gpu_memory_gib * GIB),
+        gpu_memory.Shape(shape.layers, shape.hidden_size,
+                         architecture.transient_intermediate(arch, shape.dims()),
+                         shape.attention_heads, shape.attention_heads if arch.mla else
+                         shape.kv_heads, qk, shape.vocab_size),
+        total_bytes=total,
         utilization=settings.gpu_memory_utilization,
-        weight_bytes=weight_bytes_per_gpu,
-        dtype_bytes=dtype_bytes(dtype, "--dtype"),
+        weight_bytes=weights.per_gpu,
+        dtype_bytes=size,
         tp=settings.tensor_parallel_size,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
-        cudagraphs=not settings.enforce_eager,
+        cudagraphs=not settings.enforce_eager and not (sized and arch.v2_runner),
         extra_bytes=int(settings.overhead_gib * GIB),
         device_name=settings.gpu_name,
+        weights_rounded=weights.rounded,
+        persistent_bytes=architecture.moe_workspace(arch, shape.hidden_size, tokens,
+                                                    _parallel(settings), size),
+        non_torch_bytes=int(gpu_memory.NON_TORCH_SIZED_GIB * GIB) if sized else None,
     )  # fmt: skip
     basis = (
         "GPU memory × gpu_memory_utilization − weights − activation peak − non-torch memory − "
@@ -272,6 +316,39 @@ class Traffic:
     p95_output_tokens: float | None = None
 
 
+def _summary(shape: ModelShape, groups: architecture.KvGroups) -> dict[str, Any]:
+    """The architecture as the worksheet sized it, for people and scripts."""
+    arch = shape.arch()
+    return {
+        "family": arch.family,
+        "attention": arch.attention,
+        "layers_full": arch.layer_kinds.count("full"),
+        "layers_sliding": arch.layer_kinds.count("sliding"),
+        "sliding_window": arch.sliding_window if "sliding" in arch.layer_kinds else None,
+        "kv_cache_groups": len(groups.groups),
+        "kv_cache_group_size": groups.group_size,
+        "mla": asdict(arch.mla) if arch.mla else None,
+        "moe": asdict(arch.moe) if arch.moe else None,
+    }
+
+
+def _zero_reason(out: dict[str, Any], per_token: int, block: int) -> str | None:
+    """Why no request fits, when none does: never a bare 0."""
+    memory, space = out["gpu_memory"], out["kv_cache_bytes"]
+    if memory and memory["available"] <= 0:
+        return (f"no KV cache: the weights ({memory['weights']} GiB a GPU) and what vLLM "
+                f"subtracts with them exceed GPU memory × utilization ({memory['requested']} "
+                "GiB); vLLM would not start. More GPUs (--tensor-parallel-size, "
+                "--enable-expert-parallel), a higher --gpu-memory-utilization, or a quantized "
+                "checkpoint")  # fmt: skip
+    if out["kv_blocks"] == 0:
+        return (f"the KV space ({space:,} B) holds less than one block of {block} tokens "
+                f"({per_token * block:,} B)")  # fmt: skip
+    if not out["max_model_len_fits"]:
+        return "max_model_len does not fit: not one request of max_model_len tokens fits"
+    return None
+
+
 def compute(
     shape: ModelShape,
     settings: Settings,
@@ -286,16 +363,19 @@ def compute(
         raise CapacityError("--tensor-parallel-size and --data-parallel-size must be at least 1")
     dtype, kv_dtype, max_len = _resolved(shape, settings)
     kv_size = dtype_bytes(kv_dtype, "--kv-cache-dtype")
-    weight_bytes = shape.parameters * dtype_bytes(dtype, "--dtype") if shape.parameters else None
-    per_gpu_weights = math.ceil(weight_bytes / tp) if weight_bytes else None
+    weights = _weights(shape, settings, dtype)
     per_token = kv_bytes_per_token(shape, kv_size, tp)
     default_block = CPU_BLOCK_SIZE if device_of(settings) == "cpu" else GPU_BLOCK_SIZE
     block = settings.block_size or block_size_default or default_block
-    space, basis, memory = _kv_space(shape, settings, per_gpu_weights, dtype)
+    space, basis, memory = _kv_space(shape, settings, weights, dtype)
+    batched = (memory or {}).get("max_num_batched_tokens") or settings.max_num_batched_tokens
+    groups = architecture.kv_groups(shape.arch(), batched or 2048)
+    model = {k: v for k, v in asdict(shape).items() if k not in ("architecture", "checkpoint")}
     out: dict[str, Any] = {
-        "model": {**asdict(shape), "weight_bytes": weight_bytes,
-                  "weight_bytes_per_gpu": per_gpu_weights,
-                  "kv_heads_per_gpu": kv_heads_per_gpu(shape, tp)},
+        "model": {**model, "weight_bytes": weights.total, "weight_bytes_per_gpu": weights.per_gpu,
+                  "kv_heads_per_gpu": kv_heads_per_gpu(shape, tp),
+                  "expert_parallel": settings.enable_expert_parallel},
+        "architecture": _summary(shape, groups),
         "settings": {**asdict(settings), "dtype": dtype, "kv_cache_dtype": kv_dtype,
                      "max_model_len": max_len, "block_size": block,
                      "device": device_of(settings)},
@@ -307,25 +387,31 @@ def compute(
         "gpu_memory": memory,
         "kv_blocks": None,
         "kv_tokens": None,
+        "kv_tokens_reason": None,
         "max_concurrency": None,
         "max_model_len_fits": None,
         "kv_tokens_all_engines": None,
         "max_concurrency_all_engines": None,
         "gpus": tp * dp,
         "concurrency_at": {},
+        "warnings": list(shape.arch().warnings),
     }  # fmt: skip
     if space is None:
         return out
-    blocks = space // (per_token * block)  # one page of `block` tokens in every layer
-    conc = concurrency(blocks, max_len, block)
+    # one page of `block` tokens in each layer of a group; the groups share the blocks
+    blocks = space // (per_token // shape.layers * block * groups.group_size)
+    conc = blocks / groups.blocks_per_request(max_len, block)
     out.update(
         kv_blocks=blocks,
         kv_tokens=int(conc * max_len),
         max_concurrency=round(conc, 4),
-        max_model_len_fits=blocks * block >= max_len,
+        max_model_len_fits=blocks >= groups.blocks_per_request(max_len, block),
         kv_tokens_all_engines=int(conc * max_len) * dp,
         max_concurrency_all_engines=round(conc * dp, 4),
     )
+    if (reason := _zero_reason(out, per_token, block)) is not None:
+        out["kv_tokens_reason"] = reason
+        out["warnings"].append(reason)
     if traffic is not None:
         for q in ("p50", "p95"):
             prompt = getattr(traffic, f"{q}_prompt_tokens")
@@ -334,8 +420,9 @@ def compute(
                 shape_tokens = prompt + output
                 out["concurrency_at"][q] = {
                     "tokens_per_request": shape_tokens,
-                    "max_concurrency": round(concurrency(blocks, shape_tokens, block), 4),
-                }
+                    "max_concurrency": round(
+                        blocks / groups.blocks_per_request(shape_tokens, block), 4),
+                }  # fmt: skip
     return out
 
 
@@ -433,6 +520,7 @@ def settings_of(levers: Mapping[str, object], **given: Any) -> Settings:
         "max_num_batched_tokens": num("max_num_batched_tokens", int),
         "max_num_seqs": num("max_num_seqs", int),
         "enforce_eager": levers.get("enforce_eager") is True,
+        "enable_expert_parallel": levers.get("enable_expert_parallel") is True,
     }
     if (utilization := num("gpu_memory_utilization", float)) is not None:
         found["gpu_memory_utilization"] = utilization

@@ -67,6 +67,10 @@ GIB = 1 << 30
 MIB = 1 << 20
 CUBLAS_WORKSPACE = 32 * MIB  # torch's default on sm90: 8 chunks of 4 MiB
 NON_TORCH_GIB = 0.10  # assumption, see the module docstring
+# MoE and MLA models: vLLM's own DEBUG memory line ("non-torch forward increase memory") on each
+# recorded one-GPU start of such a model on vLLM 0.25.1 (tests/fixtures/gpu3), their kernels'
+# images (fused MoE, MLA) counted; a reading of that term, not of the KV result
+NON_TORCH_SIZED_GIB = 0.22
 GRAPH_FLOOR = 1 * MIB  # vLLM's minimum per captured graph
 # NCCL's buffers of one connection, one per protocol (see the module docstring)
 NCCL_PROTOCOL_BUFFERS = 4 * MIB + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
@@ -321,14 +325,21 @@ def predict(
     cudagraphs: bool = True,
     extra_bytes: int = 0,
     device_name: str | None = None,
+    weights_rounded: bool = False,
+    persistent_bytes: int = 0,
+    non_torch_bytes: int | None = None,
 ) -> GpuMemory:
-    """vLLM's available KV memory on one GPU, term by term (see the module docstring)."""
+    """vLLM's available KV memory on one GPU, term by term (see the module docstring).
+    `weights_rounded`: `weight_bytes` already holds the allocator's rounding (an MoE or MLA
+    model's tensors, `loadgen/architecture.py`); `persistent_bytes`: buffers the profile run
+    allocates and keeps (the fused-MoE workspace), beside the busiest layer's tensors;
+    `non_torch_bytes`: that term when the model's kernels differ from a dense model's."""
     tokens_default, seqs_default = scheduler_defaults(total_bytes / GIB, device_name)
     tokens = max_num_batched_tokens or tokens_default
     seqs = max_num_seqs or seqs_default
     requested = math.ceil(total_bytes * utilization)
-    weights = weight_bytes + max(0, rounding(shape, dtype_bytes, tp))
-    activation = (
+    weights = weight_bytes + (0 if weights_rounded else max(0, rounding(shape, dtype_bytes, tp)))
+    activation = persistent_bytes + (
         max(layer_peak(shape, tokens, dtype_bytes, tp),  # the forward pass, or the sampler
             sampler_peak(shape, min(seqs, tokens), dtype_bytes)  # beside the pass's output
             + tokens * shape.hidden * dtype_bytes)
@@ -339,7 +350,7 @@ def predict(
     if sizes:
         pool = layer_peak(shape, max(sizes), dtype_bytes, tp)
         graphs = pool + GRAPH_FLOOR * (2 * len(sizes) - 2)  # PIECEWISE and FULL, less the firsts
-    non_torch = int(NON_TORCH_GIB * GIB)
+    non_torch = int(NON_TORCH_GIB * GIB) if non_torch_bytes is None else non_torch_bytes
     nccl = nccl_buffers(tp, device_name)
     available = requested - weights - activation - non_torch - nccl - graphs - extra_bytes
     return GpuMemory(
