@@ -29,7 +29,11 @@ DESCRIPTION = (
     "with tensor parallelism), KV blocks and tokens that fit, the largest concurrency at "
     "max_model_len (as vLLM states it at start-up) and at the p50/p95 request shape, whether "
     "max_model_len fits at all, and the cost per 1K tokens at a stored run's measured "
-    "throughput. The KV space is --kv-cache-gib (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE) or one "
+    "throughput. The architecture is read from config.json — dense, mixture-of-experts "
+    "(routed and shared experts, dense layers), MLA, sliding-window layers (vLLM's hybrid KV "
+    "cache groups) — and the weights from the checkpoint's safetensors headers when the "
+    "folder has them; a model_type it does not model (Mamba, linear attention, unknown) is "
+    "refused. The KV space is --kv-cache-gib (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE) or one "
     "GPU's memory × --gpu-memory-utilization less what vLLM subtracts at start-up (weights, "
     "the activation peak of a --max-num-batched-tokens step, non-torch memory, CUDA graphs; "
     "docs/design.md 'Capacity on a GPU') and --overhead-gib: vLLM's 'Available KV cache "
@@ -39,8 +43,9 @@ DESCRIPTION = (
     "with a GPU it is read through NVML, and --gpu-memory-gib takes it as a number. "
     "Prints Markdown (--json or --yaml for scripts; --out DIR writes capacity.yaml and "
     "capacity.md). Exit codes: 0 done (a GPU total that looks like nvidia-smi's or a "
-    "marketing size is a warning on stderr), 2 bad input (unreadable config, unknown dtype, "
-    "unknown card, unknown run)."
+    "marketing size is a warning on stderr, as is what the worksheet did not model), 2 bad "
+    "input (unreadable config, unknown dtype, unknown card, unknown run, a model_type it "
+    "does not model)."
 )
 
 
@@ -67,6 +72,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="DP",
         help="engines, each a whole copy of the model on its own TP GPUs; numbers "
         "are per engine, with the totals of all engines beside them",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="vLLM's flag: a mixture-of-experts model's routed experts spread whole over the "
+        "TP × DP GPUs (per-GPU weights), the rest split over TP",
     )
     space = p.add_mutually_exclusive_group()
     space.add_argument("--kv-cache-gib", type=float, help="KV space per GPU/node in GiB")
@@ -213,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "capacity.yaml").write_text(yaml.safe_dump(sheet, sort_keys=False))
         (args.out / "capacity.md").write_text(text)
+    for warning in result["warnings"]:
+        console.print(f"warning: {warning}", style="yellow")
     if args.json:
         print(json.dumps(result, indent=2))
     elif args.yaml:
@@ -271,6 +284,25 @@ def _gpu_terms(memory: dict[str, Any] | None, source: str | None) -> list[str]:
     ]
 
 
+def _architecture_rows(arch: dict[str, Any], model: dict[str, Any]) -> list[str]:
+    """The attention kind and the experts, as the worksheet sized them."""
+    rows = [f"| architecture | {arch['family']}: {arch['attention']}; "
+            f"{arch['kv_cache_groups']} KV cache group(s) of {arch['kv_cache_group_size']} "
+            "layers |"]  # fmt: skip
+    if moe := arch["moe"]:
+        shared = (
+            f", shared {moe['shared_intermediate']:,} wide" if moe["shared_intermediate"] else ""
+        )
+        dense = f", dense layers {moe['dense_layers']}" if moe["dense_layers"] else ""
+        spread = "; expert parallel" if model["expert_parallel"] else ""
+        rows.append(f"| experts | {moe['experts']} routed, {moe['top_k']} a token, "
+                    f"{moe['intermediate']:,} wide{shared}{dense}{spread} |")  # fmt: skip
+    if mla := arch["mla"]:
+        rows.append(f"| MLA | latent {mla['kv_lora_rank']} + rope {mla['qk_rope_head_dim']} "
+                    "values a token and layer, whole on every GPU |")  # fmt: skip
+    return rows
+
+
 def markdown(result: dict[str, Any], sheet: dict[str, Any]) -> str:
     """The worksheet for people: what was read, what it implies."""
     m, s = result["model"], result["settings"]
@@ -282,6 +314,7 @@ def markdown(result: dict[str, Any], sheet: dict[str, Any]) -> str:
         "| | |",
         "|---|---|",
         f"| parameters | {_n(m['parameters'])} (from {m['parameters_basis']}) |",
+        *_architecture_rows(result["architecture"], m),
         f"| layers / attention heads / KV heads / head dim | {m['layers']} / "
         f"{m['attention_heads']} / {m['kv_heads']} / {m['head_dim']} |",
         f"| dtype / KV-cache dtype | {s['dtype']} / {s['kv_cache_dtype']} |",
@@ -301,6 +334,7 @@ def markdown(result: dict[str, Any], sheet: dict[str, Any]) -> str:
         f"| max concurrency at {_n(s['max_model_len'])} tokens per request | "
         f"{_x(result['max_concurrency'])} |",
         f"| max_model_len fits | {_n(result['max_model_len_fits'])} |",
+        *(f"| warning | {w} |" for w in result["warnings"]),
     ]
     if s["data_parallel_size"] > 1:
         lines.append(

@@ -4,6 +4,7 @@ server, whose log holds the line); the launcher and the collector record that st
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -164,3 +165,31 @@ def test_statement_parser_reads_both_forms() -> None:
     assert kv_cache_from_log(older) == {"kv_cache_device": "GPU", "kv_cache_tokens": 1234,
                                         "max_model_len": 2048, "max_concurrency": 0.6}  # fmt: skip
     assert kv_cache_statement("Engine 000: Avg prompt throughput: 1.0 tokens/s") is None
+
+
+SHAPES = ROOT / "benchmarks" / "gpu" / "shapes"
+
+
+def test_an_unmodelled_model_type_exits_2_with_what_is_not_modelled(tmp_path: Path) -> None:
+    """A made-up model_type, and a Mamba hybrid: a clear message and exit 2, never a number."""
+    for model_type, words in (("made_up_moe", "not one the worksheet models"),
+                              ("jamba", "per-sequence state")):  # fmt: skip
+        config = {**LLAMA3_8B, "model_type": model_type}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        result = servescope("capacity", str(tmp_path), "--gpu", "H100-80GB")
+        assert result.returncode == 2 and words in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and not result.stdout.strip()
+
+
+def test_moe_and_mla_in_the_worksheet(tmp_path: Path) -> None:
+    """The worksheet names the attention kind and the experts; expert parallelism over TP = 2
+    gives each GPU half the experts whole."""
+    result = servescope("capacity", str(SHAPES / "deepseek-v2-lite.json"), "--gpu", "H100-80GB",
+                        "--gpu-memory-utilization", "0.85", "--max-model-len", "8192")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "| MLA | latent 512 + rope 64" in result.stdout
+    assert "| experts | 64 routed, 6 a token" in result.stdout
+    ep = capacity(SHAPES / "qwen1.5-moe-a2.7b.json", tmp_path, "--gpu", "H200",
+                  "--tensor-parallel-size", "2", "--enable-expert-parallel")  # fmt: skip
+    assert ep["model"]["expert_parallel"] is True and ep["settings"]["enable_expert_parallel"]
+    assert ep["gpu_memory"]["weights"] == pytest.approx(12.81, rel=0.01)  # vLLM's, gpu3
