@@ -320,11 +320,15 @@ class Session:
 
     def parallel(self) -> ParallelNotes:
         """How the server spreads over GPUs, from its flags: GPUs per engine (tensor and
-        pipeline parallel) and engines (data parallel)."""
+        pipeline parallel), engines (data parallel), and whether a mixture-of-experts model's
+        experts are spread over them (expert parallel)."""
         tp, pp, dp = (_size(self.args.get(f"{kind}_parallel_size"))
                       for kind in ("tensor", "pipeline", "data"))  # fmt: skip
-        return {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-                "data_parallel_size": dp, "gpus": tp * pp * dp}  # fmt: skip
+        found: ParallelNotes = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                                "data_parallel_size": dp, "gpus": tp * pp * dp}  # fmt: skip
+        if self.args.get("enable_expert_parallel") is True:
+            found["expert_parallel"] = True
+        return found
 
     def served(self, doc: EventDoc) -> EventDoc:
         """Mark a request as one this session served: its `vllm_session`, and its model when

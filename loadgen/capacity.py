@@ -531,15 +531,17 @@ def from_levers(
     model: Path, levers: Mapping[str, object], env: dict[str, str]
 ) -> dict[str, float | int | str | None] | None:
     """servescope's numbers for a server the launcher started (its flags and environment), to
-    record next to vLLM's own statement; None when the model is not a local folder."""
+    record next to vLLM's own statement; None when the model is not a local folder; with
+    `not_modelled` (and no numbers) when the worksheet cannot size it, said rather than left
+    blank."""
     if not _config_path_exists(model):
         return None
     space = env.get("VLLM_CPU_KVCACHE_SPACE")
     settings = settings_of(levers, kv_cache_gib=float(space) if space else None)
     try:
         result = compute(load_shape(model), settings)
-    except (CapacityError, ValueError):
-        return None
+    except (CapacityError, ValueError) as exc:
+        return {"kv_tokens": None, "max_concurrency": None, "not_modelled": str(exc)}
     return {
         "kv_bytes_per_token": result["kv_bytes_per_token"],
         "kv_tokens": result["kv_tokens"],

@@ -118,6 +118,9 @@ class ParallelNotes(TypedDict):
     pipeline_parallel_size: int
     data_parallel_size: int
     gpus: int  # tensor × pipeline × data
+    # --enable-expert-parallel: a mixture-of-experts model's routed experts spread whole over
+    # the tensor × data parallel GPUs (present only when set)
+    expert_parallel: NotRequired[bool]
 
 
 class PlanNotes(TypedDict, total=False):

@@ -133,6 +133,8 @@ def _kv_line(kv: Mapping[str, Any] | None) -> str:
                 f"{stated['max_concurrency']:.2f}x at {stated.get('max_model_len') or 0:,} "
                 "tokens per request"
             )
+        elif stated and stated.get("not_modelled"):
+            parts.append(f"{who}: not modelled ({stated['not_modelled']})")
         else:
             parts.append(f"{who}: not stated")
     return "KV cache — " + "; ".join(parts)

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from servescope.loadgen import architecture
-from servescope.loadgen.capacity import GIB, CapacityError, Settings, compute, load_shape
+from servescope.loadgen.capacity import (
+    GIB,
+    CapacityError,
+    Settings,
+    compute,
+    from_levers,
+    load_shape,
+)
 
 SHAPES = Path(__file__).parents[2] / "benchmarks" / "gpu" / "shapes"
 
@@ -182,3 +189,16 @@ def test_an_index_without_its_shards_gives_the_stored_total(tmp_path: Path) -> N
     out = compute(shape, Settings(kv_cache_gib=1, max_model_len=8192))
     assert out["model"]["weight_bytes"] == 31_412_968_448
     assert shape.parameters == architecture.parameters(shape.arch(), shape.dims())
+
+
+def test_a_launched_server_s_unmodelled_model_is_said(tmp_path: Path) -> None:
+    """The launcher records servescope's numbers next to vLLM's statement: for a model the
+    worksheet does not model, why, not a blank."""
+    folder = _config(tmp_path, "qwen1.5-moe-a2.7b", model_type="jamba")
+    note = from_levers(folder, {"max_model_len": "8192"}, {"VLLM_CPU_KVCACHE_SPACE": "4"})
+    assert note is not None and note["kv_tokens"] is None
+    assert "per-sequence state" in str(note["not_modelled"])
+    ep = from_levers(SHAPES / "qwen1.5-moe-a2.7b.json",
+                     {"max_model_len": "8192", "enable_expert_parallel": True},
+                     {"VLLM_CPU_KVCACHE_SPACE": "4"})  # fmt: skip
+    assert ep is not None and ep["kv_tokens"]

@@ -66,6 +66,15 @@ def test_a_session_keeps_every_engine_and_gpu() -> None:
                                   "data_parallel_size": 2, "gpus": 4}  # fmt: skip
 
 
+def test_expert_parallelism_is_noted() -> None:
+    """`--enable-expert-parallel` (vLLM's `enable_expert_parallel` in its non-default args):
+    the experts of a mixture-of-experts model spread over the TP × DP GPUs."""
+    session = Session(args={"tensor_parallel_size": 2, "enable_expert_parallel": True})
+    assert session.parallel() == {"tensor_parallel_size": 2, "pipeline_parallel_size": 1,
+                                  "data_parallel_size": 1, "gpus": 2,
+                                  "expert_parallel": True}  # fmt: skip
+
+
 def test_a_plain_server_is_one_gpu() -> None:
     session = Session(args={"model": "m"})
     session.phase({"kv_cache_available_gib": 53.19}, None, ready=False)

@@ -176,6 +176,10 @@ def test_a_cpu_servers_engines_are_not_called_gpus(reports: dict[str, dict[str, 
         assert "CPU worker (engine, rank)" in text and "(GiB, host memory)" in text, fmt
     report["engines"]["device"] = "GPU"
     assert "| GPU (engine, rank) | weights loaded (GiB) |" in render(report, "md")  # type: ignore[arg-type]
+    report["engines"]["parallel"]["expert_parallel"] = True  # a mixture-of-experts model's
+    for fmt in ("md", "html"):
+        text = render(report, fmt)  # type: ignore[arg-type]
+        assert "the experts spread whole over 2 of them (expert parallel)" in text, fmt
 
 
 def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
