@@ -167,8 +167,11 @@ def _moe(config: dict[str, object], family: str, layers: int) -> Moe | None:
     if n_shared := _int(config, "n_shared_experts"):
         shared = n_shared * inter
     dense: set[int] = set(range(_int(config, "first_k_dense_replace") or 0))
-    step = _int(config, "decoder_sparse_step", "moe_layer_freq") or 1
-    dense |= {i for i in range(layers) if (i + 1) % step != 0}
+    # Qwen's decoder_sparse_step: layer i has experts when (i + 1) % step == 0; DeepSeek's
+    # moe_layer_freq: when i % freq == 0 (vLLM's qwen2_moe.py and deepseek_v2.py)
+    step = _int(config, "decoder_sparse_step") or 1
+    freq = _int(config, "moe_layer_freq") or 1
+    dense |= {i for i in range(layers) if (i + 1) % step != 0 or i % freq != 0}
     only = config.get("mlp_only_layers")
     if isinstance(only, list):
         dense |= {i for i in only if isinstance(i, int)}
@@ -327,6 +330,12 @@ def allocated(nbytes: int) -> int:
 def weight_bytes_per_gpu(arch: Architecture, d: Dims, par: Parallel, dtype_bytes: int) -> int:
     """One GPU's weights as the allocator holds them."""
     return sum(allocated(n * dtype_bytes) for n in tensors(arch, d, par))
+
+
+def rounding_bytes(arch: Architecture, d: Dims, par: Parallel, dtype_bytes: int) -> int:
+    """What the allocator adds to one GPU's weights (beside a checkpoint's exact bytes)."""
+    exact = sum(n * dtype_bytes for n in tensors(arch, d, par))
+    return weight_bytes_per_gpu(arch, d, par, dtype_bytes) - exact
 
 
 # -- activations ---------------------------------------------------------------------------------

@@ -246,14 +246,17 @@ def _weights(shape: ModelShape, settings: Settings, dtype: str) -> Weights:
     over the expert ranks); an MoE or MLA model as vLLM lays out each tensor."""
     size = dtype_bytes(dtype, "--dtype")
     par = _parallel(settings)
+    arch = shape.arch()
+    sized = bool(arch.moe or arch.mla) and bool(shape.vocab_size)
     if shape.checkpoint is not None:
         ckpt = shape.checkpoint
-        return Weights(ckpt.total_bytes(size), ckpt.bytes_per_gpu(size, par.tp, par.expert_ranks),
-                       rounded=False)  # fmt: skip
+        per_gpu = ckpt.bytes_per_gpu(size, par.tp, par.expert_ranks)
+        if sized:  # the allocator's rounding of each tensor as vLLM lays them out
+            per_gpu += architecture.rounding_bytes(arch, shape.dims(), par, size)
+        return Weights(ckpt.total_bytes(size), per_gpu, rounded=sized)
     if not shape.parameters:
         return Weights(None, None, rounded=False)
-    arch = shape.arch()
-    if (arch.moe or arch.mla) and shape.vocab_size:
+    if sized:
         per_gpu = architecture.weight_bytes_per_gpu(arch, shape.dims(), par, size)
         return Weights(shape.parameters * size, per_gpu, rounded=True)
     return Weights(shape.parameters * size, math.ceil(shape.parameters * size / par.tp), False)

@@ -177,7 +177,9 @@ def test_weights_from_the_headers_packed_tensors_as_stored(tmp_path: Path) -> No
     assert fp32["model"]["weight_bytes"] == rest + floats + 256 * 1408 * 4
     ep = compute(shape, Settings(kv_cache_gib=1, max_model_len=8192, tensor_parallel_size=2,
                                  enable_expert_parallel=True))  # fmt: skip
-    assert ep["model"]["weight_bytes_per_gpu"] == rest // 2 + 256 * 1408 * 4 // 2
+    rounding = architecture.rounding_bytes(shape.arch(), shape.dims(),
+                                           architecture.Parallel(2, 1, True), 2)  # fmt: skip
+    assert ep["model"]["weight_bytes_per_gpu"] == rest // 2 + 256 * 1408 * 4 // 2 + rounding
 
 
 def test_an_index_without_its_shards_gives_the_stored_total(tmp_path: Path) -> None:
@@ -202,3 +204,19 @@ def test_a_launched_server_s_unmodelled_model_is_said(tmp_path: Path) -> None:
                      {"max_model_len": "8192", "enable_expert_parallel": True},
                      {"VLLM_CPU_KVCACHE_SPACE": "4"})  # fmt: skip
     assert ep is not None and ep["kv_tokens"]
+
+
+@pytest.mark.parametrize(
+    "keys, dense",
+    [({"model_type": "qwen2_moe", "num_experts": 8, "decoder_sparse_step": 2}, [0, 2]),
+     ({"model_type": "qwen3_moe", "num_experts": 8, "mlp_only_layers": [1]}, [1]),
+     ({"model_type": "deepseek_v3", "n_routed_experts": 8, "first_k_dense_replace": 1,
+       "moe_layer_freq": 2}, [0, 1, 3]),
+     ({"model_type": "mixtral", "num_local_experts": 8}, [])],
+)  # fmt: skip
+def test_which_layers_hold_experts(keys: dict[str, object], dense: list[int]) -> None:
+    """vLLM's rules: Qwen's layer i has experts when (i + 1) % decoder_sparse_step == 0 and i
+    is not in mlp_only_layers; DeepSeek's from first_k_dense_replace on, when i % moe_layer_freq
+    == 0."""
+    arch = architecture.parse({"intermediate_size": 64, **keys}, 4)
+    assert arch.moe is not None and list(arch.moe.dense_layers) == dense
