@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from servescope.loadgen import architecture, checkpoint, gpu_memory
 from servescope.loadgen.architecture import Architecture, Dims
@@ -269,7 +269,7 @@ def _parallel(settings: Settings) -> architecture.Parallel:
 
 def _kv_space(
     shape: ModelShape, settings: Settings, weights: Weights, dtype: str
-) -> tuple[int | None, str, dict[str, Any] | None]:
+) -> tuple[int | None, str, gpu_memory.GpuMemory | None]:
     if settings.kv_cache_gib is not None:
         return int(settings.kv_cache_gib * GIB), "--kv-cache-gib", None
     if settings.gpu_memory_gib is None:
@@ -308,7 +308,7 @@ def _kv_space(
         "GPU memory × gpu_memory_utilization − weights − activation peak − non-torch memory − "
         "CUDA graphs − overhead, as vLLM profiles them (loadgen/gpu_memory.py)"
     )
-    return model.available, basis, model.gib()
+    return model.available, basis, model
 
 
 @dataclass(frozen=True)
@@ -319,8 +319,21 @@ class Traffic:
     p95_output_tokens: float | None = None
 
 
-def _summary(shape: ModelShape, groups: architecture.KvGroups) -> dict[str, Any]:
-    """The architecture as the worksheet sized it, for people and scripts."""
+class ArchitectureSummary(TypedDict):
+    """The architecture as the worksheet sized it (the JSON's `architecture`)."""
+
+    family: str
+    attention: str
+    layers_full: int
+    layers_sliding: int
+    sliding_window: int | None
+    kv_cache_groups: int
+    kv_cache_group_size: int
+    mla: dict[str, int | None] | None
+    moe: dict[str, object] | None
+
+
+def _summary(shape: ModelShape, groups: architecture.KvGroups) -> ArchitectureSummary:
     arch = shape.arch()
     return {
         "family": arch.family,
@@ -335,19 +348,18 @@ def _summary(shape: ModelShape, groups: architecture.KvGroups) -> dict[str, Any]
     }
 
 
-def _zero_reason(out: dict[str, Any], per_token: int, block: int) -> str | None:
+def _zero_reason(memory: gpu_memory.GpuMemory | None, blocks: int, fits: bool, page: int,
+                 block: int) -> str | None:  # fmt: skip
     """Why no request fits, when none does: never a bare 0."""
-    memory, space = out["gpu_memory"], out["kv_cache_bytes"]
-    if memory and memory["available"] <= 0:
-        return (f"no KV cache: the weights ({memory['weights']} GiB a GPU) and what vLLM "
-                f"subtracts with them exceed GPU memory × utilization ({memory['requested']} "
-                "GiB); vLLM would not start. More GPUs (--tensor-parallel-size, "
-                "--enable-expert-parallel), a higher --gpu-memory-utilization, or a quantized "
-                "checkpoint")  # fmt: skip
-    if out["kv_blocks"] == 0:
-        return (f"the KV space ({space:,} B) holds less than one block of {block} tokens "
-                f"({per_token * block:,} B)")  # fmt: skip
-    if not out["max_model_len_fits"]:
+    if memory is not None and memory.available <= 0:
+        return (f"no KV cache: the weights ({memory.weights / GIB:.2f} GiB a GPU) and what vLLM "
+                f"subtracts with them exceed GPU memory × utilization "
+                f"({memory.requested / GIB:.2f} GiB); vLLM would not start. More GPUs "
+                "(--tensor-parallel-size, --enable-expert-parallel), a higher "
+                "--gpu-memory-utilization, or a quantized checkpoint")  # fmt: skip
+    if blocks == 0:
+        return f"the KV space holds less than one block of {block} tokens ({page:,} B)"
+    if not fits:
         return "max_model_len does not fit: not one request of max_model_len tokens fits"
     return None
 
@@ -370,8 +382,9 @@ def compute(
     per_token = kv_bytes_per_token(shape, kv_size, tp)
     default_block = CPU_BLOCK_SIZE if device_of(settings) == "cpu" else GPU_BLOCK_SIZE
     block = settings.block_size or block_size_default or default_block
-    space, basis, memory = _kv_space(shape, settings, weights, dtype)
-    batched = (memory or {}).get("max_num_batched_tokens") or settings.max_num_batched_tokens
+    space, basis, terms = _kv_space(shape, settings, weights, dtype)
+    memory = terms.gib() if terms else None
+    batched = terms.max_num_batched_tokens if terms else settings.max_num_batched_tokens
     groups = architecture.kv_groups(shape.arch(), batched or 2048)
     model = {k: v for k, v in asdict(shape).items() if k not in ("architecture", "checkpoint")}
     out: dict[str, Any] = {
@@ -412,7 +425,9 @@ def compute(
         kv_tokens_all_engines=int(conc * max_len) * dp,
         max_concurrency_all_engines=round(conc * dp, 4),
     )
-    if (reason := _zero_reason(out, per_token, block)) is not None:
+    reason = _zero_reason(terms, blocks, bool(out["max_model_len_fits"]),
+                          per_token // shape.layers * block * groups.group_size, block)  # fmt: skip
+    if reason is not None:
         out["kv_tokens_reason"] = reason
         out["warnings"].append(reason)
     if traffic is not None:

@@ -14,6 +14,7 @@ from servescope.commands.common import console, open_store, store_command
 from servescope.loadgen import gpu_memory
 from servescope.loadgen.capacity import (
     GIB,
+    ArchitectureSummary,
     CapacityError,
     Settings,
     Traffic,
@@ -284,7 +285,7 @@ def _gpu_terms(memory: dict[str, Any] | None, source: str | None) -> list[str]:
     ]
 
 
-def _architecture_rows(arch: dict[str, Any], model: dict[str, Any]) -> list[str]:
+def _architecture_rows(arch: ArchitectureSummary, expert_parallel: bool) -> list[str]:
     """The attention kind and the experts, as the worksheet sized them."""
     rows = [f"| architecture | {arch['family']}: {arch['attention']}; "
             f"{arch['kv_cache_groups']} KV cache group(s) of {arch['kv_cache_group_size']} "
@@ -293,8 +294,8 @@ def _architecture_rows(arch: dict[str, Any], model: dict[str, Any]) -> list[str]
         shared = (
             f", shared {moe['shared_intermediate']:,} wide" if moe["shared_intermediate"] else ""
         )
-        dense = f", dense layers {moe['dense_layers']}" if moe["dense_layers"] else ""
-        spread = "; expert parallel" if model["expert_parallel"] else ""
+        dense = f", dense layers {list(moe['dense_layers'])}" if moe["dense_layers"] else ""  # type: ignore[call-overload]
+        spread = "; expert parallel" if expert_parallel else ""
         rows.append(f"| experts | {moe['experts']} routed, {moe['top_k']} a token, "
                     f"{moe['intermediate']:,} wide{shared}{dense}{spread} |")  # fmt: skip
     if mla := arch["mla"]:
@@ -314,7 +315,7 @@ def markdown(result: dict[str, Any], sheet: dict[str, Any]) -> str:
         "| | |",
         "|---|---|",
         f"| parameters | {_n(m['parameters'])} (from {m['parameters_basis']}) |",
-        *_architecture_rows(result["architecture"], m),
+        *_architecture_rows(result["architecture"], m["expert_parallel"]),
         f"| layers / attention heads / KV heads / head dim | {m['layers']} / "
         f"{m['attention_heads']} / {m['kv_heads']} / {m['head_dim']} |",
         f"| dtype / KV-cache dtype | {s['dtype']} / {s['kv_cache_dtype']} |",
