@@ -354,13 +354,25 @@ def moe_workspace(arch: Architecture, hidden: int, tokens: int, par: Parallel,
     return dtype_bytes * m * moe.top_k * (max(inter, hidden) + max(2 * inter, hidden))
 
 
-def transient_intermediate(arch: Architecture, d: Dims) -> int:
-    """The widest MLP a layer runs outside the fused experts, for the activation peak: a dense
-    layer's (when the model has one) or the shared experts'."""
-    moe = arch.moe
-    if moe is None:
-        return d.intermediate
-    return max(d.intermediate if moe.dense_layers else 0, moe.shared_intermediate)
+def layer_peak(arch: Architecture, d: Dims, tokens: int, *, par: Parallel, dtype_bytes: int) -> int:
+    """Bytes live at the busiest point of one decoder layer of an MoE or MLA model for `tokens`
+    tokens (per GPU), beside the fused-MoE workspace: the residual stream (2·T·hidden) and the
+    larger of attention — QKV, the q/k norms' outputs, the output; MLA's q, kv_b's output and
+    the k and v it is split into — and an MLP: a dense layer's gate/up output and activation
+    (3·T·intermediate), or an MoE layer's shared experts' (3·T·shared) beside the routed and
+    shared outputs (2·T·hidden)."""
+    t, tp, moe = tokens, par.tp, arch.moe
+    heads = math.ceil(d.heads / tp)
+    if arch.mla is not None:
+        attention = t * heads * (arch.mla.qk_nope_head_dim + arch.mla.qk_rope_head_dim) * 4
+    else:
+        kv = max(1, d.kv_heads // tp)
+        norms = heads + kv if arch.qk_norm else 0
+        attention = t * d.head_dim * ((heads + 2 * kv) + heads + norms)
+    mlps = [3 * t * math.ceil(d.intermediate / tp)] if moe is None or moe.dense_layers else []
+    if moe is not None:
+        mlps.append(3 * t * math.ceil(moe.shared_intermediate / tp) + 2 * t * d.hidden)
+    return dtype_bytes * (2 * t * d.hidden + max(attention, *mlps))
 
 
 # -- the KV cache --------------------------------------------------------------------------------

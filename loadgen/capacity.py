@@ -17,6 +17,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -283,12 +284,10 @@ def _kv_space(
     tokens = settings.max_num_batched_tokens or gpu_memory.scheduler_defaults(
         settings.gpu_memory_gib, settings.gpu_name)[0]  # fmt: skip
     sized = arch.moe is not None or arch.mla is not None
-    qk = arch.mla.qk_nope_head_dim + arch.mla.qk_rope_head_dim if arch.mla else shape.head_dim
+    par = _parallel(settings)
     model = gpu_memory.predict(
-        gpu_memory.Shape(shape.layers, shape.hidden_size,
-                         architecture.transient_intermediate(arch, shape.dims()),
-                         shape.attention_heads, shape.attention_heads if arch.mla else
-                         shape.kv_heads, qk, shape.vocab_size),
+        gpu_memory.Shape(shape.layers, shape.hidden_size, shape.intermediate_size,
+                         shape.attention_heads, shape.kv_heads, shape.head_dim, shape.vocab_size),
         total_bytes=total,
         utilization=settings.gpu_memory_utilization,
         weight_bytes=weights.per_gpu,
@@ -300,9 +299,10 @@ def _kv_space(
         extra_bytes=int(settings.overhead_gib * GIB),
         device_name=settings.gpu_name,
         weights_rounded=weights.rounded,
-        persistent_bytes=architecture.moe_workspace(arch, shape.hidden_size, tokens,
-                                                    _parallel(settings), size),
+        persistent_bytes=architecture.moe_workspace(arch, shape.hidden_size, tokens, par, size),
         non_torch_bytes=int(gpu_memory.NON_TORCH_SIZED_GIB * GIB) if sized else None,
+        layer_of=partial(architecture.layer_peak, arch, shape.dims(), par=par, dtype_bytes=size)
+        if sized else None,
     )  # fmt: skip
     basis = (
         "GPU memory × gpu_memory_utilization − weights − activation peak − non-torch memory − "

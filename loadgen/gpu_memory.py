@@ -60,7 +60,9 @@ import contextlib
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 GIB = 1 << 30
@@ -328,19 +330,25 @@ def predict(
     weights_rounded: bool = False,
     persistent_bytes: int = 0,
     non_torch_bytes: int | None = None,
+    layer_of: Callable[[int], int] | None = None,
 ) -> GpuMemory:
     """vLLM's available KV memory on one GPU, term by term (see the module docstring).
     `weights_rounded`: `weight_bytes` already holds the allocator's rounding (an MoE or MLA
     model's tensors, `loadgen/architecture.py`); `persistent_bytes`: buffers the profile run
     allocates and keeps (the fused-MoE workspace), beside the busiest layer's tensors;
-    `non_torch_bytes`: that term when the model's kernels differ from a dense model's."""
+    `non_torch_bytes`: that term when the model's kernels differ from a dense model's;
+    `layer_of`: the busiest layer's bytes for T tokens when the model is not a dense Llama's
+    layout (`architecture.layer_peak`), for the profiled step and the CUDA graphs' pool."""
     tokens_default, seqs_default = scheduler_defaults(total_bytes / GIB, device_name)
     tokens = max_num_batched_tokens or tokens_default
     seqs = max_num_seqs or seqs_default
     requested = math.ceil(total_bytes * utilization)
     weights = weight_bytes + (0 if weights_rounded else max(0, rounding(shape, dtype_bytes, tp)))
+    if layer_of is None:
+        layer_of = partial(layer_peak, shape, dtype_bytes=dtype_bytes, tp=tp)
+    layer = layer_of(tokens)
     activation = persistent_bytes + (
-        max(layer_peak(shape, tokens, dtype_bytes, tp),  # the forward pass, or the sampler
+        max(layer,  # the forward pass, or the sampler
             sampler_peak(shape, min(seqs, tokens), dtype_bytes)  # beside the pass's output
             + tokens * shape.hidden * dtype_bytes)
         + CUBLAS_WORKSPACE
@@ -348,7 +356,7 @@ def predict(
     sizes = capture_sizes(seqs, tokens) if cudagraphs else []
     graphs = 0
     if sizes:
-        pool = layer_peak(shape, max(sizes), dtype_bytes, tp)
+        pool = layer_of(max(sizes))
         graphs = pool + GRAPH_FLOOR * (2 * len(sizes) - 2)  # PIECEWISE and FULL, less the firsts
     non_torch = int(NON_TORCH_GIB * GIB) if non_torch_bytes is None else non_torch_bytes
     nccl = nccl_buffers(tp, device_name)
