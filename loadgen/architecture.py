@@ -24,8 +24,9 @@ The facts are vLLM 0.25.1's, read in its source:
   `M × top-k × max(moe_intermediate, hidden)` and `M × top-k × max(2 × moe_intermediate, hidden)`
   values, kept from the first MoE layer on; M is the step's tokens, times DP with expert
   parallelism (the ranks' tokens are gathered).
-- The model runner: dense models, DeepSeek-V2/V3 and Qwen2-MoE run on the V2 runner, whose CUDA
-  graph estimate is 0 (`v1/worker/gpu/model_runner.py`); other MoE models on the V1 runner
+- The model runner: dense models, DeepSeek-V2 and Qwen2-MoE run on the V2 runner, whose CUDA
+  graph estimate is 0 (`v1/worker/gpu/model_runner.py`); other MoE models (Qwen3-MoE,
+  Mixtral, DeepSeek-V3) on the V1 runner, which measures its graphs at start: not modelled
   (`config/vllm.py`, `DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`).
 """
 
@@ -47,7 +48,8 @@ STATEFUL = frozenset({
     "granitemoehybrid", "zamba2", "lfm2", "lfm2_moe", "minimax", "minimax_m1", "plamo2",
     "falcon_mamba", "kimi_linear", "deepseek_v32", "deepseek_v4",
 })  # fmt: skip
-V2_RUNNER_MOE = frozenset({"deepseek_v2", "deepseek_v3", "qwen2_moe", "granitemoe"})
+# vLLM 0.25.1's DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES (DeepseekV2, Qwen2Moe, GraniteMoe)
+V2_RUNNER_MOE = frozenset({"deepseek_v2", "qwen2_moe", "granitemoe"})
 ARCHITECTURE_TYPES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
