@@ -26,7 +26,7 @@ The facts are vLLM 0.25.1's, read in its source:
   parallelism (the ranks' tokens are gathered).
 - The model runner: dense models, DeepSeek-V2 and Qwen2-MoE run on the V2 runner, whose CUDA
   graph estimate is 0 (`v1/worker/gpu/model_runner.py`); other MoE models (Qwen3-MoE,
-  Mixtral, DeepSeek-V3) on the V1 runner, which measures its graphs at start: not modelled
+  Mixtral, DeepSeek-V3) on the V1 runner, which measures its graphs at start: partly modelled
   (`config/vllm.py`, `DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`).
 """
 
@@ -375,6 +375,23 @@ def layer_peak(arch: Architecture, d: Dims, tokens: int, *, par: Parallel, dtype
     if moe is not None:
         mlps.append(3 * t * math.ceil(moe.shared_intermediate / tp) + 2 * t * d.hidden)
     return dtype_bytes * (2 * t * d.hidden + max(attention, *mlps))
+
+
+FA3_SPLITS = 32  # vLLM's flash_attn_max_num_splits_for_cuda_graph (config/attention.py)
+
+
+def full_graph_buffers(arch: Architecture, d: Dims, tokens: int, *, tp: int) -> int:
+    """What FlashAttention 3 allocates in a FULL CUDA graph of `tokens` decode requests: its
+    split-KV accumulators, `[32 splits, heads, tokens, head_dim]` outputs and `[32, heads,
+    tokens]` log-sum-exps in float32 (vLLM sets the splits for graph capture; 256 + 2 MiB for
+    Qwen3-30B-A3B's 32 heads at 512 tokens, as vLLM measured). MLA's backends keep other
+    buffers: 0 for them here."""
+    if arch.mla is not None:
+        return 0
+    heads = math.ceil(d.heads / tp)
+    out = FA3_SPLITS * heads * tokens * d.head_dim * 4
+    lse = FA3_SPLITS * heads * tokens * 4
+    return allocated(out) + allocated(lse)
 
 
 # -- the KV cache --------------------------------------------------------------------------------

@@ -331,6 +331,7 @@ def predict(
     persistent_bytes: int = 0,
     non_torch_bytes: int | None = None,
     layer_of: Callable[[int], int] | None = None,
+    graph_first_of: Callable[[int], int] | None = None,
 ) -> GpuMemory:
     """vLLM's available KV memory on one GPU, term by term (see the module docstring).
     `weights_rounded`: `weight_bytes` already holds the allocator's rounding (an MoE or MLA
@@ -338,7 +339,9 @@ def predict(
     allocates and keeps (the fused-MoE workspace), beside the busiest layer's tensors;
     `non_torch_bytes`: that term when the model's kernels differ from a dense model's;
     `layer_of`: the busiest layer's bytes for T tokens when the model is not a dense Llama's
-    layout (`architecture.layer_peak`), for the profiled step and the CUDA graphs' pool."""
+    layout (`architecture.layer_peak`), for the profiled step and the CUDA graphs' pool;
+    `graph_first_of`: what the first FULL capture of that many tokens holds beyond the pool
+    (`architecture.full_graph_buffers`), when vLLM's runner measures its graphs."""
     tokens_default, seqs_default = scheduler_defaults(total_bytes / GIB, device_name)
     tokens = max_num_batched_tokens or tokens_default
     seqs = max_num_seqs or seqs_default
@@ -357,6 +360,8 @@ def predict(
     graphs = 0
     if sizes:
         pool = layer_of(max(sizes))
+        if graph_first_of is not None:  # the first FULL capture, if larger, sets the pool
+            pool = max(pool, graph_first_of(max(sizes)))
         graphs = pool + GRAPH_FLOOR * (2 * len(sizes) - 2)  # PIECEWISE and FULL, less the firsts
     non_torch = int(NON_TORCH_GIB * GIB) if non_torch_bytes is None else non_torch_bytes
     nccl = nccl_buffers(tp, device_name)

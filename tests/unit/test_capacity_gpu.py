@@ -148,10 +148,10 @@ def test_capacity_is_within_half_a_percent_of_every_recorded_statement(
                  if "kv_cache_available_gib" in g]  # fmt: skip
     assert available and start["engines"]
     # one kind of start is outside 0.5 % and says so: an MoE model on vLLM's V1 runner with
-    # CUDA graphs, whose graph memory vLLM measures and the worksheet does not model (+1.0 %)
-    unmodelled = any("CUDA graph memory not modelled" in w for w in ours["warnings"])
+    # CUDA graphs, whose graph memory vLLM measures and the worksheet only partly models (+0.6 %)
+    unmodelled = any("CUDA graph memory only partly modelled" in w for w in ours["warnings"])
     assert unmodelled == (log.stem == "vllm-qwen3-30b-a3b")
-    rel = 0.015 if unmodelled else 0.005
+    rel = 0.01 if unmodelled else 0.005
     for stated in available:
         assert ours["kv_cache_bytes"] / GIB == pytest.approx(stated, rel=rel)
     for engine in start["engines"].values():
