@@ -33,12 +33,14 @@ The facts are vLLM 0.25.1's, read in its source:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import TypedDict
 
 MIB = 1 << 20
 
 DENSE = frozenset({
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "granite", "olmo2",
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite",
+    "olmo2",
     "internlm2", "starcoder2", "exaone", "cohere",
 })  # fmt: skip
 MOE = frozenset({"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "granitemoe"})
@@ -157,6 +159,9 @@ def _layer_kinds(config: dict[str, object], family: str, layers: int) -> tuple[s
         return ("full",) * layers
     if family == "gemma2":
         return tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
+    if family == "gemma3_text":  # every sliding_window_pattern-th layer global (6: 5 local, 1)
+        pattern = _int(config, "sliding_window_pattern") or 6
+        return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(layers))
     return ("sliding",) * layers
 
 
@@ -229,8 +234,8 @@ def parse(config: dict[str, object], layers: int) -> Architecture:
         moe=_moe(config, family, layers),
         qkv_bias=bool(config.get("attention_bias") or config.get("qkv_bias"))
         or family in ("qwen2", "qwen2_moe"),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
-        norms_per_layer=4 if family == "gemma2" else 2,
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
+        norms_per_layer=4 if family in ("gemma2", "gemma3_text") else 2,
         tied_embeddings=bool(config.get("tie_word_embeddings", family.startswith("gemma"))),
         warnings=tuple(warnings),
     )
@@ -432,3 +437,31 @@ def kv_groups(arch: Architecture, max_num_batched_tokens: int) -> KvGroups:
     groups = tuple(kind for kind, n in counts.items() for _ in range(math.ceil(n / size)))
     window = arch.sliding_window if "sliding" in counts else None
     return KvGroups(groups, size, window, max_num_batched_tokens)
+
+
+class ArchitectureSummary(TypedDict):
+    """The architecture as the worksheet sized it (the JSON's `architecture`)."""
+
+    family: str
+    attention: str
+    layers_full: int
+    layers_sliding: int
+    sliding_window: int | None
+    kv_cache_groups: int
+    kv_cache_group_size: int
+    mla: dict[str, int | None] | None
+    moe: dict[str, object] | None
+
+
+def summary(arch: Architecture, groups: KvGroups) -> ArchitectureSummary:
+    return {
+        "family": arch.family,
+        "attention": arch.attention,
+        "layers_full": arch.layer_kinds.count("full"),
+        "layers_sliding": arch.layer_kinds.count("sliding"),
+        "sliding_window": arch.sliding_window if "sliding" in arch.layer_kinds else None,
+        "kv_cache_groups": len(groups.groups),
+        "kv_cache_group_size": groups.group_size,
+        "mla": asdict(arch.mla) if arch.mla else None,
+        "moe": asdict(arch.moe) if arch.moe else None,
+    }

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 from servescope.loadgen import architecture, checkpoint, gpu_memory
 from servescope.loadgen.architecture import Architecture, Dims
@@ -147,13 +147,22 @@ def load_shape(model: Path) -> ModelShape:
         raise CapacityError(f"cannot read {path}: {exc}") from None
     if not isinstance(config, dict):
         raise CapacityError(f"{path} is not a JSON object")
-    config = config.get("text_config") or config
+    outer, config = config, config.get("text_config") or config
     layers = _int(config, "num_hidden_layers", "n_layer", "num_layers")
     heads = _int(config, "num_attention_heads", "n_head")
     hidden = _int(config, "hidden_size", "n_embd", "d_model")
     if layers is None or heads is None or hidden is None:
         raise CapacityError(f"{path} lacks num_hidden_layers, num_attention_heads or hidden_size")
     arch = _architecture(config, layers, path)
+    if "vision_config" in outer:
+        arch = replace(
+            arch,
+            warnings=(
+                *arch.warnings,
+                "the vision encoder's weights (and the "
+                "memory of its profile run) are not counted: the language model's only",
+            ),
+        )
     dtype = config.get("torch_dtype") or config.get("dtype")
     try:
         found = checkpoint.read(path.parent)
@@ -319,35 +328,6 @@ class Traffic:
     p95_output_tokens: float | None = None
 
 
-class ArchitectureSummary(TypedDict):
-    """The architecture as the worksheet sized it (the JSON's `architecture`)."""
-
-    family: str
-    attention: str
-    layers_full: int
-    layers_sliding: int
-    sliding_window: int | None
-    kv_cache_groups: int
-    kv_cache_group_size: int
-    mla: dict[str, int | None] | None
-    moe: dict[str, object] | None
-
-
-def _summary(shape: ModelShape, groups: architecture.KvGroups) -> ArchitectureSummary:
-    arch = shape.arch()
-    return {
-        "family": arch.family,
-        "attention": arch.attention,
-        "layers_full": arch.layer_kinds.count("full"),
-        "layers_sliding": arch.layer_kinds.count("sliding"),
-        "sliding_window": arch.sliding_window if "sliding" in arch.layer_kinds else None,
-        "kv_cache_groups": len(groups.groups),
-        "kv_cache_group_size": groups.group_size,
-        "mla": asdict(arch.mla) if arch.mla else None,
-        "moe": asdict(arch.moe) if arch.moe else None,
-    }
-
-
 def _zero_reason(memory: gpu_memory.GpuMemory | None, blocks: int, fits: bool, page: int,
                  block: int) -> str | None:  # fmt: skip
     """Why no request fits, when none does: never a bare 0."""
@@ -406,7 +386,7 @@ def compute(
         "model": {**model, "weight_bytes": weights.total, "weight_bytes_per_gpu": weights.per_gpu,
                   "kv_heads_per_gpu": kv_heads_per_gpu(shape, tp),
                   "expert_parallel": settings.enable_expert_parallel},
-        "architecture": _summary(shape, groups),
+        "architecture": architecture.summary(shape.arch(), groups),
         "settings": {**asdict(settings), "dtype": dtype, "kv_cache_dtype": kv_dtype,
                      "max_model_len": max_len, "block_size": block,
                      "device": device_of(settings)},

@@ -12,9 +12,9 @@ import yaml
 
 from servescope.commands.common import console, open_store, store_command
 from servescope.loadgen import gpu_memory
+from servescope.loadgen.architecture import ArchitectureSummary
 from servescope.loadgen.capacity import (
     GIB,
-    ArchitectureSummary,
     CapacityError,
     Settings,
     Traffic,

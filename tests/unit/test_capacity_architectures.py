@@ -220,3 +220,25 @@ def test_which_layers_hold_experts(keys: dict[str, object], dense: list[int]) ->
     == 0."""
     arch = architecture.parse({"intermediate_size": 64, **keys}, 4)
     assert arch.moe is not None and list(arch.moe.dense_layers) == dense
+
+
+def test_gemma3_s_five_local_layers_to_one_global(tmp_path: Path) -> None:
+    """Gemma-3-12B (a multimodal config; its text_config): 40 sliding (1,024) and 8 full layers
+    make six groups of 8; a request at 8,192 holds 512 blocks in the full group and
+    ceil(min(1,023 + 2,048, 8,192) / 16) + 1 = 193 in each sliding one. The vision tower is
+    named as not counted."""
+    text = {"model_type": "gemma3_text", "hidden_size": 3840, "num_hidden_layers": 48,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+            "intermediate_size": 15360, "sliding_window": 1024, "sliding_window_pattern": 6,
+            "vocab_size": 262208, "max_position_embeddings": 131072}  # fmt: skip
+    config = {"model_type": "gemma3", "text_config": text, "vision_config": {"hidden_size": 1152}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = load_shape(tmp_path)
+    out = compute(shape, Settings(kv_cache_gib=20, max_model_len=8192, device="cuda",
+                                  max_num_batched_tokens=2048))  # fmt: skip
+    assert (
+        out["architecture"]["layers_sliding"] == 40 and out["architecture"]["kv_cache_groups"] == 6
+    )
+    blocks = 20 * GIB // (16 * 2 * 8 * 256 * 2 * 8)
+    assert out["max_concurrency"] == round(blocks / (512 + 5 * 193), 4)
+    assert any("vision encoder" in w for w in out["warnings"])
