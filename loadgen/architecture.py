@@ -43,7 +43,10 @@ DENSE = frozenset({
     "olmo2",
     "internlm2", "starcoder2", "exaone", "cohere",
 })  # fmt: skip
-MOE = frozenset({"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "granitemoe"})
+MOE = frozenset({
+    "qwen2_moe", "qwen3_moe", "mixtral", "deepseek", "deepseek_v2", "deepseek_v3", "granitemoe",
+    "olmoe", "phimoe",
+})  # fmt: skip
 # per-sequence state (SSM, linear attention) or attention kinds the worksheet does not size
 STATEFUL = frozenset({
     "jamba", "mamba", "mamba2", "qwen3_next", "falcon_h1", "nemotron_h", "bamba",
@@ -59,6 +62,7 @@ ARCHITECTURE_TYPES = {
     "MixtralForCausalLM": "mixtral", "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3", "JambaForCausalLM": "jamba",
     "Qwen3NextForCausalLM": "qwen3_next", "MambaForCausalLM": "mamba",
+    "OlmoeForCausalLM": "olmoe", "PhiMoEForCausalLM": "phimoe",
 }  # fmt: skip
 
 
@@ -233,8 +237,8 @@ def parse(config: dict[str, object], layers: int) -> Architecture:
         mla=_mla(config),
         moe=_moe(config, family, layers),
         qkv_bias=bool(config.get("attention_bias") or config.get("qkv_bias"))
-        or family in ("qwen2", "qwen2_moe"),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
+        or family in ("qwen2", "qwen2_moe", "phimoe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "olmoe"),
         norms_per_layer=4 if family in ("gemma2", "gemma3_text") else 2,
         tied_embeddings=bool(config.get("tie_word_embeddings", family.startswith("gemma"))),
         warnings=tuple(warnings),

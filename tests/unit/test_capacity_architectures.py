@@ -242,3 +242,20 @@ def test_gemma3_s_five_local_layers_to_one_global(tmp_path: Path) -> None:
     blocks = 20 * GIB // (16 * 2 * 8 * 256 * 2 * 8)
     assert out["max_concurrency"] == round(blocks / (512 + 5 * 193), 4)
     assert any("vision encoder" in w for w in out["warnings"])
+
+
+@pytest.mark.parametrize(
+    "config, published",
+    [({"model_type": "olmoe", "hidden_size": 2048, "num_hidden_layers": 16,
+       "num_attention_heads": 16, "intermediate_size": 1024, "num_experts": 64,
+       "num_experts_per_tok": 8, "vocab_size": 50304}, 6.92e9),
+     ({"model_type": "phimoe", "hidden_size": 4096, "num_hidden_layers": 32,
+       "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 6400,
+       "num_local_experts": 16, "num_experts_per_tok": 2, "vocab_size": 32064}, 41.9e9)],
+)  # fmt: skip
+def test_other_mixtures_of_experts(
+    tmp_path: Path, config: dict[str, object], published: float
+) -> None:
+    """OLMoE-1B-7B and Phi-3.5-MoE: the experts' width is their intermediate_size."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_shape(tmp_path).parameters == pytest.approx(published, rel=0.005)
