@@ -290,7 +290,10 @@ class Experiment(ExperimentBase):
         self, run: ExperimentRun, previous: ExperimentRun | None, sidecar: Sidecar | None
     ) -> None:
         record_flips(self.store, self.spec.name, run, previous)
-        options = RunOptions(run_id=run.run_id, label=run.arm, slo=self.slo, notes=run.notes)
+        # the levers the experiment set, not what a state file on disk says of the port
+        options = RunOptions(
+            run_id=run.run_id, label=run.arm, slo=self.slo, notes=run.notes, levers=run.levers
+        )
         run.result = self.execute(self.config, run.target, self.store, options)
         if sidecar is not None:
             sidecar.settle(run.run_id)

@@ -26,6 +26,7 @@ from markupsafe import Markup
 from servescope.reports.judge import STRATIFIED, WHOLE_RUN, is_share
 from servescope.reports.sequential import MARGIN_PCT
 from servescope.reports.svg import tick_label, ticks
+from servescope.reports.verdict import signed_change
 
 AXIS = (-100.0, 300.0)  # the most the axis spans, in % (or points)
 TESTED = {"improved": "#1a7f37", "regressed": "#cf222e", "unchanged": "#57606a",
@@ -81,18 +82,11 @@ class Line:
         """ "−54 % (−90 … +27 %)": whole percent once a change is 10 % or more."""
         values = [self.estimate, *(self.interval or ())]
         digits = 1 if self.unit == "pp" or max(abs(v) for v in values) < 10 else 0
-        text = f"{_signed(self.estimate, digits)} {self.unit}"
+        text = f"{signed_change(self.estimate, digits)} {self.unit}"
         if self.interval is not None:
             lo, hi = self.interval
-            text += f" ({_signed(lo, digits)} … {_signed(hi, digits)} {self.unit})"
+            text += f" ({signed_change(lo, digits)} … {signed_change(hi, digits)} {self.unit})"
         return text
-
-
-def _signed(value: float, digits: int) -> str:
-    """A change with a true minus sign; one that rounds to nothing is "±0", never "−0.0"."""
-    if round(value, digits) == 0:
-        return f"±{0:.{digits}f}"
-    return f"{'−' if value < 0 else '+'}{abs(value):,.{digits}f}"
 
 
 def _tick(value: float) -> str:

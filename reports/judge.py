@@ -38,9 +38,6 @@ WHOLE_RUN = "whole run"
 STRATIFIED = "all levels (stratified)"
 DEFAULT_PRIMARY = "ttft_ms.p50"
 POWER_CHANGES_PCT = (5.0, 10.0, 25.0)
-# Beyond this a percentage says nothing a reader can use (a queue time of 0.02 ms "could have
-# grown 1,346,237 %"): the change is said in the indicator's units alone.
-MAX_READABLE_PCT = 1000.0
 
 
 @dataclass(frozen=True)
@@ -344,9 +341,7 @@ def power_lines(power: Power | None) -> list[str]:
 
 
 def signed_pct(value: float) -> str:
-    if round(value) == 0:
-        return "±0 %"
-    return f"{'−' if value < 0 else '+'}{abs(value):,.0f} %"
+    return f"{verdict.signed_change(value)} %"
 
 
 def corrected_away(row: DiffRow) -> bool:
@@ -397,11 +392,11 @@ def missed(row: DiffRow) -> str | None:
         if up <= 100.0:
             return f"no change beyond ±{_amount(before * up / 100.0)} {unit} (±{up:.0f} %)"
         units = f"−{_amount(before * down / 100.0)} … +{_amount(before * up / 100.0)} {unit}"
-        if up <= MAX_READABLE_PCT:
+        if up <= verdict.MAX_READABLE_PCT:
             return f"no change beyond −{down:.0f} … +{up:,.0f} % ({units})"
-        return f"no change beyond {units}"
+        return f"no change beyond −{down:.0f} … {verdict.signed_change(up)} % (a rise not bounded)"
     shown = f"no change beyond ±{_amount(abs(reach))} {unit}"
-    if reach_pct is not None and abs(reach_pct) <= MAX_READABLE_PCT:
+    if reach_pct is not None and abs(reach_pct) <= verdict.MAX_READABLE_PCT:
         shown += f" (±{abs(reach_pct):.0f} %)"
     return shown
 

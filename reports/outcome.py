@@ -18,6 +18,7 @@ from servescope.reports.experiment import (
     shown_indicators,
     verdict_rows,
 )
+from servescope.reports.verdict import signed_change
 
 Row = Mapping[str, object]  # an OutcomeRow, or a VerdictRow, read by its indicators' keys
 
@@ -88,16 +89,12 @@ def run_labels(rows: Sequence[Row]) -> list[str]:
     return [f"{a} r{r['repeat']}" if repeated else a for a, r in zip(arms, rows, strict=True)]
 
 
-def _signed(value: float) -> str:
-    return f"{'−' if value < 0 else '+'}{abs(value):.0f}"
-
-
 def _change(delta_pct: float | None, ci: list[float] | None) -> str:
     """Δ % with the interval its verdict reads, e.g. "−81 % (−83…−78)"."""
     if delta_pct is None:
         return "n/a"
-    interval = f" ({_signed(ci[0])}…{_signed(ci[1])})" if ci else ""
-    return f"{_signed(delta_pct)} %{interval}"
+    interval = f" ({signed_change(ci[0])}…{signed_change(ci[1])})" if ci else ""
+    return f"{signed_change(delta_pct)} %{interval}"
 
 
 def verdict_table(built: Built, indicators: list[Shown]) -> Table:

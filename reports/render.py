@@ -22,6 +22,7 @@ from servescope.reports.judge import (
     power_lines,
 )
 from servescope.reports.summary import LATENCY_METRICS, SERVER_METRICS
+from servescope.reports.verdict import signed_change
 from servescope.store.paths import inside
 
 if TYPE_CHECKING:
@@ -206,8 +207,8 @@ def _change(metric: str, estimate: Any, ci_pct: Any, ci: Any, delta: Any) -> str
         return f"{signed(delta * 100, 1, ' pp')}{within}"
     if estimate is None:
         return "n/a"
-    within = f" ({interval(ci_pct, 1, ' %')})" if ci_pct else ""
-    return f"{signed(estimate, 1, ' %')}{within}"
+    within = f" ({signed_change(ci_pct[0], 1)} … {signed_change(ci_pct[1], 1)} %)" if ci_pct else ""
+    return f"{signed_change(estimate, 1)} %{within}"
 
 
 def _value(metric: str, value: Any) -> str:

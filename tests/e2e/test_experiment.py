@@ -6,6 +6,7 @@ with levers and notes, lever flips, the pooled report and one per repeat."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -96,6 +97,8 @@ def test_four_runs_interleaved_with_the_profiles_levers(experiment: dict) -> Non
     # the pooled verdict table and headline follow it
     said = " ".join(stderr.split())  # the console wraps its lines at 80 columns
     assert "no-prefix-caching → default at " in said and "runs pooled" in said
+    # two runs a side bound some rows beyond any use: said as "> +1,000 %", never in millions
+    assert not re.search(r"\d,\d{3},\d{3}(,\d{3})* (%|tok/s)", said), said
 
 
 def test_server_side_hit_ratio_and_ttft_move_as_expected(experiment: dict) -> None:

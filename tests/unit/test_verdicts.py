@@ -39,3 +39,14 @@ def test_repeats_test_uses_the_runs_spread_and_the_request_floor() -> None:
     assert verdict.repeats_test([1.0], [2.0]) is None  # one run a side: nothing to estimate
     needed = [verdict.repeats_needed(0.1, change) for change in (0.05, 0.1, 0.3)]
     assert needed[0] is None and needed[1] > needed[2] >= 2
+
+
+def test_a_change_is_never_said_beyond_a_thousand_percent() -> None:
+    """Two runs a side bound throughput's change at +7 × 10^20 % at the stopping rule's level:
+    a true bound, and no reader can use it. Every report says it as "> +1,000 %"; a fall stays
+    as it is (a time or a rate cannot fall below −100 %), and nothing rounds to "−0"."""
+    assert verdict.signed_change(7.05e20) == "> +1,000"
+    assert verdict.signed_change(verdict.MAX_READABLE_PCT) == "+1,000"
+    assert verdict.signed_change(-99.96) == "−100"
+    assert verdict.signed_change(-0.4) == "±0" and verdict.signed_change(0.04, 1) == "±0.0"
+    assert verdict.signed_change(-54.25, 1) == "−54.2"
